@@ -1,0 +1,1 @@
+"""Named model configs (JSON), installed as the ``specjax.configs`` package."""

@@ -1,0 +1,33 @@
+"""Static shape buckets: every jitted variant is keyed by padded sizes from these lists."""
+
+from __future__ import annotations
+
+from specjax.errors import SpecjaxError
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_PROMPT_BUCKET = 16
+MIN_SLOT_BUCKET = 256
+
+
+def pick(buckets, n: int, what: str) -> int:
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise SpecjaxError(f"{what} {n} exceeds the largest bucket {max(buckets)}")
+
+
+def pow2_bucket(n: int, minimum: int, maximum: int | None = None) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    if maximum is not None:
+        b = min(b, maximum)
+    return b
+
+
+def prompt_bucket(n: int, max_len: int) -> int:
+    return pow2_bucket(max(n, 1), MIN_PROMPT_BUCKET, max_len)
+
+
+def slot_bucket(n: int, max_len: int) -> int:
+    return pow2_bucket(max(n, 1), MIN_SLOT_BUCKET, max_len)

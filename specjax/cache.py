@@ -1,0 +1,80 @@
+"""Functional KV cache with per-row lengths.
+
+Layout: ``k, v: [layers, batch, slots, kv_heads, head_dim]`` and ``lengths: [batch]``.
+Slots ``[0, lengths[b])`` of row ``b`` are committed; everything at or past
+``lengths[b]`` is scratch that attention never reads. A forward pass writes a
+block of T new entries at slots ``lengths[b] .. lengths[b]+T-1`` without moving
+``lengths``; the caller then advances each row by what it accepted. Rollback is
+therefore "do not advance": rejected entries stay as scratch and are
+overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, B, S, Hkv, hd]
+    v: jax.Array  # [L, B, S, Hkv, hd]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(num_layers: int, batch: int, slots: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
+    # zeros, never jnp.empty: uninitialised memory can hold NaN, and NaN * 0 survives masking.
+    shape = (num_layers, batch, slots, num_kv_heads, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def write_block(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """Write ``[L, B, T, Hkv, hd]`` new entries at slots ``lengths + arange(T)`` per row.
+
+    Writes past the last slot are dropped (padding rows of a bucket may point there).
+    Lengths are not changed.
+    """
+    L, B, T = k_new.shape[:3]
+    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+    return dataclasses.replace(cache, k=k, v=v)
+
+
+def advance(cache: KVCache, n: jax.Array) -> KVCache:
+    """Commit ``n[b]`` more entries of row ``b`` (n may be 0: a full rollback)."""
+    return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))
+
+
+def set_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
+    return dataclasses.replace(cache, lengths=lengths.astype(jnp.int32))
+
+
+def gather_block(cache: KVCache, src_offsets: jax.Array, dst_offsets: jax.Array, valid: jax.Array) -> KVCache:
+    """Copy scratch entries ``lengths+src`` to ``lengths+dst`` (per row, where ``valid``).
+
+    Used to compact an accepted tree path into contiguous slots.
+    ``src_offsets, dst_offsets, valid: [B, P]``.
+    """
+    L, B = cache.k.shape[:2]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    src = cache.lengths[:, None] + src_offsets
+    S = cache.num_slots
+    dst = jnp.where(valid, cache.lengths[:, None] + dst_offsets, S)  # S is out of range -> dropped
+    k_sel = cache.k[:, rows, jnp.clip(src, 0, S - 1)]
+    v_sel = cache.v[:, rows, jnp.clip(src, 0, S - 1)]
+    k = cache.k.at[:, rows, dst].set(k_sel, mode="drop")
+    v = cache.v.at[:, rows, dst].set(v_sel, mode="drop")
+    return dataclasses.replace(cache, k=k, v=v)

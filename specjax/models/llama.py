@@ -1,0 +1,185 @@
+"""Llama-family decoder as pure functions over a params pytree.
+
+Covers Llama 1/2/3 (incl. Llama-3 RoPE scaling), SmolLM2 (tied embeddings) and
+Qwen2 (q/k/v bias). Layers are a Python list of per-layer dicts (unrolled at
+trace time; see ``forward``), so a layer-skip draft is just ``layers[:n]``.
+
+The forward pass takes a block of T new tokens per row, their RoPE positions
+(per row, so rows may be at different lengths and tree nodes at
+``seq_len + depth``) and a boolean mask over the new block ``[B, T, T]`` (a
+causal chain or any tree's ancestor mask). Every new token also sees the row's
+committed cache prefix ``[0, lengths[b])``. The block's K/V are written to the
+cache at slots ``lengths + arange(T)``; lengths are left for the caller to
+advance (see cache.py).
+
+Params layout (activations are ``x @ W``)::
+
+    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
+    layers: list of L dicts: attn_norm [D]; wq [D, H*hd]; wk, wv [D, Hkv*hd];
+            bq [H*hd], bk, bv [Hkv*hd] (qwen2 only); wo [H*hd, D];
+            mlp_norm [D]; w_gate, w_up [D, F]; w_down [F, D]
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import cache as kv
+from specjax.config import ModelConfig
+from specjax.models import attention as attn_lib
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [hd/2] (numpy; a trace-time constant)."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    s = cfg.rope_scaling
+    if s is not None:
+        wavelen = 2 * math.pi / inv
+        low_wl = s.original_max_position / s.low_freq_factor
+        high_wl = s.original_max_position / s.high_freq_factor
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wavelen > low_wl, inv / s.factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, hd], positions: [B, T]."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:
+    """Chain mask over a block of t new tokens: [B, t, t]."""
+    m = jnp.tril(jnp.ones((t, t), bool))
+    return jnp.broadcast_to(m, (batch, t, t))
+
+
+def _layer(cfg: ModelConfig, inv_freq, attention_impl: str, use_prefix: bool, x, lp, k_cache, v_cache, lengths, positions, block_mask):
+    B, T, D = x.shape
+    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q = h @ lp["wq"]
+    k = h @ lp["wk"]
+    v = h @ lp["wv"]
+    if cfg.qkv_bias:
+        q = q + lp["bq"]
+        k = k + lp["bk"]
+        v = v + lp["bv"]
+    q = apply_rope(q.reshape(B, T, H, hd), positions, inv_freq)
+    k = apply_rope(k.reshape(B, T, Hkv, hd), positions, inv_freq)
+    v = v.reshape(B, T, Hkv, hd)
+    o = attn_lib.block_attention(
+        q, k, v, k_cache, v_cache, lengths, block_mask, impl=attention_impl, use_prefix=use_prefix
+    )
+    x = x + o.reshape(B, T, H * hd) @ lp["wo"]
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
+    g = h @ lp["w_gate"]
+    u = h @ lp["w_up"]
+    x = x + (jax.nn.silu(g) * u) @ lp["w_down"]
+    return x, k, v
+
+
+def forward(
+    params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: kv.KVCache,
+    block_mask: jax.Array,
+    *,
+    cfg: ModelConfig,
+    num_layers: int | None = None,
+    attention_impl: str = "xla",
+    use_prefix: bool = True,
+    logits_at: jax.Array | None = None,
+    return_hidden: bool = False,
+):
+    """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden])``.
+
+    tokens, positions: [B, T] int32. block_mask: [B, T, T] bool.
+    num_layers: run only the first n layers (layer-skip draft); the cache must
+      then have n layers too.
+    use_prefix: False when every row's cache is known to be empty (prefill),
+      which skips reading the cache.
+    logits_at: optional [B, M] indices into the block; only those positions get
+      logits (saves the vocab projection for long prefills).
+    """
+    layers = params["layers"]
+    if num_layers is not None:
+        layers = layers[:num_layers]
+    n_layers = len(layers)
+    if cache.k.shape[0] != n_layers:
+        raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
+    inv_freq = rope_inv_freq(cfg)
+    x = params["embed"][tokens]
+    # Layers are unrolled over a Python list of per-layer dicts: on XLA:CPU both
+    # lax.scan over stacked weights and static slices of a stacked array copy the
+    # weights every step (measured 1.6x-10x slower for decode).
+    ks, vs = [], []
+    for i, lp in enumerate(layers):
+        x, k, v = _layer(cfg, inv_freq, attention_impl, use_prefix, x, lp, cache.k[i], cache.v[i],
+                         cache.lengths, positions, block_mask)
+        ks.append(k)
+        vs.append(v)
+    k_blk, v_blk = jnp.stack(ks), jnp.stack(vs)
+    new_cache = kv.write_block(cache, k_blk, v_blk)
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    hidden = x
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if return_hidden:
+        return logits, new_cache, hidden
+    return logits, new_cache
+
+
+def init_cache_for(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32, num_layers: int | None = None) -> kv.KVCache:
+    return kv.init_cache(num_layers or cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def init_random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Random weights for tests (the main job never uses these)."""
+    rng = np.random.default_rng(seed)
+    D, F, H, Hkv, hd, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else 1.0 / math.sqrt(shape[-2])
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * scale, dtype)
+
+    def layer():
+        lp = {
+            "attn_norm": jnp.asarray(1.0 + 0.1 * rng.standard_normal((D,), dtype=np.float32), dtype),
+            "wq": w(D, H * hd), "wk": w(D, Hkv * hd), "wv": w(D, Hkv * hd), "wo": w(H * hd, D),
+            "mlp_norm": jnp.asarray(1.0 + 0.1 * rng.standard_normal((D,), dtype=np.float32), dtype),
+            "w_gate": w(D, F), "w_up": w(D, F), "w_down": w(F, D),
+        }
+        if cfg.qkv_bias:
+            lp.update(bq=w(1, H * hd, scale=0.1)[0], bk=w(1, Hkv * hd, scale=0.1)[0], bv=w(1, Hkv * hd, scale=0.1)[0])
+        return lp
+
+    layers = [layer() for _ in range(L)]
+    params = {"embed": w(V, D, scale=1.0), "layers": layers, "final_norm": jnp.ones((D,), dtype)}
+    if not cfg.tie_embeddings:
+        # A larger head scale gives peaked next-token distributions, like a trained model.
+        params["lm_head"] = w(D, V, scale=4.0 / math.sqrt(D))
+    return params

