@@ -83,7 +83,9 @@ def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     srt = jnp.where(srt >= kth, srt, _NEG_INF)
     probs = jax.nn.softmax(srt, axis=-1)
     cum = jnp.cumsum(probs, axis=-1)
-    keep = (cum - probs) < top_p.reshape(bshape)
+    # top_p >= 1 is "off": the fp32 cumsum reaches 1.0 before the tail, which would
+    # otherwise drop the lowest-probability tokens.
+    keep = ((cum - probs) < top_p.reshape(bshape)) | (top_p.reshape(bshape) >= 1.0)
     n_keep = jnp.maximum(jnp.sum(keep & (srt > _NEG_INF), axis=-1, keepdims=True), 1)
     thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
     return jnp.where(x >= thresh, x, _NEG_INF)

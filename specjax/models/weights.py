@@ -256,5 +256,10 @@ def save_safetensors_params(params: dict, cfg: ModelConfig, model_dir: str) -> N
           "max_position_embeddings": cfg.max_position, "rope_theta": cfg.rope_theta,
           "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
           "attention_bias": cfg.qkv_bias}
+    if cfg.rope_scaling is not None:  # else a Llama-3 export reloads with unscaled RoPE
+        rs = cfg.rope_scaling
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                              "high_freq_factor": rs.high_freq_factor,
+                              "original_max_position_embeddings": rs.original_max_position}
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Autoregressive speed of specjax vs Hugging Face transformers (torch CPU) on the same prompts.
+
+Greedy, batch 1, fp32 on both sides, the model's chat template applied. specjax runs
+in this process; transformers runs in a subprocess started with --hf_python (a venv with
+torch==2.13.0 CPU, transformers, accelerate, gguf, psutil), because specjax does not
+depend on torch. Both runs happen in one invocation so the ratio is measured under the
+same machine conditions; they are run one after the other, never concurrently.
+
+  python benchmarks/ar_speed.py --hf_python /path/to/hfvenv/bin/python --max_new_tokens 128
+
+Reports per prompt and in aggregate: prefill tok/s (median of 3 prompt forwards after
+warm-up), decode tok/s ((new tokens - 1) / decode time, both sides), peak RSS, and whether
+the greedy tokens are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers; omit to skip the HF column.")
+flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt (both sides stop at EOS).")
+flags.DEFINE_integer("repeats", 3, "Timed repeats per prompt on the specjax side (median reported).")
+flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
+
+
+def run_specjax(prompts, max_new_tokens, repeats):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import buckets as bk
+    from specjax.generate import Generator, prefill
+    from specjax.models.loader import load_model
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    m = load_model("smollm2-135m", "float32")
+    gen = Generator(m.cfg, m.params, eos_ids=m.tokenizer.eos_ids)
+    rows = []
+    for text in prompts:
+        ids = m.tokenizer.encode_chat(text)
+        gen.generate([ids], max_new_tokens=max_new_tokens)  # warm-up: compiles this prompt's buckets
+        runs = [gen.generate([ids], max_new_tokens=max_new_tokens)[0] for _ in range(repeats)]
+        dec = statistics.median(r.decode_s for r in runs)
+        r = runs[0]
+        # Prefill alone, same bucket as generate used.
+        Tp = bk.prompt_bucket(len(ids), m.cfg.max_position)
+        slots = bk.slot_bucket(len(ids) + max_new_tokens, m.cfg.max_position)
+        toks = np.zeros((1, Tp), np.int32)
+        toks[0, : len(ids)] = ids
+        samp = SamplingArrays.build([SamplingParams()], 1)
+        args = (m.params, jnp.asarray(toks), jnp.asarray([len(ids)], jnp.int32), samp)
+        kw = dict(cfg=m.cfg, slots=slots, greedy_only=True)
+        jax.block_until_ready(prefill(*args, **kw))
+        pts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prefill(*args, **kw))
+            pts.append(time.perf_counter() - t0)
+        pre = statistics.median(pts)
+        n = len(r.tokens)
+        rows.append({"prompt": text, "prompt_tokens": len(ids), "new_tokens": n, "output_ids": r.tokens,
+                     "prefill_s": pre, "prefill_tok_s": len(ids) / pre, "decode_s": dec,
+                     "decode_tok_s": (n - 1) / dec if n > 1 else float("nan")})
+    agg = {"prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+           "new_tokens": sum(r["new_tokens"] for r in rows),
+           "prefill_tok_s": sum(r["prompt_tokens"] for r in rows) / sum(r["prefill_s"] for r in rows),
+           "decode_tok_s": sum(r["new_tokens"] - 1 for r in rows) / sum(r["decode_s"] for r in rows),
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "load_s": m.load_seconds, "jax": jax.__version__}
+    return {"rows": rows, "aggregate": agg}
+
+
+def run_hf(python, prompts, max_new_tokens):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "hf.json")
+        cmd = [python, os.path.join(here, "hf_baseline.py"), "--max_new_tokens", str(max_new_tokens), "--json", out]
+        for p in prompts:
+            cmd += ["--prompt", p]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv):
+    del argv
+    from benchmarks.hf_baseline import DEFAULT_PROMPTS
+
+    prompts = DEFAULT_PROMPTS
+    sj = run_specjax(prompts, FLAGS.max_new_tokens, FLAGS.repeats)
+    hf = run_hf(FLAGS.hf_python, prompts, FLAGS.max_new_tokens) if FLAGS.hf_python else None
+    print(f"\nSmolLM2-135M-Instruct, fp32, greedy, batch 1, max_new_tokens={FLAGS.max_new_tokens}")
+    print("| prompt | prompt tok | new tok | specjax prefill tok/s | specjax decode tok/s |"
+          + (" HF prefill tok/s | HF decode tok/s | decode ratio | identical |" if hf else ""))
+    print("|---|---|---|---|---|" + ("---|---|---|---|" if hf else ""))
+    for i, r in enumerate(sj["rows"]):
+        line = (f"| {i} | {r['prompt_tokens']} | {r['new_tokens']} | {r['prefill_tok_s']:.0f} | "
+                f"{r['decode_tok_s']:.1f} |")
+        if hf:
+            h = hf["rows"][i]
+            same = h["output_ids"] == r["output_ids"]
+            line += (f" {h['prefill_tok_s']:.0f} | {h['decode_tok_s']:.1f} | "
+                     f"{r['decode_tok_s'] / h['decode_tok_s']:.2f}x | {same} |")
+        print(line)
+    a = sj["aggregate"]
+    print(f"\nspecjax: prefill {a['prefill_tok_s']:.0f} tok/s, decode {a['decode_tok_s']:.1f} tok/s, "
+          f"peak RSS {a['peak_rss_mb']:.0f} MB, load {a['load_s']:.1f} s (jax {a['jax']})")
+    if hf:
+        h = hf["aggregate"]
+        print(f"HF transformers: prefill {h['prefill_tok_s']:.0f} tok/s, decode {h['decode_tok_s']:.1f} tok/s, "
+              f"peak RSS {h.get('peak_rss_mb', float('nan')):.0f} MB")
+        print(f"ratio specjax/HF: decode {a['decode_tok_s'] / h['decode_tok_s']:.2f}x, "
+              f"prefill {a['prefill_tok_s'] / h['prefill_tok_s']:.2f}x")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"specjax": sj, "hf": hf}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
