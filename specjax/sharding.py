@@ -66,13 +66,18 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[:n]).reshape(data, model), ("data", "model"))
 
 
-def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> P:
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules=None,
+                    units: dict[str, int] | None = None) -> P:
+    """units: for axes that pack several heads into one dimension ("heads": H, "kv_heads": Hkv),
+    shard only if whole heads divide over the mesh axis (never split a head)."""
     rules = LOGICAL_RULES if rules is None else rules
+    units = units or {}
     out = []
     used = set()
     for name, dim in zip(axes, shape):
         mesh_axis = rules.get(name)
-        if mesh_axis is None or mesh_axis in used or dim % mesh.shape[mesh_axis] != 0:
+        n = units.get(name, dim)
+        if mesh_axis is None or mesh_axis in used or n % mesh.shape[mesh_axis] != 0:
             out.append(None)
         else:
             out.append(mesh_axis)
@@ -84,15 +89,19 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def tree_shardings(axes_tree, shapes_tree, mesh: Mesh, rules=None):
+def tree_shardings(axes_tree, shapes_tree, mesh: Mesh, rules=None, units=None):
     """NamedShardings for a pytree, given matching trees of logical axes and shapes."""
     return jax.tree_util.tree_map(
-        lambda ax, shp: NamedSharding(mesh, logical_to_spec(ax, tuple(shp.shape), mesh, rules)),
+        lambda ax, shp: NamedSharding(mesh, logical_to_spec(ax, tuple(shp.shape), mesh, rules, units)),
         axes_tree, shapes_tree, is_leaf=_is_axes)
 
 
+def head_units(cfg: ModelConfig) -> dict[str, int]:
+    return {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+
+
 def param_shardings(cfg: ModelConfig, params_or_shapes, mesh: Mesh, rules=None):
-    return tree_shardings(param_logical_axes(cfg), params_or_shapes, mesh, rules)
+    return tree_shardings(param_logical_axes(cfg), params_or_shapes, mesh, rules, head_units(cfg))
 
 
 def shard_params(cfg: ModelConfig, params, mesh: Mesh, rules=None):
@@ -103,7 +112,7 @@ def cache_shardings(cache, mesh: Mesh, rules=None):
     from specjax.cache import KVCache
 
     return KVCache(**{name: NamedSharding(mesh, logical_to_spec(CACHE_AXES[name], tuple(getattr(cache, name).shape),
-                                                                mesh, rules))
+                                                                mesh, rules, units=None))
                       for name in ("k", "v", "lengths")})
 
 

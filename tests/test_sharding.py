@@ -58,23 +58,28 @@ def test_golden_layouts_of_large_configs():
         "llama2-70b": (P(None, "model"), P(None, "model"), P("model", None), P("model", None)),
         "llama3-8b": (P(None, "model"), P(None, "model"), P("model", None), P("model", None)),
         "llama2-7b": (P(None, "model"), P(None, "model"), P("model", None), P("model", None)),
-        # 52 heads * 128 = 6656 columns: divisible by 8; mlp 17920 too.
-        "vicuna-33b": (P(None, "model"), P(None, "model"), P("model", None), P("model", None)),
-        # 14 heads * 64 = 896 columns and 2 KV heads * 64 = 128: both divisible by 8.
-        "qwen2.5-0.5b": (P(None, "model"), P(None, "model"), P("model", None), P("model", None)),
+        # 52 heads do not divide over 8 shards (use 4-way TP for it, checked below): replicated.
+        "vicuna-33b": (P(None, None), P(None, None), P("model", None), P("model", None)),
+        # 14 heads and 2 KV heads do not divide over 8 shards: replicated rather than splitting a head.
+        "qwen2.5-0.5b": (P(None, None), P(None, None), P("model", None), P("model", None)),
     }
     for name, (wq, wk, wd, emb) in golden.items():
         cfg = get_model_config(name)
         ab = sh.abstract_params(cfg)
+        units = sh.head_units(cfg)
         specs = {
-            "wq": sh.logical_to_spec(("embed", "heads"), ab["layers"][0]["wq"].shape, mesh),
-            "wk": sh.logical_to_spec(("embed", "kv_heads"), ab["layers"][0]["wk"].shape, mesh),
+            "wq": sh.logical_to_spec(("embed", "heads"), ab["layers"][0]["wq"].shape, mesh, units=units),
+            "wk": sh.logical_to_spec(("embed", "kv_heads"), ab["layers"][0]["wk"].shape, mesh, units=units),
             "w_down": sh.logical_to_spec(("mlp", "embed"), ab["layers"][0]["w_down"].shape, mesh),
             "embed": sh.logical_to_spec(("vocab", "embed"), ab["embed"].shape, mesh),
         }
         assert specs["wq"] == wq and specs["wk"] == wk and specs["w_down"] == wd, (name, specs)
         assert len(ab["layers"]) == cfg.num_layers
         assert specs["embed"] == emb, (name, specs)
+    v33 = get_model_config("vicuna-33b")
+    spec4 = sh.logical_to_spec(("embed", "heads"), sh.abstract_params(v33)["layers"][0]["wq"].shape,
+                               _FakeMesh(data=1, model=4), units=sh.head_units(v33))
+    assert spec4 == P(None, "model")
 
 
 def test_indivisible_dims_are_replicated():
