@@ -80,10 +80,13 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling = None
-    if g("rope.scaling.type") == "llama3" or g("rope.scaling.factor"):
-        if g("rope.scaling.factor"):
-            scaling = RopeScaling(factor=float(g("rope.scaling.factor")),
-                                  original_max_position=int(g("rope.scaling.original_context_length", 8192)))
+    stype = g("rope.scaling.type")
+    if stype not in (None, "none"):
+        raise SpecjaxError(f"GGUF rope scaling type {stype!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores Llama-3.1 scaling as per-frequency factors; refusing beats a silently wrong model.
+        raise SpecjaxError("GGUF files with rope_freqs.weight (Llama-3.1 rope scaling) are not supported yet; "
+                           "load the Hugging Face safetensors checkpoint instead")
     return ModelConfig(
         name=name or str(meta.get("general.name", "gguf-model")),
         arch=arch,

@@ -1,0 +1,302 @@
+"""Weight loading round trips (safetensors, GGUF) and user-facing load errors.
+
+No jit here: these tests only move arrays through files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.config import RopeScaling, get_model_config
+from specjax.errors import SpecjaxError
+from specjax.models import llama, weights
+from specjax.models.loader import load_model
+
+TINY = get_model_config("tiny-random")
+
+
+def assert_params_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want), (
+        f"params trees differ:\n{jax.tree.structure(got)}\nvs\n{jax.tree.structure(want)}")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, f"{jax.tree_util.keystr(path)}: shape {a.shape} != {b.shape}"
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def assert_cfg_matches(got, want, skip=("name", "weights")):
+    for f in dataclasses.fields(want):
+        if f.name in skip:
+            continue
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, float):  # GGUF stores float32 metadata (as llama.cpp does)
+            a, b = np.float32(a), np.float32(b)
+        assert a == b, (
+            f"config field {f.name}: loaded {getattr(got, f.name)!r} != written {getattr(want, f.name)!r}")
+
+
+# ---------------------------------------------------------------- safetensors
+
+ST_VARIANTS = {
+    "llama": TINY.replace(rms_eps=1e-6, rope_theta=50000.0, max_position=512),
+    "qwen2": TINY.replace(name="tiny-qwen2", arch="qwen2", qkv_bias=True, rms_eps=1e-6),
+    "tied": TINY.replace(name="tiny-tied", tie_embeddings=True),
+    "llama3_rope": TINY.replace(name="tiny-l3", rope_scaling=RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=64)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ST_VARIANTS))
+def test_safetensors_round_trip(tmp_path, variant):
+    cfg = ST_VARIANTS[variant]
+    params = llama.init_random_params(cfg, seed=4)
+    d = tmp_path / f"model-{variant}"
+    weights.save_safetensors_params(params, cfg, str(d))
+    assert (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+    m = load_model(str(d))
+    assert m.cfg.name == f"model-{variant}"
+    assert_cfg_matches(m.cfg, cfg)
+    assert_params_equal(m.params, params)
+    # No tokenizer.json in the directory: the byte-level fallback tokenizer.
+    assert m.tokenizer.vocab_size == 256
+    assert m.tokenizer.decode(m.tokenizer.encode("héllo 🙂")) == "héllo 🙂"
+
+
+def test_safetensors_dir_errors(tmp_path):
+    with pytest.raises(SpecjaxError, match="no config.json"):
+        load_model(str(tmp_path))
+    cfg = TINY
+    weights.save_safetensors_params(llama.init_random_params(cfg, seed=0), cfg, str(tmp_path / "m"))
+    os.remove(tmp_path / "m" / "model.safetensors")
+    with pytest.raises(SpecjaxError, match=r"no \.safetensors files"):
+        load_model(str(tmp_path / "m"))
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def tiny_bpe_vocab():
+    """256-char byte-level alphabet (sorted) + merge results + 2 ChatML specials."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(alphabet) == 256
+    merges = ["h e", "l l", "Ġ t", "Ġt he", "he ll", "hell o"]
+    merged = [m.replace(" ", "") for m in merges]
+    specials = ["<|im_start|>", "<|im_end|>"]
+    tokens = alphabet + merged + specials
+    types = [1] * (len(alphabet) + len(merged)) + [3] * len(specials)
+    return tokens, merges, types
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_gguf(path, cfg, params, tokens, merges, types, *, write_vocab_size=True, pre="default"):
+    """A llama.cpp-style GGUF: F32 tensors, llama.cpp names, torch ([out, in]) layout,
+    q/k rows permuted for the llama arch (as convert_hf_to_gguf.py does)."""
+    import gguf
+
+    arch = cfg.arch
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny test model")
+    w.add_uint32(f"{arch}.block_count", cfg.num_layers)
+    w.add_uint32(f"{arch}.context_length", cfg.max_position)
+    w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{arch}.attention.head_count", cfg.num_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
+    if write_vocab_size:
+        w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    permute = cfg.arch == "llama"
+
+    def t(name, a):
+        w.add_tensor(name, np.ascontiguousarray(np.asarray(a, np.float32)))
+
+    t("token_embd.weight", params["embed"])  # [V, D]
+    t("output_norm.weight", params["final_norm"])
+    if not cfg.tie_embeddings:
+        t("output.weight", np.asarray(params["lm_head"]).T)
+    for i, lp in enumerate(params["layers"]):
+        def torch(k):
+            return np.asarray(lp[k]).T  # [out, in]
+        wq, wk = torch("wq"), torch("wk")
+        if permute:
+            wq, wk = weights.permute_qk(wq, cfg.num_heads), weights.permute_qk(wk, cfg.num_kv_heads)
+        t(f"blk.{i}.attn_norm.weight", lp["attn_norm"])
+        t(f"blk.{i}.attn_q.weight", wq)
+        t(f"blk.{i}.attn_k.weight", wk)
+        t(f"blk.{i}.attn_v.weight", torch("wv"))
+        t(f"blk.{i}.attn_output.weight", torch("wo"))
+        if cfg.qkv_bias:
+            t(f"blk.{i}.attn_q.bias", lp["bq"])
+            t(f"blk.{i}.attn_k.bias", lp["bk"])
+            t(f"blk.{i}.attn_v.bias", lp["bv"])
+        t(f"blk.{i}.ffn_norm.weight", lp["mlp_norm"])
+        t(f"blk.{i}.ffn_gate.weight", torch("w_gate"))
+        t(f"blk.{i}.ffn_up.weight", torch("w_up"))
+        t(f"blk.{i}.ffn_down.weight", torch("w_down"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_cfg(variant, vocab):
+    base = TINY.replace(vocab_size=vocab, rope_theta=50000.0, rms_eps=1e-6, max_position=512)
+    return {
+        "llama": base,
+        "llama_tied": base.replace(tie_embeddings=True),
+        "qwen2": base.replace(arch="qwen2", qkv_bias=True),
+    }[variant]
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2"])
+def test_gguf_round_trip(tmp_path, variant):
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg(variant, len(tokens))
+    params = llama.init_random_params(cfg, seed=5)
+    path = tmp_path / f"tiny-{variant}.gguf"
+    write_tiny_gguf(path, cfg, params, tokens, merges, types, write_vocab_size=(variant != "llama_tied"),
+                    pre="qwen2" if variant == "qwen2" else "default")
+
+    m = load_model(str(path))
+    assert m.cfg.name == path.name
+    assert m.cfg.weights.kind == "gguf_file"
+    assert_cfg_matches(m.cfg, cfg)
+    assert_params_equal(m.params, params)
+
+    tok = m.tokenizer
+    im_start, im_end = tokens.index("<|im_start|>"), tokens.index("<|im_end|>")
+    assert tok.vocab_size == len(tokens)
+    assert tok.bos_id == im_start and tok.eos_ids == (im_end,)
+    assert tok.special_tokens == {"<|im_start|>": im_start, "<|im_end|>": im_end}
+    # Merges are applied (whole words become single tokens).
+    assert tok.encode("hello the") == [tokens.index("hello"), tokens.index("Ġthe")]
+    assert tok.encode("hell") == [tokens.index("hell")]
+    # Specials are atomic.
+    chat = "<|im_start|>user\nhi<|im_end|>"
+    ids = tok.encode(chat)
+    assert ids[0] == im_start and ids[-1] == im_end
+    assert ids[1:-1] == [tokens.index(c) for c in ["u", "s", "e", "r", "Ċ", "h", "i"]]
+    for text in ["hello the world", "café naïve 🙂 你好", "a  b\n\n\tc", " hello", chat]:
+        assert tok.decode(tok.encode(text), skip_special=False) == text
+    assert tok.decode(ids) == "user\nhi"  # default decode drops specials
+
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hello!"}])
+    assert rendered == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == \
+        "<|im_start|>user\nx<|im_end|>\n"
+    enc = tok.encode_chat("Hello!")
+    assert enc[0] == im_start and enc.count(im_start) == 2 and enc.count(im_end) == 1
+    assert tok.decode(enc, skip_special=False) == rendered
+
+
+@pytest.mark.parametrize("n_head,rows,cols", [(4, 64, 32), (2, 32, 64), (3, 48, None)])
+def test_permute_unpermute_inverse(n_head, rows, cols):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((rows,) if cols is None else (rows, cols)).astype(np.float32)
+    p = weights.permute_qk(w, n_head)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(weights.unpermute_qk(p, n_head), w)
+    np.testing.assert_array_equal(weights.permute_qk(weights.unpermute_qk(w, n_head), n_head), w)
+
+
+def test_permute_qk_is_llama_cpp_permutation():
+    """llama.cpp's convert_hf_to_gguf.py: w.reshape(n_head, 2, hd//2, ...).swapaxes(1, 2).reshape(w.shape),
+    i.e. per head, rotate-half order [0..h/2) [h/2..h) becomes interleaved (0, h/2, 1, h/2+1, ...)."""
+    hd, n_head = 8, 2
+    w = np.arange(hd * n_head, dtype=np.float32)
+    p = weights.permute_qk(w, n_head)
+    assert p.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_unknown_model_name():
+    with pytest.raises(SpecjaxError) as e:
+        load_model("no-such-model")
+    msg = str(e.value)
+    assert "no-such-model" in msg and "tiny-random" in msg and "smollm2-135m" in msg
+
+
+def test_missing_gguf_file():
+    with pytest.raises(SpecjaxError, match="not found.*/nonexistent/x.gguf"):
+        load_model("/nonexistent/x.gguf")
+
+
+def test_missing_path():
+    with pytest.raises(SpecjaxError, match="not found.*/nonexistent/dir"):
+        load_model("/nonexistent/dir")
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "fake.gguf"
+    p.write_bytes(b"this is not a GGUF file at all\n" * 100)
+    with pytest.raises(SpecjaxError, match="cannot read .*fake.gguf as GGUF"):
+        load_model(str(p))
+
+
+def test_truncated_gguf_file(tmp_path):
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg("llama", len(tokens))
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good, cfg, llama.init_random_params(cfg, seed=0), tokens, merges, types)
+    data = good.read_bytes()
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SpecjaxError, match="cannot read .*truncated.gguf as GGUF"):
+        load_model(str(bad))
+
+
+def test_unsupported_gguf_arch(tmp_path):
+    import gguf
+
+    p = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(p), "falcon")
+    w.add_uint32("falcon.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SpecjaxError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(str(p))
+
+
+def test_shapes_only_config():
+    with pytest.raises(SpecjaxError) as e:
+        load_model("llama2-7b")
+    msg = str(e.value)
+    assert "llama2-7b" in msg and "shapes-only" in msg and ".gguf" in msg
+
+
+def test_bad_dtype():
+    with pytest.raises(SpecjaxError, match="unknown dtype 'float16'"):
+        load_model("tiny-random", dtype="float16")
+
+
+def test_random_named_model_loads():
+    m = load_model("tiny-random")
+    assert m.cfg == TINY
+    assert_params_equal(m.params, llama.init_random_params(TINY, seed=TINY.weights.seed))
