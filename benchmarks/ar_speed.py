@@ -100,8 +100,10 @@ def main(argv):
     from benchmarks.hf_baseline import DEFAULT_PROMPTS
 
     prompts = DEFAULT_PROMPTS
-    sj = run_specjax(prompts, FLAGS.max_new_tokens, FLAGS.repeats)
+    # HF first: Linux carries a parent's peak RSS into an exec'd child, so the child must
+    # start before this process has loaded anything big for its peak RSS to be its own.
     hf = run_hf(FLAGS.hf_python, prompts, FLAGS.max_new_tokens) if FLAGS.hf_python else None
+    sj = run_specjax(prompts, FLAGS.max_new_tokens, FLAGS.repeats)
     print(f"\nSmolLM2-135M-Instruct, fp32, greedy, batch 1, max_new_tokens={FLAGS.max_new_tokens}")
     print("| prompt | prompt tok | new tok | specjax prefill tok/s | specjax decode tok/s |"
           + (" HF prefill tok/s | HF decode tok/s | decode ratio | identical |" if hf else ""))

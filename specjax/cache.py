@@ -1,6 +1,8 @@
 """Functional KV cache with per-row lengths.
 
-Layout: ``k, v: [layers, batch, slots, kv_heads, head_dim]`` and ``lengths: [batch]``.
+Layout: ``k, v: [layers, batch, kv_heads, slots, head_dim]`` (head-major, so each
+(row, KV head) is one contiguous [slots, head_dim] matrix for the attention dots;
+measured 2x faster QK^T on XLA:CPU than slot-major) and ``lengths: [batch]``.
 Slots ``[0, lengths[b])`` of row ``b`` are committed; everything at or past
 ``lengths[b]`` is scratch that attention never reads. A forward pass writes a
 block of T new entries at slots ``lengths[b] .. lengths[b]+T-1`` without moving
@@ -20,13 +22,13 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, S, Hkv, hd]
-    v: jax.Array  # [L, B, S, Hkv, hd]
+    k: jax.Array  # [L, B, Hkv, S, hd]
+    v: jax.Array  # [L, B, Hkv, S, hd]
     lengths: jax.Array  # [B] int32
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch_size(self) -> int:
@@ -35,7 +37,7 @@ class KVCache:
 
 def init_cache(num_layers: int, batch: int, slots: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
     # zeros, never jnp.empty: uninitialised memory can hold NaN, and NaN * 0 survives masking.
-    shape = (num_layers, batch, slots, num_kv_heads, head_dim)
+    shape = (num_layers, batch, num_kv_heads, slots, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -48,8 +50,10 @@ def write_block(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     L, B, T = k_new.shape[:3]
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+    # Advanced indices on axes 1 and 3 (split by a slice) put the index dims first:
+    # the update is laid out [B, T, L, Hkv, hd].
+    k = cache.k.at[:, rows, :, slots].set(k_new.transpose(1, 2, 0, 3, 4).astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows, :, slots].set(v_new.transpose(1, 2, 0, 3, 4).astype(cache.v.dtype), mode="drop")
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -73,8 +77,9 @@ def gather_block(cache: KVCache, src_offsets: jax.Array, dst_offsets: jax.Array,
     src = cache.lengths[:, None] + src_offsets
     S = cache.num_slots
     dst = jnp.where(valid, cache.lengths[:, None] + dst_offsets, S)  # S is out of range -> dropped
-    k_sel = cache.k[:, rows, jnp.clip(src, 0, S - 1)]
-    v_sel = cache.v[:, rows, jnp.clip(src, 0, S - 1)]
-    k = cache.k.at[:, rows, dst].set(k_sel, mode="drop")
-    v = cache.v.at[:, rows, dst].set(v_sel, mode="drop")
+    src = jnp.clip(src, 0, S - 1)
+    k_sel = cache.k[:, rows, :, src]  # [B, P, L, Hkv, hd]
+    v_sel = cache.v[:, rows, :, src]
+    k = cache.k.at[:, rows, :, dst].set(k_sel, mode="drop")
+    v = cache.v.at[:, rows, :, dst].set(v_sel, mode="drop")
     return dataclasses.replace(cache, k=k, v=v)

@@ -37,8 +37,8 @@ _LAYER_AXES = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
 }
 
-CACHE_AXES = {"k": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-              "v": ("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
+CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
+              "v": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
               "lengths": ("batch",)}
 
 

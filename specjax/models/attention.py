@@ -17,7 +17,7 @@ _NEG = -1e30
 
 
 def block_attention_xla(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, use_prefix=True):
-    """q: [B,T,H,hd]; k_blk, v_blk: [B,T,Hkv,hd]; k_cache, v_cache: [B,S,Hkv,hd];
+    """q: [B,T,H,hd]; k_blk, v_blk: [B,T,Hkv,hd]; k_cache, v_cache: [B,Hkv,S,hd];
     lengths: [B]; block_mask: [B,T,T] bool. Returns [B,T,H,hd]."""
     B, T, H, hd = q.shape
     Hkv = k_blk.shape[2]
@@ -27,8 +27,8 @@ def block_attention_xla(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, 
     s_blk = jnp.einsum("btkgd,bjkd->btkgj", qg, k_blk, preferred_element_type=jnp.float32) * scale
     s_blk = jnp.where(block_mask[:, :, None, None, :], s_blk, _NEG)
     if use_prefix:
-        S = k_cache.shape[1]
-        s_pre = jnp.einsum("btkgd,bskd->btkgs", qg, k_cache, preferred_element_type=jnp.float32) * scale
+        S = k_cache.shape[2]
+        s_pre = jnp.einsum("btkgd,bksd->btkgs", qg, k_cache, preferred_element_type=jnp.float32) * scale
         pre_ok = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
         s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre, _NEG)
         s = jnp.concatenate([s_pre, s_blk], axis=-1)
@@ -38,7 +38,7 @@ def block_attention_xla(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, 
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("btkgj,bjkd->btkgd", p[..., S:].astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     if use_prefix:
-        o = o + jnp.einsum("btkgs,bskd->btkgd", p[..., :S].astype(v_cache.dtype), v_cache,
+        o = o + jnp.einsum("btkgs,bksd->btkgd", p[..., :S].astype(v_cache.dtype), v_cache,
                            preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, hd).astype(q.dtype)
 
