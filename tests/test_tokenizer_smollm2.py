@@ -80,3 +80,24 @@ def test_chat_template_matches_hf(tok_or_error, ref):
     assert text == str(ref["chat_template_text"])
     assert tok.encode(text) == ref["chat_template_ids"].tolist()
     assert tok.encode_chat("Hello!") == ref["chat_template_ids"].tolist()
+
+
+def test_tokenizer_json_path_matches_gguf_path(tmp_path):
+    """The Hugging Face tokenizer.json route gives the same ids, specials and chat template."""
+    import json as _json
+
+    from specjax.models import loader as _loader
+    from specjax.models import weights as _weights
+    from specjax.tokenizer import Tokenizer as _Tok
+
+    tok = _Tok.from_gguf(_weights.open_gguf(_loader.default_gguf_path()))
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        _json.dump({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                    "chat_template": tok.chat_template}, f)
+    tj = _Tok.from_tokenizer_json(str(tmp_path / "tokenizer.json"), str(tmp_path / "tokenizer_config.json"))
+    for text in ["Hello, world!", "def f(x):\n\treturn x  # 2025", "café 🙂 你好", "<|im_start|>user\nhi<|im_end|>"]:
+        assert tj.encode(text) == tok.encode(text)
+        assert tj.decode(tj.encode(text), skip_special=False) == text
+    assert tj.bos_id == tok.bos_id and tj.eos_ids == tok.eos_ids
+    assert tj.encode_chat("Hello!") == tok.encode_chat("Hello!")
