@@ -1,0 +1,240 @@
+"""Speculative generation: host loop over precompiled spec steps.
+
+``SpecGenerator`` owns a ``StepTable`` of compiled executables keyed by
+(batch bucket, K, cache slots, greedy_only) plus compiled prefills keyed by
+(batch bucket, prompt bucket, slots, greedy_only). ``warmup`` compiles every variant
+the configured buckets allow; afterwards generation only calls compiled executables
+(and raises instead of compiling if asked for a shape that was not warmed up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import buckets as bk
+from specjax.config import ModelConfig
+from specjax.drafters.base import NoDrafter
+from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit
+from specjax.errors import SpecjaxError, require
+from specjax.generate import GenerationResult, validate_request
+from specjax.sampling import SamplingArrays, SamplingParams
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """vLLM-style speculative metrics over row-steps of active rows."""
+
+    steps: int = 0  # row-steps
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    pos_drafted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    pos_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def record(self, num_draft: int, n_acc: int, emitted: int):
+        self.steps += 1
+        self.drafted += num_draft
+        self.accepted += n_acc
+        self.emitted += emitted
+        if num_draft > len(self.pos_drafted):
+            grow = num_draft - len(self.pos_drafted)
+            self.pos_drafted = np.concatenate([self.pos_drafted, np.zeros(grow, np.int64)])
+            self.pos_accepted = np.concatenate([self.pos_accepted, np.zeros(grow, np.int64)])
+        self.pos_drafted[:num_draft] += 1
+        self.pos_accepted[:n_acc] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens committed per verify step, bonus included (vLLM's mean acceptance length)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_tokens": self.mean_accepted_tokens,
+                "per_position_acceptance": self.per_position_acceptance}
+
+
+class SpecGenerator:
+    def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
+                 draft: DraftSpec = DraftSpec(), draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
+                 batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
+                 attention_impl: str = "xla"):
+        require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
+        if draft.kind == "model":
+            require(draft.cfg is not None, "a model drafter needs its config")
+            require(draft_params is not None or draft.num_layers is not None,
+                    "an independent draft model needs its params (a layer-skip self-draft uses the target's)")
+            if draft.cfg.vocab_size != cfg.vocab_size:
+                raise SpecjaxError(f"draft model vocabulary ({draft.cfg.vocab_size}) differs from the target's "
+                                   f"({cfg.vocab_size}); draft and target must share a tokenizer")
+        self.cfg = cfg
+        self.params = params
+        self.dparams = draft_params if draft_params is not None else params
+        self.draft = draft
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.k_buckets = tuple(sorted(set(k_buckets)))
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
+        self.attention_impl = attention_impl
+        self._steps: dict = {}
+        self._prefills: dict = {}
+        self.warm = False
+
+    # ------------------------------------------------------------ compilation
+
+    def _abstract_state(self, B: int, S: int):
+        pre = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, True, compile_if_missing=True)
+        return pre.out_info
+
+    def _prefill_exec(self, B, Tp, S, greedy_only, compile_if_missing=False):
+        key = (B, Tp, S, greedy_only)
+        if key not in self._prefills:
+            if self.warm and not compile_if_missing:
+                raise SpecjaxError(f"no precompiled prefill for batch {B}, prompt bucket {Tp}, slots {S}; "
+                                   "add it to the warm-up buckets")
+            toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
+            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
+            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
+            self._prefills[key] = spec_prefill_jit.lower(
+                self.params, self.dparams, toks, nv, samp, cfg=self.cfg, slots=S, draft=self.draft,
+                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
+        return self._prefills[key]
+
+    def _step_exec(self, B, K, S, greedy_only):
+        key = (B, K, S, greedy_only)
+        if key not in self._steps:
+            if self.warm:
+                raise SpecjaxError(f"no precompiled spec step for batch {B}, K {K}, slots {S}")
+            state = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, greedy_only, compile_if_missing=True).out_info
+            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
+            dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
+            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
+            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
+            self._steps[key] = spec_step_jit.lower(
+                self.params, self.dparams, state, dt, nd, act, samp, cfg=self.cfg, K=K, draft=self.draft,
+                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
+        return self._steps[key]
+
+    def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
+               batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
+               k_buckets: Sequence[int] | None = None) -> float:
+        """Compile every (batch, K, slots, mode) step and (batch, prompt, slots, mode) prefill. Returns seconds."""
+        t0 = time.perf_counter()
+        for B in batch_buckets or self.batch_buckets:
+            for S in slot_buckets or self.slot_buckets:
+                for g in greedy_modes:
+                    for Tp in prompt_buckets:
+                        if Tp <= S:
+                            self._prefill_exec(B, Tp, S, g, compile_if_missing=True)
+                    for K in k_buckets or self.k_buckets:
+                        self._step_exec(B, K, S, g)
+        self.warm = True
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling=SamplingParams(), max_new_tokens: int = 128,
+                 num_spec_tokens: int = 4, ignore_eos: bool = False, stats: SpecStats | None = None
+                 ) -> list[GenerationResult]:
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        require(len(sampling) == len(prompts), "one SamplingParams per prompt")
+        require(num_spec_tokens in self.k_buckets,
+                f"num_spec_tokens={num_spec_tokens} is not a precompiled K bucket {list(self.k_buckets)}"
+                if num_spec_tokens <= max(self.k_buckets) else
+                f"num_spec_tokens={num_spec_tokens} exceeds the largest K bucket {max(self.k_buckets)}")
+        for p in prompts:
+            validate_request(p, max_new_tokens, self.cfg)
+        stats = stats if stats is not None else SpecStats()
+        out = []
+        max_b = self.batch_buckets[-1]
+        for i in range(0, len(prompts), max_b):
+            out.extend(self._generate_batch(prompts[i:i + max_b], sampling[i:i + max_b], max_new_tokens,
+                                            num_spec_tokens, ignore_eos, stats))
+        return out
+
+    def _generate_batch(self, prompts, sampling, max_new_tokens, K, ignore_eos, stats: SpecStats):
+        cfg = self.cfg
+        n = len(prompts)
+        B = bk.pick(self.batch_buckets, n, "batch size")
+        lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
+        Kmax = max(self.k_buckets)
+        need = int(lens.max()) + max_new_tokens + Kmax + 1
+        S = next((s for s in self.slot_buckets if s >= need), self.slot_buckets[-1])
+        # Never write past the cache: a row's budget leaves room for one full verify block.
+        budget = np.minimum(max_new_tokens, S - lens - Kmax - 1)
+        require(bool((budget[:n] >= 1).all()), f"prompt too long for the largest cache bucket ({S} slots)")
+        Tp = bk.prompt_bucket(int(lens.max()), S)
+        toks = np.zeros((B, Tp), np.int32)
+        for b, p in enumerate(prompts):
+            toks[b, : len(p)] = p
+        samp = SamplingArrays.build(sampling, B)
+        greedy_only = all(s.greedy for s in sampling)
+        t0 = time.perf_counter()
+        state: StepState = self._prefill_exec(B, Tp, S, greedy_only)(self.params, self.dparams, jnp.asarray(toks),
+                                                                    jnp.asarray(lens), samp)
+        pending = np.asarray(state.pending)
+        t1 = time.perf_counter()
+        for b, p in enumerate(prompts):
+            self.drafter.start(b, list(p))
+        generated: list[list[int]] = [[] for _ in range(B)]
+        done = np.zeros(B, bool)
+        done[n:] = True
+        reason = ["length"] * B
+        eos = set(self.eos_ids)
+
+        def emit(b, new_tokens):
+            for t in new_tokens:
+                generated[b].append(int(t))
+                if not ignore_eos and int(t) in eos:
+                    done[b], reason[b] = True, "eos"
+                    return
+                if len(generated[b]) >= budget[b]:
+                    done[b] = True
+                    return
+
+        for b in range(n):
+            emit(b, [pending[b]])
+        step = self._step_exec(B, K, S, greedy_only)
+        host = self.draft.kind != "model"
+        while not done.all():
+            draft_tokens = np.zeros((B, max(K, 1)), np.int32)
+            num_draft = np.zeros(B, np.int32)
+            if host and K > 0:
+                for b in range(n):
+                    if not done[b]:
+                        d = self.drafter.propose(b, K)
+                        draft_tokens[b, : len(d)] = d
+                        num_draft[b] = len(d)
+            active = ~done
+            state, o = step(self.params, self.dparams, state, jnp.asarray(draft_tokens), jnp.asarray(num_draft),
+                            jnp.asarray(active), samp)
+            toks_out, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
+            for b in range(n):
+                if not active[b]:
+                    continue
+                new = toks_out[b, : n_acc[b] + 1]
+                before = len(generated[b])
+                emit(b, new)
+                stats.record(int(nd[b]), int(n_acc[b]), len(generated[b]) - before)
+                # History for host drafters: the tokens now committed or pending.
+                self.drafter.extend(b, generated[b][before:])
+        t2 = time.perf_counter()
+        for b in range(n):
+            self.drafter.finish(b)
+        return [GenerationResult(generated[b], reason[b], int(lens[b]), t1 - t0, t2 - t1) for b in range(n)]
