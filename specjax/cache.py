@@ -57,6 +57,19 @@ def write_block(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     return dataclasses.replace(cache, k=k, v=v)
 
 
+def write_layer_block(k_all: jax.Array, v_all: jax.Array, layer: int, lengths: jax.Array, k_new: jax.Array,
+                      v_new: jax.Array):
+    """Write one layer's block ``k_new, v_new: [B, T, Hkv, hd]`` at slots ``lengths + arange(T)``
+    of the stacked ``[L, B, Hkv, S, hd]`` arrays (out-of-range writes dropped)."""
+    B, T = k_new.shape[:2]
+    slots = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    # Index dims [B, T] come first in the update layout: [B, T, Hkv, hd] as given.
+    k_all = k_all.at[layer, rows, :, slots].set(k_new.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, :, slots].set(v_new.astype(v_all.dtype), mode="drop")
+    return k_all, v_all
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commit ``n[b]`` more entries of row ``b`` (n may be 0: a full rollback)."""
     return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))
