@@ -186,8 +186,10 @@ class SpecGenerator:
         samp = SamplingArrays.build(sampling, B)
         greedy_only = all(s.greedy for s in sampling)
         t0 = time.perf_counter()
-        state: StepState = self._prefill_exec(B, Tp, S, greedy_only)(self.params, self.dparams, jnp.asarray(toks),
-                                                                    jnp.asarray(lens), samp)
+        # jax.device_put, not jnp.asarray: on numpy input jnp.asarray compiles a small identity
+        # program per new shape, which would break "no compilation after warm-up".
+        state: StepState = self._prefill_exec(B, Tp, S, greedy_only)(self.params, self.dparams, jax.device_put(toks),
+                                                                    jax.device_put(lens), samp)
         pending = np.asarray(state.pending)
         t1 = time.perf_counter()
         for b, p in enumerate(prompts):
@@ -210,6 +212,8 @@ class SpecGenerator:
 
         for b in range(n):
             emit(b, [pending[b]])
+            # The pending token continues the history: the first drafts must follow it.
+            self.drafter.extend(b, generated[b])
         step = self._step_exec(B, K, S, greedy_only)
         host = self.draft.kind != "model"
         while not done.all():
@@ -222,8 +226,8 @@ class SpecGenerator:
                         draft_tokens[b, : len(d)] = d
                         num_draft[b] = len(d)
             active = ~done
-            state, o = step(self.params, self.dparams, state, jnp.asarray(draft_tokens), jnp.asarray(num_draft),
-                            jnp.asarray(active), samp)
+            state, o = step(self.params, self.dparams, state, jax.device_put(draft_tokens), jax.device_put(num_draft),
+                            jax.device_put(active), samp)
             toks_out, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
             for b in range(n):
                 if not active[b]:

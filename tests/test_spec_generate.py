@@ -1,0 +1,334 @@
+"""SpecGenerator end to end: greedy losslessness against the autoregressive Generator for
+every drafter kind, sampled reproducibility, no compilation after warm-up, user errors,
+and the real SmolLM2-135M model."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from specjax.config import get_model_config
+from specjax.drafters.base import NoDrafter
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.engine.step import DraftSpec
+from specjax.errors import SpecjaxError
+from specjax.generate import Generator
+from specjax.models import llama
+from specjax.sampling import SamplingParams
+from specjax.spec_generate import SpecGenerator, SpecStats
+
+BATCH_BUCKETS = (1, 4, 8)  # batch 3 runs padded to 4: padding rows are exercised too
+K_BUCKETS = (0, 1, 4)
+SLOTS = (256,)
+MAX_NEW = 24
+
+
+class RecordingLookup(PromptLookupDrafter):
+    """Prompt lookup that records the history it drafts from at every propose()."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[int, list[list[int]]] = {}
+
+    def propose(self, row, k):
+        self.seen.setdefault(row, []).append(list(self._get(row).history))
+        return super().propose(row, k)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = get_model_config("tiny-random")
+    return cfg, llama.init_random_params(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny):
+    """An independent draft model: same vocabulary, fewer layers, other weights."""
+    cfg, _ = tiny
+    dcfg = cfg.replace(name="tiny-draft", num_layers=2)
+    return dcfg, llama.init_random_params(dcfg, seed=1)
+
+
+def _rep(seq, n):
+    return (list(seq) * n)[: len(seq) * n]
+
+
+# Prompts of mixed lengths (all <= 16 tokens: one prompt bucket), some repetitive. The random
+# tiny model's greedy continuations of several of them fall into loops, so prompt lookup has
+# something to accept.
+PROMPTS = {
+    1: [[30] * 8],
+    3: [[30] * 8, [42, 7, 99], _rep([11, 12], 6)],
+    8: [_rep([5, 6, 7, 8, 9], 3), [42, 7, 99], _rep([11, 12], 6), [200], _rep([3, 1, 4, 1, 5], 3),
+        list(range(100, 116)), [17, 17, 17, 17, 17, 17, 17, 17], [30] * 8],
+}
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(tiny):
+    cfg, params = tiny
+    gen = Generator(cfg, params, batch_buckets=BATCH_BUCKETS)
+    out = {B: [r.tokens for r in gen.generate(PROMPTS[B], max_new_tokens=MAX_NEW)] for B in PROMPTS}
+    for B in PROMPTS:
+        assert all(len(t) == MAX_NEW for t in out[B])
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_gens(tiny, draft_model):
+    cfg, params = tiny
+    dcfg, dparams = draft_model
+    kw = dict(batch_buckets=BATCH_BUCKETS, k_buckets=K_BUCKETS, slot_buckets=SLOTS)
+    return {
+        "none": SpecGenerator(cfg, params, drafter=NoDrafter(), **kw),
+        "prompt_lookup": SpecGenerator(cfg, params, drafter=RecordingLookup(), **kw),
+        "draft_model": SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg), draft_params=dparams, **kw),
+        "layer_skip": SpecGenerator(cfg, params, draft=DraftSpec("model", cfg, num_layers=2), draft_params=None, **kw),
+    }
+
+
+# ---------------------------------------------------------------- greedy losslessness (tiny model)
+
+GRID = [("none", B, 0) for B in PROMPTS] + [
+    (d, B, K) for d in ("prompt_lookup", "draft_model", "layer_skip") for B in PROMPTS for K in (1, 4)]
+
+
+@pytest.mark.parametrize("drafter,B,K", GRID, ids=[f"{d}-B{B}-K{K}" for d, B, K in GRID])
+def test_greedy_equals_autoregressive(spec_gens, ar_greedy, drafter, B, K):
+    gen = spec_gens[drafter]
+    if isinstance(gen.drafter, RecordingLookup):
+        gen.drafter.seen.clear()
+    stats = SpecStats()
+    res = gen.generate(PROMPTS[B], max_new_tokens=MAX_NEW, num_spec_tokens=K, stats=stats)
+    assert len(res) == B
+    for b, r in enumerate(res):
+        assert r.tokens == ar_greedy[B][b], f"row {b} (prompt len {len(PROMPTS[B][b])}) diverged from AR greedy"
+        assert r.finish_reason == "length" and r.prompt_len == len(PROMPTS[B][b])
+    # Stats bookkeeping: every generated token after the prefill's first came out of a verify step.
+    assert stats.emitted == sum(len(r.tokens) for r in res) - B
+    assert stats.accepted <= stats.drafted
+    if drafter == "none":
+        assert stats.drafted == 0 and stats.mean_accepted_tokens == 1.0
+    elif drafter in ("draft_model", "layer_skip"):
+        assert stats.drafted == K * stats.steps
+    if drafter == "prompt_lookup":
+        assert stats.mean_accepted_tokens > 1.0, stats.summary()
+        # The drafter always drafts from the full history: prompt, then every generated token,
+        # including the pending one sampled by the previous step (or the prefill).
+        seen = gen.drafter.seen
+        assert set(seen) == set(range(B))
+        for b in range(B):
+            full = list(PROMPTS[B][b]) + res[b].tokens
+            for h in seen[b]:
+                assert len(h) > len(PROMPTS[B][b]), "drafting before the pending token is in the history"
+                assert h == full[: len(h)], "the drafter's history is not prompt + generated tokens"
+            assert [len(h) for h in seen[b]] == sorted(len(h) for h in seen[b])
+
+
+def test_full_depth_self_draft_is_always_accepted(tiny):
+    """A layer-skip 'draft' with all layers is the target itself, so with sampling q == p (up to
+    rounding: the draft runs one token at a time, the target a block) and practically every draft
+    is accepted. This fails if the draft's warping, its random stream or its cache bookkeeping
+    (re-feeding [prev, pending], rollback) disagreed with the target's."""
+    cfg, params = tiny
+    gen = SpecGenerator(cfg, params, draft=DraftSpec("model", cfg, num_layers=cfg.num_layers),
+                        batch_buckets=(4,), k_buckets=(0, 4), slot_buckets=SLOTS)
+    st = SpecStats()
+    sp = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2),
+          SamplingParams(temperature=1.3, seed=3)]
+    res = gen.generate(PROMPTS[3], sampling=sp, max_new_tokens=MAX_NEW, num_spec_tokens=4, stats=st)
+    assert [len(r.tokens) for r in res] == [MAX_NEW] * 3
+    assert st.drafted == 4 * st.steps and st.acceptance_rate > 0.97, st.summary()
+
+
+# ---------------------------------------------------------------- sampled generation
+
+
+def test_sampled_with_draft_model_is_reproducible(spec_gens, ar_greedy):
+    gen = spec_gens["draft_model"]
+    prompts = PROMPTS[3]
+
+    def run(seeds):
+        sp = [SamplingParams(),  # a greedy row inside a sampled batch
+              SamplingParams(temperature=0.9, seed=seeds[0]),
+              SamplingParams(temperature=1.2, top_k=40, top_p=0.9, seed=seeds[1])]
+        st = SpecStats()
+        out = [r.tokens for r in gen.generate(prompts, sampling=sp, max_new_tokens=MAX_NEW, num_spec_tokens=4,
+                                              stats=st)]
+        return out, st
+
+    a, st = run((1, 2))
+    b, _ = run((1, 2))
+    c, _ = run((3, 4))
+    assert st.drafted == 4 * st.steps and 0 < st.accepted < st.drafted
+    assert a == b, "same seeds gave different samples"
+    assert a[0] == ar_greedy[3][0], "a greedy row in a sampled batch must stay greedy"
+    assert c[0] == a[0]
+    assert a[1] != c[1] and a[2] != c[2], "other seeds gave the same samples"
+    assert a[1] != ar_greedy[3][1] or a[2] != ar_greedy[3][2]
+    for t in a + c:
+        assert len(t) == MAX_NEW and all(0 <= x < 256 for x in t)
+
+
+# ---------------------------------------------------------------- no compilation after warm-up
+
+
+class _CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.records: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "compil" in msg.lower():
+            self.records.append(msg)
+
+
+@contextlib.contextmanager
+def capture_compiles():
+    h = _CompileLog()
+    logger = logging.getLogger("jax")
+    old_level = logger.level
+    prev = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    logger.addHandler(h)
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield h.records
+    finally:
+        logger.removeHandler(h)
+        logger.setLevel(old_level)
+        jax.config.update("jax_log_compiles", prev)
+
+
+def test_no_compilation_after_warmup(tiny, draft_model):
+    cfg, params = tiny
+    dcfg, dparams = draft_model
+    # A slot bucket no other test uses, so warm-up really compiles (JAX caches executables in-process).
+    gen = SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg), draft_params=dparams, batch_buckets=(1, 4),
+                        k_buckets=(0, 2, 4), slot_buckets=(192,))
+    with capture_compiles() as log:
+        jax.jit(lambda x: x * 3 + 1)(jnp.ones((11,)))  # the capture must see a deliberate compile
+        assert log, "compile capture does not work: it missed a deliberate new jit compile"
+        log.clear()
+        gen.warmup(prompt_buckets=(16,), greedy_modes=(True, False), k_buckets=(0, 2))
+        assert len(log) >= 12, f"warm-up compiled only {len(log)} things: {log[:3]}"  # 8 steps + 4 prefills
+        log.clear()
+        sampled = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.1, top_k=30, seed=6),
+                   SamplingParams(temperature=0.7, top_p=0.8, seed=7)]
+        runs = [(PROMPTS[1], SamplingParams(), 2), (PROMPTS[3], SamplingParams(), 0),
+                (PROMPTS[3], sampled, 2), (PROMPTS[1], sampled[:1], 0),
+                (PROMPTS[3][:2], [SamplingParams(), sampled[0]], 2), (PROMPTS[8][3:7], SamplingParams(), 2),
+                (PROMPTS[1], SamplingParams(), 0)]
+        for prompts, sp, K in runs:
+            res = gen.generate(prompts, sampling=sp, max_new_tokens=10, num_spec_tokens=K)
+            assert [len(r.tokens) for r in res] == [10] * len(prompts)
+        assert log == [], f"compiled after warm-up: {log}"
+        # Shapes that were not warmed up raise instead of compiling.
+        with pytest.raises(SpecjaxError, match="no precompiled spec step"):
+            gen.generate(PROMPTS[1], max_new_tokens=10, num_spec_tokens=4)  # a K bucket left out of warm-up
+        with pytest.raises(SpecjaxError, match="no precompiled prefill"):
+            gen.generate([list(range(1, 21))], max_new_tokens=10, num_spec_tokens=2)  # prompt bucket 32
+        assert log == [], f"compiled after warm-up: {log}"
+
+
+# ---------------------------------------------------------------- user errors
+
+
+def test_bad_inputs_raise_clear_errors(tiny, draft_model):
+    cfg, params = tiny
+    dcfg, dparams = draft_model
+    gen = SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), batch_buckets=(1,), k_buckets=(0, 1, 4),
+                        slot_buckets=SLOTS)
+    with pytest.raises(SpecjaxError, match=r"num_spec_tokens=8 exceeds the largest K bucket 4"):
+        gen.generate([[1, 2, 3]], num_spec_tokens=8)
+    with pytest.raises(SpecjaxError, match=r"num_spec_tokens=2 is not a precompiled K bucket \[0, 1, 4\]"):
+        gen.generate([[1, 2, 3]], num_spec_tokens=2)
+    with pytest.raises(SpecjaxError, match="empty prompt"):
+        gen.generate([[]], num_spec_tokens=1)
+    with pytest.raises(SpecjaxError, match="empty prompt"):
+        gen.generate([[1, 2], []], num_spec_tokens=1)
+    other = dcfg.replace(name="other-vocab", vocab_size=300)
+    with pytest.raises(SpecjaxError, match=r"draft model vocabulary \(300\) differs from the target's \(256\)"):
+        SpecGenerator(cfg, params, draft=DraftSpec("model", other), draft_params=llama.init_random_params(other, 2))
+    with pytest.raises(SpecjaxError, match="needs its params"):
+        SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg))
+    with pytest.raises(SpecjaxError, match="k_buckets must include 0"):
+        SpecGenerator(cfg, params, k_buckets=(1, 4))
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(SpecjaxError, match=r"top_p must be in \(0, 1\]"):
+            SamplingParams(temperature=1.0, top_p=bad)
+    SamplingParams(temperature=1.0, top_p=1.0)  # the boundary itself is fine
+
+
+# ---------------------------------------------------------------- the real model (SmolLM2-135M)
+
+CHAT = [
+    "What is the capital of France?",
+    "Repeat this sentence three times: the quick brown fox jumps over the lazy dog. "
+    "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.",
+    "Write a python function that adds two numbers.",
+]
+CHAT_MORE = CHAT + [
+    "Name three colors.",
+    "Count from one to ten: one, two, three, four, five, six, seven, eight, nine, ten. Again: one, two, three,",
+    "Why is the sky blue?",
+    "List the days of the week. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
+    "hi",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from specjax.models.loader import load_model
+
+    return load_model("smollm2-135m", dtype="float32")
+
+
+def _real_check(smol, prompts, drafters, ks, new_tokens, batch_buckets):
+    tok = smol.tokenizer
+    ids = [tok.encode_chat(p) for p in prompts]
+    ar = Generator(smol.cfg, smol.params, eos_ids=tok.eos_ids, batch_buckets=batch_buckets)
+    want = [r.tokens for r in ar.generate(ids, max_new_tokens=new_tokens)]
+    accepted = {}
+    for name, kw in drafters.items():
+        gen = SpecGenerator(smol.cfg, smol.params, eos_ids=tok.eos_ids, batch_buckets=batch_buckets,
+                            k_buckets=(0,) + tuple(ks), slot_buckets=(256,), **kw)
+        for K in ks:
+            st = SpecStats()
+            got = [r.tokens for r in gen.generate(ids, max_new_tokens=new_tokens, num_spec_tokens=K, stats=st)]
+            for b in range(len(ids)):
+                assert got[b] == want[b], (f"{name} K={K} row {b}: {tok.decode(got[b])!r} != "
+                                           f"{tok.decode(want[b])!r}")
+            accepted[(name, K)] = st.mean_accepted_tokens
+    return want, accepted
+
+
+def test_smollm2_greedy_spec_equals_autoregressive(smol):
+    drafters = {"prompt_lookup": dict(drafter=PromptLookupDrafter()),
+                "layer_skip": dict(draft=DraftSpec("model", smol.cfg, num_layers=8))}
+    want, acc = _real_check(smol, CHAT, drafters, ks=(4,), new_tokens=32, batch_buckets=(4,))
+    assert "Paris" in smol.tokenizer.decode(want[0])
+    assert acc[("prompt_lookup", 4)] > 1.0, acc  # the repeated sentence gets copied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_smollm2_greedy_spec_grid(smol, B):
+    # 8 layers: drafts are almost never accepted (rejection paths); 24 layers: a fair share is.
+    drafters = {"prompt_lookup": dict(drafter=PromptLookupDrafter()),
+                "layer_skip_8": dict(draft=DraftSpec("model", smol.cfg, num_layers=8)),
+                "layer_skip_24": dict(draft=DraftSpec("model", smol.cfg, num_layers=24))}
+    _, acc = _real_check(smol, CHAT_MORE[:B], drafters, ks=(2, 4), new_tokens=48, batch_buckets=(1, 4, 8))
+    print(f"B={B} mean accepted tokens per step: {acc}")
+    assert acc[("layer_skip_24", 4)] > 1.0, acc
+    if B > 1:
+        assert acc[("prompt_lookup", 4)] > 1.0, acc
