@@ -1,7 +1,30 @@
-"""Generate text with specjax (autoregressive baseline).
+"""Generate text with specjax: the autoregressive baseline or speculative decoding.
 
   python launch/generate.py --prompt "What is the capital of France?" --chat
-  python launch/generate.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat
+  python launch/generate.py --prompt "..." --chat --drafter prompt_lookup --num_spec_tokens 4
+  python launch/generate.py --prompt "..." --chat --drafter layer_skip --draft_layers 8
+  python launch/generate.py --prompt "..." --drafter draft_model --draft_model /path/to/small_model
+  python launch/generate.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat [--drafter ...]
+
+Drafters (``--drafter``):
+  none           the autoregressive ``Generator`` (default; unchanged behaviour)
+  prompt_lookup  n-gram copy drafting on the host (``--pld_min_ngram`` / ``--pld_max_ngram``)
+  draft_model    an independent draft model sharing the target's vocabulary (``--draft_model``)
+  layer_skip     self-drafting with the target's first ``--draft_layers`` layers
+
+Speculative runs use ``SpecGenerator`` with ``--num_spec_tokens`` K drafts per step; K must be
+one of ``--k_buckets`` (the precompiled K variants, which also size the cache headroom).
+
+Compilation: with ``--prompt`` and a drafter, exactly the variants this one prompt needs
+(one prefill and one K-step for its prompt/cache bucket) are compiled *before* generation, so
+the reported tok/s excludes compilation (the compile time is printed separately). In JSONL mode
+every variant is compiled lazily, the first time a batch needs it, so the summary's tok/s
+includes compilation (as for the autoregressive path). The persistent XLA cache
+(``$SPECJAX_CACHE_DIR``) makes later runs skip most of it.
+
+Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / drafted;
+mean accepted tokens per step = tokens committed per verify step, bonus token included
+(1.0 = no speedup possible); per-position acceptance = P(draft j accepted | drafted).
 
 User mistakes print one line ("error: ...") and exit with status 2.
 """
@@ -17,20 +40,167 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("prompt", None, "Prompt text.")
-flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
-flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
-flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
-flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off.")
-flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off.")
-flags.DEFINE_integer("seed", 0, "Random seed (per request; JSONL records may override).")
-flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
-flags.DEFINE_string("system", None, "System message for --chat.")
-flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
-flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip")
+SPEC_DRAFTERS = DRAFTERS[1:]
+
+
+def define_spec_flags() -> None:
+    """Flags shared with launch/bench.py (drafter choice and its knobs)."""
+    flags.DEFINE_integer("num_spec_tokens", 4, "K: draft tokens per speculative step (must be one of --k_buckets).")
+    flags.DEFINE_string("k_buckets", "0,1,2,4,8", "Comma list of precompiled K values (must include 0).")
+    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
+                        "(must share the target's vocabulary).")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
+                         "(1..num_layers-1).")
+    flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
+    flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("prompt", None, "Prompt text.")
+    flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
+    flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
+    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
+    flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+    flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off.")
+    flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off.")
+    flags.DEFINE_integer("seed", 0, "Random seed (per request; JSONL records may override).")
+    flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
+    flags.DEFINE_string("system", None, "System message for --chat.")
+    flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
+    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+    flags.DEFINE_enum("drafter", "none", list(DRAFTERS), "Speculative drafter; none = autoregressive decoding.")
+    define_spec_flags()
+
+
+# ---------------------------------------------------------------- speculative set-up (shared with bench.py)
+
+
+def parse_k_buckets(text: str) -> tuple[int, ...]:
+    from specjax.errors import SpecjaxError
+
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecjaxError(f"--k_buckets must be a comma list of integers, got {text!r}") from None
+    if not ks:
+        raise SpecjaxError("--k_buckets is empty")
+    if min(ks) < 0:
+        raise SpecjaxError(f"--k_buckets must be >= 0, got {text!r}")
+    if 0 not in ks:
+        raise SpecjaxError(f"--k_buckets must include 0 (plain decoding), got {text!r}")
+    return tuple(sorted(set(ks)))
+
+
+def check_num_spec_tokens(k: int, k_buckets) -> None:
+    from specjax.errors import SpecjaxError
+
+    if k < 1:
+        raise SpecjaxError(f"--num_spec_tokens must be >= 1 with a drafter, got {k} (use --drafter none for plain "
+                           "decoding)")
+    if k > max(k_buckets):
+        raise SpecjaxError(f"--num_spec_tokens {k} is larger than the largest bucket in --k_buckets "
+                           f"({max(k_buckets)}); add it to --k_buckets")
+    if k not in k_buckets:
+        raise SpecjaxError(f"--num_spec_tokens {k} is not a bucket in --k_buckets {list(k_buckets)}; "
+                           "use one of them or add it")
+
+
+def prompt_lookup_config(k: int, min_ngram: int, max_ngram: int):
+    """Validated before the model load (raises SpecjaxError on bad n-gram bounds)."""
+    from specjax.drafters.prompt_lookup import PromptLookupConfig
+
+    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=max(k, 1))
+
+
+def spec_slot_buckets(cfg) -> tuple[int, ...]:
+    """Cache-size buckets up to the full context (SpecGenerator's default stops at 2048, which
+    would silently cut the budget of long prompts)."""
+    from specjax import buckets as bk
+
+    out, s = [], bk.MIN_SLOT_BUCKET
+    while s < cfg.max_position:
+        out.append(s)
+        s *= 2
+    out.append(cfg.max_position)
+    return tuple(out)
+
+
+def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model: str | None = None,
+                         draft_layers: int = 8, pld_min_ngram: int = 1, pld_max_ngram: int = 3,
+                         dtype: str = "float32", draft=None):
+    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel). ``draft``: an already
+    loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
+    bad settings."""
+    from specjax import buckets as bk
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.engine.step import DraftSpec
+    from specjax.errors import SpecjaxError
+    from specjax.models.loader import load_model
+    from specjax.spec_generate import SpecGenerator
+
+    cfg = model.cfg
+    kw = dict(eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets, slot_buckets=spec_slot_buckets(cfg),
+              batch_buckets=bk.DEFAULT_BATCH_BUCKETS)
+    if drafter == "prompt_lookup":
+        return SpecGenerator(cfg, model.params,
+                             drafter=PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram)), **kw)
+    if drafter == "layer_skip":
+        if not 1 <= draft_layers <= cfg.num_layers - 1:
+            raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
+                               f"({cfg.num_layers} layers), got {draft_layers}")
+        return SpecGenerator(cfg, model.params, draft=DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers), **kw)
+    if drafter == "draft_model":
+        if draft is None:
+            if not draft_model:
+                raise SpecjaxError("--drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+            draft = load_model(draft_model, dtype)
+        dcfg = draft.cfg
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
+                               f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
+        return SpecGenerator(cfg, model.params, draft=DraftSpec(kind="model", cfg=dcfg), draft_params=draft.params,
+                             **kw)
+    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
+
+
+def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
+    """(batch bucket, prompt bucket, cache slots) SpecGenerator uses for these prompts; mirrors
+    SpecGenerator._generate_batch (used to compile exactly what a run needs ahead of time)."""
+    from specjax import buckets as bk
+
+    B = bk.pick(gen.batch_buckets, batch, "batch size")
+    need = prompt_len + max_new_tokens + max(gen.k_buckets) + 1
+    S = next((s for s in gen.slot_buckets if s >= need), gen.slot_buckets[-1])
+    return B, bk.prompt_bucket(prompt_len, S), S
+
+
+def warm_spec(gen, shapes, k: int, greedy: bool = True) -> float:
+    """Compile the (batch, prompt bucket, slots) prefills and (batch, K, slots) steps in ``shapes``
+    (from spec_shapes) and nothing else; afterwards the generator refuses to compile (a missed
+    shape raises instead of silently timing a compilation). Returns seconds."""
+    t0 = time.perf_counter()
+    by_bs: dict = {}
+    for B, Tp, S in shapes:
+        by_bs.setdefault((B, S), set()).add(Tp)
+    for (B, S), tps in sorted(by_bs.items()):
+        gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
+        gen.warmup(prompt_buckets=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
+                   k_buckets=[k])
+    gen.warm = True
+    return time.perf_counter() - t0
+
+
+def format_spec_stats(stats) -> str:
+    pos = ", ".join(f"{p:.2f}" for p in stats.per_position_acceptance)
+    return (f"acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts); "
+            f"mean accepted tokens per step {stats.mean_accepted_tokens:.2f} (bonus included; {stats.steps} steps); "
+            f"per-position acceptance [{pos}]")
+
+
+# ---------------------------------------------------------------- generation
 
 
 def _encode(tok, text: str, chat: bool, system: str | None):
@@ -46,19 +216,37 @@ def _sampling(overrides=None):
                           seed=int(o.get("seed", FLAGS.seed)))
 
 
-def run_single(model, gen) -> None:
+def _spec_kw(stats):
+    return {} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats}
+
+
+def run_single(model, gen, stats=None) -> None:
+    from specjax.generate import validate_request
+
     tok = model.tokenizer
     ids = _encode(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
-    res = gen.generate([ids], _sampling(), max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos)[0]
+    samp = _sampling()
+    compile_s = None
+    if stats is not None:
+        validate_request(ids, FLAGS.max_new_tokens, model.cfg)
+        compile_s = warm_spec(gen, [spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], FLAGS.num_spec_tokens,
+                              greedy=samp.greedy)
+    res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
+                       **_spec_kw(stats))[0]
     print(tok.decode(res.tokens))
     n = len(res.tokens)
     dec = n / res.decode_s if res.decode_s > 0 else float("nan")
-    print(f"\n[{n} tokens ({res.finish_reason}); prompt {res.prompt_len} tokens: prefill {res.prefill_s * 1e3:.0f} ms "
-          f"({res.prompt_len / max(res.prefill_s, 1e-9):.0f} tok/s); decode {dec:.1f} tok/s; "
-          "first calls include JIT compilation — see benchmarks/ar_speed.py for steady-state speed]", file=sys.stderr)
+    head = (f"\n[{n} tokens ({res.finish_reason}); prompt {res.prompt_len} tokens: prefill {res.prefill_s * 1e3:.0f} ms "
+            f"({res.prompt_len / max(res.prefill_s, 1e-9):.0f} tok/s); decode {dec:.1f} tok/s; ")
+    if stats is None:
+        print(head + "first calls include JIT compilation — see benchmarks/ar_speed.py for steady-state speed]",
+              file=sys.stderr)
+    else:
+        print(head + f"compilation {compile_s:.1f} s before generation, excluded]", file=sys.stderr)
+        print(f"[spec {FLAGS.drafter} K={FLAGS.num_spec_tokens}: {format_spec_stats(stats)}]", file=sys.stderr)
 
 
-def run_jsonl(model, gen) -> None:
+def run_jsonl(model, gen, stats=None) -> None:
     from tqdm import tqdm
 
     from specjax import jsonl_io
@@ -87,7 +275,7 @@ def run_jsonl(model, gen) -> None:
                 groups.setdefault(item[2], []).append(item)
             for mnt, items in groups.items():
                 results = gen.generate([i[1] for i in items], [i[3] for i in items], max_new_tokens=mnt,
-                                       ignore_eos=FLAGS.ignore_eos)
+                                       ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats))
                 for (rec, _, _, _), res in zip(items, results):
                     n_tok += len(res.tokens)
                     out.write({"id": rec.id, "prompt": rec.prompt, "output": tok.decode(res.tokens),
@@ -116,6 +304,29 @@ def run_jsonl(model, gen) -> None:
     dt = time.perf_counter() - t0
     print(f"{len(todo)} records ({len(records) - len(todo)} already done, {n_err} errors); "
           f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s", file=sys.stderr)
+    if stats is not None:
+        print(f"spec {FLAGS.drafter} K={FLAGS.num_spec_tokens} (compilation included in the time above): "
+              f"{format_spec_stats(stats)}", file=sys.stderr)
+
+
+def _validate_spec_flags():
+    """Spec flag checks that need no model (run before the slow load). Returns k_buckets."""
+    from specjax.errors import SpecjaxError
+
+    spec = FLAGS.drafter != "none"
+    if FLAGS.draft_model and FLAGS.drafter != "draft_model":
+        raise SpecjaxError("--draft_model is only used with --drafter draft_model")
+    if FLAGS.drafter == "draft_model" and not FLAGS.draft_model:
+        raise SpecjaxError("--drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    if not spec:
+        return None
+    k_buckets = parse_k_buckets(FLAGS.k_buckets)
+    check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
+    if FLAGS.drafter == "prompt_lookup":
+        prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
+    if FLAGS.drafter == "layer_skip" and FLAGS.draft_layers < 1:
+        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+    return k_buckets
 
 
 def main(argv):
@@ -140,18 +351,30 @@ def main(argv):
             raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
         if FLAGS.batch_size < 1:
             raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+        k_buckets = _validate_spec_flags()
         model = load_model(FLAGS.model, FLAGS.dtype)
         print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
               f"in {model.load_seconds:.1f} s]", file=sys.stderr)
-        gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
-        if FLAGS.prompt is not None:
-            run_single(model, gen)
+        stats = None
+        if FLAGS.drafter == "none":
+            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
         else:
-            run_jsonl(model, gen)
+            from specjax.spec_generate import SpecStats
+
+            gen = build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
+                                       draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers,
+                                       pld_min_ngram=FLAGS.pld_min_ngram, pld_max_ngram=FLAGS.pld_max_ngram,
+                                       dtype=FLAGS.dtype)
+            stats = SpecStats()
+        if FLAGS.prompt is not None:
+            run_single(model, gen, stats)
+        else:
+            run_jsonl(model, gen, stats)
     except SpecjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

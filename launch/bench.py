@@ -1,0 +1,578 @@
+"""Spec-Bench-style speed benchmark: specjax speculative drafters vs the specjax AR baseline.
+
+  python launch/bench.py --per_category 10 --max_new_tokens 256 \
+      --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python]
+
+Protocol (Spec-Bench conventions where they apply; differences are stated):
+
+- Questions: ``--question_file`` (default ``../shared/data/spec_bench/question.jsonl`` relative
+  to the repo root), **first turn only**, wrapped in the model's chat template (``--nochat`` to
+  feed raw text); ``--categories`` filters, ``--per_category N`` keeps the first N of each
+  category (file order). Prompts longer than ``--max_prompt_tokens``, or that cannot fit
+  prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
+  (per category in the table, listed in the JSON), never dropped silently.
+- Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
+  (``Generator``) and each drafter in ``--drafters`` (``SpecGenerator``, K =
+  ``--num_spec_tokens``). For each prompt the AR baseline runs first, then each drafter in
+  order (interleaving per prompt keeps slow machine drift out of the ratios).
+- Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
+  compiled ahead of time (shape-exact, from the same bucket rules the generators use), then
+  each method generates the first prompt once untimed (Spec-Bench warms up on its first
+  question too). **Compilation is excluded from every timing.** The script counts JAX
+  trace/compile events during the timed runs and reports the number (expected 0).
+- Wall time per prompt is measured around the whole ``generate`` call, **prefill included**
+  (as Spec-Bench does).
+- Losslessness check: every drafter's output token ids must equal the AR baseline's; each
+  mismatch is printed as ``MISMATCH ...`` when it happens, counted per category and listed in
+  the JSON (``--fail_on_mismatch`` makes the exit status 1).
+
+Metrics per category and overall:
+
+- speedup = (total AR wall time) / (total drafter wall time) over the category's prompts
+  (Spec-Bench instead averages per-prompt tok/s and takes the ratio of the means; with
+  identical outputs the two differ only in how prompts are weighted);
+- mean accepted tokens per step = tokens committed per verify step, bonus included
+  (Spec-Bench's "#Mean accepted tokens"; 1.0 = no gain possible);
+- tok/s = total new tokens / total wall time.
+
+Peer column (``--hf_python``): before the specjax runs (never concurrently) a subprocess runs
+``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
+on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
+lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
+``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
+(ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from launch import generate as lg  # noqa: E402  (defines no flags at import)
+
+FLAGS = flags.FLAGS
+DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
+flags.DEFINE_string("model", "smollm2-135m", "Target model: name (see configs/), .gguf file or HF safetensors dir.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
+flags.DEFINE_string("question_file", DEFAULT_QUESTIONS,
+                    "Spec-Bench question.jsonl (a relative path is resolved against the repo root).")
+flags.DEFINE_list("categories", None, "Only these categories (comma list); default all.")
+flags.DEFINE_integer("per_category", 0, "Keep the first N questions of each category; 0 = all.")
+flags.DEFINE_integer("max_new_tokens", 256, "New tokens per prompt (Spec-Bench uses 1024).")
+flags.DEFINE_list("drafters", ["prompt_lookup", "layer_skip"],
+                  f"Drafters to compare with the AR baseline, from {', '.join(lg.SPEC_DRAFTERS)}.")
+flags.DEFINE_bool("chat", True, "Wrap questions in the model's chat template (--nochat: raw text).")
+flags.DEFINE_string("system", None, "System message for the chat template.")
+flags.DEFINE_integer("max_prompt_tokens", 2048, "Skip (and count) prompts longer than this many tokens.")
+flags.DEFINE_string("json_out", None, "Write all results (config, per-prompt rows, table) as JSON here.")
+flags.DEFINE_string("markdown_out", None, "Write the markdown table here.")
+flags.DEFINE_string("benchmarks_md", None, "Also put the run (command, table, notes) into this BENCHMARKS.md, "
+                    "replacing the section between the spec-bench markers (appended if absent).")
+flags.DEFINE_bool("fail_on_mismatch", False, "Exit with status 1 if any drafter output differs from AR.")
+flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers + gguf: adds the HF "
+                    "greedy vs HF prompt-lookup peer column (GGUF models only).")
+flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens.")
+flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size; 0 = HF's default (2).")
+flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
+lg.define_spec_flags()
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def resolve_question_file(path: str) -> str:
+    from specjax.errors import SpecjaxError
+
+    p = path if os.path.isabs(path) else os.path.join(ROOT, path)
+    p = os.path.normpath(p)
+    if not os.path.isfile(p):
+        raise SpecjaxError(f"question file not found: {p} (Spec-Bench's question.jsonl; pass --question_file)")
+    return p
+
+
+def load_questions(path: str, categories, per_category: int) -> tuple[list[dict], list[str]]:
+    """Questions (dicts with question_id, category, text = first turn) and the category order."""
+    from specjax.errors import SpecjaxError
+
+    qs, order = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecjaxError(f"{path} line {lineno}: malformed JSON ({e.msg})") from None
+            turns = rec.get("turns") if isinstance(rec, dict) else None
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or "category" not in rec:
+                raise SpecjaxError(f"{path} line {lineno}: expected an object with 'category' and a non-empty "
+                                   "'turns' list of strings")
+            cat = str(rec["category"])
+            if cat not in order:
+                order.append(cat)
+            qs.append({"question_id": rec.get("question_id", lineno), "category": cat, "text": turns[0]})
+    if not qs:
+        raise SpecjaxError(f"{path} has no questions")
+    if categories:
+        unknown = [c for c in categories if c not in order]
+        if unknown:
+            raise SpecjaxError(f"unknown categories {unknown}; the file has: {', '.join(order)}")
+        order = [c for c in order if c in categories]
+    out = []
+    for cat in order:
+        sel = [q for q in qs if q["category"] == cat]
+        out.extend(sel[:per_category] if per_category > 0 else sel)
+    return out, order
+
+
+def hf_gguf_path(model: str) -> str:
+    from specjax.config import available_models, get_model_config
+    from specjax.errors import SpecjaxError
+    from specjax.models.loader import find_packaged_file
+
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise SpecjaxError(f"GGUF file not found: {model}")
+        return os.path.abspath(model)
+    if model in available_models():
+        w = get_model_config(model).weights
+        if w.kind == "gguf_package":
+            return find_packaged_file(w.package, w.file, w.install_hint)
+    raise SpecjaxError(f"--hf_python needs a GGUF target (a .gguf file or a named model shipped as GGUF); "
+                       f"{model!r} is not one")
+
+
+# ---------------------------------------------------------------- warm-up
+
+
+def ar_shapes(gen, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
+    """(batch, prompt bucket, slots) Generator uses for one prompt (mirrors Generator._generate_batch)."""
+    from specjax import buckets as bk
+
+    cfg = gen.cfg
+    B = bk.pick(gen.batch_buckets, 1, "batch size")
+    budget = min(max_new_tokens, cfg.max_position - prompt_len)
+    return B, bk.prompt_bucket(prompt_len, cfg.max_position), bk.slot_bucket(prompt_len + budget, cfg.max_position)
+
+
+def warm_ar(gen, shapes) -> float:
+    """Compile Generator's prefill/decode_step for these (B, Tp, slots), calling them exactly as
+    Generator does (same argument kinds, so the jit cache entries are the ones it will hit)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.generate import decode_step, prefill
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    t0 = time.perf_counter()
+    for B, Tp, S in sorted(set(shapes)):
+        toks = np.zeros((B, Tp), np.int32)
+        lens = np.ones(B, np.int32)
+        samp = SamplingArrays.build([SamplingParams()] * B, B)
+        cache, tok = prefill(gen.params, jnp.asarray(toks), jnp.asarray(lens), samp, cfg=gen.cfg, slots=S,
+                             greedy_only=True, attention_impl=gen.attention_impl)
+        tok = np.asarray(tok)
+        done = np.zeros(B, bool)
+        cache, tok = decode_step(gen.params, cache, jnp.asarray(tok), jnp.asarray(~done), samp, cfg=gen.cfg,
+                                 greedy_only=True, attention_impl=gen.attention_impl)
+        np.asarray(tok)
+    return time.perf_counter() - t0
+
+
+class CompileCounter:
+    """Counts JAX trace/lower/compile events while ``active`` (expected 0 during timing)."""
+
+    def __init__(self):
+        import jax
+
+        self.active = False
+        self.count = 0
+        self.events: list[str] = []
+
+        def listener(event, duration, **kw):
+            if self.active and event.startswith("/jax/core/compile/"):
+                self.count += 1
+                self.events.append(f"{event} {kw.get('fun_name', '')}".strip())
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def merge_stats(stats_list) -> dict:
+    steps = sum(s.steps for s in stats_list)
+    drafted = sum(s.drafted for s in stats_list)
+    accepted = sum(s.accepted for s in stats_list)
+    n = max((len(s.pos_drafted) for s in stats_list), default=0)
+    pd, pa = [0] * n, [0] * n
+    for s in stats_list:
+        for j, (d, a) in enumerate(zip(s.pos_drafted, s.pos_accepted)):
+            pd[j] += int(d)
+            pa[j] += int(a)
+    return {"steps": steps, "drafted": drafted, "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_tokens": (accepted + steps) / steps if steps else 0.0,
+            "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(pa, pd)]}
+
+
+def _ratio(a, b):
+    return a / b if b else float("nan")
+
+
+def summarize(rows, cat_order, drafters, skipped, hf_rows) -> list[dict]:
+    """One summary dict per category plus 'overall' (last)."""
+    out = []
+    hf_by_key = {r["key"]: r for r in hf_rows} if hf_rows is not None else None
+    for cat in list(cat_order) + ["overall"]:
+        rs = [r for r in rows if cat == "overall" or r["category"] == cat]
+        sk = [s for s in skipped if cat == "overall" or s["category"] == cat]
+        ar_wall = sum(r["ar"]["wall_s"] for r in rs)
+        ar_tok = sum(r["ar"]["new_tokens"] for r in rs)
+        e = {"category": cat, "prompts": len(rs), "skipped": len(sk), "ar": {
+            "wall_s": ar_wall, "new_tokens": ar_tok, "tok_s": _ratio(ar_tok, ar_wall)}, "drafters": {}}
+        mism = 0
+        for d in drafters:
+            w = sum(r[d]["wall_s"] for r in rs)
+            t = sum(r[d]["new_tokens"] for r in rs)
+            m = sum(not r[d]["equal_to_ar"] for r in rs)
+            mism += m
+            e["drafters"][d] = {"wall_s": w, "new_tokens": t, "tok_s": _ratio(t, w), "speedup": _ratio(ar_wall, w),
+                                "mismatches": m, **merge_stats([r[d]["_stats"] for r in rs])}
+        e["mismatches"] = mism
+        if hf_by_key is not None:
+            pairs = [(hf_by_key[r["key"]], r) for r in rs if r["key"] in hf_by_key]
+            hs = [h for h, _ in pairs]
+            gw = sum(h["greedy"]["wall_s"] for h in hs)
+            gt = sum(h["greedy"]["new_tokens"] for h in hs)
+            pw = sum(h["pld"]["wall_s"] for h in hs)
+            pt = sum(h["pld"]["new_tokens"] for h in hs)
+            e["hf"] = {"prompts": len(hs), "greedy_wall_s": gw, "greedy_tok_s": _ratio(gt, gw), "pld_wall_s": pw,
+                       "pld_tok_s": _ratio(pt, pw), "pld_speedup": _ratio(gw, pw),
+                       "pld_differs_from_greedy": sum(not h["pld_equals_greedy"] for h in hs),
+                       "greedy_equals_specjax_ar": sum(h["greedy"]["output_ids"] == r["ar"]["output_ids"]
+                                                       for h, r in pairs)}
+        out.append(e)
+    return out
+
+
+def markdown_table(summary, drafters, hf: bool) -> str:
+    hdr = ["category", "prompts", "skipped", "AR tok/s"]
+    for d in drafters:
+        hdr += [f"{d} speedup", f"{d} acc. tok/step", f"{d} tok/s"]
+    hdr += ["mismatches"]
+    if hf:
+        hdr += ["HF greedy tok/s", "HF PLD speedup", "HF PLD≠greedy"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for e in summary:
+        bold = e["category"] == "overall"
+        cells = [f"**{e['category']}**" if bold else e["category"], str(e["prompts"]), str(e["skipped"]),
+                 f"{e['ar']['tok_s']:.1f}"]
+        for d in drafters:
+            x = e["drafters"][d]
+            sp = f"{x['speedup']:.2f}x"
+            cells += [f"**{sp}**" if bold else sp, f"{x['mean_accepted_tokens']:.2f}", f"{x['tok_s']:.1f}"]
+        cells.append(str(e["mismatches"]))
+        if hf:
+            h = e["hf"]
+            cells += [f"{h['greedy_tok_s']:.1f}", f"{h['pld_speedup']:.2f}x", str(h["pld_differs_from_greedy"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- runs
+
+
+BEGIN_MARK = "<!-- spec-bench:begin (written by launch/bench.py --benchmarks_md) -->"
+END_MARK = "<!-- spec-bench:end -->"
+
+
+def update_benchmarks_md(path: str, section: str) -> None:
+    """Replace the marked Spec-Bench section of ``path`` (or append one), leaving the rest as is."""
+    text = open(path, encoding="utf-8").read() if os.path.isfile(path) else "# Benchmarks\n"
+    block = f"{BEGIN_MARK}\n{section.rstrip()}\n{END_MARK}"
+    i, j = text.find(BEGIN_MARK), text.find(END_MARK)
+    if i >= 0 and j > i:
+        text = text[:i] + block + text[j + len(END_MARK):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def command_line() -> str:
+    args = [a for a in sys.argv[1:]]
+    return "python launch/bench.py " + " ".join(args)
+
+
+def run_hf(prompts, eos_ids, gguf: str) -> dict:
+    from specjax.errors import SpecjaxError
+
+    script = os.path.join(ROOT, "benchmarks", "hf_pld.py")
+    with tempfile.TemporaryDirectory(prefix="specjax_bench_") as d:
+        inp, out = os.path.join(d, "prompts.json"), os.path.join(d, "hf.json")
+        job = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
+               "threads": FLAGS.hf_threads, "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens,
+               "max_matching_ngram_size": FLAGS.hf_max_matching_ngram_size or None,
+               "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
+        with open(inp, "w") as f:
+            json.dump(job, f)
+        print(f"[HF peer: {FLAGS.hf_python} {os.path.relpath(script, ROOT)} on {len(prompts)} prompts "
+              f"({FLAGS.hf_threads} torch threads)]", file=sys.stderr)
+        t0 = time.perf_counter()
+        r = subprocess.run([FLAGS.hf_python, script, "--input", inp, "--output", out], stdout=sys.stderr,
+                           stderr=sys.stderr)
+        if r.returncode != 0 or not os.path.isfile(out):
+            raise SpecjaxError(f"HF peer (benchmarks/hf_pld.py under {FLAGS.hf_python}) failed with exit status "
+                               f"{r.returncode}; see its output above")
+        with open(out) as f:
+            res = json.load(f)
+        res["env"]["subprocess_s"] = time.perf_counter() - t0
+        return res
+
+
+def _first_diff(a, b) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def validate_flags():
+    from specjax.errors import SpecjaxError
+
+    if FLAGS.max_new_tokens < 1:
+        raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+    if FLAGS.per_category < 0:
+        raise SpecjaxError(f"--per_category must be >= 0 (0 = all), got {FLAGS.per_category}")
+    if FLAGS.max_prompt_tokens < 1:
+        raise SpecjaxError(f"--max_prompt_tokens must be >= 1, got {FLAGS.max_prompt_tokens}")
+    drafters = [d.strip() for d in FLAGS.drafters if d.strip()]
+    if not drafters:
+        raise SpecjaxError("--drafters is empty; give at least one of " + ", ".join(lg.SPEC_DRAFTERS))
+    bad = [d for d in drafters if d not in lg.SPEC_DRAFTERS]
+    if bad:
+        raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(lg.SPEC_DRAFTERS)}")
+    if len(set(drafters)) != len(drafters):
+        raise SpecjaxError(f"--drafters lists a drafter twice: {drafters}")
+    if "draft_model" in drafters and not FLAGS.draft_model:
+        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    k_buckets = lg.parse_k_buckets(FLAGS.k_buckets)
+    lg.check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
+    if "prompt_lookup" in drafters:
+        lg.prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
+    if FLAGS.hf_python:
+        if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
+            raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
+        if FLAGS.hf_prompt_lookup_num_tokens < 1:
+            raise SpecjaxError("--hf_prompt_lookup_num_tokens must be >= 1")
+        if FLAGS.hf_threads < 1:
+            raise SpecjaxError("--hf_threads must be >= 1")
+    return drafters, k_buckets
+
+
+def bench() -> int:
+    import jax
+    from tqdm import tqdm
+
+    from specjax.errors import SpecjaxError
+    from specjax.generate import Generator
+    from specjax.models.loader import load_model
+    from specjax.spec_generate import SpecStats
+
+    drafters, k_buckets = validate_flags()
+    K = FLAGS.num_spec_tokens
+    qfile = resolve_question_file(FLAGS.question_file)
+    questions, cat_order = load_questions(qfile, FLAGS.categories, FLAGS.per_category)
+    gguf = hf_gguf_path(FLAGS.model) if FLAGS.hf_python else None
+
+    model = load_model(FLAGS.model, FLAGS.dtype)
+    cfg, tok = model.cfg, model.tokenizer
+    print(f"[loaded {cfg.name} ({cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) in {model.load_seconds:.1f} s]",
+          file=sys.stderr)
+    if FLAGS.chat and not tok.chat_template:
+        raise SpecjaxError(f"model {cfg.name} has no chat template; pass --nochat to feed the raw question text")
+    draft = load_model(FLAGS.draft_model, FLAGS.dtype) if "draft_model" in drafters else None
+
+    # Tokenize and apply the guards (skipped prompts are counted, never silently dropped).
+    kmax = max(k_buckets)
+    prompts, skipped = [], []
+    for q in questions:
+        ids = tok.encode_chat(q["text"], FLAGS.system) if FLAGS.chat else tok.encode(q["text"])
+        key = f"{q['category']}/{q['question_id']}"
+        why = None
+        if not ids:
+            why = "empty prompt"
+        elif len(ids) > FLAGS.max_prompt_tokens:
+            why = f"{len(ids)} prompt tokens > --max_prompt_tokens {FLAGS.max_prompt_tokens}"
+        elif len(ids) + FLAGS.max_new_tokens + kmax + 1 > cfg.max_position:
+            why = (f"{len(ids)} prompt tokens + {FLAGS.max_new_tokens} new + {kmax + 1} spec headroom exceed the "
+                   f"{cfg.max_position}-token context")
+        if why:
+            skipped.append({"key": key, "question_id": q["question_id"], "category": q["category"],
+                            "prompt_tokens": len(ids), "reason": why})
+        else:
+            prompts.append({"key": key, "question_id": q["question_id"], "category": q["category"], "ids": ids})
+    for s in skipped:
+        print(f"SKIPPED {s['key']}: {s['reason']}", file=sys.stderr)
+    if skipped:
+        print(f"[{len(skipped)} prompt(s) skipped; counted in the table's 'skipped' column]", file=sys.stderr)
+    if not prompts:
+        raise SpecjaxError("no prompts left to benchmark (all skipped; see SKIPPED lines)")
+
+    # HF peer first, in its own process, before any specjax work (never concurrently).
+    hf = run_hf(prompts, tok.eos_ids, gguf) if FLAGS.hf_python else None
+
+    # Generators and shape-exact warm-up (compilation excluded from every timing).
+    ar = Generator(cfg, model.params, eos_ids=tok.eos_ids)
+    specs = {d: lg.build_spec_generator(model, d, k=K, k_buckets=k_buckets, draft_model=FLAGS.draft_model,
+                                        draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
+                                        pld_max_ngram=FLAGS.pld_max_ngram, dtype=FLAGS.dtype, draft=draft)
+             for d in drafters}
+    counter = CompileCounter()
+    mnt = FLAGS.max_new_tokens
+    warm = {"ar_compile_s": warm_ar(ar, [ar_shapes(ar, len(p["ids"]), mnt) for p in prompts])}
+    for d, g in specs.items():
+        print(f"[compiling {d} variants]", file=sys.stderr)
+        warm[f"{d}_compile_s"] = lg.warm_spec(g, {lg.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, K)
+    t0 = time.perf_counter()
+    first = prompts[0]["ids"]
+    ar.generate([first], max_new_tokens=mnt)
+    for g in specs.values():
+        g.generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats())
+    warm["untimed_first_prompt_s"] = time.perf_counter() - t0
+    print("[warm-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()) + "; timing starts now]",
+          file=sys.stderr)
+
+    rows, mismatches = [], []
+    methods = ["ar"] + drafters
+    bar = tqdm(total=len(prompts) * len(methods), unit="run", desc="specjax", disable=None, file=sys.stderr)
+    counter.active = True
+    try:
+        for p in prompts:
+            row = {"key": p["key"], "question_id": p["question_id"], "category": p["category"],
+                   "prompt_tokens": len(p["ids"])}
+            t = time.perf_counter()
+            r = ar.generate([p["ids"]], max_new_tokens=mnt)[0]
+            wall = time.perf_counter() - t
+            row["ar"] = {"wall_s": wall, "new_tokens": len(r.tokens), "prefill_s": r.prefill_s,
+                         "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens}
+            bar.update(1)
+            for d in drafters:
+                st = SpecStats()
+                t = time.perf_counter()
+                s = specs[d].generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st)[0]
+                wall = time.perf_counter() - t
+                eq = s.tokens == r.tokens
+                row[d] = {"wall_s": wall, "new_tokens": len(s.tokens), "prefill_s": s.prefill_s,
+                          "decode_s": s.decode_s, "finish_reason": s.finish_reason, "equal_to_ar": eq,
+                          "_stats": st, **st.summary()}
+                if not eq:
+                    i = _first_diff(s.tokens, r.tokens)
+                    msg = (f"MISMATCH {d} {p['key']}: output differs from the AR baseline at token {i} "
+                           f"(AR {len(r.tokens)} tokens, {d} {len(s.tokens)} tokens)")
+                    tqdm.write(msg, file=sys.stderr)
+                    mismatches.append({"drafter": d, "key": p["key"], "first_diff": i, "ar_tokens": len(r.tokens),
+                                       "drafter_tokens": len(s.tokens), "drafter_output_ids": s.tokens})
+                bar.update(1)
+            rows.append(row)
+    finally:
+        counter.active = False
+        bar.close()
+
+    summary = summarize(rows, cat_order, drafters, skipped, hf["rows"] if hf else None)
+    table = markdown_table(summary, drafters, hf is not None)
+    over = summary[-1]
+    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, K={K}, "
+            f"max_new_tokens={mnt}, first turn, {'chat template' if FLAGS.chat else 'raw text'}, "
+            f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
+            f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
+            f"(shape-exact warm-up + one untimed run; {counter.count} compile events during timing).")
+    notes = [f"Speedup = total specjax AR wall time / total drafter wall time per category; "
+             f"acc. tok/step = mean accepted tokens per verify step, bonus included."]
+    for d in drafters:
+        x = over["drafters"][d]
+        pos = ", ".join(f"{v:.2f}" for v in x["per_position_acceptance"])
+        notes.append(f"{d}: acceptance rate {x['acceptance_rate']:.3f}, per-position acceptance [{pos}]"
+                     + (f" (draft_layers={FLAGS.draft_layers})" if d == "layer_skip" else "")
+                     + (f" (draft_model={FLAGS.draft_model})" if d == "draft_model" else "")
+                     + (f" (ngram {FLAGS.pld_min_ngram}..{FLAGS.pld_max_ngram})" if d == "prompt_lookup" else ""))
+    notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "
+                 f"({len(mismatches)} mismatches).")
+    if hf:
+        he = hf["env"]
+        notes.append(f"HF peer: transformers {he['transformers']}, torch {he['torch']}, {he['threads']} threads, fp32, "
+                     f"prompt_lookup_num_tokens={he['prompt_lookup_num_tokens']}; HF PLD speedup = HF greedy wall / "
+                     f"HF PLD wall; HF greedy output equals specjax AR on "
+                     f"{over['hf']['greedy_equals_specjax_ar']}/{over['hf']['prompts']} prompts (informational).")
+    md = "\n".join([head, "", table, ""] + [f"- {n}" for n in notes]) + "\n"
+    print(md)
+    if mismatches:
+        print(f"!!! {len(mismatches)} DRAFTER OUTPUT(S) DIFFER FROM THE AR BASELINE (greedy must be lossless): "
+              + ", ".join(f"{m['drafter']}:{m['key']}" for m in mismatches), file=sys.stderr)
+    if counter.count:
+        print(f"warning: {counter.count} JAX compile events during timed runs: {counter.events[:5]}",
+              file=sys.stderr)
+    if FLAGS.markdown_out:
+        with open(FLAGS.markdown_out, "w") as f:
+            f.write(md)
+    if FLAGS.benchmarks_md:
+        update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}")
+    if FLAGS.json_out:
+        for r in rows:
+            for d in drafters:
+                r[d].pop("_stats", None)
+        res = {"config": {"model": cfg.name, "dtype": FLAGS.dtype, "question_file": qfile,
+                          "categories": cat_order, "per_category": FLAGS.per_category, "max_new_tokens": mnt,
+                          "drafters": drafters, "num_spec_tokens": K, "k_buckets": list(k_buckets),
+                          "draft_layers": FLAGS.draft_layers, "draft_model": FLAGS.draft_model,
+                          "pld_min_ngram": FLAGS.pld_min_ngram, "pld_max_ngram": FLAGS.pld_max_ngram,
+                          "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
+                          "greedy": True, "batch_size": 1},
+               "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
+                       "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                       "date": datetime.datetime.now().isoformat(timespec="seconds")},
+               "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
+                          "compile_events_during_timing": counter.count},
+               "summary": summary, "num_mismatches": len(mismatches), "mismatches": mismatches,
+               "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
+               "hf": hf, "markdown": md}
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 1 if (mismatches and FLAGS.fail_on_mismatch) else 0
+
+
+def main(argv):
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache()
+    try:
+        code = bench()
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,149 @@
+"""launch/generate.py with speculative drafters and launch/bench.py, end to end on the tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GENERATE = os.path.join(ROOT, "launch", "generate.py")
+BENCH = os.path.join(ROOT, "launch", "bench.py")
+TINY = ["--model", "tiny-random"]
+
+
+def run(script, *args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _save_tiny(path, **changes):
+    from specjax.config import get_model_config
+    from specjax.models import llama, weights
+
+    cfg = get_model_config("tiny-random").replace(name=os.path.basename(path), **changes)
+    weights.save_safetensors_params(llama.init_random_params(cfg, seed=1), cfg, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drafts")
+    return {"other_vocab": _save_tiny(d / "tiny-vocab300", vocab_size=300),
+            "two_layers": _save_tiny(d / "tiny-2layers", num_layers=2)}
+
+
+def _assert_metrics(stderr):
+    assert "acceptance rate" in stderr and "mean accepted tokens per step" in stderr, stderr[-2000:]
+    assert "per-position acceptance [" in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--drafter", "prompt_lookup", "--pld_max_ngram", "2"],
+    ["--drafter", "layer_skip", "--draft_layers", "2", "--num_spec_tokens", "2"],
+    ["--drafter", "draft_model", "--draft_model", "two_layers"],
+], ids=["prompt_lookup", "layer_skip", "draft_model"])
+def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
+    extra = [draft_dirs.get(a, a) for a in extra]
+    r = run(GENERATE, "--prompt", "abc abc abc abc", *TINY, "--max_new_tokens", "12", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "12 tokens (length)" in r.stderr
+    assert "excluded" in r.stderr  # compilation happens before generation and is reported apart
+    _assert_metrics(r.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--drafter", "prompt_lookup", "--num_spec_tokens", "16"], "larger than the largest bucket"),
+    (["--drafter", "prompt_lookup", "--num_spec_tokens", "3"], "not a bucket"),
+    (["--drafter", "prompt_lookup", "--num_spec_tokens", "3", "--k_buckets", "0,1,2"],
+     "larger than the largest bucket"),
+    (["--drafter", "prompt_lookup", "--k_buckets", "1,2,4"], "must include 0"),
+    (["--drafter", "prompt_lookup", "--pld_min_ngram", "3", "--pld_max_ngram", "2"], "min_ngram <= max_ngram"),
+    (["--drafter", "layer_skip"], "--draft_layers must be in 1..3"),  # default 8 > 3
+    (["--drafter", "layer_skip", "--draft_layers", "4"], "--draft_layers must be in 1..3"),
+    (["--drafter", "layer_skip", "--draft_layers", "0"], "--draft_layers must be >= 1"),
+    (["--drafter", "draft_model"], "needs --draft_model"),
+    (["--drafter", "draft_model", "--draft_model", "other_vocab"], "vocabulary size 300"),
+    (["--drafter", "prompt_lookup", "--top_p", "0"], "top_p must be in (0, 1]"),
+])
+def test_bad_spec_input_gives_one_line_error(args, message, draft_dirs):
+    args = [draft_dirs.get(a, a) for a in args]
+    r = run(GENERATE, "--prompt", "hi", *TINY, *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+
+
+def test_jsonl_with_drafter_reports_metrics(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps({"id": str(i), "prompt": "ab " * (i + 2)}) for i in range(3)) + "\n"
+                   + json.dumps({"id": "bad", "prompt": ""}) + "\n")
+    r = run(GENERATE, "--input_jsonl", str(inp), "--output_jsonl", str(out), *TINY, "--max_new_tokens", "6",
+            "--drafter", "prompt_lookup", "--batch_size", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert len(recs) == 4 and "empty prompt" in recs["bad"]["error"]
+    assert all(recs[str(i)]["num_tokens"] == 6 for i in range(3))
+    _assert_metrics(r.stderr.strip().splitlines()[-1])
+
+
+CATS = ["writing", "math", "rag"]
+
+
+def _questions(path):
+    qs = [
+        {"question_id": 1, "category": "writing", "turns": ["hello hello hello world", "second turn ignored"]},
+        {"question_id": 2, "category": "writing", "turns": ["abc abc abc abc"]},
+        {"question_id": 3, "category": "writing", "turns": ["dropped by --per_category 2"]},
+        {"question_id": 4, "category": "math", "turns": ["1+1=2, 2+2=4, 3+3="]},
+        {"question_id": 5, "category": "rag", "turns": ["the cat sat on the mat; the cat sat on the"]},
+        {"question_id": 6, "category": "rag", "turns": ["x" * 80]},  # > --max_prompt_tokens 60: skipped
+    ]
+    path.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
+    return str(path)
+
+
+def test_bench_on_tiny_model(tmp_path):
+    js, md, bm = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "BENCHMARKS.md"
+    bm.write_text("# Benchmarks\n\nearlier section kept\n")
+    r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",
+            "--max_new_tokens", "16", "--draft_layers", "2", "--max_prompt_tokens", "60",
+            "--json_out", str(js), "--markdown_out", str(md), "--benchmarks_md", str(bm))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(js.read_text())
+    assert [e["category"] for e in res["summary"]] == CATS + ["overall"]
+    assert res["num_mismatches"] == 0 and "MISMATCH" not in r.stderr
+    assert res["timing"]["compile_events_during_timing"] == 0
+    assert res["num_skipped"] == 1 and res["skipped"][0]["category"] == "rag"
+    assert "SKIPPED rag/6" in r.stderr
+    over = res["summary"][-1]
+    assert over["prompts"] == 4 and over["skipped"] == 1
+    for d in ("prompt_lookup", "layer_skip"):
+        x = over["drafters"][d]
+        assert x["speedup"] > 0 and x["mean_accepted_tokens"] >= 1.0 and x["mismatches"] == 0
+    assert all(p["ar"]["new_tokens"] == 16 for p in res["prompts"])
+    table = md.read_text()
+    for c in CATS + ["**overall**", "prompt_lookup speedup", "layer_skip acc. tok/step"]:
+        assert c in table
+    assert table.strip().splitlines()[2] in r.stdout  # the same table goes to stdout
+    doc = bm.read_text()
+    assert "earlier section kept" in doc and table.strip() in doc and "--per_category 2" in doc
+    assert doc.count("spec-bench:begin") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--question_file", "/nonexistent/question.jsonl"], "question file not found"),
+    (["--categories", "nosuch"], "unknown categories"),
+    (["--drafters", "prompt_lookup,medusa"], "unknown drafters"),
+    (["--num_spec_tokens", "16"], "larger than the largest bucket"),
+    (["--hf_python", "/nonexistent/python"], "is not an executable file"),
+])
+def test_bench_bad_input_gives_one_line_error(args, message, tmp_path):
+    base = ["--question_file", _questions(tmp_path / "q.jsonl"), "--nochat"]
+    r = run(BENCH, *TINY, *base, *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
