@@ -72,7 +72,7 @@ class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
                  draft: DraftSpec = DraftSpec(), draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
                  batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", shrink_to_proposal: bool = True):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         if draft.kind == "model":
             require(draft.cfg is not None, "a model drafter needs its config")
@@ -91,6 +91,7 @@ class SpecGenerator:
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
         self.attention_impl = attention_impl
+        self.shrink_to_proposal = shrink_to_proposal
         self._steps: dict = {}
         self._prefills: dict = {}
         self.warm = False
@@ -214,17 +215,27 @@ class SpecGenerator:
             emit(b, [pending[b]])
             # The pending token continues the history: the first drafts must follow it.
             self.drafter.extend(b, generated[b])
-        step = self._step_exec(B, K, S, greedy_only)
         host = self.draft.kind != "model"
+        # Host drafters: K is a ceiling. Each step runs the smallest precompiled bucket that
+        # holds the longest proposal in the batch (K=0 when nobody proposes), because a
+        # verify block costs more than a decode step even when its drafts are padding.
+        usable = [k for k in self.k_buckets if k <= K] if (host and self.shrink_to_proposal) else [K]
         while not done.all():
-            draft_tokens = np.zeros((B, max(K, 1)), np.int32)
-            num_draft = np.zeros(B, np.int32)
+            drafts: dict[int, np.ndarray] = {}
             if host and K > 0:
                 for b in range(n):
                     if not done[b]:
                         d = self.drafter.propose(b, K)
-                        draft_tokens[b, : len(d)] = d
-                        num_draft[b] = len(d)
+                        if len(d):
+                            drafts[b] = d
+            longest = max((len(d) for d in drafts.values()), default=0)
+            k_step = next(k for k in usable if k >= longest) if host else K
+            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
+            num_draft = np.zeros(B, np.int32)
+            for b, d in drafts.items():
+                draft_tokens[b, : len(d)] = d
+                num_draft[b] = len(d)
+            step = self._step_exec(B, k_step, S, greedy_only)
             active = ~done
             state, o = step(self.params, self.dparams, state, jax.device_put(draft_tokens), jax.device_put(num_draft),
                             jax.device_put(active), samp)

@@ -1,0 +1,102 @@
+"""Cost of one speculative step vs one autoregressive decode step (the verify-cost curve).
+
+  python benchmarks/step_cost.py --context 64,512,1024 --ks 0,1,2,4,8 [--draft_layers 8]
+
+For each committed context length and each K, times the compiled ``spec_step`` (host drafter,
+greedy, batch 1; the drafts are random tokens, acceptance does not change the cost) and the
+autoregressive ``decode_step`` at the same context, and prints ms per call and the ratio.
+A speculative step that accepts ``a`` tokens on average (bonus included) beats AR when
+``a > cost(K) / cost(AR)``: the ratio column is that break-even mean accepted length.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
+flags.DEFINE_list("context", ["64", "512", "1024"], "Committed context lengths.")
+flags.DEFINE_list("ks", ["0", "1", "2", "4", "8"], "K values.")
+flags.DEFINE_integer("slots", 2048, "Cache slots.")
+flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
+flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
+
+
+def _median_ms(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return 1e3 * ts[len(ts) // 2]
+
+
+def main(argv):
+    import jax
+    import numpy as np
+
+    from specjax import cache as kv
+    from specjax.engine.step import DraftSpec, spec_prefill_jit, spec_step_jit
+    from specjax.generate import decode_step
+    from specjax.models.loader import load_model
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    m = load_model(FLAGS.model)
+    cfg, params = m.cfg, m.params
+    S = FLAGS.slots
+    samp = SamplingArrays.build([SamplingParams()], 1)
+    rng = np.random.default_rng(0)
+    drafts = [DraftSpec()] + ([DraftSpec(kind="model", cfg=cfg, num_layers=FLAGS.draft_layers)]
+                              if FLAGS.draft_layers else [])
+    print(f"{cfg.name}, batch 1, greedy, {S} slots; ms per call (median of {FLAGS.reps})")
+    print("| context | drafter | K | step ms | AR decode ms | step / AR |")
+    print("|---|---|---|---|---|---|")
+    for ctx in map(int, FLAGS.context):
+        toks = jax.device_put(rng.integers(0, cfg.vocab_size, (1, ctx), dtype=np.int32))
+        lens = jax.device_put(np.array([ctx], np.int32))
+
+        def fresh_lens():
+            return jax.device_put(np.array([ctx], np.int32))
+        for draft in drafts:
+            state0 = spec_prefill_jit(params, params, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
+                                      greedy_only=True)
+            ar_cache = state0.cache
+            tok = jax.device_put(np.zeros(1, np.int32))
+            act = jax.device_put(np.ones(1, bool))
+
+            def ar():
+                nonlocal ar_cache
+                c, t = decode_step(params, ar_cache, tok, act, samp, cfg=cfg, greedy_only=True)
+                jax.block_until_ready(t)
+                ar_cache = kv.set_lengths(c, fresh_lens())  # stay at the same context (a new buffer: donated)
+
+            ar_ms = _median_ms(ar, FLAGS.reps)
+            for K in map(int, FLAGS.ks):
+                state = spec_prefill_jit(params, params, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
+                                         greedy_only=True)
+                dt = jax.device_put(rng.integers(0, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
+                nd = jax.device_put(np.array([K], np.int32))
+
+                def step():
+                    nonlocal state
+                    st, o = spec_step_jit(params, params, state, dt, nd, act, samp, cfg=cfg, K=K, draft=draft,
+                                          greedy_only=True)
+                    jax.block_until_ready(o.tokens)
+                    state = st.__class__(cache=kv.set_lengths(st.cache, fresh_lens()), dcache=st.dcache, prev=st.prev,
+                                         pending=st.pending)
+
+                ms = _median_ms(step, FLAGS.reps)
+                name = "host" if draft.kind == "host" else f"layer_skip{draft.num_layers}"
+                print(f"| {ctx} | {name} | {K} | {ms:.1f} | {ar_ms:.1f} | {ms / ar_ms:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
