@@ -9,6 +9,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from specjax.config import get_model_config
@@ -130,6 +131,41 @@ def test_greedy_equals_autoregressive(spec_gens, ar_greedy, drafter, B, K):
                 assert len(h) > len(PROMPTS[B][b]), "drafting before the pending token is in the history"
                 assert h == full[: len(h)], "the drafter's history is not prompt + generated tokens"
             assert [len(h) for h in seen[b]] == sorted(len(h) for h in seen[b])
+
+
+class ScriptedDrafter(NoDrafter):
+    """Proposes 0, 1, 3, 0, 1, 3, ... arbitrary tokens (mostly rejected: exercises rollback)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, row, k):
+        n = (0, 1, 3)[self.calls % 3]
+        self.calls += 1
+        return np.full(min(n, k), 77, np.int32)
+
+
+def test_host_step_shrinks_to_the_proposal(tiny, ar_greedy):
+    """A host drafter's K is a ceiling: each step runs the smallest compiled bucket holding the
+    proposal (0 drafts -> the K=0 step, 3 drafts -> K=4), and the output stays lossless."""
+    cfg, params = tiny
+    gen = SpecGenerator(cfg, params, drafter=ScriptedDrafter(), batch_buckets=BATCH_BUCKETS, k_buckets=K_BUCKETS,
+                        slot_buckets=SLOTS)
+    used = []
+    real = gen._step_exec
+
+    def spy(B, K, S, greedy_only):
+        used.append(K)
+        return real(B, K, S, greedy_only)
+
+    gen._step_exec = spy
+    res = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
+    assert res[0].tokens == ar_greedy[1][0]
+    assert used[:6] == [0, 1, 4, 0, 1, 4]
+    gen.shrink_to_proposal = False
+    used.clear()
+    assert gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)[0].tokens == ar_greedy[1][0]
+    assert set(used) == {4}
 
 
 def test_full_depth_self_draft_is_always_accepted(tiny):
