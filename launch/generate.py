@@ -61,6 +61,9 @@ def define_flags() -> None:
     flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
     flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
     flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"],
+                      "Attention for decode/verify blocks: xla, or the Pallas tree-attention kernel "
+                      "(kernels_pallas/; GPU/TPU; on CPU it runs in interpret mode, for testing only).")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
@@ -130,7 +133,7 @@ def spec_slot_buckets(cfg) -> tuple[int, ...]:
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model: str | None = None,
                          draft_layers: int = 8, pld_min_ngram: int = 1, pld_max_ngram: int = 3,
-                         dtype: str = "float32", draft=None):
+                         dtype: str = "float32", draft=None, attention_impl: str = "xla"):
     """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel). ``draft``: an already
     loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings."""
@@ -143,7 +146,7 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model:
 
     cfg = model.cfg
     kw = dict(eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets, slot_buckets=spec_slot_buckets(cfg),
-              batch_buckets=bk.DEFAULT_BATCH_BUCKETS)
+              batch_buckets=bk.DEFAULT_BATCH_BUCKETS, attention_impl=attention_impl)
     if drafter == "prompt_lookup":
         return SpecGenerator(cfg, model.params,
                              drafter=PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram)), **kw)
@@ -358,14 +361,15 @@ def main(argv):
               f"in {model.load_seconds:.1f} s]", file=sys.stderr)
         stats = None
         if FLAGS.drafter == "none":
-            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
+            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
+                            attention_impl=FLAGS.attention_impl)
         else:
             from specjax.spec_generate import SpecStats
 
             gen = build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
                                        draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers,
                                        pld_min_ngram=FLAGS.pld_min_ngram, pld_max_ngram=FLAGS.pld_max_ngram,
-                                       dtype=FLAGS.dtype)
+                                       dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
             stats = SpecStats()
         if FLAGS.prompt is not None:
             run_single(model, gen, stats)
