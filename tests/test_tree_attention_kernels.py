@@ -187,3 +187,15 @@ def test_kernel_under_jit_with_traced_mask():
     ref = tree_attention_reference(x["q"], x["k_blk"], x["v_blk"], x["k_cache"][0], x["v_cache"][0], x["lengths"],
                                    x["block_mask"])
     np.testing.assert_allclose(np.asarray(f(**x)), np.asarray(ref), atol=1e-5)
+
+
+def test_tile_choice_and_autotune():
+    from kernels_pallas.tree_attention import autotune_block_kv, pick_block_kv
+
+    assert pick_block_kv(256, "gpu") == 64 and pick_block_kv(48, "gpu") == 16 and pick_block_kv(384, "tpu") == 128
+    rng = np.random.default_rng(6)
+    x = _inputs(rng, 1, 3, 2, 1, 16, 64, 1, jnp.float32, [50], "chain")
+    best, timings = autotune_block_kv(
+        lambda bk: tree_attention(**x, layer=0, backend="gpu", interpret=True, block_kv=bk), 64, "gpu", reps=1,
+        candidates=(64, 32, 48))
+    assert set(timings) == {64, 32} and best in timings

@@ -20,26 +20,15 @@ from kernels_pallas.tree_attention.gpu import tree_attention_gpu
 from kernels_pallas.tree_attention.masks import chain_mask, check_tree_mask, mask_from_parents
 from kernels_pallas.tree_attention.reference import tree_attention_reference
 from kernels_pallas.tree_attention.tpu import tree_attention_tpu
+from kernels_pallas.tree_attention.tuning import autotune_block_kv, pick_block_kv
 
 __all__ = ["tree_attention", "tree_attention_reference", "check_tree_mask", "mask_from_parents", "chain_mask",
-           "MAX_TREE_TOKENS", "pick_block_kv"]
+           "MAX_TREE_TOKENS", "pick_block_kv", "autotune_block_kv"]
 
 # The largest tree (or chain) a compiled kernel variant takes. The packed query tile is
 # N * G rows; 64 nodes x 8 query heads per KV head = 512 rows is as large as one program's
 # registers/VMEM comfortably hold. Larger blocks (prefill) use the XLA path.
 MAX_TREE_TOKENS = 64
-
-_BLOCK_KV_CHOICES = {"gpu": (64, 32, 16), "tpu": (512, 256, 128), "reference": (1,)}
-
-
-def pick_block_kv(num_slots: int, backend: str) -> int:
-    """Largest tuned prefix tile that divides the cache's slot count (tiles never straddle
-    the end of the cache, so no bounds masks are needed on loads)."""
-    for bk in _BLOCK_KV_CHOICES[backend]:
-        if num_slots % bk == 0:
-            return bk
-    raise ValueError(f"cache slots ({num_slots}) must be a multiple of {_BLOCK_KV_CHOICES[backend][-1]} "
-                     f"for the {backend} tree-attention kernel")
 
 
 def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
