@@ -11,27 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from specjax.tree import ancestor_mask
+
 
 def mask_from_parents(parents) -> np.ndarray:
-    """Ancestor mask [N, N] (or [B, N, N] for [B, N] parents) from a parents array.
-
-    parents[0] must be -1 (the root); parents[i] must be in [0, i) for i > 0."""
-    p = np.asarray(parents)
-    if p.ndim == 2:
-        return np.stack([mask_from_parents(row) for row in p])
-    if p.ndim != 1 or p.size == 0:
-        raise ValueError(f"parents must be a non-empty [N] or [B, N] array, got shape {p.shape}")
-    n = p.size
-    if p[0] != -1:
-        raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {p[0]}")
-    mask = np.zeros((n, n), bool)
-    mask[0, 0] = True
-    for i in range(1, n):
-        if not 0 <= p[i] < i:
-            raise ValueError(f"parents[{i}] = {p[i]}: a parent must come before its child (0 <= parent < {i})")
-        mask[i] = mask[p[i]]
-        mask[i, i] = True
-    return mask
+    """Ancestor mask [N, N] (or [B, N, N] for [B, N] parents) from a parents array
+    (parents[0] = -1, 0 <= parents[i] < i); the one definition lives in specjax.tree."""
+    return ancestor_mask(parents)
 
 
 def chain_mask(n: int) -> np.ndarray:
