@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buckets as bk
+from specjax import tree
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
-from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit
+from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
 from specjax.errors import SpecjaxError, require
 from specjax.generate import GenerationResult, validate_request
 from specjax.sampling import SamplingArrays, SamplingParams
@@ -92,6 +93,9 @@ class SpecGenerator:
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
         self.attention_impl = attention_impl
         self.shrink_to_proposal = shrink_to_proposal
+        # A host drafter with propose_tree() proposes token trees (verified by spec_tree_step);
+        # a chain is the path tree, and N = K + 1 nodes reuses the K buckets.
+        self.tree_mode = draft.kind != "model" and hasattr(self.drafter, "propose_tree")
         self._steps: dict = {}
         self._prefills: dict = {}
         self.warm = False
@@ -131,6 +135,20 @@ class SpecGenerator:
                 greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
         return self._steps[key]
 
+    def _tree_step_exec(self, B, K, S, greedy_only):
+        key = (B, "tree", K, S, greedy_only)
+        if key not in self._steps:
+            if self.warm:
+                raise SpecjaxError(f"no precompiled tree step for batch {B}, {K} draft nodes, slots {S}")
+            state = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, greedy_only, compile_if_missing=True).out_info
+            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
+            ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
+            self._steps[key] = spec_tree_step_jit.lower(
+                self.params, self.dparams, state, ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
+                jax.ShapeDtypeStruct((B,), jnp.bool_), samp, cfg=self.cfg, N=K + 1, greedy_only=greedy_only,
+                attention_impl=self.attention_impl).compile()
+        return self._steps[key]
+
     def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None) -> float:
@@ -143,7 +161,7 @@ class SpecGenerator:
                         if Tp <= S:
                             self._prefill_exec(B, Tp, S, g, compile_if_missing=True)
                     for K in k_buckets or self.k_buckets:
-                        self._step_exec(B, K, S, g)
+                        (self._tree_step_exec if self.tree_mode else self._step_exec)(B, K, S, g)
         self.warm = True
         return time.perf_counter() - t0
 
@@ -221,6 +239,9 @@ class SpecGenerator:
         # verify block costs more than a decode step even when its drafts are padding.
         usable = [k for k in self.k_buckets if k <= K] if (host and self.shrink_to_proposal) else [K]
         while not done.all():
+            if self.tree_mode:
+                state = self._tree_round(state, B, K, S, n, samp, greedy_only, usable, done, emit, generated, stats)
+                continue
             drafts: dict[int, np.ndarray] = {}
             if host and K > 0:
                 for b in range(n):
@@ -253,3 +274,40 @@ class SpecGenerator:
         for b in range(n):
             self.drafter.finish(b)
         return [GenerationResult(generated[b], reason[b], int(lens[b]), t1 - t0, t2 - t1) for b in range(n)]
+
+    def _tree_round(self, state, B, K, S, n, samp, greedy_only, usable, done, emit, generated, stats):
+        """One step with token-tree proposals (drafter.propose_tree(row, max_nodes) ->
+        (parents, tokens) over the draft nodes, parent -1 = the root). Returns the new state."""
+        trees = {}
+        if K > 0:
+            for b in range(n):
+                if not done[b]:
+                    parents, toks = self.drafter.propose_tree(b, K)
+                    if len(toks):
+                        trees[b] = (np.asarray(parents, np.int32), np.asarray(toks, np.int32))
+        longest = max((len(t[1]) for t in trees.values()), default=0)
+        k_step = next(k for k in usable if k >= longest)
+        parents = np.zeros((B, k_step + 1), np.int32)
+        parents[:, 0] = -1
+        tokens = np.zeros((B, k_step + 1), np.int32)
+        valid = np.zeros((B, k_step + 1), bool)
+        for b, (par, toks) in trees.items():
+            m = len(toks)
+            parents[b, 1:m + 1] = par + 1  # draft node i is tree node i + 1; -1 (root) becomes 0
+            tokens[b, 1:m + 1] = toks
+            valid[b, 1:m + 1] = True
+        for b in trees:  # a drafter bug must fail loudly here, not corrupt the cache on device
+            tree.validate_parents(parents[b])
+        active = ~done
+        step = self._tree_step_exec(B, k_step, S, greedy_only)
+        state, o = step(self.params, self.dparams, state, jax.device_put(tokens), jax.device_put(parents),
+                        jax.device_put(valid), jax.device_put(active), samp)
+        toks_out, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
+        for b in range(n):
+            if not active[b]:
+                continue
+            before = len(generated[b])
+            emit(b, toks_out[b, : n_acc[b] + 1])
+            stats.record(int(nd[b]), int(n_acc[b]), len(generated[b]) - before)
+            self.drafter.extend(b, generated[b][before:])
+        return state

@@ -31,6 +31,7 @@ from specjax.config import ModelConfig
 from specjax.models import llama
 from specjax.sampling import SamplingArrays, probs_from_logits, sample
 from specjax.verify import SALT_DRAFT, stream_keys, verify_chain, _sample_rows
+from specjax.verify_tree import verify_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,53 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     return new_state, StepOutput(tokens=tokens, n_accepted=n, num_draft=num_draft)
 
 
+def tree_mask_and_depth(parents):
+    """Ancestor mask [B, N, N] and depths [B, N] of per-row trees (parents [B, N], topological,
+    parents[:, 0] = -1), built on device so the host only ships the parents array."""
+    B, N = parents.shape
+    eye = jnp.eye(N, dtype=bool)
+
+    def body(i, c):
+        m, d = c
+        par = jnp.maximum(parents[:, i], 0)
+        row = jnp.take_along_axis(m, par[:, None, None], axis=1)[:, 0] | eye[i][None, :]
+        m = jax.lax.dynamic_update_slice_in_dim(m, row[:, None, :], i, axis=1)
+        d = jax.lax.dynamic_update_slice_in_dim(d, (jnp.take_along_axis(d, par[:, None], axis=1) + 1), i, axis=1)
+        return m, d
+
+    m0 = jnp.broadcast_to(eye[0], (B, 1, N))
+    m0 = jnp.concatenate([m0, jnp.zeros((B, N - 1, N), bool)], axis=1)
+    return jax.lax.fori_loop(1, N, body, (m0, jnp.zeros((B, N), jnp.int32)))
+
+
+def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node_valid, active, samp: SamplingArrays,
+                   *, cfg: ModelConfig, N: int, greedy_only: bool, attention_impl: str = "xla"):
+    """One step with a host-proposed token tree of N nodes per row (node 0 = the pending token;
+    tree_tokens[:, 0] is ignored). The tree runs at positions ``lengths + depth`` under its
+    ancestor mask, is verified (verify_tree), and the accepted path's K/V entries are moved
+    to contiguous slots before the length advances. Returns (state, StepOutput) with
+    ``tokens[B, N]`` = accepted drafts then the correction/bonus."""
+    del dparams  # host drafters only
+    cache = state.cache
+    B = state.pending.shape[0]
+    tokens = tree_tokens.at[:, 0].set(state.pending)
+    node_valid = node_valid & active[:, None]
+    mask, depth = tree_mask_and_depth(parents)
+    pos = cache.lengths[:, None] + depth
+    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, attention_impl=attention_impl)
+    path, out, n, valid = verify_tree(logits, tokens, parents, node_valid, samp, cache.lengths + 1, None, greedy_only)
+    # Accepted node path[i] was written at slot lengths + path[i]; it belongs at lengths + i.
+    cache = kv.gather_block(cache, path, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
+                            valid & (path != jnp.arange(N)[None, :]))
+    cache = kv.advance(cache, jnp.where(active, n + 1, 0))
+    last = jnp.take_along_axis(path, n[:, None], axis=1)[:, 0]
+    prev = jnp.where(active, jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0], state.prev)
+    pending = jnp.where(active, jnp.take_along_axis(out, n[:, None], axis=1)[:, 0], state.pending)
+    num_draft = jnp.sum(node_valid[:, 1:], axis=1).astype(jnp.int32)
+    return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput(
+        tokens=out, n_accepted=n, num_draft=num_draft)
+
+
 def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int,
                  draft: DraftSpec, greedy_only: bool, attention_impl: str = "xla") -> StepState:
     """Prompts [B, Tp] (row b valid up to n_valid[b] >= 1) into fresh target (and draft) caches."""
@@ -142,4 +190,6 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, cfg:
 
 _STATIC = ("cfg", "K", "draft", "greedy_only", "attention_impl")
 spec_step_jit = jax.jit(spec_step, static_argnames=_STATIC, donate_argnames=("state",))
+spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("cfg", "N", "greedy_only", "attention_impl"),
+                             donate_argnames=("state",))
 spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("cfg", "slots", "draft", "greedy_only", "attention_impl"))
