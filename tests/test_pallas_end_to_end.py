@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from specjax.config import get_model_config
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.engine.step import DraftSpec
 from specjax.generate import Generator
@@ -16,12 +15,6 @@ from specjax.spec_generate import SpecGenerator
 PROMPTS = [[30] * 8, [42, 7, 99], [11, 12] * 6]
 MAX_NEW = 16
 KW = dict(batch_buckets=(1, 4), k_buckets=(0, 1, 4), slot_buckets=(256,), attention_impl="pallas")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = get_model_config("tiny-random")
-    return cfg, llama.init_random_params(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.config import get_model_config
 from specjax.drafters.base import NoDrafter
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.engine.step import DraftSpec
@@ -41,12 +40,6 @@ class RecordingLookup(PromptLookupDrafter):
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = get_model_config("tiny-random")
-    return cfg, llama.init_random_params(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import logging
 import numpy as np
 import pytest
 
-from specjax.config import get_model_config
 from specjax.errors import SpecjaxError
 from specjax.generate import Generator
-from specjax.models import llama
 from specjax.spec_generate import SpecGenerator, SpecStats
 
 PROMPTS = [[30] * 8, [42, 7, 99], [11, 12] * 6]
@@ -75,12 +73,6 @@ class RandomTreeDrafter(OracleTreeDrafter):
         m = int(self.rng.integers(0, k + 1))
         parents = [int(self.rng.integers(-1, i)) for i in range(m)]
         return np.asarray(parents, np.int32), self.rng.integers(0, self.vocab, m).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = get_model_config("tiny-random")
-    return cfg, llama.init_random_params(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")
