@@ -239,27 +239,12 @@ class SpecGenerator:
         # verify block costs more than a decode step even when its drafts are padding.
         usable = [k for k in self.k_buckets if k <= K] if (host and self.shrink_to_proposal) else [K]
         while not done.all():
-            if self.tree_mode:
-                state = self._tree_round(state, B, K, S, n, samp, greedy_only, usable, done, emit, generated, stats)
-                continue
-            drafts: dict[int, np.ndarray] = {}
-            if host and K > 0:
-                for b in range(n):
-                    if not done[b]:
-                        d = self.drafter.propose(b, K)
-                        if len(d):
-                            drafts[b] = d
-            longest = max((len(d) for d in drafts.values()), default=0)
-            k_step = next(k for k in usable if k >= longest) if host else K
-            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-            num_draft = np.zeros(B, np.int32)
-            for b, d in drafts.items():
-                draft_tokens[b, : len(d)] = d
-                num_draft[b] = len(d)
-            step = self._step_exec(B, k_step, S, greedy_only)
             active = ~done
-            state, o = step(self.params, self.dparams, state, jax.device_put(draft_tokens), jax.device_put(num_draft),
-                            jax.device_put(active), samp)
+            if self.tree_mode:
+                step, inputs = self._tree_proposal(B, K, S, n, greedy_only, usable, done)
+            else:
+                step, inputs = self._chain_proposal(B, K, S, n, greedy_only, usable, done, host)
+            state, o = step(self.params, self.dparams, state, *inputs, jax.device_put(active), samp)
             toks_out, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
             for b in range(n):
                 if not active[b]:
@@ -275,9 +260,28 @@ class SpecGenerator:
             self.drafter.finish(b)
         return [GenerationResult(generated[b], reason[b], int(lens[b]), t1 - t0, t2 - t1) for b in range(n)]
 
-    def _tree_round(self, state, B, K, S, n, samp, greedy_only, usable, done, emit, generated, stats):
-        """One step with token-tree proposals (drafter.propose_tree(row, max_nodes) ->
-        (parents, tokens) over the draft nodes, parent -1 = the root). Returns the new state."""
+    def _chain_proposal(self, B, K, S, n, greedy_only, usable, done, host):
+        """The step executable and its draft inputs (draft_tokens, num_draft) for a chain step."""
+        drafts: dict[int, np.ndarray] = {}
+        if host and K > 0:
+            for b in range(n):
+                if not done[b]:
+                    d = self.drafter.propose(b, K)
+                    if len(d):
+                        drafts[b] = d
+        longest = max((len(d) for d in drafts.values()), default=0)
+        k_step = next(k for k in usable if k >= longest) if host else K
+        draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
+        num_draft = np.zeros(B, np.int32)
+        for b, d in drafts.items():
+            draft_tokens[b, : len(d)] = d
+            num_draft[b] = len(d)
+        return self._step_exec(B, k_step, S, greedy_only), (jax.device_put(draft_tokens), jax.device_put(num_draft))
+
+    def _tree_proposal(self, B, K, S, n, greedy_only, usable, done):
+        """The step executable and its inputs (tokens, parents, valid) for a token-tree step.
+        drafter.propose_tree(row, max_nodes) -> (parents, tokens) over the draft nodes, with
+        parent -1 = the root."""
         trees = {}
         if K > 0:
             for b in range(n):
@@ -296,18 +300,6 @@ class SpecGenerator:
             parents[b, 1:m + 1] = par + 1  # draft node i is tree node i + 1; -1 (root) becomes 0
             tokens[b, 1:m + 1] = toks
             valid[b, 1:m + 1] = True
-        for b in trees:  # a drafter bug must fail loudly here, not corrupt the cache on device
-            tree.validate_parents(parents[b])
-        active = ~done
-        step = self._tree_step_exec(B, k_step, S, greedy_only)
-        state, o = step(self.params, self.dparams, state, jax.device_put(tokens), jax.device_put(parents),
-                        jax.device_put(valid), jax.device_put(active), samp)
-        toks_out, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
-        for b in range(n):
-            if not active[b]:
-                continue
-            before = len(generated[b])
-            emit(b, toks_out[b, : n_acc[b] + 1])
-            stats.record(int(nd[b]), int(n_acc[b]), len(generated[b]) - before)
-            self.drafter.extend(b, generated[b][before:])
-        return state
+            tree.validate_parents(parents[b])  # a drafter bug must fail loudly here, not corrupt the cache
+        return self._tree_step_exec(B, k_step, S, greedy_only), tuple(
+            jax.device_put(a) for a in (tokens, parents, valid))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from markov_tables import P_TABLE, Q_TABLE, V, X0
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.verify import SALT_ACCEPT, SALT_RESIDUAL, _sample_rows, stream_keys, verify_chain
 
@@ -27,8 +28,6 @@ try:
 except ImportError:  # pragma: no cover - scipy is in the test venv; keep a fallback anyway
     _scipy_chi2 = None
 
-V = 6
-X0 = 2  # the row's last token before generation (the first block's "pending")
 N_GEN = 3  # compare the joint distribution of the first three generated tokens
 N = 120_000  # rows per simulation
 P_ALPHA = 0.01  # a correct rule must pass at this level
@@ -48,16 +47,6 @@ def test_chi2_sf_sanity():
     assert abs(float(jax.scipy.special.gammaincc(5.0, 23.209251158954356 / 2)) - 0.01) < 1e-5
 
 
-def _tables():
-    rng = np.random.default_rng(1234)
-    P = (1.0 * rng.standard_normal((V, V))).astype(np.float32)
-    Q = (1.3 * rng.standard_normal((V, V))).astype(np.float32)
-    # Make the draft deliberately imperfect but related on a few rows (realistic acceptance mix).
-    Q[::2] = 0.5 * Q[::2] + 0.5 * P[::2]
-    return P, Q
-
-
-P_TABLE, Q_TABLE = _tables()
 
 
 def samp_arrays(params, seeds):

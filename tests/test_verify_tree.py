@@ -21,6 +21,7 @@ import pytest
 from scipy.stats import chi2
 
 from specjax import tree
+from markov_tables import P_TABLE, Q_TABLE, V, X0
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.verify import verify_chain
 from specjax.verify_tree import _sampled_row, verify_tree
@@ -106,21 +107,10 @@ def test_greedy_path_tree_equals_chain_verification():
 
 # ---------------------------------------------------------------- stochastic (statistical)
 
-V = 6
-X0 = 2
 N_GEN = 3
 ROWS = 120_000
 
 
-def _tables():
-    rng = np.random.default_rng(1234)
-    P = (1.0 * rng.standard_normal((V, V))).astype(np.float32)
-    Q = (1.3 * rng.standard_normal((V, V))).astype(np.float32)
-    Q[::2] = 0.5 * Q[::2] + 0.5 * P[::2]
-    return P, Q
-
-
-P_TABLE, Q_TABLE = _tables()
 
 SAMPLED, SHARED, STAR = 0, 1, 2
 PARENTS = {SAMPLED: [-1, 0, 0, 0, 1, 2, 3], SHARED: [-1, 0, 0, 0, 1, 2, 3], STAR: [-1, 0, 0, 0, 0, 0, 0]}

@@ -12,7 +12,6 @@ it is slow). Inputs are validated with clear errors before anything is traced.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.tree_attention import layout
@@ -99,6 +98,6 @@ def tree_attention(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, *, la
     kb, vb = kb.astype(k_cache.dtype), vb.astype(v_cache.dtype)
     q_rows = q_rows.astype(k_cache.dtype)
     run = tree_attention_gpu if backend == "gpu" else tree_attention_tpu
-    o_rows = run(jnp.asarray(lengths, jnp.int32), q_rows, kb, vb, bias, k_cache, v_cache, layer, block_kv=bk,
+    o_rows = run(lengths, q_rows, kb, vb, bias, k_cache, v_cache, layer, block_kv=bk,
                  interpret=interpret)
     return layout.unpack(o_rows, N, H).astype(q.dtype)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kernels_pallas.tree_attention.reference import NEG_INF
+
 MIN_TILE = 16
 
 
