@@ -95,7 +95,8 @@ class SpecGenerator:
         self.shrink_to_proposal = shrink_to_proposal
         # A host drafter with propose_tree() proposes token trees (verified by spec_tree_step);
         # a chain is the path tree, and N = K + 1 nodes reuses the K buckets.
-        self.tree_mode = draft.kind != "model" and hasattr(self.drafter, "propose_tree")
+        self.tree_mode = draft.kind != "model" and bool(
+            getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
         self._steps: dict = {}
         self._prefills: dict = {}
         self.warm = False

@@ -1,0 +1,162 @@
+"""SuffixDecoding drafter: a global suffix tree over past outputs plus a per-request tree.
+
+Per request (batch row), a local trie holds the prompt and the live output; one
+global trie holds the outputs of finished requests (optionally preloaded from a
+log of past outputs) and is updated as each request finishes, evicting the
+oldest outputs beyond a count or a memory bound. Every step both tries propose
+their best draft over all match lengths (Algorithm 1 of the paper, see
+`kernels.speculate`) and the higher score wins.
+
+Matching is incremental: the local trie's own bookkeeping already knows which
+suffixes of the sequence repeat (`active_cursors`), and the global trie's match
+cursors advance one token at a time, rebuilt only after the global trie changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from specjax.drafters.suffix.trie import Cursors, Draft, SuffixTrie
+from specjax.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+    max_depth: int = 64  # suffix-tree depth cap (longest pattern + continuation stored)
+    alpha: float = 1.0  # MAX_SPEC = alpha * match length (+ offset), capped by max_spec and K
+    offset: float = 0.0
+    min_prob: float = 0.1  # drop draft nodes whose estimated acceptance D(N) is below this
+    tree: bool = True  # token trees (best-first) vs a single path
+    max_spec: int = 64  # upper bound on draft tokens per step (the K bucket bounds it too)
+    max_pattern: int = 0  # longest match length tried; 0 = max_depth - 1
+    max_cached_requests: int = 100_000  # outputs kept in the global tree; -1 unlimited, 0 = no global tree
+    max_cached_mb: float = 1024.0  # memory bound of the global tree (its live content)
+    use_local: bool = True  # also speculate from the request's own prompt and output
+
+    def __post_init__(self):
+        require(1 <= self.max_depth <= 1024, f"suffix max_depth must be in [1, 1024], got {self.max_depth}")
+        require(self.alpha > 0, f"suffix alpha (max spec factor) must be > 0, got {self.alpha}")
+        require(0.0 <= self.min_prob <= 1.0, f"suffix min_prob must be in [0, 1], got {self.min_prob}")
+        require(self.max_spec >= 1, f"suffix max_spec must be >= 1, got {self.max_spec}")
+        require(self.max_pattern >= 0, f"suffix max_pattern must be >= 0, got {self.max_pattern}")
+        require(self.max_cached_requests >= -1, "suffix max_cached_requests must be -1 (unlimited) or >= 0")
+        require(self.max_cached_mb > 0, f"suffix max_cached_mb must be > 0, got {self.max_cached_mb}")
+
+
+class _Row:
+    __slots__ = ("local", "sid", "history", "prompt_len", "gcur", "last")
+
+    def __init__(self, max_depth: int):
+        self.local = SuffixTrie(max_depth)
+        self.sid = self.local.add()
+        self.history: list[int] = []
+        self.prompt_len = 0
+        self.gcur: Cursors | None = None
+        self.last = Draft.empty()
+
+
+class SuffixDrafter:
+    """Host drafter (start / extend / propose / propose_tree / finish per batch row)."""
+
+    def __init__(self, config: SuffixConfig = SuffixConfig(), history: Iterable[Sequence[int]] = ()):
+        self.config = config
+        self.global_trie = SuffixTrie(config.max_depth, initial_nodes=4096)
+        self._rows: dict[int, _Row] = {}
+        self.evicted = 0
+        for out in history:
+            self.add_output(out)
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.config.tree
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, row: int, tokens: Sequence[int]) -> None:
+        r = _Row(self.config.max_depth)
+        self._rows[row] = r
+        toks = [int(t) for t in tokens]
+        r.prompt_len = len(toks)
+        self._append(r, toks)
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        self._append(self._get(row), [int(t) for t in tokens])
+
+    def finish(self, row: int) -> None:
+        """The request is over: its output joins the global tree (then eviction)."""
+        r = self._rows.pop(row, None)
+        if r is not None:
+            self.add_output(r.history[r.prompt_len:])
+
+    def add_output(self, tokens: Sequence[int]) -> None:
+        """Cache one finished output in the global tree (also used to preload from logs)."""
+        cfg = self.config
+        if cfg.max_cached_requests == 0 or len(tokens) == 0:
+            return
+        g = self.global_trie
+        g.add(tokens)
+        limit = cfg.max_cached_mb * 2 ** 20
+        while g.num_sequences > 1 and (
+                (cfg.max_cached_requests > 0 and g.num_sequences > cfg.max_cached_requests)
+                or g.used_bytes() > limit):
+            g.remove(g.oldest())
+            self.evicted += 1
+
+    # ------------------------------------------------------------------ drafting
+
+    def draft(self, row: int, max_spec: int, tree: bool | None = None) -> Draft:
+        """The best draft of both trees for this row (highest score, then longer match)."""
+        cfg = self.config
+        r = self._get(row)
+        tree = cfg.tree if tree is None else tree
+        m = min(max_spec, cfg.max_spec)
+        best = Draft.empty()
+        if m <= 0:
+            r.last = best
+            return best
+        kw = dict(max_spec=m, alpha=cfg.alpha, offset=cfg.offset, min_prob=cfg.min_prob, tree=tree,
+                  max_pattern=cfg.max_pattern or None)
+        g = self.global_trie
+        if g.num_tokens:
+            if r.gcur is None or r.gcur.version != g.version:
+                r.gcur = g.cursors(r.history[-cfg.max_depth:])
+            best = g.speculate_cursors(r.gcur, **kw)
+        if cfg.use_local:
+            d = r.local.speculate_cursors(r.local.active_cursors(), **kw)
+            if (d.score, d.match_len) > (best.score, best.match_len):
+                best = d
+        r.last = best
+        return best
+
+    def propose(self, row: int, k: int) -> np.ndarray:
+        """Path-mode draft tokens (a chain)."""
+        return self.draft(row, k, tree=False).tokens
+
+    def propose_tree(self, row: int, max_nodes: int):
+        """(parents, tokens) of the draft tree; parent -1 is the last token of the history."""
+        d = self.draft(row, max_nodes)
+        return d.parents, d.tokens
+
+    def last_draft(self, row: int) -> Draft:
+        return self._get(row).last
+
+    # ------------------------------------------------------------------ internals
+
+    def _append(self, r: _Row, toks: list[int]) -> None:
+        if not toks:
+            return
+        r.history.extend(toks)
+        r.local.extend(r.sid, toks)
+        g = self.global_trie
+        if r.gcur is not None and r.gcur.version == g.version:
+            r.gcur.step(toks)
+        else:
+            r.gcur = None  # rebuilt lazily at the next draft
+
+    def _get(self, row: int) -> _Row:
+        r = self._rows.get(row)
+        require(r is not None, f"suffix drafter row {row} has no active request (call start first)")
+        return r

@@ -1,0 +1,55 @@
+"""Hybrid SuffixDecoding: use the suffix draft when its score is high enough, else another drafter.
+
+SCORE(T) estimates the expected number of accepted tokens of the suffix draft, so
+the paper's rule is: if SCORE > tau use it, otherwise fall back. tau near the
+fallback's mean accepted tokens suits mixed workloads; tau = 0 means suffix
+whenever it has anything. The fallback here is any host drafter (prompt lookup);
+a device drafter (draft model, layer skip) as fallback is not built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.drafters.suffix.drafter import SuffixDrafter
+from specjax.errors import require
+
+
+class HybridDrafter:
+    def __init__(self, suffix: SuffixDrafter, fallback, tau: float = 1.0):
+        require(tau >= 0, f"hybrid tau must be >= 0, got {tau}")
+        require(not getattr(fallback, "proposes_trees", False), "the hybrid fallback must propose chains")
+        self.suffix, self.fallback, self.tau = suffix, fallback, float(tau)
+        self.used = {"suffix": 0, "fallback": 0}  # steps that drafted from each source
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.suffix.proposes_trees
+
+    def start(self, row, tokens):
+        self.suffix.start(row, tokens)
+        self.fallback.start(row, tokens)
+
+    def extend(self, row, tokens):
+        self.suffix.extend(row, tokens)
+        self.fallback.extend(row, tokens)
+
+    def finish(self, row):
+        self.suffix.finish(row)
+        self.fallback.finish(row)
+
+    def _pick(self, row, k, tree):
+        d = self.suffix.draft(row, k, tree=tree)
+        if len(d) and d.score > self.tau:
+            self.used["suffix"] += 1
+            return d.parents, d.tokens
+        toks = np.asarray(self.fallback.propose(row, k), np.int32)
+        if len(toks):
+            self.used["fallback"] += 1
+        return np.arange(-1, len(toks) - 1, dtype=np.int32), toks  # a chain
+
+    def propose(self, row, k):
+        return self._pick(row, k, tree=False)[1]
+
+    def propose_tree(self, row, max_nodes):
+        return self._pick(row, max_nodes, tree=None)
