@@ -78,7 +78,8 @@ flags.DEFINE_integer("max_prompt_tokens", 2048, "Skip (and count) prompts longer
 flags.DEFINE_string("json_out", None, "Write all results (config, per-prompt rows, table) as JSON here.")
 flags.DEFINE_string("markdown_out", None, "Write the markdown table here.")
 flags.DEFINE_string("benchmarks_md", None, "Also put the run (command, table, notes) into this BENCHMARKS.md, "
-                    "replacing the section between the spec-bench markers (appended if absent).")
+                    "replacing the section between the --benchmarks_md_section markers (appended if absent).")
+flags.DEFINE_string("benchmarks_md_section", "spec-bench", "Marker name of the BENCHMARKS.md section to replace.")
 flags.DEFINE_bool("fail_on_mismatch", False, "Exit with status 1 if any drafter output differs from AR.")
 flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers + gguf: adds the HF "
                     "greedy vs HF prompt-lookup peer column (GGUF models only).")
@@ -294,12 +295,10 @@ def markdown_table(summary, drafters, hf: bool) -> str:
 # ---------------------------------------------------------------- runs
 
 
-BEGIN_MARK = "<!-- spec-bench:begin (written by launch/bench.py --benchmarks_md) -->"
-END_MARK = "<!-- spec-bench:end -->"
-
-
-def update_benchmarks_md(path: str, section: str) -> None:
-    """Replace the marked Spec-Bench section of ``path`` (or append one), leaving the rest as is."""
+def update_benchmarks_md(path: str, section: str, name: str = "spec-bench") -> None:
+    """Replace the section marked ``name`` in ``path`` (or append one), leaving the rest as is."""
+    BEGIN_MARK = f"<!-- {name}:begin (written by launch/bench.py --benchmarks_md) -->"
+    END_MARK = f"<!-- {name}:end -->"
     text = open(path, encoding="utf-8").read() if os.path.isfile(path) else "# Benchmarks\n"
     block = f"{BEGIN_MARK}\n{section.rstrip()}\n{END_MARK}"
     i, j = text.find(BEGIN_MARK), text.find(END_MARK)
@@ -372,8 +371,12 @@ def validate_flags():
         raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
     k_buckets = lg.parse_k_buckets(FLAGS.k_buckets)
     lg.check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
-    if "prompt_lookup" in drafters:
+    if "prompt_lookup" in drafters or "hybrid" in drafters:
         lg.prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
+    if set(drafters) & set(lg.SUFFIX_DRAFTERS):
+        lg.suffix_config_from_flags(FLAGS.num_spec_tokens)
+        if FLAGS.suffix_tau < 0:
+            raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
     if FLAGS.hf_python:
         if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
             raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
@@ -440,7 +443,8 @@ def bench() -> int:
     ar = Generator(cfg, model.params, eos_ids=tok.eos_ids)
     specs = {d: lg.build_spec_generator(model, d, k=K, k_buckets=k_buckets, draft_model=FLAGS.draft_model,
                                         draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
-                                        pld_max_ngram=FLAGS.pld_max_ngram, dtype=FLAGS.dtype, draft=draft)
+                                        pld_max_ngram=FLAGS.pld_max_ngram, dtype=FLAGS.dtype, draft=draft,
+                                        **lg.suffix_kwargs(model, d, K))
              for d in drafters}
     counter = CompileCounter()
     mnt = FLAGS.max_new_tokens
@@ -454,6 +458,10 @@ def bench() -> int:
     for g in specs.values():
         g.generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats())
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
+    for g in specs.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
+        for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
+            if hasattr(dr, "clear_cache"):
+                dr.clear_cache()
     print("[warm-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()) + "; timing starts now]",
           file=sys.stderr)
 
@@ -530,7 +538,8 @@ def bench() -> int:
         with open(FLAGS.markdown_out, "w") as f:
             f.write(md)
     if FLAGS.benchmarks_md:
-        update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}")
+        update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}",
+                             FLAGS.benchmarks_md_section)
     if FLAGS.json_out:
         for r in rows:
             for d in drafters:

@@ -11,6 +11,14 @@ Drafters (``--drafter``):
   prompt_lookup  n-gram copy drafting on the host (``--pld_min_ngram`` / ``--pld_max_ngram``)
   draft_model    an independent draft model sharing the target's vocabulary (``--draft_model``)
   layer_skip     self-drafting with the target's first ``--draft_layers`` layers
+  suffix         SuffixDecoding: suffix trees over the prompt, the live output and past outputs
+                 (``--suffix_*`` knobs; ``--suffix_tree`` token trees vs ``--nosuffix_tree`` paths;
+                 ``--suffix_history_jsonl`` preloads the global tree from past outputs)
+  suffix_path    suffix with single-path drafts whatever ``--suffix_tree`` says (to compare both in one bench)
+  hybrid         suffix when its score > ``--suffix_tau``, else prompt lookup
+
+For suffix/hybrid, K (``--num_spec_tokens``) is the draft-node budget per step, e.g.
+``--num_spec_tokens 16 --k_buckets 0,1,2,4,8,16``.
 
 Speculative runs use ``SpecGenerator`` with ``--num_spec_tokens`` K drafts per step; K must be
 one of ``--k_buckets`` (the precompiled K variants, which also size the cache headroom).
@@ -40,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip")
+DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip", "suffix", "suffix_path", "hybrid")
+SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
 SPEC_DRAFTERS = DRAFTERS[1:]
 
 
@@ -54,6 +63,18 @@ def define_spec_flags() -> None:
                          "(1..num_layers-1).")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
+    flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
+                         "tokens per step; 0 = K.")
+    flags.DEFINE_integer("suffix_max_depth", 64, "suffix/hybrid: suffix-tree depth cap.")
+    flags.DEFINE_float("suffix_alpha", 1.0, "suffix/hybrid: max spec factor; draft budget = alpha * match length.")
+    flags.DEFINE_float("suffix_min_prob", 0.1, "suffix/hybrid: drop draft nodes with estimated acceptance below this.")
+    flags.DEFINE_bool("suffix_tree", True, "suffix/hybrid: draft token trees (--nosuffix_tree: single paths).")
+    flags.DEFINE_float("suffix_tau", 1.0, "hybrid: use the suffix draft when its score > tau, else prompt lookup.")
+    flags.DEFINE_integer("suffix_cache_requests", 100000, "suffix/hybrid: past outputs kept in the global tree "
+                         "(-1 unlimited, 0 = no global tree).")
+    flags.DEFINE_float("suffix_cache_mb", 1024.0, "suffix/hybrid: memory bound of the global tree (MiB).")
+    flags.DEFINE_string("suffix_history_jsonl", None, "suffix/hybrid: JSONL of past outputs to preload the global "
+                        "tree (each line has 'output_ids' (token ids) or 'output' (text)).")
 
 
 def define_flags() -> None:
@@ -111,11 +132,55 @@ def check_num_spec_tokens(k: int, k_buckets) -> None:
                            "use one of them or add it")
 
 
-def prompt_lookup_config(k: int, min_ngram: int, max_ngram: int):
-    """Validated before the model load (raises SpecjaxError on bad n-gram bounds)."""
+def prompt_lookup_config(k: int, min_ngram: int, max_ngram: int, max_draft: int | None = None):
+    """Validated before the model load (raises SpecjaxError on bad n-gram bounds). max_draft:
+    None reads --pld_max_draft when flags are parsed; 0 means K."""
     from specjax.drafters.prompt_lookup import PromptLookupConfig
 
-    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=max(k, 1))
+    if max_draft is None:
+        max_draft = FLAGS.pld_max_draft if FLAGS.is_parsed() and "pld_max_draft" in FLAGS else 0
+    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=min(max_draft or k, max(k, 1)))
+
+
+def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, cache_requests=100000,
+                  cache_mb=1024.0):
+    """Validated before the model load (raises SpecjaxError on bad knobs)."""
+    from specjax.drafters.suffix import SuffixConfig
+
+    return SuffixConfig(max_depth=max_depth, alpha=alpha, min_prob=min_prob, tree=tree, max_spec=max(k, 1),
+                        max_cached_requests=cache_requests, max_cached_mb=cache_mb)
+
+
+def suffix_config_from_flags(k: int):
+    return suffix_config(k, max_depth=FLAGS.suffix_max_depth, alpha=FLAGS.suffix_alpha,
+                         min_prob=FLAGS.suffix_min_prob, tree=FLAGS.suffix_tree,
+                         cache_requests=FLAGS.suffix_cache_requests, cache_mb=FLAGS.suffix_cache_mb)
+
+
+def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
+    """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
+    import json
+
+    from specjax.errors import SpecjaxError
+
+    if not os.path.isfile(path):
+        raise SpecjaxError(f"--suffix_history_jsonl {path} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecjaxError(f"{path}:{i}: not JSON ({e.msg})") from None
+            ids = rec.get("output_ids") if isinstance(rec, dict) else None
+            if ids is None and isinstance(rec, dict) and isinstance(rec.get("output"), str):
+                ids = tokenizer.encode(rec["output"])
+            if not (isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)):
+                raise SpecjaxError(f"{path}:{i}: needs 'output_ids' (non-negative ints) or 'output' (text)")
+            out.append(ids)
+    return out
 
 
 def spec_slot_buckets(cfg) -> tuple[int, ...]:
@@ -133,10 +198,12 @@ def spec_slot_buckets(cfg) -> tuple[int, ...]:
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model: str | None = None,
                          draft_layers: int = 8, pld_min_ngram: int = 1, pld_max_ngram: int = 3,
-                         dtype: str = "float32", draft=None, attention_impl: str = "xla"):
+                         dtype: str = "float32", draft=None, attention_impl: str = "xla", suffix=None,
+                         suffix_tau: float = 1.0, suffix_history=()):
     """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel). ``draft``: an already
     loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
-    bad settings."""
+    bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
+    past outputs (token lists) preloaded into the global suffix tree."""
     from specjax import buckets as bk
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
     from specjax.engine.step import DraftSpec
@@ -150,6 +217,21 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model:
     if drafter == "prompt_lookup":
         return SpecGenerator(cfg, model.params,
                              drafter=PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram)), **kw)
+    if drafter in SUFFIX_DRAFTERS:
+        import dataclasses
+
+        from specjax.drafters.suffix import HybridDrafter, SuffixDrafter
+
+        scfg = suffix or suffix_config(k)
+        if drafter == "suffix_path":
+            scfg = dataclasses.replace(scfg, tree=False)
+        sd = SuffixDrafter(scfg, history=suffix_history)
+        if drafter == "hybrid":
+            pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram))
+            if suffix_tau < 0:
+                raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
+            sd = HybridDrafter(sd, pld, tau=suffix_tau)
+        return SpecGenerator(cfg, model.params, drafter=sd, **kw)
     if drafter == "layer_skip":
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
@@ -283,6 +365,7 @@ def run_jsonl(model, gen, stats=None) -> None:
                 for (rec, _, _, _), res in zip(items, results):
                     n_tok += len(res.tokens)
                     out.write({"id": rec.id, "prompt": rec.prompt, "output": tok.decode(res.tokens),
+                               "output_ids": [int(t) for t in res.tokens],
                                "num_prompt_tokens": res.prompt_len, "num_tokens": len(res.tokens),
                                "finish_reason": res.finish_reason})
                     bar.update(1)
@@ -313,6 +396,14 @@ def run_jsonl(model, gen, stats=None) -> None:
               f"{format_spec_stats(stats)}", file=sys.stderr)
 
 
+def suffix_kwargs(model, drafter: str, k: int) -> dict:
+    """build_spec_generator's suffix arguments from the flags (empty for other drafters)."""
+    if drafter not in SUFFIX_DRAFTERS:
+        return {}
+    hist = load_suffix_history(FLAGS.suffix_history_jsonl, model.tokenizer) if FLAGS.suffix_history_jsonl else ()
+    return dict(suffix=suffix_config_from_flags(k), suffix_tau=FLAGS.suffix_tau, suffix_history=hist)
+
+
 def _validate_spec_flags():
     """Spec flag checks that need no model (run before the slow load). Returns k_buckets."""
     from specjax.errors import SpecjaxError
@@ -328,6 +419,14 @@ def _validate_spec_flags():
     check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
     if FLAGS.drafter == "prompt_lookup":
         prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
+    if FLAGS.drafter in SUFFIX_DRAFTERS:
+        suffix_config_from_flags(FLAGS.num_spec_tokens)
+        if FLAGS.suffix_tau < 0:
+            raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
+        if FLAGS.drafter == "hybrid":
+            prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
+    if FLAGS.suffix_history_jsonl and FLAGS.drafter not in SUFFIX_DRAFTERS:
+        raise SpecjaxError("--suffix_history_jsonl is only used with --drafter suffix or hybrid")
     if FLAGS.drafter == "layer_skip" and FLAGS.draft_layers < 1:
         raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
     return k_buckets
@@ -369,7 +468,8 @@ def main(argv):
             gen = build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
                                        draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers,
                                        pld_min_ngram=FLAGS.pld_min_ngram, pld_max_ngram=FLAGS.pld_max_ngram,
-                                       dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+                                       dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl,
+                                       **suffix_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
             stats = SpecStats()
         if FLAGS.prompt is not None:
             run_single(model, gen, stats)

@@ -66,6 +66,10 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     (["--drafter", "draft_model"], "needs --draft_model"),
     (["--drafter", "draft_model", "--draft_model", "other_vocab"], "vocabulary size 300"),
     (["--drafter", "prompt_lookup", "--top_p", "0"], "top_p must be in (0, 1]"),
+    (["--drafter", "suffix", "--suffix_min_prob", "1.5"], "min_prob must be in [0, 1]"),
+    (["--drafter", "hybrid", "--suffix_tau", "-1"], "--suffix_tau must be >= 0"),
+    (["--drafter", "suffix", "--suffix_history_jsonl", "/nonexistent.jsonl"], "does not exist"),
+    (["--drafter", "prompt_lookup", "--suffix_history_jsonl", "x.jsonl"], "only used with --drafter suffix"),
 ])
 def test_bad_spec_input_gives_one_line_error(args, message, draft_dirs):
     args = [draft_dirs.get(a, a) for a in args]
@@ -74,6 +78,20 @@ def test_bad_spec_input_gives_one_line_error(args, message, draft_dirs):
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+
+
+def test_hybrid_with_preloaded_history(tmp_path):
+    hist = tmp_path / "hist.jsonl"
+    hist.write_text(json.dumps({"output_ids": [97, 98, 99, 32] * 5}) + "\n" + json.dumps({"output": "abc abc"}) + "\n")
+    r = run(GENERATE, "--prompt", "abc abc abc abc", *TINY, "--max_new_tokens", "12", "--drafter", "hybrid",
+            "--num_spec_tokens", "8", "--suffix_history_jsonl", str(hist))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "12 tokens (length)" in r.stderr
+    _assert_metrics(r.stderr)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"output_ids": [1, -2]}) + "\n")
+    r = run(GENERATE, "--prompt", "abc", *TINY, "--drafter", "suffix", "--suffix_history_jsonl", str(bad))
+    assert r.returncode == 2 and "bad.jsonl:1: needs 'output_ids'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_jsonl_with_drafter_reports_metrics(tmp_path):
@@ -110,7 +128,7 @@ def test_bench_on_tiny_model(tmp_path):
     bm.write_text("# Benchmarks\n\nearlier section kept\n")
     r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",
             "--max_new_tokens", "16", "--draft_layers", "2", "--max_prompt_tokens", "60",
-            "--json_out", str(js), "--markdown_out", str(md), "--benchmarks_md", str(bm))
+            "--drafters", "prompt_lookup,layer_skip,suffix", "--num_spec_tokens", "8", "--json_out", str(js), "--markdown_out", str(md), "--benchmarks_md", str(bm))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(js.read_text())
     assert [e["category"] for e in res["summary"]] == CATS + ["overall"]
@@ -120,7 +138,7 @@ def test_bench_on_tiny_model(tmp_path):
     assert "SKIPPED rag/6" in r.stderr
     over = res["summary"][-1]
     assert over["prompts"] == 4 and over["skipped"] == 1
-    for d in ("prompt_lookup", "layer_skip"):
+    for d in ("prompt_lookup", "layer_skip", "suffix"):
         x = over["drafters"][d]
         assert x["speedup"] > 0 and x["mean_accepted_tokens"] >= 1.0 and x["mismatches"] == 0
     assert all(p["ar"]["new_tokens"] == 16 for p in res["prompts"])

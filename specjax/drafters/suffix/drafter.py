@@ -105,6 +105,12 @@ class SuffixDrafter:
             g.remove(g.oldest())
             self.evicted += 1
 
+    def clear_cache(self) -> None:
+        """Empty the global tree (e.g. after a warm-up run whose output must not be reused)."""
+        self.global_trie = SuffixTrie(self.config.max_depth, initial_nodes=4096)
+        for r in self._rows.values():
+            r.gcur = None
+
     # ------------------------------------------------------------------ drafting
 
     def draft(self, row: int, max_spec: int, tree: bool | None = None) -> Draft:
