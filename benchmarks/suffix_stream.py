@@ -71,7 +71,7 @@ def replay(drafter, prompt, out, k, tree=True):
 
 def load_run(spec: str, tok, system=None):
     bench_json, qfile = spec.split(":", 1)
-    rows = json.load(open(bench_json))["rows"]
+    rows = json.load(open(bench_json))["prompts"]
     texts = {}
     with open(qfile, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -161,7 +161,8 @@ def main():
         x = np.arange(len(per_req))
         for name, style in (("suffix", "-"), ("suffix_local_only", ":"), ("prompt_lookup", "--")):
             y = np.array([r[name] for r in per_req])
-            ax.plot(x, np.convolve(y, np.ones(3) / 3, mode="same"), style, label=f"{name} (3-request mean)")
+            trailing = np.array([y[max(0, i - 2): i + 1].mean() for i in range(len(y))])
+            ax.plot(x, trailing, style, label=f"{name} (mean of the last 3 requests)")
         for lo, hi in blocks:
             ax.axvline(lo - 0.5, color="grey", lw=0.5)
             ax.text((lo + hi - 1) / 2, 0.98, per_req[lo]["category"][:10], rotation=90,
@@ -169,7 +170,7 @@ def main():
         ax.set_xlabel("request in stream")
         ax.set_ylabel("mean accepted tokens / step")
         ax.set_title("SuffixDecoding on a task-switching stream (SmolLM2-135M, greedy replay)")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.8), fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)
     if a.json_out:

@@ -53,9 +53,12 @@ def test_suffix_greedy_equals_ar_and_learns_from_outputs(tiny, ar, kind, caplog)
 
 def test_suffix_tree_sampling_runs(tiny):
     cfg, params = tiny
-    gen = SpecGenerator(cfg, params, drafter=_drafter("tree"), **KW)
+    # Preloaded global tree (history), so sampled rows verify suffix trees from both trees.
+    drafter = SuffixDrafter(SuffixConfig(max_depth=32, alpha=2.0, min_prob=0.05), history=[p * 3 for p in PROMPTS])
+    gen = SpecGenerator(cfg, params, drafter=drafter, **KW)
     samp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(3)]
-    out = gen.generate(PROMPTS, sampling=samp, max_new_tokens=MAX_NEW, num_spec_tokens=8)
-    again = gen.generate(PROMPTS, sampling=samp, max_new_tokens=MAX_NEW, num_spec_tokens=8)
-    for r in out + again:
+    stats = SpecStats()
+    out = gen.generate(PROMPTS, sampling=samp, max_new_tokens=MAX_NEW, num_spec_tokens=8, stats=stats)
+    for r in out:
         assert len(r.tokens) == MAX_NEW and all(0 <= t < cfg.vocab_size for t in r.tokens)
+    assert stats.drafted > 0

@@ -497,6 +497,13 @@ def step_cursors(nodes, hkeys, hvals, store, seqs, cur_u, cur_e, n, tok, max_dep
 
 
 @_jit
+def step_cursors_many(nodes, hkeys, hvals, store, seqs, cur_u, cur_e, n, toks, max_depth):
+    for t in toks:
+        n = step_cursors(nodes, hkeys, hvals, store, seqs, cur_u, cur_e, n, t, max_depth)
+    return n
+
+
+@_jit
 def match_all(nodes, hkeys, hvals, store, seqs, ctx, max_depth, cur_u, cur_e):
     """Cursors of every suffix of ctx (length <= max_depth) that occurs, deepest first."""
     L = ctx.shape[0]

@@ -46,25 +46,28 @@ def _as_int32(tokens) -> np.ndarray:
     return a if a.dtype == np.int32 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int32)
 
 
+_EMPTY_DRAFT = Draft.empty()  # shared: drafts are never mutated
+
+
 class Cursors:
     """Where each suffix of a context sits in one trie (one cursor per match length that occurs).
 
     Advanced token by token with `step`; valid only while the trie is unchanged
     (`version`), after which they must be rebuilt with `SuffixTrie.cursors`."""
 
-    def __init__(self, trie: "SuffixTrie"):
+    def __init__(self, trie: "SuffixTrie", u=None, e=None, n: int = 0):
         self.trie = trie
         self.version = trie.version
-        self.u = np.zeros(trie.max_depth + 1, np.int32)
-        self.e = np.zeros(trie.max_depth + 1, np.int32)
-        self.n = 0
+        self.u = np.zeros(trie.max_depth + 1, np.int32) if u is None else u
+        self.e = np.zeros(trie.max_depth + 1, np.int32) if e is None else e
+        self.n = n
 
     def step(self, tokens) -> None:
         t = self.trie
-        require(self.version == t.version, "stale suffix cursors: the trie changed since they were made")
-        for tok in tokens:
-            self.n = K.step_cursors(t._nodes, t._hkeys, t._hvals, t._store, t._seqs, self.u, self.e, self.n,
-                                    int(tok), t.max_depth)
+        if self.version != t.version:
+            raise SpecjaxError("stale suffix cursors: the trie changed since they were made")
+        self.n = K.step_cursors_many(t._nodes, t._hkeys, t._hvals, t._store, t._seqs, self.u, self.e, self.n,
+                                     np.asarray(tokens, np.int32), t.max_depth)
 
 
 class SuffixTrie:
@@ -87,6 +90,7 @@ class SuffixTrie:
         self._live: dict[int, None] = {}  # live sequence ids in insertion order (oldest first)
         self._growing = -1  # the only sequence that may still grow
         self._active = np.zeros(self.max_depth + 1, np.int32)
+        self._zeros = np.zeros(self.max_depth + 1, np.int32)
         self._n_active = 0
         self._max_tok = 0
         self.num_tokens = 0  # tokens currently stored (live sequences)
@@ -207,24 +211,26 @@ class SuffixTrie:
 
         For a trie that holds the context itself (the per-request tree), these are exactly the
         suffixes with an earlier occurrence, i.e. every match that has a continuation."""
-        cur = Cursors(self)
-        cur.n = self._n_active
-        cur.u[: cur.n] = self._active[: cur.n]
-        return cur
+        # A read-only view of the live active list (ext is 0 for all: they are materialised).
+        return Cursors(self, self._active, self._zeros, self._n_active)
 
     def speculate_cursors(self, cur: "Cursors", *, max_spec: int, alpha: float = 1.0, offset: float = 0.0,
                           min_prob: float = 0.1, tree: bool = True, max_pattern: int | None = None) -> Draft:
-        require(cur.version == self.version, "stale suffix cursors: the trie changed since they were made")
+        if cur.version != self.version:
+            raise SpecjaxError("stale suffix cursors: the trie changed since they were made")
         if max_spec <= 0 or cur.n == 0:
-            return Draft.empty()
-        P = min(self.max_depth - 1, max_pattern or self.max_depth)
+            return _EMPTY_DRAFT
+        P = self.max_depth - 1 if not max_pattern else min(self.max_depth - 1, max_pattern)
         tok = np.empty(max_spec, np.int32)
         par = np.empty(max_spec, np.int32)
         prob = np.empty(max_spec, np.float64)
-        n, score, p = K.speculate(self._nodes, self._store, self._seqs, cur.u, cur.e, cur.n, P, int(max_spec),
+        # Fixed scalar types: numba compiles one specialisation per argument-type signature.
+        n, score, p = K.speculate(self._nodes, self._store, self._seqs, cur.u, cur.e, cur.n, P, max_spec,
                                   float(alpha), float(offset), float(min_prob), bool(tree), self.max_depth,
                                   self._max_tok + 2, tok, par, prob)
-        return Draft(tok[:n], par[:n], prob[:n], float(score), int(p))
+        if n == 0:
+            return _EMPTY_DRAFT
+        return Draft(tok[:n], par[:n], prob[:n], score, p)
 
     def dump(self) -> dict[tuple[int, ...], int]:
         """Every stored string (materialised and implicit) with its count; for tests."""
