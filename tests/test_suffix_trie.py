@@ -141,3 +141,19 @@ def test_drafter_learns_from_finished_requests_and_drafts_from_the_prompt():
     parents, tokens = d.propose_tree(1, 3)
     assert tokens.tolist() == [11, 12, 13] and parents.tolist() == [-1, 0, 1]
     assert d.last_draft(1).match_len == 2
+
+
+def test_wide_expansion_matches_brute_force():
+    """Big alphabets, no probability cut and large budgets: hundreds of candidates per expansion
+    (the candidate heap grows past its initial size)."""
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        trie, brute = SuffixTrie(6), BruteSuffixIndex(6)
+        for _ in range(30):
+            s = rng.integers(0, 40, 60).tolist()
+            trie.add(s)
+            brute.add(s)
+        for _ in range(4):
+            ctx = rng.integers(0, 40, 3).tolist()
+            kw = dict(max_spec=60, alpha=30.0, min_prob=0.0, tree=True)
+            assert _draft_tuple(trie.speculate(ctx, **kw)) == tuple(brute.speculate(ctx, **kw))

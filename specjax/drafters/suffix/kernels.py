@@ -356,9 +356,16 @@ def count_children(nodes, u, ext):
 
 
 @_jit
-def _heap_less(hp, hs, i, j):
-    # max-heap on probability; ties: earlier push first
-    return hp[i] > hp[j] or (hp[i] == hp[j] and hs[i] < hs[j])
+def _before(ep, a, b):
+    # heap order of entries a, b: higher probability first, then the earlier push
+    return ep[a] > ep[b] or (ep[a] == ep[b] and a < b)
+
+
+@_jit
+def _grow(a, cap):
+    out = np.empty(cap, a.dtype)
+    out[: a.shape[0]] = a
+    return out
 
 
 @_jit
@@ -388,80 +395,59 @@ def _expand(nodes, store, seqs, u0, e0, budget, min_prob, tree_mode, max_depth,
             n += 1
             u, e, prob = cn, ce, p
         return n, score
-    # Tree mode: heap entries (prob, push seq, node, ext, token, parent draft index).
-    hcap = 64
-    hp = np.empty(hcap, np.float64)
-    hs = np.empty(hcap, np.int64)
-    hn = np.empty(hcap, np.int32)
-    he = np.empty(hcap, np.int32)
-    ht = np.empty(hcap, np.int32)
-    hq = np.empty(hcap, np.int32)
+    # Tree mode: candidates are appended to entry arrays (never moved) and a binary heap orders
+    # their indices by probability; ties go to the earlier push (the lower index).
+    cap = 64
+    ep = np.empty(cap, np.float64)
+    en = np.empty(cap, np.int32)
+    ee = np.empty(cap, np.int32)
+    et = np.empty(cap, np.int32)
+    eq = np.empty(cap, np.int32)
+    heap = np.empty(cap, np.int32)
     size = 0
     pushes = 0
     u, e, prob, par = u0, e0, 1.0, -1
     while True:
         m = _children(nodes, store, seqs, u, e, max_depth, prob, min_prob, ctok, cnode, cext, cprob)
         for j in range(m):
-            p = cprob[j]
-            if size == hcap:
-                hcap *= 2
-                hp2 = np.empty(hcap, np.float64)
-                hs2 = np.empty(hcap, np.int64)
-                hn2 = np.empty(hcap, np.int32)
-                he2 = np.empty(hcap, np.int32)
-                ht2 = np.empty(hcap, np.int32)
-                hq2 = np.empty(hcap, np.int32)
-                hp2[:size] = hp[:size]
-                hs2[:size] = hs[:size]
-                hn2[:size] = hn[:size]
-                he2[:size] = he[:size]
-                ht2[:size] = ht[:size]
-                hq2[:size] = hq[:size]
-                hp, hs, hn, he, ht, hq = hp2, hs2, hn2, he2, ht2, hq2
+            if pushes == cap:
+                cap *= 2
+                ep, en, ee, et = _grow(ep, cap), _grow(en, cap), _grow(ee, cap), _grow(et, cap)
+                eq, heap = _grow(eq, cap), _grow(heap, cap)
+            ep[pushes], en[pushes], ee[pushes], et[pushes], eq[pushes] = cprob[j], cnode[j], cext[j], ctok[j], par
             i = size
+            heap[i] = pushes
             size += 1
-            hp[i], hs[i], hn[i], he[i], ht[i], hq[i] = p, pushes, cnode[j], cext[j], ctok[j], par
             pushes += 1
             while i > 0:  # sift up
                 pi = (i - 1) // 2
-                if not _heap_less(hp, hs, i, pi):
+                if not _before(ep, heap[i], heap[pi]):
                     break
-                hp[i], hp[pi] = hp[pi], hp[i]
-                hs[i], hs[pi] = hs[pi], hs[i]
-                hn[i], hn[pi] = hn[pi], hn[i]
-                he[i], he[pi] = he[pi], he[i]
-                ht[i], ht[pi] = ht[pi], ht[i]
-                hq[i], hq[pi] = hq[pi], hq[i]
+                heap[i], heap[pi] = heap[pi], heap[i]
                 i = pi
         if n >= budget or size == 0:
             break
-        # pop the best
-        prob, u, e = hp[0], hn[0], he[0]
-        out_tok[n] = ht[0]
-        out_par[n] = hq[0]
+        top = heap[0]  # pop the best
+        prob, u, e = ep[top], en[top], ee[top]
+        out_tok[n] = et[top]
+        out_par[n] = eq[top]
         out_prob[n] = prob
         score += prob
         par = n
         n += 1
         size -= 1
         if size > 0:
-            hp[0], hs[0], hn[0], he[0], ht[0], hq[0] = hp[size], hs[size], hn[size], he[size], ht[size], hq[size]
+            heap[0] = heap[size]
             i = 0
-            while True:
-                l = 2 * i + 1
-                if l >= size:
+            while True:  # sift down
+                b = 2 * i + 1
+                if b >= size:
                     break
-                b = l
-                if l + 1 < size and _heap_less(hp, hs, l + 1, l):
-                    b = l + 1
-                if not _heap_less(hp, hs, b, i):
+                if b + 1 < size and _before(ep, heap[b + 1], heap[b]):
+                    b += 1
+                if not _before(ep, heap[b], heap[i]):
                     break
-                hp[i], hp[b] = hp[b], hp[i]
-                hs[i], hs[b] = hs[b], hs[i]
-                hn[i], hn[b] = hn[b], hn[i]
-                he[i], he[b] = he[b], he[i]
-                ht[i], ht[b] = ht[b], ht[i]
-                hq[i], hq[b] = hq[b], hq[i]
+                heap[i], heap[b] = heap[b], heap[i]
                 i = b
         if n >= budget:
             break
