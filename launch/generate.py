@@ -159,28 +159,10 @@ def suffix_config_from_flags(k: int):
 
 def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
     """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
-    import json
+    from specjax.jsonl_io import read_outputs
 
-    from specjax.errors import SpecjaxError
-
-    if not os.path.isfile(path):
-        raise SpecjaxError(f"--suffix_history_jsonl {path} does not exist")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecjaxError(f"{path}:{i}: not JSON ({e.msg})") from None
-            ids = rec.get("output_ids") if isinstance(rec, dict) else None
-            if ids is None and isinstance(rec, dict) and isinstance(rec.get("output"), str):
-                ids = tokenizer.encode(rec["output"])
-            if not (isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)):
-                raise SpecjaxError(f"{path}:{i}: needs 'output_ids' (non-negative ints) or 'output' (text)")
-            out.append(ids)
-    return out
+    return [tokenizer.encode(x) if isinstance(x, str) else x
+            for x in read_outputs(path, flag="--suffix_history_jsonl")]
 
 
 def spec_slot_buckets(cfg) -> tuple[int, ...]:

@@ -11,7 +11,6 @@ structured, templated outputs sit well below open-ended chat.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -27,52 +26,20 @@ flags.DEFINE_string("model", "smollm2-135m", "Tokenizer source for lines that ca
 flags.DEFINE_string("field", None, "Read this text field instead of 'output_ids'/'output'.")
 
 
-def read_outputs(path: str, limit: int, field: str | None):
-    """(token-id lists, texts to tokenize) in file order; bad lines raise SpecjaxError."""
-    from specjax.errors import SpecjaxError
-
-    if not os.path.isfile(path):
-        raise SpecjaxError(f"--input_jsonl {path} does not exist")
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit and len(items) >= limit:
-                break
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecjaxError(f"{path}:{i}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise SpecjaxError(f"{path}:{i}: expected a JSON object")
-            if field:
-                val = rec.get(field)
-                if not isinstance(val, str):
-                    raise SpecjaxError(f"{path}:{i}: no text field {field!r}")
-                items.append(val)
-            elif isinstance(rec.get("output_ids"), list):
-                items.append([int(t) for t in rec["output_ids"]])
-            elif isinstance(rec.get("output"), str):
-                items.append(rec["output"])
-            else:
-                raise SpecjaxError(f"{path}:{i}: needs 'output_ids' or 'output' (or pass --field)")
-    if not items:
-        raise SpecjaxError(f"{path} has no outputs")
-    return items
-
-
 def main(argv):
     del argv
     from specjax.drafters.suffix.entropy import empirical_entropy
     from specjax.errors import SpecjaxError
+    from specjax.jsonl_io import read_outputs
 
     try:
         if not FLAGS.input_jsonl:
             raise SpecjaxError("--input_jsonl is required")
         if FLAGS.limit < 0 or FLAGS.max_depth < 1:
             raise SpecjaxError("--limit must be >= 0 and --max_depth >= 1")
-        items = read_outputs(FLAGS.input_jsonl, FLAGS.limit, FLAGS.field)
+        items = read_outputs(FLAGS.input_jsonl, flag="--input_jsonl", limit=FLAGS.limit, field=FLAGS.field)
+        if not items:
+            raise SpecjaxError(f"{FLAGS.input_jsonl} has no outputs")
         if any(isinstance(x, str) for x in items):
             from specjax.models.loader import load_model
 

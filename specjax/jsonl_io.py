@@ -55,6 +55,41 @@ def parse_line(line: str, lineno: int) -> Record:
     return Record(id=rid, prompt=prompt, overrides=overrides)
 
 
+def read_outputs(path: str, *, flag: str, limit: int = 0, field: str | None = None) -> list:
+    """Model outputs from a JSONL file, in order: a list of token ids per line ('output_ids') or
+    its text ('output', or the text field ``field``) for the caller to tokenize. Unlike job
+    input, a bad line here is fatal: a SpecjaxError naming ``path:line``. ``limit`` > 0 stops
+    after that many outputs; ``flag`` names the file in the not-found message."""
+    if not os.path.isfile(path):
+        raise SpecjaxError(f"{flag} {path} does not exist")
+    items: list = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit and len(items) >= limit:
+                break
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecjaxError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise SpecjaxError(f"{path}:{i}: expected a JSON object")
+            if field:
+                if not isinstance(rec.get(field), str):
+                    raise SpecjaxError(f"{path}:{i}: no text field {field!r}")
+                items.append(rec[field])
+                continue
+            ids = rec.get("output_ids")
+            if isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids):
+                items.append(ids)
+            elif ids is None and isinstance(rec.get("output"), str):
+                items.append(rec["output"])
+            else:
+                raise SpecjaxError(f"{path}:{i}: needs 'output_ids' (non-negative ints) or 'output' (text)")
+    return items
+
+
 def done_ids(path: str) -> set[str]:
     """Ids already written to an output file (a torn last line from a kill is ignored)."""
     ids: set[str] = set()

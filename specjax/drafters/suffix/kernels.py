@@ -344,18 +344,6 @@ def _best_child(nodes, store, seqs, u, ext, max_depth):
 
 
 @_jit
-def count_children(nodes, u, ext):
-    if ext > 0 or nodes[u, RSID] >= 0:
-        return 1
-    m = 0
-    c = nodes[u, FCH]
-    while c >= 0:
-        m += 1
-        c = nodes[c, NSIB]
-    return m
-
-
-@_jit
 def _before(ep, a, b):
     # heap order of entries a, b: higher probability first, then the earlier push
     return ep[a] > ep[b] or (ep[a] == ep[b] and a < b)
