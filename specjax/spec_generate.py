@@ -21,7 +21,8 @@ from specjax import buckets as bk
 from specjax import tree
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
-from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
+from specjax.engine.step import DraftSpec, StepState
+from specjax.engine.table import StepTable
 from specjax.errors import SpecjaxError, require
 from specjax.generate import GenerationResult, validate_request
 from specjax.sampling import SamplingArrays, SamplingParams
@@ -97,58 +98,26 @@ class SpecGenerator:
         # a chain is the path tree, and N = K + 1 nodes reuses the K buckets.
         self.tree_mode = draft.kind != "model" and bool(
             getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
-        self._steps: dict = {}
-        self._prefills: dict = {}
-        self.warm = False
+        self.table = StepTable(cfg, params, self.dparams, draft, attention_impl)
 
     # ------------------------------------------------------------ compilation
 
-    def _abstract_state(self, B: int, S: int):
-        pre = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, True, compile_if_missing=True)
-        return pre.out_info
+    @property
+    def warm(self) -> bool:
+        return self.table.warm
+
+    @warm.setter
+    def warm(self, value: bool) -> None:
+        self.table.warm = value
 
     def _prefill_exec(self, B, Tp, S, greedy_only, compile_if_missing=False):
-        key = (B, Tp, S, greedy_only)
-        if key not in self._prefills:
-            if self.warm and not compile_if_missing:
-                raise SpecjaxError(f"no precompiled prefill for batch {B}, prompt bucket {Tp}, slots {S}; "
-                                   "add it to the warm-up buckets")
-            toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
-            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
-            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
-            self._prefills[key] = spec_prefill_jit.lower(
-                self.params, self.dparams, toks, nv, samp, cfg=self.cfg, slots=S, draft=self.draft,
-                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
-        return self._prefills[key]
+        return self.table.prefill(B, Tp, S, greedy_only, compile_if_missing=compile_if_missing)
 
     def _step_exec(self, B, K, S, greedy_only):
-        key = (B, K, S, greedy_only)
-        if key not in self._steps:
-            if self.warm:
-                raise SpecjaxError(f"no precompiled spec step for batch {B}, K {K}, slots {S}")
-            state = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, greedy_only, compile_if_missing=True).out_info
-            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
-            dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
-            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
-            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
-            self._steps[key] = spec_step_jit.lower(
-                self.params, self.dparams, state, dt, nd, act, samp, cfg=self.cfg, K=K, draft=self.draft,
-                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
-        return self._steps[key]
+        return self.table.step(B, K, S, greedy_only)
 
     def _tree_step_exec(self, B, K, S, greedy_only):
-        key = (B, "tree", K, S, greedy_only)
-        if key not in self._steps:
-            if self.warm:
-                raise SpecjaxError(f"no precompiled tree step for batch {B}, {K} draft nodes, slots {S}")
-            state = self._prefill_exec(B, bk.MIN_PROMPT_BUCKET, S, greedy_only, compile_if_missing=True).out_info
-            samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
-            ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
-            self._steps[key] = spec_tree_step_jit.lower(
-                self.params, self.dparams, state, ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
-                jax.ShapeDtypeStruct((B,), jnp.bool_), samp, cfg=self.cfg, N=K + 1, greedy_only=greedy_only,
-                attention_impl=self.attention_impl).compile()
-        return self._steps[key]
+        return self.table.tree_step(B, K, S, greedy_only)
 
     def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
@@ -273,7 +242,7 @@ class SpecGenerator:
         longest = max((len(d) for d in drafts.values()), default=0)
         k_step = next(k for k in usable if k >= longest) if host else K
         draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-        num_draft = np.zeros(B, np.int32)
+        num_draft = np.zeros(B, np.int32) if host else np.full(B, K, np.int32)  # a draft model drafts K
         for b, d in drafts.items():
             draft_tokens[b, : len(d)] = d
             num_draft[b] = len(d)

@@ -101,7 +101,8 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     dcache = state.dcache
     if K > 0 and draft.kind == "model":
         draft_tokens, q, dcache = _draft_with_model(dparams, state, K, samp, draft, greedy_only)
-        num_draft = jnp.full((B,), K, jnp.int32)
+        # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
+        num_draft = jnp.minimum(num_draft, K)
     num_draft = jnp.where(active, num_draft, 0)
     cache = state.cache
     block = jnp.concatenate([state.pending[:, None], draft_tokens[:, :K]], axis=1)  # [B, K+1]

@@ -1,0 +1,157 @@
+"""Every compiled executable a generator or the serving engine may call, keyed by static shape.
+
+``StepTable`` lowers and compiles on first request until ``warm`` is set; afterwards asking
+for a shape that was not compiled raises (a serving loop must never stall on a compilation).
+Besides prefill and the (chain / tree) spec steps it owns the row operations the continuous
+batching engine needs to keep one batch-bucket state alive while requests come and go:
+
+  insert_rows: scatter a freshly prefilled [Bp] state into rows of the running [B] state
+  take_rows:   gather rows into a state of another bucket (grow or compact the batch)
+  clear_rows:  zero the length of freed rows (a stale long row would make every step's
+               chunked attention read its slots, and keep the next writes in range)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from specjax import buckets as bk
+from specjax import cache as kv
+from specjax.config import ModelConfig
+from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
+from specjax.errors import SpecjaxError
+from specjax.sampling import SamplingArrays
+
+NO_DRAFT = DraftSpec()
+
+
+def _set_rows(dst, src, rows, axis):
+    idx = (slice(None),) * axis + (rows,)
+    return dst.at[idx].set(src.astype(dst.dtype), mode="drop")
+
+
+def _cache_set_rows(dst: kv.KVCache, src: kv.KVCache, rows) -> kv.KVCache:
+    return kv.KVCache(k=_set_rows(dst.k, src.k, rows, 1), v=_set_rows(dst.v, src.v, rows, 1),
+                      lengths=_set_rows(dst.lengths, src.lengths, rows, 0))
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def insert_rows(state: StepState, new: StepState, rows) -> StepState:
+    """rows[j]: destination row of new's row j (>= B drops it: a padding row of the prefill).
+    A ``new`` without a draft cache (prefill with the draft disabled) leaves the draft rows as
+    they are; the step re-derives draft lengths from the target's anyway."""
+    dcache = state.dcache
+    if dcache is not None and new.dcache is not None:
+        dcache = _cache_set_rows(dcache, new.dcache, rows)
+    return StepState(cache=_cache_set_rows(state.cache, new.cache, rows), dcache=dcache,
+                     prev=_set_rows(state.prev, new.prev, rows, 0), pending=_set_rows(state.pending, new.pending, rows, 0))
+
+
+def _cache_take(c: kv.KVCache, idx) -> kv.KVCache:
+    src = jnp.maximum(idx, 0)
+    return kv.KVCache(k=c.k[:, src], v=c.v[:, src], lengths=jnp.where(idx >= 0, c.lengths[src], 0))
+
+
+@jax.jit
+def take_rows(state: StepState, idx) -> StepState:
+    """New state whose row j is old row idx[j] (idx[j] = -1: an empty row of length 0)."""
+    src = jnp.maximum(idx, 0)
+    return StepState(cache=_cache_take(state.cache, idx),
+                     dcache=None if state.dcache is None else _cache_take(state.dcache, idx),
+                     prev=state.prev[src], pending=state.pending[src])
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def clear_rows(state: StepState, free) -> StepState:
+    def clr(c):
+        return None if c is None else kv.set_lengths(c, jnp.where(free, 0, c.lengths))
+
+    return dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache))
+
+
+def _abstract_samp(B):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
+
+
+class StepTable:
+    def __init__(self, cfg: ModelConfig, params, dparams, draft: DraftSpec = NO_DRAFT, attention_impl: str = "xla"):
+        self.cfg = cfg
+        self.params = params
+        self.dparams = dparams
+        self.draft = draft
+        self.attention_impl = attention_impl
+        self._exe: dict = {}
+        self.warm = False
+
+    def _get(self, key, build, what: str, compile_if_missing: bool = False):
+        exe = self._exe.get(key)
+        if exe is None:
+            if self.warm and not compile_if_missing:
+                raise SpecjaxError(f"no precompiled {what}; add it to the warm-up buckets")
+            exe = self._exe[key] = build()
+        return exe
+
+    def __len__(self) -> int:
+        return len(self._exe)
+
+    def prefill(self, B: int, Tp: int, S: int, greedy_only: bool, run_draft: bool = True,
+                compile_if_missing: bool = False):
+        draft = self.draft if run_draft else NO_DRAFT
+
+        def build():
+            toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
+            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
+            return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B), cfg=self.cfg,
+                                          slots=S, draft=draft, greedy_only=greedy_only,
+                                          attention_impl=self.attention_impl).compile()
+
+        return self._get(("prefill", B, Tp, S, greedy_only, run_draft), build,
+                         f"prefill for batch {B}, prompt bucket {Tp}, slots {S}", compile_if_missing)
+
+    def state_info(self, B: int, S: int, run_draft: bool = True):
+        """Abstract StepState of a [B]-row state with S slots."""
+        return self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
+
+    def step(self, B: int, K: int, S: int, greedy_only: bool):
+        def build():
+            dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
+            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
+            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
+            return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                       _abstract_samp(B), cfg=self.cfg, K=K, draft=self.draft, greedy_only=greedy_only,
+                                       attention_impl=self.attention_impl).compile()
+
+        return self._get(("step", B, K, S, greedy_only), build, f"spec step for batch {B}, K {K}, slots {S}")
+
+    def tree_step(self, B: int, K: int, S: int, greedy_only: bool):
+        def build():
+            ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
+            return spec_tree_step_jit.lower(
+                self.params, self.dparams, self.state_info(B, S), ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
+                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), cfg=self.cfg, N=K + 1,
+                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
+
+        return self._get(("tree", B, K, S, greedy_only), build, f"tree step for batch {B}, {K} draft nodes, slots {S}")
+
+    def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
+        def build():
+            rows = jax.ShapeDtypeStruct((Bp,), jnp.int32)
+            return insert_rows.lower(self.state_info(B, S), self.state_info(Bp, S, run_draft), rows).compile()
+
+        return self._get(("insert", B, Bp, S, run_draft), build, f"row insert of {Bp} into batch {B}")
+
+    def take(self, B_from: int, B_to: int, S: int):
+        def build():
+            return take_rows.lower(self.state_info(B_from, S), jax.ShapeDtypeStruct((B_to,), jnp.int32)).compile()
+
+        return self._get(("take", B_from, B_to, S), build, f"batch resize {B_from} -> {B_to}")
+
+    def clear(self, B: int, S: int):
+        def build():
+            return clear_rows.lower(self.state_info(B, S), jax.ShapeDtypeStruct((B,), jnp.bool_)).compile()
+
+        return self._get(("clear", B, S), build, f"row clear for batch {B}")

@@ -1,0 +1,206 @@
+"""The batch execution-time model of SmartSpec (seed 000 §4.3), fitted by least squares.
+
+    T_fwd(M, N_context, N_batched) = a_M * N_context + g_M * N_batched + d_M          (Eq. 7)
+    T_batch = T_draft + T_target,  T_draft = sum over the s draft forwards of T_fwd     (Eqs. 4-6)
+
+What N_context means is a property of the attention implementation, so it is part of the
+model: ``"sum"`` is the paper's (context tokens of all rows: a paged kernel reads exactly
+those); ``"padded"`` is batch bucket x max context rounded up to the chunk (the XLA:CPU chunked
+attention here reads that many slots, padding rows included). N_batched is always the padded
+block: bucket x tokens per row, because a compiled static-shape step computes padding rows too.
+
+The JSON file holds one entry per (model, hardware) key so one file serves several machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCost:
+    """T = alpha * n_context + gamma * n_batched + delta (seconds)."""
+
+    alpha: float = 0.0
+    gamma: float = 0.0
+    delta: float = 0.0
+
+    def __call__(self, n_context: float, n_batched: float) -> float:
+        return self.alpha * n_context + self.gamma * n_batched + self.delta
+
+
+def context_tokens(ctx_lens: Sequence[int], bucket: int, mode: str, chunk: int = 256) -> float:
+    if mode == "sum":
+        return float(np.sum(ctx_lens)) if len(ctx_lens) else 0.0
+    if mode == "padded":
+        m = max(ctx_lens) if len(ctx_lens) else 0
+        return float(bucket * chunk * math.ceil(m / chunk))
+    raise SpecjaxError(f"unknown context mode {mode!r} (expected 'sum' or 'padded')")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """Cost of one engine step and one prefill for a (target, drafter) pair.
+
+    target: T_fwd of the target over the verify block (K + 1 tokens per row).
+    draft: T_fwd of a device draft model (None for host drafters). Its K forwards feed
+      2 tokens per row (re-feed of the last committed and the pending token), then 1 each.
+    host_draft: the constant C of draft-model-free drafting, per step (Eq. 4 with T_draft = C).
+    host_step, host_row: Python/dispatch overhead per step and per running request, which a
+      simulator needs to match a real engine (the paper calibrates its simulator likewise).
+    prefill: T of a prefill over bucket x prompt-bucket tokens (draft prefill included if any).
+    """
+
+    target: LinearCost
+    draft: LinearCost | None = None
+    host_draft: float = 0.0
+    host_step: float = 0.0
+    host_row: float = 0.0
+    prefill: LinearCost = LinearCost()
+    context_mode: str = "sum"
+    chunk: int = 256
+
+    def target_time(self, bucket: int, k: int, ctx_lens: Sequence[int], tokens_per_row: int | None = None) -> float:
+        n = tokens_per_row if tokens_per_row is not None else k + 1
+        return self.target(context_tokens(ctx_lens, bucket, self.context_mode, self.chunk), bucket * n)
+
+    def draft_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
+        if k <= 0:
+            return 0.0
+        if self.draft is None:
+            return self.host_draft
+        ctx = np.asarray(ctx_lens, np.int64)
+        t = 0.0
+        for i in range(k):
+            t += self.draft(context_tokens(ctx + i, bucket, self.context_mode, self.chunk), bucket * (2 if i == 0 else 1))
+        return t
+
+    def step_time(self, bucket: int, k: int, ctx_lens: Sequence[int], n_rows: int | None = None,
+                  tokens_per_row: int | None = None) -> float:
+        """Predicted wall time of one engine step (device + host overhead)."""
+        n = len(ctx_lens) if n_rows is None else n_rows
+        return (self.draft_time(bucket, k, ctx_lens) + self.target_time(bucket, k, ctx_lens, tokens_per_row)
+                + self.host_step + self.host_row * n)
+
+    def device_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
+        return self.draft_time(bucket, k, ctx_lens) + self.target_time(bucket, k, ctx_lens)
+
+    def prefill_time(self, bucket: int, prompt_bucket: int) -> float:
+        return self.prefill(0.0, bucket * prompt_bucket)
+
+    # ------------------------------------------------------------ features for fitting
+
+    def step_features(self, bucket: int, k: int, ctx_lens: Sequence[int], device_draft: bool) -> np.ndarray:
+        """[t_ctx, t_batched, 1, d_ctx, d_batched, d_forwards]: T_step is linear in these with
+        coefficients (target.alpha, target.gamma, target.delta, draft.alpha, draft.gamma, draft.delta)."""
+        f = np.zeros(6)
+        f[0] = context_tokens(ctx_lens, bucket, self.context_mode, self.chunk)
+        f[1] = bucket * (k + 1)
+        f[2] = 1.0
+        if device_draft and k > 0:
+            ctx = np.asarray(ctx_lens, np.int64)
+            for i in range(k):
+                f[3] += context_tokens(ctx + i, bucket, self.context_mode, self.chunk)
+                f[4] += bucket * (2 if i == 0 else 1)
+                f[5] += 1.0
+        return f
+
+    # ------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "StepCostModel":
+        d = dict(d)
+        d["target"] = LinearCost(**d["target"])
+        d["draft"] = LinearCost(**d["draft"]) if d.get("draft") else None
+        d["prefill"] = LinearCost(**d.get("prefill", {}))
+        known = {f.name for f in dataclasses.fields(StepCostModel)}
+        return StepCostModel(**{k: v for k, v in d.items() if k in known})
+
+
+def least_squares(X: np.ndarray, y: np.ndarray, nonneg: bool = True) -> np.ndarray:
+    """Coefficients minimising ||X c - y||^2; with ``nonneg`` a column whose coefficient comes out
+    negative is dropped and the fit redone (active-set NNLS: times never shrink with more work)."""
+    X = np.asarray(X, np.float64)
+    y = np.asarray(y, np.float64)
+    active = np.ones(X.shape[1], bool)
+    active &= np.abs(X).sum(axis=0) > 0  # a feature that is always 0 cannot be identified
+    while True:
+        c = np.zeros(X.shape[1])
+        if active.any():
+            c[active] = np.linalg.lstsq(X[:, active], y, rcond=None)[0]
+        if not nonneg or (c[active] >= 0).all():
+            return c
+        active &= ~(c < 0)
+
+
+def r_squared(y: np.ndarray, pred: np.ndarray) -> float:
+    y = np.asarray(y, np.float64)
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")
+
+
+def fit_linear(n_context: Sequence[float], n_batched: Sequence[float], times: Sequence[float]) -> LinearCost:
+    """Fit Eq. 7 for one model from (N_context, N_batched, T) samples."""
+    X = np.stack([np.asarray(n_context, float), np.asarray(n_batched, float), np.ones(len(times))], axis=1)
+    a, g, d = least_squares(X, np.asarray(times, float))
+    return LinearCost(float(a), float(g), float(d))
+
+
+def fit_step_model(features: np.ndarray, times: np.ndarray, base: StepCostModel) -> StepCostModel:
+    """Fit target and (if any row has draft features) draft coefficients jointly from whole-step
+    timings: T_step = target(f0, f1) + sum of draft forwards (f3, f4, f5)."""
+    c = least_squares(features, times)
+    draft = LinearCost(*map(float, c[3:6])) if np.abs(features[:, 3:]).sum() > 0 else base.draft
+    return dataclasses.replace(base, target=LinearCost(*map(float, c[:3])), draft=draft)
+
+
+def hardware_key() -> str:
+    """'<platform>:<device kind>' of the default JAX backend, e.g. 'cpu:cpu' or 'gpu:NVIDIA H100 80GB HBM3'."""
+    import jax
+
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}"
+
+
+def save_model(path: str, key: str, model: StepCostModel, meta: dict | None = None) -> None:
+    """Store ``model`` under ``key`` in the JSON file at ``path`` (other keys are kept)."""
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[key] = {"model": model.to_dict(), "meta": meta or {}}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_model(path: str, key: str) -> StepCostModel:
+    if not os.path.exists(path):
+        raise SpecjaxError(f"performance-model file {path} does not exist (make one with launch/profile.py)")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SpecjaxError(f"performance-model file {path} is not valid JSON: {e}") from None
+    if key not in data:
+        raise SpecjaxError(f"{path} has no performance model for {key!r} (it has: {', '.join(sorted(data)) or 'none'}); "
+                           "profile this model on this hardware with launch/profile.py")
+    return StepCostModel.from_dict(data[key]["model"])
+
+
+def model_key(target: str, drafter: str, hardware: str) -> str:
+    return f"{target}|{drafter}|{hardware}"

@@ -1,0 +1,519 @@
+"""SmartSpec goodput (seed 000 §4.3-4.4, Algorithms 1-3): expected generated length, acceptance
+estimators, the linear performance model and the K selector. Pure numpy; no model is run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from specjax.errors import SpecjaxError
+from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
+                                        expected_len_from_positions, tree_batched_tokens, tree_expected_len)
+from specjax.goodput.perf_model import (LinearCost, StepCostModel, context_tokens, fit_linear, fit_step_model,
+                                        least_squares, load_model, r_squared, save_model)
+from specjax.goodput.selector import BatchView, DraftPrefillGate, FixedK, GoodputPolicy
+
+N_MC = 200_000
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _geom_sum(alpha: float, k: int) -> float:
+    """sum_{j=0..k} alpha^j, written independently of the closed form under test."""
+    return float(sum(alpha**j for j in range(k + 1)))
+
+
+def _mc_chain(rng, alpha: float, k: int, n: int = N_MC) -> np.ndarray:
+    """Generated tokens of a k-draft chain with i.i.d. Bernoulli(alpha) acceptance: the leading
+    run of accepted drafts, plus the bonus token."""
+    acc = rng.random((n, k)) < alpha
+    return 1 + np.cumprod(acc, axis=1).sum(axis=1)
+
+
+def _mc_tree(rng, alphas, ks, n: int = N_MC) -> np.ndarray:
+    """Generated tokens of a full top-k tree: head i has ks[i] candidates, each accepted w.p.
+    alphas[i] independently; 1 + number of leading heads with at least one accepted candidate."""
+    hits = np.stack([(rng.random((n, k)) < a).any(axis=1) for a, k in zip(alphas, ks)], axis=1)
+    return 1 + np.cumprod(hits, axis=1).sum(axis=1)
+
+
+def _assert_mc(samples: np.ndarray, expected: float, abs_tol: float = 0.02) -> None:
+    se = samples.std() / math.sqrt(samples.size)
+    err = abs(samples.mean() - expected)
+    assert err < 5 * se + 1e-12, (samples.mean(), expected, se)
+    assert err < abs_tol, (samples.mean(), expected)
+
+
+# ----------------------------------------------------------------------------- expected length (Eq. 8)
+
+
+def test_expected_len_edge_cases():
+    for a in (0.0, 0.3, 0.9, 1.0):
+        assert expected_len(a, 0) == 1.0
+    for k in (1, 2, 5, 10):
+        assert expected_len(0.0, k) == 1.0
+        assert expected_len(1.0, k) == float(k + 1)
+        # Out-of-range rates are clamped, and the closed form is continuous at alpha -> 1.
+        assert expected_len(1.5, k) == float(k + 1)
+        assert expected_len(-0.2, k) == 1.0
+        assert expected_len(1 - 1e-9, k) == pytest.approx(k + 1, rel=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 0.5, 0.7, 0.85, 0.99])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_expected_len_geometric_sum(alpha, k):
+    assert expected_len(alpha, k) == pytest.approx(_geom_sum(alpha, k), rel=1e-12)
+
+
+@pytest.mark.parametrize("alpha,k", [(0.2, 3), (0.5, 1), (0.6, 4), (0.8, 5), (0.9, 8)])
+def test_expected_len_matches_monte_carlo(alpha, k):
+    rng = np.random.default_rng(1234 + k)
+    _assert_mc(_mc_chain(rng, alpha, k), expected_len(alpha, k))
+
+
+def test_expected_len_from_positions():
+    for a in (0.0, 0.25, 0.6, 0.95):
+        for k in (0, 1, 3, 6):
+            assert expected_len_from_positions([a] * max(k, 1), k) == pytest.approx(expected_len(a, k), rel=1e-12)
+            # Positions past the measured ones reuse the last rate.
+            assert expected_len_from_positions([a], k) == pytest.approx(expected_len(a, k), rel=1e-12)
+    rates = [0.9, 0.5, 0.2]
+    assert expected_len_from_positions(rates, 0) == 1.0
+    assert expected_len_from_positions(rates, 2) == pytest.approx(1 + 0.9 + 0.45)
+    assert expected_len_from_positions(rates, 3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert expected_len_from_positions(rates, 5) == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.018 + 0.0036)
+    assert expected_len_from_positions([], 4) == 1.0
+
+
+# ----------------------------------------------------------------------------- trees (Eq. 10)
+
+
+def test_tree_chain_reduces_to_positions_and_eq8():
+    alphas = [0.9, 0.7, 0.4, 0.8]
+    assert tree_expected_len(alphas, [1] * 4) == pytest.approx(expected_len_from_positions(alphas, 4), rel=1e-12)
+    for a in (0.0, 0.3, 0.75, 1.0):
+        for h in (1, 2, 5):
+            assert tree_expected_len([a] * h, [1] * h) == pytest.approx(expected_len(a, h), rel=1e-12)
+    assert tree_expected_len([], []) == 1.0
+
+
+def test_tree_expected_len_hand_computed():
+    # hit1 = 1 - 0.5^2 = 0.75, hit2 = 0.5:
+    # l = 1 * 0.25 + 2 * (0.75 * 0.5) + 3 * (0.75 * 0.5) = 0.25 + 0.75 + 1.125
+    assert tree_expected_len([0.5, 0.5], [2, 1]) == pytest.approx(2.125, rel=1e-12)
+    # One head, three candidates at alpha 0.5: hit = 0.875 -> l = 1 * 0.125 + 2 * 0.875.
+    assert tree_expected_len([0.5], [3]) == pytest.approx(1.875, rel=1e-12)
+    # A head with no candidates cuts the tree there.
+    assert tree_expected_len([0.5, 0.9], [2, 0]) == pytest.approx(1.75, rel=1e-12)
+    with pytest.raises(ValueError):
+        tree_expected_len([0.5, 0.5], [1])
+
+
+@pytest.mark.parametrize("alphas,ks", [((0.5, 0.5), (2, 1)), ((0.6, 0.4, 0.7), (3, 2, 3)),
+                                       ((0.3, 0.3, 0.3, 0.3), (4, 3, 2, 1)), ((0.8, 0.5, 0.9), (1, 0, 2))])
+def test_tree_expected_len_matches_monte_carlo(alphas, ks):
+    rng = np.random.default_rng(sum(ks) * 17 + len(ks))
+    _assert_mc(_mc_tree(rng, alphas, ks), tree_expected_len(alphas, ks))
+
+
+def test_tree_batched_tokens():
+    assert tree_batched_tokens([3, 2, 2]) == 3 + 3 * 2 + 3 * 2 * 2 == 21
+    assert tree_batched_tokens([3, 2, 3]) == 27  # the paper's Figure 8 example
+    assert tree_batched_tokens([1, 1, 1, 1]) == 4  # a chain verifies its drafts
+    assert tree_batched_tokens([]) == 0
+
+
+# ----------------------------------------------------------------------------- estimators (Algorithms 1, 3)
+
+
+def test_moving_average_window_and_prior():
+    m = MovingAverage(window=3, prior=0.2)
+    assert m.value == 0.2 and len(m) == 0
+    m.add(1.0)
+    assert m.value == 1.0
+    for x in (2.0, 3.0, 4.0):
+        m.add(x)
+    assert len(m) == 3
+    assert m.value == pytest.approx(3.0)  # mean of the last three
+    with pytest.raises(ValueError):
+        MovingAverage(window=0)
+
+
+def test_acceptance_estimator_observe():
+    est = AcceptanceEstimator(window=4, prior_alpha=0.3)
+    assert est.alpha.value == 0.3 and est.rho.value == 1.0
+    est.observe(drafted=[4, 4], accepted=[4, 4], offered=0)  # K = 0: nothing to learn
+    est.observe(drafted=[], accepted=[], offered=4)
+    assert len(est.alpha) == 0 and len(est.rho) == 0
+    est.observe(drafted=[4, 0, 2, 4], accepted=[2, 0, 2, 1], offered=4)
+    assert est.rho.value == pytest.approx(0.75)
+    # Examined positions: row 0 accepted 2 then a rejection, row 2 all 2, row 3 one then a
+    # rejection; row 1 proposed nothing and is not counted: 5 / (5 + 2).
+    assert est.alpha.value == pytest.approx(5 / 7)
+    est.observe(drafted=[3, 3], accepted=[0, 0], offered=3)
+    assert est.alpha.value == pytest.approx((5 / 7 + 0.0) / 2)
+    assert est.rho.value == pytest.approx((0.75 + 1.0) / 2)
+    est.observe(drafted=[0, 0], accepted=[0, 0], offered=2)  # nobody proposed: rho only
+    assert len(est.alpha) == 2
+    assert est.rho.value == pytest.approx((0.75 + 1.0 + 0.0) / 3)
+
+
+def test_acceptance_estimator_per_request():
+    est = AcceptanceEstimator(window=8, prior_alpha=0.5, per_request=True, min_request_obs=2)
+    est.observe([4, 4], [4, 0], offered=4, request_ids=["a", "b"])
+    glob = est.alpha.value
+    assert glob == pytest.approx(4 / 5)  # 4 accepted; row b rejected its first
+    assert est.request_alpha("a") == glob  # one observation < min_request_obs: global
+    assert est.request_alpha("zzz") == glob
+    est.observe([2, 2, 0], [2, 0, 0], offered=2, request_ids=["a", "b", "c"])
+    assert est.request_alpha("a") == pytest.approx(1.0)
+    assert est.request_alpha("b") == pytest.approx(0.0)
+    assert est.request_alpha("c") == est.alpha.value  # proposed nothing: no own estimate
+    est.forget("a")
+    assert est.request_alpha("a") == est.alpha.value
+
+
+def test_confidence_lengths():
+    nan = np.nan
+    conf = np.array([[0.9, 0.8, 0.1, 0.9],
+                     [0.2, 0.9, 0.9, 0.9],
+                     [0.9, 0.9, 0.9, 0.9],
+                     [nan, 0.9, 0.9, 0.9],
+                     [0.9, nan, nan, nan],
+                     [0.9, 0.5, 0.9, 0.9]])  # == threshold is not above it
+    np.testing.assert_array_equal(confidence_lengths(conf, 0.5), [2, 0, 4, 0, 1, 1])
+    np.testing.assert_array_equal(confidence_lengths(conf, 0.95), [0] * 6)
+    np.testing.assert_array_equal(confidence_lengths(conf, -1.0), [4] * 6)  # NaN -> 0 > -1
+    with pytest.raises(ValueError):
+        confidence_lengths(np.array([0.9, 0.9]), 0.5)
+
+
+# ----------------------------------------------------------------------------- performance model (Eq. 7)
+
+TRUE_A, TRUE_G, TRUE_D = 2.0e-6, 5.0e-5, 3.0e-3
+
+
+def _grid():
+    nc, nb = np.meshgrid(np.arange(0, 40_000, 2_500, dtype=float), 2.0 ** np.arange(0, 10))
+    return nc.ravel(), nb.ravel()
+
+
+def test_fit_linear_noiseless_exact():
+    nc, nb = _grid()
+    t = TRUE_A * nc + TRUE_G * nb + TRUE_D
+    fit = fit_linear(nc, nb, t)
+    assert fit.alpha == pytest.approx(TRUE_A, rel=1e-9)
+    assert fit.gamma == pytest.approx(TRUE_G, rel=1e-9)
+    assert fit.delta == pytest.approx(TRUE_D, rel=1e-9)
+    assert fit(1234.0, 56.0) == pytest.approx(TRUE_A * 1234 + TRUE_G * 56 + TRUE_D, rel=1e-9)
+
+
+def test_fit_linear_noisy_recovery_and_r_squared():
+    rng = np.random.default_rng(0)
+    nc, nb = _grid()
+    noise = 2e-5  # ~0.1-0.5 % of the times
+    t = TRUE_A * nc + TRUE_G * nb + TRUE_D + rng.normal(0, noise, nc.size)
+    fit = fit_linear(nc, nb, t)
+    assert fit.alpha == pytest.approx(TRUE_A, rel=1e-2)
+    assert fit.gamma == pytest.approx(TRUE_G, rel=1e-2)
+    assert fit.delta == pytest.approx(TRUE_D, rel=1e-2)
+    # Held-out points, off the grid.
+    hc = rng.uniform(0, 40_000, 200)
+    hb = rng.uniform(1, 512, 200)
+    ht = TRUE_A * hc + TRUE_G * hb + TRUE_D + rng.normal(0, noise, 200)
+    pred = np.array([fit(c, b) for c, b in zip(hc, hb)])
+    assert r_squared(ht, pred) > 0.99
+    assert r_squared(ht, ht.mean() + 0 * ht) == pytest.approx(0.0)  # the mean explains nothing
+    assert math.isnan(r_squared(np.ones(4), np.ones(4)))
+
+
+def test_least_squares_nonneg_drops_negative_column():
+    rng = np.random.default_rng(1)
+    x1 = rng.uniform(1, 10, 50)
+    x2 = rng.uniform(1, 10, 50)
+    X = np.stack([x1, x2, np.zeros(50)], axis=1)  # the all-zero column cannot be identified
+    y = 2.0 * x1 - 0.5 * x2
+    free = least_squares(X, y, nonneg=False)
+    np.testing.assert_allclose(free, [2.0, -0.5, 0.0], atol=1e-9)
+    c = least_squares(X, y, nonneg=True)
+    assert c[1] == 0.0 and c[2] == 0.0 and (c >= 0).all()
+    expected_c0 = float(x1 @ y / (x1 @ x1))  # refit on x1 alone
+    assert c[0] == pytest.approx(expected_c0, rel=1e-9)
+
+
+def test_context_tokens_modes():
+    assert context_tokens([100, 300, 5], 4, "sum") == 405.0
+    assert context_tokens([100, 300, 5], 4, "padded", chunk=256) == 4 * 256 * 2
+    assert context_tokens([256, 1], 8, "padded", chunk=256) == 8 * 256 * 1
+    assert context_tokens([257], 2, "padded", chunk=128) == 2 * 128 * 3
+    assert context_tokens([], 4, "sum") == 0.0
+    assert context_tokens([], 4, "padded") == 0.0
+    with pytest.raises(SpecjaxError):
+        context_tokens([1], 1, "paged")
+
+
+def test_fit_step_model_recovers_target_and_draft():
+    true_t = np.array([2.0e-6, 4.0e-5, 2.0e-3])
+    true_d = np.array([5.0e-7, 1.0e-5, 1.0e-3])
+    coef = np.concatenate([true_t, true_d])
+    base = StepCostModel(target=LinearCost(), context_mode="sum")
+    rng = np.random.default_rng(7)
+    feats, times, rows = [], [], []
+    for bucket in (1, 2, 4, 8, 16):
+        for k in (0, 1, 2, 3, 5):
+            for device_draft in (True, False):
+                for _ in range(2):
+                    ctx = list(rng.integers(1, 3000, size=bucket))
+                    f = base.step_features(bucket, k, ctx, device_draft)
+                    feats.append(f)
+                    times.append(float(f @ coef))
+                    rows.append((bucket, k, ctx, device_draft))
+    fitted = fit_step_model(np.array(feats), np.array(times), base)
+    np.testing.assert_allclose([fitted.target.alpha, fitted.target.gamma, fitted.target.delta], true_t, rtol=1e-6)
+    assert fitted.draft is not None
+    np.testing.assert_allclose([fitted.draft.alpha, fitted.draft.gamma, fitted.draft.delta], true_d, rtol=1e-6)
+    for (bucket, k, ctx, device_draft), t in zip(rows, times):
+        if device_draft:
+            assert fitted.device_time(bucket, k, ctx) == pytest.approx(t, rel=1e-6)
+        else:
+            assert fitted.target_time(bucket, k, ctx) == pytest.approx(t, rel=1e-6)
+    # The draft forwards of device_time, written out: 2 tokens per row first, then 1.
+    ctx = [100, 200]
+    d = LinearCost(*true_d)
+    manual = sum(d(sum(c + i for c in ctx), 2 * (2 if i == 0 else 1)) for i in range(3))
+    assert fitted.draft_time(2, 3, ctx) == pytest.approx(manual, rel=1e-6)
+
+    # No device-draft rows: the draft of the base model is kept.
+    host = [f for f, r in zip(feats, rows) if not r[3]]
+    host_t = [t for t, r in zip(times, rows) if not r[3]]
+    base2 = StepCostModel(target=LinearCost(), draft=LinearCost(9.0, 9.0, 9.0))
+    kept = fit_step_model(np.array(host), np.array(host_t), base2)
+    assert kept.draft == LinearCost(9.0, 9.0, 9.0)
+    assert kept.target.gamma == pytest.approx(true_t[1], rel=1e-6)
+
+
+def test_save_load_round_trip(tmp_path):
+    path = str(tmp_path / "perf.json")
+    m1 = StepCostModel(target=LinearCost(1e-6, 2e-5, 3e-3), draft=LinearCost(4e-7, 5e-6, 6e-4),
+                       host_step=1e-4, host_row=2e-6, prefill=LinearCost(0.0, 1e-5, 1e-3), context_mode="padded",
+                       chunk=128)
+    m2 = StepCostModel(target=LinearCost(7e-6, 8e-5, 9e-3), host_draft=1.5e-3)
+    save_model(path, "tiny|draft|cpu:cpu", m1, meta={"r2": 0.99})
+    save_model(path, "tiny|pld|cpu:cpu", m2)
+    assert load_model(path, "tiny|draft|cpu:cpu") == m1
+    assert load_model(path, "tiny|pld|cpu:cpu") == m2
+    with open(path) as f:
+        data = json.load(f)
+    assert set(data) == {"tiny|draft|cpu:cpu", "tiny|pld|cpu:cpu"}
+    assert data["tiny|draft|cpu:cpu"]["meta"] == {"r2": 0.99}
+    # Overwriting one key keeps the other.
+    m3 = StepCostModel(target=LinearCost(1.0, 1.0, 1.0))
+    save_model(path, "tiny|draft|cpu:cpu", m3)
+    assert load_model(path, "tiny|draft|cpu:cpu") == m3
+    assert load_model(path, "tiny|pld|cpu:cpu") == m2
+
+
+def test_load_model_errors(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(SpecjaxError, match="does not exist"):
+        load_model(missing, "k")
+    path = str(tmp_path / "perf.json")
+    save_model(path, "have", StepCostModel(target=LinearCost()))
+    with pytest.raises(SpecjaxError, match=r"no performance model for 'want'.*have"):
+        load_model(path, "want")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SpecjaxError, match="not valid JSON"):
+        load_model(str(bad), "k")
+
+
+# ----------------------------------------------------------------------------- the K selector (Algorithm 2)
+
+
+def _cost(a=0.0, g=0.0, d=0.0, **kw) -> StepCostModel:
+    return StepCostModel(target=LinearCost(a, g, d), context_mode="sum", **kw)
+
+
+def _feed(policy: GoodputPolicy, drafted, accepted, k: int, steps: int = 4) -> None:
+    for _ in range(steps):
+        policy.observe(k, drafted, accepted)
+
+
+def test_selector_speculation_cannot_pay():
+    pol = GoodputPolicy(_cost(a=1e-7, g=1.0, d=1e-3))  # every verified token is expensive
+    _feed(pol, [4, 4, 4, 4], [0, 1, 0, 0], k=4)  # 1 accepted, 4 rejections: alpha = 1/5
+    assert pol.acc.alpha.value == pytest.approx(1 / 5)
+    view = BatchView(ctx_lens=[100, 200, 300, 400], bucket=4, k_options=(0, 1, 2, 4, 8))
+    assert pol.choose(view) == 0
+    assert max(pol.last_goodputs, key=pol.last_goodputs.get) == 0
+    assert set(pol.last_goodputs) == {0, 1, 2, 4, 8}
+
+
+def test_selector_cheap_tokens_high_alpha_takes_largest_k():
+    pol = GoodputPolicy(_cost(a=1e-9, g=1e-7, d=1.0))  # the step's fixed cost dominates
+    _feed(pol, [5, 5, 5], [5, 4, 5], k=5)  # alpha = 14/15 (one rejection)
+    view = BatchView(ctx_lens=[50, 60, 70], bucket=4, k_options=(0, 1, 3, 5, 7))
+    assert pol.choose(view) == 7
+
+
+def _brute_force(view, k, alpha, rho, cost):
+    """Goodput of K for a device drafter, computed without the library: n (1 + rho (l - 1))
+    tokens over draft + target + host time (context mode 'sum')."""
+    n = len(view.ctx_lens)
+    ctx = np.asarray(view.ctx_lens, float)
+    tokens = n * (1 + rho * (_geom_sum(alpha, k) - 1)) if k > 0 else float(n)
+    t = cost.target.alpha * ctx.sum() + cost.target.gamma * view.bucket * (k + 1) + cost.target.delta
+    if k > 0:
+        if cost.draft is None:
+            t += cost.host_draft
+        else:
+            for i in range(k):
+                t += (cost.draft.alpha * (ctx + i).sum() + cost.draft.gamma * view.bucket * (2 if i == 0 else 1)
+                      + cost.draft.delta)
+    t += cost.host_step + cost.host_row * n
+    return tokens / t
+
+
+def test_selector_matches_brute_force_argmax():
+    rng = np.random.default_rng(42)
+    opts = (0, 1, 2, 3, 5, 8)
+    for trial in range(150):
+        device = trial % 2 == 0
+        cost = StepCostModel(
+            target=LinearCost(*(rng.uniform(0, 1) * np.array([1e-6, 1e-4, 1e-2]))),
+            draft=LinearCost(*(rng.uniform(0, 1) * np.array([1e-7, 1e-5, 2e-3]))) if device else None,
+            host_draft=0.0 if device else float(rng.uniform(0, 5e-3)),
+            host_step=float(rng.uniform(0, 1e-3)), host_row=float(rng.uniform(0, 1e-5)))
+        pol = GoodputPolicy(cost)
+        n = int(rng.integers(1, 33))
+        bucket = int(2 ** math.ceil(math.log2(n)))
+        drafted = rng.integers(0, 6, size=n)
+        drafted[0] = 5  # at least one row proposes
+        accepted = np.array([rng.integers(0, d + 1) for d in drafted])
+        pol.observe(5, drafted, accepted)
+        p = drafted > 0
+        alpha = accepted[p].sum() / (accepted[p].sum() + (accepted[p] < drafted[p]).sum())
+        rho = (drafted > 0).mean()
+        view = BatchView(ctx_lens=list(rng.integers(1, 4000, size=n)), bucket=bucket, k_options=opts)
+        ref = {k: _brute_force(view, k, alpha, rho, cost) for k in opts}
+        chosen = pol.choose(view)
+        for k in opts:
+            assert pol.last_goodputs[k] == pytest.approx(ref[k], rel=1e-9)
+        best = max(ref.values())
+        assert ref[chosen] == pytest.approx(best, rel=1e-9)
+        if sorted(ref.values())[-2] < best * (1 - 1e-6):  # unambiguous optimum
+            assert chosen == max(ref, key=ref.get)
+
+
+def test_selector_only_returns_compiled_k():
+    rng = np.random.default_rng(3)
+    opts = (0, 1, 3, 5)
+    seen = set()
+    for _ in range(200):
+        pol = GoodputPolicy(_cost(a=rng.uniform(0, 1e-6), g=10 ** rng.uniform(-7, -2), d=10 ** rng.uniform(-4, -1)))
+        a = rng.uniform(0, 1)
+        drafted = np.full(4, 5)
+        _feed(pol, drafted, np.round(drafted * a).astype(int), k=5, steps=1)
+        k = pol.choose(BatchView(ctx_lens=[100] * 4, bucket=4, k_options=opts))
+        assert k in opts
+        seen.add(k)
+    assert len(seen) >= 3  # the sweep really moves the choice around
+
+
+def test_selector_proposes_less_for_large_batches():
+    cost = _cost(a=1e-7, g=1e-4, d=1e-2)
+    opts = tuple(range(9))
+    choices = []
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        pol = GoodputPolicy(cost)
+        _feed(pol, [8] * 4, [2, 3, 2, 3], k=8)  # alpha = 10/14
+        choices.append(pol.choose(BatchView(ctx_lens=[500] * n, bucket=n, k_options=opts)))
+    assert all(b <= a for a, b in zip(choices, choices[1:])), choices
+    assert choices[0] >= 3 and choices[-1] <= 1, choices
+
+
+def test_selector_host_draft_lens():
+    cost = _cost(a=1e-8, g=1e-5, d=1e-2, host_draft=1e-3)
+    opts = (0, 1, 3, 5)
+    pol = GoodputPolicy(cost)
+    _feed(pol, [5] * 4, [5] * 4, k=5)  # alpha = 1: drafts always pay, if there are any
+    ctx = [100, 200, 300, 400]
+    # Nothing proposed: every K generates one token per row at the cost of K = 0.
+    view = BatchView(ctx_lens=ctx, bucket=4, k_options=opts, draft_lens=[0, 0, 0, 0])
+    assert pol.choose(view) == 0
+    for k in opts:
+        assert pol.expected_tokens(view, k) == 4.0
+    # One row proposes 2: K >= 2 runs the K = 3 block, so K = 5 gains nothing over K = 3.
+    view = BatchView(ctx_lens=ctx, bucket=4, k_options=opts, draft_lens=[2, 0, 0, 0])
+    assert pol.expected_tokens(view, 1) == pytest.approx(2 + 3)
+    assert pol.expected_tokens(view, 3) == pytest.approx(3 + 3)
+    assert pol.expected_tokens(view, 5) == pytest.approx(3 + 3)
+    t3 = cost.step_time(4, 3, ctx)
+    assert pol.goodput(view, 5) == pytest.approx(6 / t3)
+    assert pol.choose(view) == 3  # ties go to the smaller K
+
+
+def test_selector_oracle_uses_true_accept():
+    cost = _cost(g=1e-3, d=1e-2)
+    pol = GoodputPolicy(cost, estimator="oracle")
+    _feed(pol, [5] * 4, [0] * 4, k=5)  # a moving average would say alpha = 0
+    ta = [3, 0, 5, 1]
+    view = BatchView(ctx_lens=[10] * 4, bucket=4, k_options=(0, 1, 3, 5), true_accept=ta)
+    want = {0: 4, 1: 7, 3: 11, 5: 13}
+    for k, v in want.items():
+        assert pol.expected_tokens(view, k) == v
+    ref = {k: want[k] / (1e-3 * 4 * (k + 1) + 1e-2) for k in want}
+    assert pol.choose(view) == max(ref, key=ref.get) != 0
+    # The same feedback under the moving average turns speculation off.
+    ma = GoodputPolicy(cost)
+    _feed(ma, [5] * 4, [0] * 4, k=5)
+    assert ma.choose(view) == 0
+
+
+def test_selector_confidence_estimator():
+    pol = GoodputPolicy(_cost(g=1e-3, d=1e-2), estimator="confidence", threshold=0.5)
+    conf = np.array([[0.9, 0.9, 0.2, 0.9, 0.9], [0.1, 0.9, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9, 0.9]])
+    view = BatchView(ctx_lens=[10] * 3, bucket=4, k_options=(0, 1, 3, 5), confidences=conf)
+    assert pol.expected_tokens(view, 1) == 1 + 1 + 1 + 0 + 1 + 1
+    assert pol.expected_tokens(view, 5) == 3 + 2 + 0 + 5
+
+
+def test_fixed_k_and_bad_estimator():
+    view = BatchView(ctx_lens=[1, 2], bucket=2, k_options=(0, 1, 3, 5))
+    assert FixedK(3).choose(view) == 3
+    assert FixedK(0).choose(view) == 0 and FixedK(0).name == "no-SD"
+    with pytest.raises(ValueError):
+        FixedK(2).choose(view)
+    with pytest.raises(ValueError):
+        GoodputPolicy(_cost(), estimator="psychic")
+
+
+def test_draft_prefill_gate():
+    gate = DraftPrefillGate(threshold=0.7, window=10)
+    assert gate.speculate()
+    for k in [0] * 7 + [3] * 3:
+        gate.record(k)
+    assert gate.speculate()  # exactly 70 % proposed nothing: not more than the threshold
+    gate.record(0)  # the window drops a leading 0: still 7/10
+    assert gate.speculate()
+    for _ in range(6):
+        gate.record(0)  # -> [3, 3, 3] + [0] * 7
+    assert gate.speculate()
+    gate.record(0)  # drops a 3: 8/10 > 70 %
+    assert not gate.speculate()
+    for _ in range(3):
+        gate.record(2)  # 5/10
+    assert gate.speculate()
+    short = DraftPrefillGate(threshold=0.7)
+    for k in (0, 0, 0, 1):
+        short.record(k)
+    assert short.speculate() is False  # 3/4 of the recorded steps, however few
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            DraftPrefillGate(threshold=bad)
+    DraftPrefillGate(threshold=0.0)
+    DraftPrefillGate(threshold=1.0)
