@@ -178,27 +178,22 @@ def spec_slot_buckets(cfg) -> tuple[int, ...]:
     return tuple(out)
 
 
-def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model: str | None = None,
-                         draft_layers: int = 8, pld_min_ngram: int = 1, pld_max_ngram: int = 3,
-                         dtype: str = "float32", draft=None, attention_impl: str = "xla", suffix=None,
-                         suffix_tau: float = 1.0, suffix_history=()):
-    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel). ``draft``: an already
-    loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
+def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
+                  pld_min_ngram: int = 1, pld_max_ngram: int = 3, dtype: str = "float32", draft=None, suffix=None,
+                  suffix_tau: float = 1.0, suffix_history=()) -> dict:
+    """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
+    ``drafter`` (a host drafter) or ``draft`` (a DraftSpec) + ``draft_params``. ``draft``: an
+    already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree."""
-    from specjax import buckets as bk
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
     from specjax.engine.step import DraftSpec
     from specjax.errors import SpecjaxError
     from specjax.models.loader import load_model
-    from specjax.spec_generate import SpecGenerator
 
     cfg = model.cfg
-    kw = dict(eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets, slot_buckets=spec_slot_buckets(cfg),
-              batch_buckets=bk.DEFAULT_BATCH_BUCKETS, attention_impl=attention_impl)
     if drafter == "prompt_lookup":
-        return SpecGenerator(cfg, model.params,
-                             drafter=PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram)), **kw)
+        return {"drafter": PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram))}
     if drafter in SUFFIX_DRAFTERS:
         import dataclasses
 
@@ -213,12 +208,12 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model:
             if suffix_tau < 0:
                 raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
             sd = HybridDrafter(sd, pld, tau=suffix_tau)
-        return SpecGenerator(cfg, model.params, drafter=sd, **kw)
+        return {"drafter": sd}
     if drafter == "layer_skip":
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
-        return SpecGenerator(cfg, model.params, draft=DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers), **kw)
+        return {"draft": DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers)}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -228,9 +223,24 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, draft_model:
         if dcfg.vocab_size != cfg.vocab_size:
             raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
                                f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
-        return SpecGenerator(cfg, model.params, draft=DraftSpec(kind="model", cfg=dcfg), draft_params=draft.params,
-                             **kw)
-    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
+        return {"draft": DraftSpec(kind="model", cfg=dcfg), "draft_params": draft.params}
+    if drafter == "none":
+        return {}
+    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+
+
+def build_spec_generator(model, drafter: str, *, k: int, k_buckets, attention_impl: str = "xla", **kw):
+    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts."""
+    from specjax import buckets as bk
+    from specjax.errors import SpecjaxError
+    from specjax.spec_generate import SpecGenerator
+
+    if drafter == "none":
+        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
+    parts = drafter_parts(model, drafter, k=k, **kw)
+    return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
+                         slot_buckets=spec_slot_buckets(model.cfg), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
+                         attention_impl=attention_impl, **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:

@@ -100,6 +100,7 @@ class StepTable:
 
     def prefill(self, B: int, Tp: int, S: int, greedy_only: bool, run_draft: bool = True,
                 compile_if_missing: bool = False):
+        run_draft = bool(run_draft) and self.draft.kind == "model"  # one key for host drafters
         draft = self.draft if run_draft else NO_DRAFT
 
         def build():
@@ -138,6 +139,8 @@ class StepTable:
         return self._get(("tree", B, K, S, greedy_only), build, f"tree step for batch {B}, {K} draft nodes, slots {S}")
 
     def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
+        run_draft = bool(run_draft) and self.draft.kind == "model"
+
         def build():
             rows = jax.ShapeDtypeStruct((Bp,), jnp.int32)
             return insert_rows.lower(self.state_info(B, S), self.state_info(Bp, S, run_draft), rows).compile()

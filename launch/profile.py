@@ -1,0 +1,230 @@
+"""Profile forward passes on this hardware and fit SmartSpec's performance model.
+
+  python launch/profile.py --out perf_models.json                        # SmolLM2, prompt lookup + layer skip
+  python launch/profile.py --drafters prompt_lookup --batch_buckets 1,2,4 --plot docs/perf_fit.png
+
+For every batch bucket x context length x compiled K it times real engine steps (the target's
+verify of a K + 1 block; with ``layer_skip`` also the draft's K forwards), fits
+
+    T_fwd = a * N_context + g * N_batched + d     (per model: target and draft)
+
+by least squares, reports R^2 on held-out grid cells, fits the prefill cost, then serves a
+burst of requests through the real engine to calibrate the loop's host overhead per step and per
+request (scored on held-out engine steps). Coefficients go to ``--out`` under the key
+'<model>|<drafter>|<platform>:<device>', next to any other models already in the file.
+
+User mistakes print one line ("error: ...") and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+CALIBRATION_PROMPTS = [
+    "Repeat this list exactly, one item per line: apples, pears, plums, cherries, grapes, lemons.",
+    "Rewrite in the passive voice: The committee approved the budget. The mayor signed the law.",
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that returns the squares of a list of numbers.",
+    "Summarise: The river rose overnight after heavy rain, and the town closed two bridges as a precaution.",
+    "Translate to French: Good morning. How are you today? I am fine, thank you.",
+    "List five prime numbers and say why each is prime.",
+    "Fix the grammar: me and him goes to the store yesterday and buyed three apple.",
+]
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model", "smollm2-135m", "Target model (name in configs/, .gguf file or HF dir).")
+    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup (target-only model; "
+                        "host drafting) and/or layer_skip (adds the draft model's coefficients).")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the target's first N layers.")
+    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets (the engine's KV rows = the largest).")
+    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
+    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
+    flags.DEFINE_string("contexts", "32,150,280", "Context lengths to time steps at.")
+    flags.DEFINE_string("prefill_lens", "24,100,200,400", "Prompt lengths to time prefills at.")
+    flags.DEFINE_integer("reps", 4, "Timed steps per (batch, context, K) cell.")
+    flags.DEFINE_float("holdout", 0.25, "Share of grid cells held out to score the fit.")
+    flags.DEFINE_integer("calibration_requests", 24, "Requests served to calibrate host overhead (0 = skip).")
+    flags.DEFINE_integer("max_new_tokens", 48, "Calibration requests: tokens per request.")
+    flags.DEFINE_string("out", "perf_models.json", "JSON file to store the fitted models in.")
+    flags.DEFINE_string("plot", None, "Optional PNG: predicted vs measured step time (held-out cells marked).")
+    flags.DEFINE_integer("seed", 0, "Random seed (prompts, held-out split).")
+
+
+def _ints(name: str, text: str) -> list[int]:
+    from specjax.errors import SpecjaxError
+
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
+    if not xs or min(xs) < 0:
+        raise SpecjaxError(f"--{name} must be a non-empty list of non-negative integers, got {text!r}")
+    return xs
+
+
+def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, draft_layers=8, profiling=False):
+    """A JaxBackend for ``drafter`` (``profiling``: host drafts of exactly K tokens instead)."""
+    from launch.generate import drafter_parts
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.profiling import FixedLengthDrafter
+
+    if drafter == "prompt_lookup" and profiling:
+        parts = {"drafter": FixedLengthDrafter()}
+    else:
+        parts = drafter_parts(model, drafter, k=max(k_buckets), draft_layers=draft_layers)
+    return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots, **parts)
+
+
+def drafter_label(drafter: str, draft_layers: int) -> str:
+    return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
+
+
+def calibration_requests(tok, n: int, max_new: int) -> list:
+    from specjax.engine.scheduler import Request
+
+    from specjax.errors import SpecjaxError
+
+    try:
+        prompts = [tok.encode_chat(p) for p in CALIBRATION_PROMPTS]
+    except SpecjaxError:  # no chat template (e.g. the byte-level test tokenizer)
+        prompts = [tok.encode(p) for p in CALIBRATION_PROMPTS]
+    return [Request(f"cal{i}", prompts[i % len(prompts)], max_new, ignore_eos=True) for i in range(n)]
+
+
+def main(argv):
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache()
+    try:
+        run()
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run():
+    import numpy as np
+    from tqdm import tqdm
+
+    from specjax.engine.loop import ServingEngine
+    from specjax.engine.profiling import calibrate_host, fit_profile, profile_prefills, profile_steps
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import FixedK, StepCostModel
+    from specjax.goodput.perf_model import hardware_key, model_key, save_model
+    from specjax.models.loader import load_model
+
+    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
+    for d in drafters:
+        if d not in ("prompt_lookup", "layer_skip"):
+            raise SpecjaxError(f"--drafters: {d!r} is not profiled here (use prompt_lookup and/or layer_skip)")
+    ks, bbs = _ints("k_buckets", FLAGS.k_buckets), _ints("batch_buckets", FLAGS.batch_buckets)
+    if 0 not in ks:
+        raise SpecjaxError("--k_buckets must include 0")
+    contexts, plens = _ints("contexts", FLAGS.contexts), _ints("prefill_lens", FLAGS.prefill_lens)
+    if max(contexts) + (FLAGS.reps + 1) * (max(ks) + 1) * len(ks) + max(ks) + 1 > FLAGS.slots:
+        raise SpecjaxError(f"--contexts up to {max(contexts)} leave no room for the timed steps in --slots "
+                           f"{FLAGS.slots}; lower the contexts or raise --slots")
+    if not 0 < FLAGS.holdout < 1:
+        raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
+    model = load_model(FLAGS.model)
+    hw = hardware_key()
+    base = StepCostModel(target=None, context_mode="padded")  # XLA:CPU chunked attention reads padded rows
+    geom = dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
+    print(f"[{model.cfg.name} on {hw}; batches {bbs}, K {ks}, contexts {contexts}]", file=sys.stderr)
+
+    t0 = time.perf_counter()
+    tgt_be = make_backend(model, "prompt_lookup", profiling=True, **geom)
+    tgt_be.warmup(prompt_lens=contexts + plens, progress=True)
+    cells = len(bbs) * len(contexts) * len(ks)
+    with tqdm(total=cells, desc="target steps", disable=None) as bar:
+        tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
+    pre = profile_prefills(tgt_be, bbs, plens)
+    models = {}
+    m, rep = fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed)
+    models["prompt_lookup"] = (m, rep, tgt, [])
+    if "layer_skip" in drafters:
+        ls_be = make_backend(model, "layer_skip", draft_layers=FLAGS.draft_layers, **geom)
+        ls_be.warmup(prompt_lens=contexts + plens, progress=True)
+        with tqdm(total=cells, desc="layer-skip steps", disable=None) as bar:
+            dr = profile_steps(ls_be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
+        pre_ls = profile_prefills(ls_be, bbs, plens)
+        m, rep = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed)
+        models["layer_skip"] = (m, rep, tgt, dr)
+    print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+
+    for d in drafters:
+        m, rep, tg, dr = models[d]
+        if FLAGS.calibration_requests > 0:
+            be = tgt_be if d == "prompt_lookup" else ls_be
+            if d == "prompt_lookup":
+                be = make_backend(model, d, **geom)
+                be.table = tgt_be.table  # same compiled executables; only the drafter differs
+            steps = []
+            for k in sorted({0, min(2, max(ks)), max(ks)}):
+                be.reset()
+                eng = ServingEngine(be, FixedK(k), eos_ids=model.tokenizer.eos_ids)
+                eng.run(calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens))
+                steps += eng.steps
+            m, cal = calibrate_host(steps, m, FLAGS.seed)
+            rep.update(cal)
+        label = drafter_label(d, FLAGS.draft_layers)
+        key = model_key(model.cfg.name, label, hw)
+        meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
+                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+        save_model(FLAGS.out, key, m, meta)
+        print(f"\n{key}")
+        print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")
+        if m.draft:
+            print(f"  draft:  a={m.draft.alpha:.3e}  g={m.draft.gamma:.3e}  d={m.draft.delta * 1e3:.2f} ms per forward")
+        print(f"  prefill: {m.prefill.gamma * 1e6:.1f} us/token + {m.prefill.delta * 1e3:.2f} ms")
+        print(f"  host: {m.host_step * 1e3:.2f} ms/step + {m.host_row * 1e3:.3f} ms/request")
+        print("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rep.items()}))
+        if FLAGS.plot:
+            _plot(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg, dr, label)
+    print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
+
+
+def _plot(path, m, tgt, dr, label):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    for recs, dev, color, name in ((tgt, False, "tab:blue", "target verify"), (dr, True, "tab:orange", "layer-skip")):
+        if not recs:
+            continue
+        meas = [r["t"] * 1e3 for r in recs]
+        pred = [(m.device_time(r["B"], r["K"], r["ctx_lens"]) if dev else m.target_time(r["B"], r["K"], r["ctx_lens"]))
+                * 1e3 for r in recs]
+        ax.scatter(meas, pred, s=8, alpha=0.6, color=color, label=name)
+    lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
+    ax.plot([0, lim], [0, lim], "r-", lw=1)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title(f"perf model fit: {label}")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"[plot: {path}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

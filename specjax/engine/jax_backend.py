@@ -1,0 +1,269 @@
+"""The real backend of the serving engine: one live batch-bucket state on the device.
+
+Requests own cache rows of a ``[B, S]`` state (B a batch bucket, S slots per row). Admission
+prefills the new requests as a small batch and scatters their rows into free rows of the
+live state (``insert_rows``); when the batch outgrows the bucket the state is regathered into
+the next bucket, and it is compacted into a smaller bucket once the batch has stayed at half
+the bucket or less for ``shrink_patience`` steps (a resize copies the whole cache, so it must
+not oscillate). Freed rows get length 0 before the next step. Every executable (prefills,
+steps of every compiled K, inserts, resizes) comes from a ``StepTable`` and is compiled by
+``warmup``; serving never compiles.
+
+Host drafters (prompt lookup, suffix trees in path mode) propose up to the largest K for
+every request before the policy chooses; the step then runs the smallest compiled block that
+holds the longest draft cut to K. Device drafters (draft model, layer skip) draft K inside
+the step; a request admitted with the draft disabled gets num_draft = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from specjax import buckets as bk
+from specjax.config import ModelConfig
+from specjax.drafters.base import NoDrafter
+from specjax.engine.loop import Proposal, RowResult
+from specjax.engine.scheduler import Running
+from specjax.engine.step import DraftSpec
+from specjax.engine.table import StepTable
+from specjax.errors import SpecjaxError, require
+from specjax.sampling import SamplingArrays, SamplingParams
+
+
+def _zeros_like_info(info):
+    return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), info)
+
+
+class JaxBackend:
+    def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: DraftSpec = DraftSpec(), draft_params=None,
+                 k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
+                 slots: int = 512, attention_impl: str = "xla", shrink_patience: int = 8):
+        require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
+        require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
+        self.cfg = cfg
+        self.params = params
+        self.draft = draft
+        self.device_draft = draft.kind == "model"
+        self.dparams = draft_params if draft_params is not None else params
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        if self.device_draft and drafter is not None:
+            raise SpecjaxError("give either a host drafter or a device draft model, not both")
+        self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
+        self.k_max = self.k_buckets[-1]
+        self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        self.num_rows = self.batch_buckets[-1]
+        self.slots = slots
+        self.shrink_patience = shrink_patience
+        self.table = StepTable(cfg, params, self.dparams, draft, attention_impl)
+        self.reset()
+
+    # ------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Forget every request (a new run); compiled executables are kept."""
+        self.state = None
+        self.B = 0
+        self.rows: list[int | None] = []  # row -> uid
+        self.row_of: dict[int, int] = {}
+        self.samp_of: dict[int, SamplingParams] = {}
+        self._to_clear: set[int] = set()
+        self._samp = None
+        self._small_steps = 0
+        self._drafts: dict[int, np.ndarray] = {}
+        self.last_k_step = 0
+        self.resizes = 0
+
+    def bucket(self, n: int) -> int:
+        return bk.pick(self.batch_buckets, n, "running requests")
+
+    def k_options(self, bucket: int) -> Sequence[int]:
+        return self.k_buckets
+
+    def _resize(self, B_new: int, keep_order: list[int]) -> None:
+        """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
+        idx = np.full(B_new, -1, np.int32)
+        idx[: len(keep_order)] = keep_order
+        if self.state is None:
+            self.state = _zeros_like_info(self.table.state_info(B_new, self.slots))
+        else:
+            self.state = self.table.take(self.B, B_new, self.slots)(self.state, jax.device_put(idx))
+            self.resizes += 1
+        # Rows past keep_order come out empty (length 0); kept rows keep a pending clear.
+        self._to_clear = {j for j, old in enumerate(keep_order) if old in self._to_clear}
+        new_rows: list[int | None] = [None] * B_new
+        for j, old in enumerate(keep_order):
+            new_rows[j] = self.rows[old]
+        self.rows = new_rows
+        self.row_of = {u: j for j, u in enumerate(self.rows) if u is not None}
+        self.B = B_new
+        self._samp = None
+
+    def _ensure_capacity(self, n_total: int) -> None:
+        need = self.bucket(n_total)
+        if need > self.B:
+            self._resize(need, list(range(self.B)))
+
+    def _maybe_shrink(self, n_running: int) -> None:
+        if self.B <= 1 or n_running == 0:
+            self._small_steps = 0
+            return
+        target = self.bucket(n_running)
+        self._small_steps = self._small_steps + 1 if target < self.B else 0
+        if self._small_steps >= self.shrink_patience:
+            self._small_steps = 0
+            self._resize(target, [j for j, u in enumerate(self.rows) if u is not None])
+
+    def _sampling(self):
+        if self._samp is None:
+            ps = [self.samp_of[u] if u is not None else SamplingParams() for u in self.rows]
+            self._samp = SamplingArrays.build(ps, self.B)
+        return self._samp
+
+    def _greedy(self) -> bool:
+        return all(p.greedy for p in self.samp_of.values())
+
+    # ------------------------------------------------------------ backend protocol
+
+    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        first: dict[int, int] = {}
+        n_before = len(self.row_of)
+        self._ensure_capacity(n_before + len(rs))
+        free = [j for j, u in enumerate(self.rows) if u is None]
+        max_b = self.batch_buckets[-1]
+        groups: dict[bool, list[Running]] = {}
+        for r in rs:
+            groups.setdefault(r.speculate or not self.device_draft, []).append(r)
+        for run_draft, grp in groups.items():
+            for i in range(0, len(grp), max_b):
+                chunk = grp[i:i + max_b]
+                Bp = self.bucket(len(chunk))
+                lens = np.array([len(r.req.prompt) for r in chunk] + [1] * (Bp - len(chunk)), np.int32)
+                Tp = bk.prompt_bucket(int(lens.max()), self.slots)
+                toks = np.zeros((Bp, Tp), np.int32)
+                for b, r in enumerate(chunk):
+                    toks[b, : len(r.req.prompt)] = r.req.prompt
+                greedy = all(r.req.sampling.greedy for r in chunk)
+                samp = SamplingArrays.build([r.req.sampling for r in chunk], Bp)
+                exe = self.table.prefill(Bp, Tp, self.slots, greedy, run_draft and self.device_draft)
+                new = exe(self.params, self.dparams, jax.device_put(toks), jax.device_put(lens), samp)
+                dst = np.full(Bp, self.B, np.int32)  # out of range: padding rows are dropped
+                for b, r in enumerate(chunk):
+                    row = free.pop(0)
+                    dst[b] = row
+                    self.rows[row] = r.uid
+                    self.row_of[r.uid] = row
+                    self.samp_of[r.uid] = r.req.sampling
+                    self._to_clear.discard(row)
+                ins = self.table.insert(self.B, Bp, self.slots, run_draft and self.device_draft)
+                self.state = ins(self.state, new, jax.device_put(dst))
+                pend = np.asarray(new.pending)
+                for b, r in enumerate(chunk):
+                    first[r.uid] = int(pend[b])
+                    if not self.device_draft:
+                        self.drafter.start(r.uid, list(r.req.prompt))
+                        self.drafter.extend(r.uid, [first[r.uid]])
+        self._samp = None
+        return [first[r.uid] for r in rs], time.perf_counter() - t0
+
+    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal:
+        if self.device_draft:
+            return Proposal()
+        self._drafts = {}
+        lens = []
+        for r in rs:
+            d = self.drafter.propose(r.uid, k_max) if k_max > 0 else np.zeros(0, np.int32)
+            self._drafts[r.uid] = d
+            lens.append(len(d))
+        return Proposal(draft_lens=lens)
+
+    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
+        t0 = time.perf_counter()
+        if self._to_clear:
+            free = np.zeros(self.B, bool)
+            free[list(self._to_clear)] = True
+            self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
+            self._to_clear.clear()
+        B = self.B
+        active = np.zeros(B, bool)
+        num_draft = np.zeros(B, np.int32)
+        for r in rs:
+            active[self.row_of[r.uid]] = True
+        if self.device_draft:
+            k_step = k
+            for r in rs:
+                num_draft[self.row_of[r.uid]] = k if r.speculate else 0
+            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
+        else:
+            cut = {u: d[:k] for u, d in self._drafts.items()}
+            longest = max((len(d) for d in cut.values()), default=0)
+            k_step = next(x for x in self.k_buckets if x >= longest)
+            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
+            for u, d in cut.items():
+                row = self.row_of[u]
+                draft_tokens[row, : len(d)] = d
+                num_draft[row] = len(d)
+        self.last_k_step = k_step
+        exe = self.table.step(B, k_step, self.slots, self._greedy())
+        self.state, o = exe(self.params, self.dparams, self.state, jax.device_put(draft_tokens),
+                            jax.device_put(num_draft), jax.device_put(active), self._sampling())
+        toks, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
+        out = []
+        for r in rs:
+            row = self.row_of[r.uid]
+            new = [int(t) for t in toks[row, : n_acc[row] + 1]]
+            out.append(RowResult(new, int(nd[row]), int(n_acc[row])))
+            if not self.device_draft:
+                self.drafter.extend(r.uid, new)
+        return out, time.perf_counter() - t0
+
+    def release(self, r: Running) -> None:
+        row = self.row_of.pop(r.uid)
+        self.rows[row] = None
+        self.samp_of.pop(r.uid, None)
+        self._to_clear.add(row)
+        self._samp = None
+        if not self.device_draft:
+            self.drafter.finish(r.uid)
+        self._drafts.pop(r.uid, None)
+        self._maybe_shrink(len(self.row_of))
+
+    # ------------------------------------------------------------ compilation
+
+    def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False) -> float:
+        """Compile everything serving can call for prompts of these lengths; afterwards a missing
+        shape raises instead of compiling. Returns seconds."""
+        t0 = time.perf_counter()
+        S = self.slots
+        tps = sorted({bk.prompt_bucket(int(n), S) for n in prompt_lens})
+        draft_modes = (True, False) if self.device_draft else (False,)
+        jobs = []
+        for B in self.batch_buckets:
+            for g in greedy_modes:
+                jobs += [("prefill", B, tp, g, rd) for tp in tps for rd in draft_modes]
+                jobs += [("step", B, K, g) for K in self.k_buckets]
+            jobs += [("insert", B, Bp, rd) for Bp in self.batch_buckets if Bp <= B for rd in draft_modes]
+            jobs += [("take", B, B2) for B2 in self.batch_buckets if B2 != B]
+            jobs.append(("clear", B))
+        it = jobs
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(jobs, desc="compiling", unit="exe", disable=None)
+        for j in it:
+            if j[0] == "prefill":
+                self.table.prefill(j[1], j[2], S, j[3], j[4])
+            elif j[0] == "step":
+                self.table.step(j[1], j[2], S, j[3])
+            elif j[0] == "insert":
+                self.table.insert(j[1], j[2], S, j[3])
+            elif j[0] == "take":
+                self.table.take(j[1], j[2], S)
+            else:
+                self.table.clear(j[1], S)
+        self.table.warm = True
+        return time.perf_counter() - t0

@@ -1,0 +1,264 @@
+"""The serving loop: continuous batching with a goodput-chosen proposal length each step.
+
+One iteration (Algorithm 2 around a vLLM-style scheduler):
+  1. requests whose arrival time has come join the FCFS waiting queue;
+  2. the FCFS prefix that fits free KV rows is admitted and prefilled (prefill first, as in
+     vLLM without chunked prefill); with a draft model, the prefill gate may admit a request
+     without its draft prefill when recent steps proposed nothing (prefill disabling);
+  3. host drafters propose for every running request (free next to a forward pass);
+  4. the policy picks K among the K values compiled for the batch bucket;
+  5. the backend runs the draft+verify step; accepted tokens are emitted, finished requests
+     leave and free their rows at once, and the policy observes the acceptance.
+
+The loop is backend- and clock-agnostic: ``JaxBackend`` + ``WallClock`` is the real engine,
+``simulate.SimBackend`` + ``EventClock`` is the simulator, which therefore shares the
+scheduler, the selector and every bookkeeping rule with the real engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Protocol, Sequence
+
+from specjax.engine.scheduler import Request, RequestOutput, Running, Scheduler
+from specjax.errors import SpecjaxError
+from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
+
+
+class WallClock:
+    """Real time since the run started; waiting sleeps."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wait_until(self, t: float) -> None:
+        dt = t - self.now()
+        if dt > 0:
+            time.sleep(dt)
+
+    def advance(self, dt: float) -> None:
+        pass  # real time passed while the work ran
+
+
+class EventClock:
+    """Simulated time: advanced by the modelled duration of each operation."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclasses.dataclass
+class Proposal:
+    """What the backend knows before the policy picks K (see BatchView)."""
+
+    draft_lens: list[int] | None = None
+    confidences: object = None
+    true_accept: list[int] | None = None
+
+
+@dataclasses.dataclass
+class RowResult:
+    tokens: list[int]  # accepted drafts then the correction/bonus token
+    drafted: int
+    accepted: int
+
+
+class Backend(Protocol):
+    device_draft: bool
+    num_rows: int
+    slots: int
+    k_max: int
+
+    def bucket(self, n: int) -> int: ...
+
+    def k_options(self, bucket: int) -> Sequence[int]: ...
+
+    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]: ...
+
+    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal: ...
+
+    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]: ...
+
+    def release(self, r: Running) -> None: ...
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One engine step, for profiling, fidelity checks and plots."""
+
+    t: float
+    n: int
+    bucket: int
+    k: int  # chosen by the policy
+    k_step: int  # compiled block actually run (host drafts shrink it)
+    ctx_lens: list[int]
+    elapsed: float  # backend-reported (device or modelled) seconds
+    wall: float  # whole iteration incl. host work (== elapsed in the simulator)
+    generated: int
+    drafted: int
+    accepted: int
+
+
+class ServingEngine:
+    def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
+                 prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None):
+        self.backend = backend
+        self.policy = policy
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.clock = clock if clock is not None else WallClock()
+        self.gate = prefill_gate if (prefill_gate is not None and backend.device_draft) else None
+        self.max_prefill_batch = max_prefill_batch
+        self.on_finish = on_finish
+        self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
+        self.steps: list[StepRecord] = []
+        self.prefill_s = 0.0
+        self._t0 = self.clock.now()
+
+    def _now(self) -> float:
+        """Seconds since the current run started (arrival times are on this axis)."""
+        return self.clock.now() - self._t0
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _emit(self, r: Running, tokens: Sequence[int]) -> None:
+        out = r.out
+        for t in tokens:
+            out.tokens.append(int(t))
+            if len(out.tokens) == 1:
+                out.first_token = self._now()
+            if not r.req.ignore_eos and int(t) in self.eos:
+                out.finish_reason, r.done = "eos", True
+                return
+            if len(out.tokens) >= r.req.max_new_tokens:
+                out.finish_reason, r.done = "length", True
+                return
+
+    def _retire(self, finished: list[RequestOutput]) -> None:
+        for r in [r for r in self.sched.running if r.done]:
+            r.out.finished = self._now()
+            self.sched.release(r)
+            self.backend.release(r)
+            self.policy.finish(r.uid)
+            finished.append(r.out)
+            if self.on_finish:
+                self.on_finish(r.out)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, requests: Sequence[Request]) -> list[RequestOutput]:
+        """Serve ``requests`` (arrival times in seconds from now) to completion; returns one
+        output per request in input order (rejected requests carry ``error``)."""
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+        finished: list[RequestOutput] = []
+        nxt = 0
+        self._t0 = self.clock.now()
+        while nxt < len(order) or not self.sched.idle:
+            now = self._now()
+            while nxt < len(order) and requests[order[nxt]].arrival <= now:
+                req = requests[order[nxt]]
+                nxt += 1
+                try:
+                    self.sched.submit(req)
+                except SpecjaxError as e:
+                    out = RequestOutput(req.id, [], "error", len(req.prompt), req.arrival, error=str(e))
+                    out.finished = out.arrival
+                    finished.append(out)
+                    if self.on_finish:
+                        self.on_finish(out)
+            if self.sched.idle:
+                self.clock.wait_until(self._t0 + requests[order[nxt]].arrival)
+                continue
+            self._admit()
+            self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill
+            if self.sched.running:
+                self._step()
+                self._retire(finished)
+        by_id: dict = {}
+        for o in finished:
+            by_id.setdefault(o.id, []).append(o)
+        return [by_id[r.id].pop(0) for r in requests]
+
+    def _admit(self) -> None:
+        new = self.sched.admit(self.max_prefill_batch)
+        if not new:
+            return
+        speculate = self.gate.speculate() if self.gate else True
+        now = self._now()
+        rs = [self.sched.start(req, speculate, now) for req in new]
+        first, elapsed = self.backend.prefill(rs)
+        self.clock.advance(elapsed)
+        self.prefill_s += elapsed
+        for r, tok in zip(rs, first):
+            self._emit(r, [tok])
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        rs = list(self.sched.running)
+        be = self.backend
+        bucket = be.bucket(len(rs))
+        opts = be.k_options(bucket)
+        prop = be.propose(rs, max(opts))
+        view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
+                         request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
+                         confidences=prop.confidences, true_accept=prop.true_accept)
+        k = self.policy.choose(view)
+        if k not in opts:
+            raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
+        results, elapsed = be.step(rs, k)
+        self.clock.advance(elapsed)
+        if self.gate:
+            self.gate.record(k)
+        drafted = [res.drafted for res in results]
+        accepted = [res.accepted for res in results]
+        self.policy.observe(k, drafted, accepted, [r.uid for r in rs])
+        gen = 0
+        for r, res in zip(rs, results):
+            r.ctx_len += len(res.tokens)
+            before = len(r.out.tokens)
+            self._emit(r, res.tokens)
+            gen += len(r.out.tokens) - before
+            r.out.steps += 1
+            r.out.drafted += res.drafted
+            r.out.accepted += res.accepted
+        k_step = getattr(be, "last_k_step", k)
+        self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed,
+                                     time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed,
+                                     gen, sum(drafted), sum(accepted)))
+
+
+def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()) -> dict:
+    """Average latency and friends over served (non-error) requests."""
+    import numpy as np
+
+    ok = [o for o in outputs if o.error is None]
+    lat = np.array([o.latency for o in ok]) if ok else np.zeros(0)
+    toks = sum(len(o.tokens) for o in ok)
+    drafted = sum(o.drafted for o in ok)
+    accepted = sum(o.accepted for o in ok)
+    span = (max(o.finished for o in ok) - min(o.arrival for o in ok)) if ok else 0.0
+    return {
+        "requests": len(outputs), "errors": len(outputs) - len(ok),
+        "mean_latency_s": float(lat.mean()) if ok else float("nan"),
+        "p50_latency_s": float(np.median(lat)) if ok else float("nan"),
+        "p90_latency_s": float(np.percentile(lat, 90)) if ok else float("nan"),
+        "mean_queue_s": float(np.mean([o.admitted - o.arrival for o in ok])) if ok else float("nan"),
+        "tokens": toks, "throughput_tok_s": toks / span if span > 0 else float("nan"),
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_batch": float(np.mean([s.n for s in steps])) if steps else 0.0,
+        "mean_k": float(np.mean([s.k for s in steps])) if steps else 0.0,
+        "steps": len(steps),
+    }

@@ -1,0 +1,157 @@
+"""Profiling the real backend for the SmartSpec performance model (seed 000 §4.3).
+
+``profile_steps`` drives a ``JaxBackend`` directly: B requests with prompts of length c are
+prefilled, then every compiled K runs ``reps`` steps with a drafter that always proposes
+exactly K tokens (so the block is K + 1 wide; acceptance does not change the time of a
+verify). ``profile_prefills`` times prefill + row insert per (batch, prompt bucket).
+``fit_profile`` fits Eq. 7 for the target (host-draft records) and the draft model (device-draft
+records, jointly with the target), holding out a random share of the (B, c, K) cells to report
+R^2 on points the fit never saw. ``calibrate_host`` fits the loop's own per-step and per-request
+overhead from a real engine run, again scoring on held-out steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from specjax import buckets as bk
+from specjax.engine.scheduler import Request, Scheduler
+from specjax.goodput.perf_model import (LinearCost, StepCostModel, fit_linear, fit_step_model, least_squares,
+                                        r_squared)
+
+
+class FixedLengthDrafter:
+    """Host drafter for profiling: always proposes k tokens (the last token repeated)."""
+
+    def __init__(self):
+        self._last: dict = {}
+
+    def start(self, row, tokens):
+        self._last[row] = int(tokens[-1])
+
+    def extend(self, row, tokens):
+        if len(tokens):
+            self._last[row] = int(tokens[-1])
+
+    def propose(self, row, k):
+        return np.full(k, self._last[row], np.int32)
+
+    def finish(self, row):
+        self._last.pop(row, None)
+
+
+def _running(backend, B: int, c: int, vocab: int, rng) -> list:
+    sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
+    return [sched.start(Request(f"p{i}", list(rng.integers(1, vocab, size=c)), 1), True, 0.0) for i in range(B)]
+
+
+def profile_steps(backend, batch_sizes: Sequence[int], contexts: Sequence[int], ks: Sequence[int], reps: int = 4,
+                  seed: int = 0, progress=None) -> list[dict]:
+    """Records {B, K, ctx_lens, t} of real backend steps (the first of each cell is dropped)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for B in batch_sizes:
+        for c in contexts:
+            backend.reset()
+            rs = _running(backend, B, c, backend.cfg.vocab_size, rng)
+            backend.prefill(rs)
+            for K in ks:
+                for rep in range(reps + 1):
+                    backend.propose(rs, K)
+                    ctx = [r.ctx_len for r in rs]
+                    res, t = backend.step(rs, K)
+                    for r, x in zip(rs, res):
+                        r.ctx_len += len(x.tokens)
+                    if rep:
+                        recs.append({"B": backend.bucket(B), "n": B, "K": backend.last_k_step, "c": c,
+                                     "ctx_lens": ctx, "t": t})
+                if progress:
+                    progress()
+            for r in rs:
+                backend.release(r)
+    return recs
+
+
+def profile_prefills(backend, batch_sizes: Sequence[int], prompt_lens: Sequence[int], reps: int = 3,
+                     seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    recs = []
+    for B in batch_sizes:
+        for c in prompt_lens:
+            for rep in range(reps + 1):
+                backend.reset()
+                rs = _running(backend, B, c, backend.cfg.vocab_size, rng)
+                _, t = backend.prefill(rs)
+                if rep:
+                    recs.append({"B": backend.bucket(B), "Tp": bk.prompt_bucket(c, backend.slots), "t": t})
+    backend.reset()
+    return recs
+
+
+def _cells(recs):
+    return sorted({(r["B"], r["c"], r["K"], r.get("draft", False)) for r in recs})
+
+
+def fit_profile(target_recs: list[dict], draft_recs: list[dict], prefill_recs: list[dict], base: StepCostModel,
+                holdout: float = 0.25, seed: int = 0) -> tuple[StepCostModel, dict]:
+    """Fit the step model on (1 - holdout) of the cells, report R^2 and errors on the rest, then
+    refit on everything. Returns (model, report)."""
+    recs = [dict(r, draft=False) for r in target_recs] + [dict(r, draft=True) for r in draft_recs]
+    cells = _cells(recs)
+    rng = np.random.default_rng(seed)
+    test_cells = set(map(tuple, [cells[i] for i in rng.permutation(len(cells))[: max(1, int(holdout * len(cells)))]]))
+
+    def design(rs):
+        X = np.stack([base.step_features(r["B"], r["K"], r["ctx_lens"], r["draft"]) for r in rs])
+        return X, np.array([r["t"] for r in rs])
+
+    train = [r for r in recs if (r["B"], r["c"], r["K"], r["draft"]) not in test_cells]
+    test = [r for r in recs if (r["B"], r["c"], r["K"], r["draft"]) in test_cells]
+    Xtr, ytr = design(train)
+    m_train = fit_step_model(Xtr, ytr, base)
+    Xte, yte = design(test)
+    c_train = _coef(m_train)
+    pred = Xte @ c_train
+    report = {"held_out_cells": len(test_cells), "cells": len(cells), "held_out_steps": len(test),
+              "r2_held_out": r_squared(yte, pred),
+              "mean_abs_rel_err_held_out": float(np.mean(np.abs(pred - yte) / yte))}
+    Xall, yall = design(recs)
+    model = fit_step_model(Xall, yall, base)
+    report["r2_all"] = r_squared(yall, Xall @ _coef(model))
+    if prefill_recs:
+        n_tok = [r["B"] * r["Tp"] for r in prefill_recs]
+        pre = fit_linear(np.zeros(len(n_tok)), n_tok, [r["t"] for r in prefill_recs])
+        model = dataclasses.replace(model, prefill=pre)
+        report["prefill_r2"] = r_squared(np.array([r["t"] for r in prefill_recs]),
+                                         np.array([pre(0, n) for n in n_tok]))
+    return model, report
+
+
+def _coef(m: StepCostModel) -> np.ndarray:
+    d = m.draft or LinearCost()
+    return np.array([m.target.alpha, m.target.gamma, m.target.delta, d.alpha, d.gamma, d.delta])
+
+
+def calibrate_host(steps: Sequence, cost: StepCostModel, seed: int = 0) -> tuple[StepCostModel, dict]:
+    """Fit host_step + host_row * n to (iteration wall time - modelled backend time) of real
+    engine steps (``engine.loop.StepRecord``); score whole-step predictions on held-out half."""
+    steps = list(steps)
+    if len(steps) < 8:
+        return cost, {"calibration_steps": len(steps)}
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(steps))
+    half = len(steps) // 2
+    fit_idx, test_idx = perm[:half], perm[half:]
+    dev = np.array([cost.device_time(s.bucket, s.k_step, s.ctx_lens) for s in steps])
+    wall = np.array([s.wall for s in steps])
+    X = np.stack([np.ones(len(steps)), np.array([s.n for s in steps], float)], axis=1)
+    c = least_squares(X[fit_idx], (wall - dev)[fit_idx])
+    pred = dev + X @ c
+    report = {"calibration_steps": len(steps), "host_step_s": float(c[0]), "host_row_s": float(c[1]),
+              "r2_engine_steps_held_out": r_squared(wall[test_idx], pred[test_idx]),
+              "mean_abs_rel_err_engine_steps": float(np.mean(np.abs(pred[test_idx] - wall[test_idx]) / wall[test_idx]))}
+    c_all = least_squares(X, wall - dev)
+    return dataclasses.replace(cost, host_step=float(c_all[0]), host_row=float(c_all[1])), report

@@ -1,0 +1,119 @@
+"""``SimBackend``: the ``engine.loop.Backend`` protocol with modelled time and drawn acceptance.
+
+Time: a prefill costs ``cost.prefill_time`` per prefill batch; a step costs
+``cost.step_time(bucket, k_step, ctx_lens, n)`` (draft + target + host overhead), exactly what
+the selector believes when the model is right, so fidelity errors come from the model alone.
+Acceptance: before each step every request draws how many drafts it *would* accept from an
+unbounded proposal, position j surviving with probability ``per_position[j]`` (measured on a
+real run); a step of K drafts accepts ``min(that, drafts)``. The draw is made before the policy
+chooses and handed to it as ``true_accept``, which only the oracle policy reads (the paper's
+'optimal' predictor that knows the accepted lengths). Host drafters propose for a request
+with probability ``propose_prob`` (prompt lookup and suffix trees often find nothing).
+Batch buckets, compiled K values, KV rows and slots mirror the real backend's, so the same
+scheduler decisions (admission, padding to buckets) happen in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from specjax import buckets as bk
+from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
+from specjax.engine.scheduler import Request, RequestOutput, Running
+from specjax.goodput.perf_model import StepCostModel
+from specjax.goodput.selector import DraftPrefillGate, Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceProfile:
+    """per_position[j] = P(draft j accepted | drafts < j accepted); positions past the list
+    reuse its last value. propose_prob: chance a host drafter has any draft for a request."""
+
+    per_position: tuple[float, ...] = (0.7,)
+    propose_prob: float = 1.0
+    draft_len_cap: int | None = None  # host drafters: longest draft they ever return
+
+    def rate(self, j: int) -> float:
+        return self.per_position[min(j, len(self.per_position) - 1)] if self.per_position else 0.0
+
+
+class SimBackend:
+    def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
+                 k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
+                 slots: int = 512, seed: int = 0):
+        self.cost = cost
+        self.accept = accept
+        self.device_draft = device_draft
+        self.k_buckets = tuple(sorted(set(k_buckets)))
+        self.k_max = self.k_buckets[-1]
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.num_rows = self.batch_buckets[-1]
+        self.slots = slots
+        self.rng = np.random.default_rng(seed)
+        self._would: dict[int, int] = {}
+        self._lens: dict[int, int] = {}
+        self.last_k_step = 0
+
+    def bucket(self, n: int) -> int:
+        return bk.pick(self.batch_buckets, n, "running requests")
+
+    def k_options(self, bucket: int) -> Sequence[int]:
+        return self.k_buckets
+
+    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
+        t = 0.0
+        max_b = self.batch_buckets[-1]
+        for i in range(0, len(rs), max_b):
+            chunk = rs[i:i + max_b]
+            Tp = bk.prompt_bucket(max(len(r.req.prompt) for r in chunk), self.slots)
+            t += self.cost.prefill_time(self.bucket(len(chunk)), Tp)
+        return [0] * len(rs), t
+
+    def _draw_would_accept(self, cap: int) -> int:
+        n = 0
+        while n < cap and self.rng.random() < self.accept.rate(n):
+            n += 1
+        return n
+
+    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal:
+        self._would = {r.uid: self._draw_would_accept(k_max) for r in rs}
+        if self.device_draft:
+            self._lens = {r.uid: (k_max if r.speculate else 0) for r in rs}
+            return Proposal(true_accept=[self._would[r.uid] for r in rs])
+        cap = k_max if self.accept.draft_len_cap is None else min(k_max, self.accept.draft_len_cap)
+        self._lens = {r.uid: (cap if self.rng.random() < self.accept.propose_prob else 0) for r in rs}
+        return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
+
+    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
+        drafted = {r.uid: min(self._lens.get(r.uid, 0), k) for r in rs}
+        if self.device_draft:
+            k_step = k
+        else:
+            longest = max(drafted.values(), default=0)
+            k_step = next(x for x in self.k_buckets if x >= longest)
+        self.last_k_step = k_step
+        out = []
+        for r in rs:
+            d = drafted[r.uid]
+            a = min(self._would.get(r.uid, 0), d)
+            out.append(RowResult([0] * (a + 1), d, a))
+        t = self.cost.step_time(self.bucket(len(rs)), k_step, [r.ctx_len for r in rs], len(rs))
+        return out, t
+
+    def release(self, r: Running) -> None:
+        self._would.pop(r.uid, None)
+        self._lens.pop(r.uid, None)
+
+
+def simulate(requests: Sequence[Request], policy: Policy, cost: StepCostModel, accept: AcceptanceProfile, *,
+             device_draft: bool, k_buckets=(0, 1, 2, 3, 4, 5), batch_buckets=(1, 2, 4, 8), slots: int = 512,
+             seed: int = 0, prefill_gate: DraftPrefillGate | None = None) -> tuple[list[RequestOutput], ServingEngine]:
+    """Serve ``requests`` on the event clock. Simulated requests never hit EOS: give each the
+    output length it should have (``max_new_tokens``, ``ignore_eos=True``)."""
+    be = SimBackend(cost, accept, device_draft=device_draft, k_buckets=k_buckets, batch_buckets=batch_buckets,
+                    slots=slots, seed=seed)
+    eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate)
+    return eng.run(requests), eng
