@@ -179,10 +179,11 @@ class JaxBackend:
             d = self.drafter.propose(r.uid, k_max) if k_max > 0 else np.zeros(0, np.int32)
             self._drafts[r.uid] = d
             lens.append(len(d))
-        return Proposal(draft_lens=lens)
+        return Proposal(draft_lens=lens, drafts=[self._drafts[r.uid] for r in rs])
 
     def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
         t0 = time.perf_counter()
+        self._maybe_shrink(len(rs))
         if self._to_clear:
             free = np.zeros(self.B, bool)
             free[list(self._to_clear)] = True
@@ -230,7 +231,6 @@ class JaxBackend:
         if not self.device_draft:
             self.drafter.finish(r.uid)
         self._drafts.pop(r.uid, None)
-        self._maybe_shrink(len(self.row_of))
 
     # ------------------------------------------------------------ compilation
 

@@ -21,6 +21,8 @@ import dataclasses
 import time
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
+
 from specjax.engine.scheduler import Request, RequestOutput, Running, Scheduler
 from specjax.errors import SpecjaxError
 from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
@@ -65,6 +67,7 @@ class Proposal:
     """What the backend knows before the policy picks K (see BatchView)."""
 
     draft_lens: list[int] | None = None
+    drafts: list | None = None  # host drafters: the draft token arrays (for shadow verification)
     confidences: object = None
     true_accept: list[int] | None = None
 
@@ -127,6 +130,14 @@ class ServingEngine:
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
         self._t0 = self.clock.now()
+        # Per-position acceptance over row-steps that drafted (P(draft j accepted | drafted j)),
+        # and how often a row of a speculative step got any draft: what a simulator needs.
+        self.pos_drafted = np.zeros(0, np.int64)
+        self.pos_accepted = np.zeros(0, np.int64)
+        self.rows_offered = 0
+        self.rows_proposed = 0
+        # Shadow verification of host drafts a K = 0 step did not verify: uid -> [draft, matched].
+        self._shadow: dict[int, list] = {}
 
     def _now(self) -> float:
         """Seconds since the current run started (arrival times are on this axis)."""
@@ -153,6 +164,7 @@ class ServingEngine:
             self.sched.release(r)
             self.backend.release(r)
             self.policy.finish(r.uid)
+            self._shadow.pop(r.uid, None)
             finished.append(r.out)
             if self.on_finish:
                 self.on_finish(r.out)
@@ -193,12 +205,10 @@ class ServingEngine:
         return [by_id[r.id].pop(0) for r in requests]
 
     def _admit(self) -> None:
-        new = self.sched.admit(self.max_prefill_batch)
-        if not new:
+        if not self.sched.waiting or not self.sched.free_rows:
             return
         speculate = self.gate.speculate() if self.gate else True
-        now = self._now()
-        rs = [self.sched.start(req, speculate, now) for req in new]
+        rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch)
         first, elapsed = self.backend.prefill(rs)
         self.clock.advance(elapsed)
         self.prefill_s += elapsed
@@ -225,6 +235,9 @@ class ServingEngine:
         drafted = [res.drafted for res in results]
         accepted = [res.accepted for res in results]
         self.policy.observe(k, drafted, accepted, [r.uid for r in rs])
+        if k > 0:
+            self._record_positions(drafted, accepted)
+        self._shadow_verify(rs, prop, results)
         gen = 0
         for r, res in zip(rs, results):
             r.ctx_len += len(res.tokens)
@@ -240,10 +253,56 @@ class ServingEngine:
                                      gen, sum(drafted), sum(accepted)))
 
 
+    def _shadow_verify(self, rs, prop: Proposal, results) -> None:
+        """Host drafts cost nothing to make, so their acceptance can be learnt even when the
+        step verified none of them: a greedy verifier accepts a draft token iff it equals the
+        token the target generates there, so a draft offered but not verified is compared with
+        the tokens the following steps generate. Without this, a moving average that once
+        dropped to ~0 would keep K = 0 forever (nothing new is ever observed). Exact for greedy
+        requests; for sampled ones it is the acceptance of a greedy-matching verifier."""
+        if prop.drafts is None:
+            return
+        for r, d, res in zip(rs, prop.drafts, results):
+            sh = self._shadow.get(r.uid)
+            if sh is None:
+                if res.drafted > 0 or not len(d):
+                    continue  # verified for real (observed above), or nothing was drafted
+                sh = self._shadow[r.uid] = [np.asarray(d), 0]
+            draft, m = sh
+            for t in res.tokens:
+                if m < len(draft) and int(draft[m]) == int(t):
+                    m += 1
+                    continue
+                break
+            else:
+                if m < len(draft):  # still matching: wait for the next step's tokens
+                    sh[1] = m
+                    continue
+            del self._shadow[r.uid]
+            self.policy.observe(len(draft), [len(draft)], [m], [r.uid])
+
+    def _record_positions(self, drafted, accepted) -> None:
+        m = max(drafted, default=0)
+        if m > len(self.pos_drafted):
+            grow = m - len(self.pos_drafted)
+            self.pos_drafted = np.concatenate([self.pos_drafted, np.zeros(grow, np.int64)])
+            self.pos_accepted = np.concatenate([self.pos_accepted, np.zeros(grow, np.int64)])
+        for d, a in zip(drafted, accepted):
+            self.pos_drafted[:d] += 1
+            self.pos_accepted[:a] += 1
+        self.rows_offered += len(drafted)
+        self.rows_proposed += sum(d > 0 for d in drafted)
+
+    def per_position_acceptance(self) -> list[float]:
+        return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+
+    @property
+    def propose_rate(self) -> float:
+        return self.rows_proposed / self.rows_offered if self.rows_offered else 0.0
+
+
 def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()) -> dict:
     """Average latency and friends over served (non-error) requests."""
-    import numpy as np
-
     ok = [o for o in outputs if o.error is None]
     lat = np.array([o.latency for o in ok]) if ok else np.zeros(0)
     toks = sum(len(o.tokens) for o in ok)

@@ -96,12 +96,13 @@ class Scheduler:
     def free_rows(self) -> int:
         return self.num_rows - len(self.running)
 
-    def admit(self, max_new: int | None = None) -> list[Request]:
-        """The FCFS prefix of the waiting queue that fits the free rows (at most ``max_new``)."""
+    def admit(self, now: float, speculate: bool = True, max_new: int | None = None) -> list[Running]:
+        """Start the FCFS prefix of the waiting queue that fits the free rows (at most
+        ``max_new``); each takes its row at once."""
         n = min(self.free_rows, len(self.waiting))
         if max_new is not None:
             n = min(n, max_new)
-        return [self.waiting.popleft() for _ in range(n)]
+        return [self.start(self.waiting.popleft(), speculate, now) for _ in range(n)]
 
     def start(self, req: Request, speculate: bool, now: float) -> Running:
         out = RequestOutput(req.id, [], "length", len(req.prompt), req.arrival, admitted=now)

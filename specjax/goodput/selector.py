@@ -99,6 +99,7 @@ class GoodputPolicy(Policy):
         self.name = name or {"moving_average": "SmartSpec", "confidence": "SmartSpec-conf",
                              "oracle": "oracle"}[estimator]
         self.last_goodputs: dict[int, float] = {}
+        self._stale = 0
 
     def expected_tokens(self, view: BatchView, k: int) -> float:
         """Expected generated tokens of the batch with K drafts (bonus tokens included)."""
@@ -135,7 +136,18 @@ class GoodputPolicy(Policy):
         return max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
 
     def observe(self, k, drafted, accepted, request_ids=()):
-        self.acc.observe(drafted, accepted, k, request_ids)
+        """Record a verify step. Steps with K = 0 teach nothing about acceptance (unless the
+        engine shadow-verifies host drafts), so after ``window`` of them in a row the estimate
+        is pulled one step back towards the prior: a device drafter whose alpha once read ~0
+        gets re-tried now and then instead of never again."""
+        if k > 0 and np.sum(drafted) > 0:
+            self._stale = 0
+            self.acc.observe(drafted, accepted, k, request_ids)
+            return
+        self._stale += 1
+        if self._stale >= self.acc.window:
+            self._stale = 0
+            self.acc.alpha.add(self.acc.alpha.prior)
 
     def finish(self, rid):
         self.acc.forget(rid)

@@ -1,0 +1,464 @@
+"""Serve Poisson request streams with no-SD, fixed K and SmartSpec; real engine or simulator.
+
+  # real engine on SmolLM2 (CPU), prompt lookup and layer skip, then the simulator on the
+  # same requests for fidelity:
+  python launch/serve_sim.py --mode both --rates 0.5,1,2,3,4 --num_requests 20 \\
+      --perf_models configs/perf_models.json --plot docs/smartspec_sweep.png
+  # simulated 7B / 70B-scale sweeps from stated A100 assumptions (no device needed):
+  python launch/serve_sim.py --mode sim --scale 7b,70b --rates 1,2,4,8,16,32 --plot docs/smartspec_sim.png
+  # load test: a burst of 4x the KV rows at t=0
+  python launch/serve_sim.py --mode real --burst 4 --drafters prompt_lookup --policies smartspec
+
+Average request latency = finish - arrival (queueing included), like the paper's Figs. 11-12;
+speedup = no-SD latency / policy latency at the same rate on the *same* requests and arrival
+times (common random numbers: every policy sees the identical stream).
+
+Policies: ``none`` (K = 0), integers (fixed K; host drafters still shrink the block to the
+longest draft), ``smartspec`` (goodput selector, moving-average acceptance), ``oracle``
+(simulator only: knows the accepted lengths).
+
+User mistakes print one line ("error: ...") and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
+
+# Stated assumptions for the simulated large-model sweeps (no GPU profile available): one A100-80G
+# class device per 7B (2 TB/s HBM, ~150 TFLOP/s achieved bf16) and 8 of them (tensor parallel)
+# for 70B. delta = weight bytes / bandwidth + launch/comm overhead; gamma = 2 * params FLOP per
+# token / achieved FLOP/s; alpha = KV bytes per context token / bandwidth.
+SCALES = {
+    "7b": dict(
+        target=dict(alpha=0.26e-6, gamma=0.09e-3, delta=8.0e-3),  # 14 GB weights, 0.5 MB KV/token
+        draft=dict(alpha=0.01e-6, gamma=0.004e-3, delta=1.5e-3),  # Llama-160M: launch-bound
+        prefill=dict(alpha=0.0, gamma=0.1e-3, delta=8.0e-3),
+        rows=64, slots=2048, desc="Vicuna-7B on 1 A100 + Llama-160M draft"),
+    "70b": dict(
+        target=dict(alpha=0.02e-6, gamma=0.12e-3, delta=14.0e-3),  # 140 GB over 8 GPUs + all-reduce
+        draft=dict(alpha=0.03e-6, gamma=0.02e-3, delta=3.0e-3),  # TinyLlama-1.1B, TP 1
+        prefill=dict(alpha=0.0, gamma=0.12e-3, delta=14.0e-3),
+        rows=64, slots=2048, desc="Llama2-70B on 8 A100 (TP8) + TinyLlama-1.1B draft"),
+}
+
+
+def define_flags() -> None:
+    flags.DEFINE_enum("mode", "real", ["real", "sim", "both"], "real engine, simulator, or both on the same "
+                      "requests (simulator fidelity).")
+    flags.DEFINE_string("model", "smollm2-135m", "Target model (real mode).")
+    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup, layer_skip.")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the first N layers.")
+    flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, oracle.")
+    flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
+    flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
+    flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
+    flags.DEFINE_string("question_file", DEFAULT_QUESTIONS, "Spec-Bench question.jsonl (relative: to the repo root).")
+    flags.DEFINE_integer("max_prompt_tokens", 300, "Skip prompts longer than this (chat-templated tokens).")
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request (EOS ends earlier unless --ignore_eos).")
+    flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
+    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; KV rows = the largest.")
+    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (SmartSpec chooses among them).")
+    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
+    flags.DEFINE_string("perf_models", "configs/perf_models.json", "Performance models from launch/profile.py.")
+    flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
+    flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
+    flags.DEFINE_integer("sim_input_len", 256, "sim --scale: prompt tokens per request.")
+    flags.DEFINE_integer("sim_output_len", 128, "sim --scale: output tokens per request.")
+    flags.DEFINE_integer("window", 16, "SmartSpec moving-average window (steps).")
+    flags.DEFINE_float("prefill_disable", 0.7, "Draft prefill disabled when more than this share of recent steps "
+                       "proposed nothing (device drafters).")
+    flags.DEFINE_string("out_json", None, "Write all rows as JSON here.")
+    flags.DEFINE_string("plot", None, "PNG: latency and speedup vs request rate per drafter.")
+    flags.DEFINE_string("benchmarks_md_section", None, "Replace this '## ' section of BENCHMARKS.md with the table.")
+    flags.DEFINE_integer("seed", 0, "Arrivals / prompt order / simulator draws.")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _ints(name, text):
+    from specjax.errors import SpecjaxError
+
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
+    if not xs:
+        raise SpecjaxError(f"--{name} is empty")
+    return xs
+
+
+def _floats(name, text):
+    from specjax.errors import SpecjaxError
+
+    try:
+        xs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecjaxError(f"--{name} must be a comma list of numbers, got {text!r}") from None
+    if not xs or min(xs) <= 0:
+        raise SpecjaxError(f"--{name} must be positive numbers, got {text!r}")
+    return xs
+
+
+def load_prompts(path: str, tok, max_tokens: int) -> list[list[int]]:
+    """First turns of Spec-Bench questions, chat-templated, at most ``max_tokens`` long."""
+    from specjax.errors import SpecjaxError
+
+    path = path if os.path.isabs(path) else os.path.join(ROOT, path)
+    if not os.path.exists(path):
+        raise SpecjaxError(f"--question_file {path} not found")
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                q = json.loads(line)
+                ids = tok.encode_chat(q["turns"][0])
+                if len(ids) <= max_tokens:
+                    out.append(ids)
+    if not out:
+        raise SpecjaxError(f"no prompt in {path} fits --max_prompt_tokens {max_tokens}")
+    return out
+
+
+def make_requests(prompts, n: int, rate: float | None, max_new: int, ignore_eos: bool, seed: int):
+    """n requests cycling through a shuffled prompt list; Poisson arrivals at ``rate`` (None: all at 0)."""
+    import numpy as np
+
+    from specjax.engine.scheduler import Request
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(prompts))
+    gaps = rng.exponential(1.0 / rate, size=n) if rate else np.zeros(n)
+    t = np.cumsum(gaps) - (gaps[0] if rate else 0.0)  # the first request arrives at 0
+    return [Request(f"r{i}", prompts[order[i % len(order)]], max_new, arrival=float(t[i]), ignore_eos=ignore_eos)
+            for i in range(n)]
+
+
+def make_policy(name: str, cost, k_buckets, window: int):
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import FixedK, GoodputPolicy
+
+    if name == "none":
+        return FixedK(0)
+    if name in ("smartspec", "oracle"):
+        return GoodputPolicy(cost, "moving_average" if name == "smartspec" else "oracle", window=window)
+    try:
+        k = int(name)
+    except ValueError:
+        raise SpecjaxError(f"unknown policy {name!r} (none, smartspec, oracle or an integer K)") from None
+    if k not in k_buckets:
+        raise SpecjaxError(f"policy K={k} is not in --k_buckets {list(k_buckets)}")
+    return FixedK(k)
+
+
+def policy_label(name: str) -> str:
+    return {"none": "no-SD", "smartspec": "SmartSpec", "oracle": "oracle"}.get(name, f"K={name}")
+
+
+# ---------------------------------------------------------------- runs
+
+
+def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
+    from launch.profile import make_backend
+    from specjax.engine.loop import ServingEngine, summarize
+    from specjax.goodput import DraftPrefillGate
+
+    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, **geom)
+    t0 = time.perf_counter()
+    be.warmup(prompt_lens=[len(p) for p in prompts], progress=True)
+    print(f"[{drafter}: compiled {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+    rows, engines = [], {}
+    for rate in rates:
+        reqs = stream(prompts, rate, seed)
+        for pol in policies:
+            be.reset()
+            policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
+            gate = DraftPrefillGate(FLAGS.prefill_disable) if pol == "smartspec" else None
+            eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
+            outs = eng.run(reqs)
+            s = summarize(outs, eng.steps)
+            rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), **s))
+            engines[(rate, pol)] = (eng, outs)
+            _log(rows[-1])
+    return rows, engines
+
+
+def stream(prompts, rate, seed):
+    if FLAGS.burst > 0:
+        return make_requests(prompts, int(FLAGS.burst * max(_ints("batch_buckets", FLAGS.batch_buckets))), None,
+                             FLAGS.max_new_tokens, FLAGS.ignore_eos, seed)
+    return make_requests(prompts, FLAGS.num_requests, rate, FLAGS.max_new_tokens, FLAGS.ignore_eos, seed)
+
+
+def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft, geom, seed, label=None):
+    from specjax.engine.loop import summarize
+    from specjax.goodput import DraftPrefillGate
+    from specjax.simulate import simulate
+
+    rows = []
+    for rate in rates:
+        reqs = reqs_for_rate(rate)
+        for pol in policies:
+            policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
+            gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in ("smartspec", "oracle") else None
+            outs, eng = simulate(reqs, policy, cost, accept, device_draft=device_draft, k_buckets=geom["k_buckets"],
+                                 batch_buckets=geom["batch_buckets"], slots=geom["slots"], seed=seed,
+                                 prefill_gate=gate)
+            s = summarize(outs, eng.steps)
+            rows.append(dict(mode="sim", drafter=label or drafter, rate=rate, policy=policy_label(pol), **s))
+            _log(rows[-1])
+    return rows
+
+
+def _log(r):
+    print(f"  {r['mode']:4s} {r['drafter']:14s} rate {r['rate']:5.2f}  {r['policy']:9s} latency {r['mean_latency_s']:7.2f} s"
+          f"  batch {r['mean_batch']:4.1f}  K {r['mean_k']:4.2f}  acc {r['acceptance_rate']:.2f}  "
+          f"tok/s {r['throughput_tok_s']:6.1f}  errors {r['errors']}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def speedup_table(rows, mode: str) -> str:
+    """Markdown: per drafter and rate, latency of each policy and speedup over no-SD; SmartSpec's
+    gap to the best baseline."""
+    lines = []
+    drafters = sorted({r["drafter"] for r in rows if r["mode"] == mode})
+    pols = []
+    for r in rows:
+        if r["mode"] == mode and r["policy"] not in pols:
+            pols.append(r["policy"])
+    for d in drafters:
+        lines.append(f"\n**{d}** ({mode}): mean request latency in s (speedup over no-SD)\n")
+        lines.append("| rate (req/s) | " + " | ".join(pols) + " | SmartSpec vs best baseline |")
+        lines.append("|---" * (len(pols) + 2) + "|")
+        for rate in sorted({r["rate"] for r in rows if r["mode"] == mode and r["drafter"] == d}):
+            by = {r["policy"]: r for r in rows if r["mode"] == mode and r["drafter"] == d and r["rate"] == rate}
+            base = by.get("no-SD", {}).get("mean_latency_s")
+            cells = []
+            for p in pols:
+                lat = by[p]["mean_latency_s"] if p in by else float("nan")
+                cells.append(f"{lat:.2f} ({base / lat:.2f}x)" if base else f"{lat:.2f}")
+            baselines = [by[p]["mean_latency_s"] for p in by if p not in ("SmartSpec", "oracle")]
+            gap = ""
+            if "SmartSpec" in by and baselines:
+                gap = f"{(by['SmartSpec']['mean_latency_s'] / min(baselines) - 1) * 100:+.1f}%"
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + f" | {gap} |")
+    return "\n".join(lines)
+
+
+def fidelity_table(rows) -> str:
+    lines = ["\n**Simulator fidelity**: simulated vs measured mean latency (same requests, arrivals, output lengths)\n",
+             "| drafter | rate | policy | measured (s) | simulated (s) | error |", "|---|---|---|---|---|---|"]
+    real = {(r["drafter"], r["rate"], r["policy"]): r for r in rows if r["mode"] == "real"}
+    for r in rows:
+        if r["mode"] != "sim":
+            continue
+        m = real.get((r["drafter"], r["rate"], r["policy"]))
+        if m:
+            err = r["mean_latency_s"] / m["mean_latency_s"] - 1
+            lines.append(f"| {r['drafter']} | {r['rate']:g} | {r['policy']} | {m['mean_latency_s']:.2f} | "
+                         f"{r['mean_latency_s']:.2f} | {err * 100:+.1f}% |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["mode"], r["drafter"]) for r in rows})
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 6.5), squeeze=False)
+    for j, (mode, d) in enumerate(groups):
+        rs = [r for r in rows if r["mode"] == mode and r["drafter"] == d]
+        rates = sorted({r["rate"] for r in rs})
+        base = {r["rate"]: r["mean_latency_s"] for r in rs if r["policy"] == "no-SD"}
+        pols = []
+        for r in rs:
+            if r["policy"] not in pols:
+                pols.append(r["policy"])
+        for p in pols:
+            lat = [next(r["mean_latency_s"] for r in rs if r["rate"] == x and r["policy"] == p) for x in rates]
+            style = dict(lw=2.5, color="k") if p == "SmartSpec" else dict(lw=1.2, ls="--" if p == "oracle" else "-")
+            axes[0, j].plot(rates, lat, marker="o", ms=3, label=p, **style)
+            if base:
+                axes[1, j].plot(rates, [base[x] / v for x, v in zip(rates, lat)], marker="o", ms=3, label=p, **style)
+        axes[0, j].set_title(f"{d} ({mode})", fontsize=9)
+        axes[0, j].set_ylabel("mean request latency (s)")
+        axes[1, j].set_ylabel("speedup over no-SD")
+        axes[1, j].axhline(1.0, color="grey", lw=0.8)
+        for ax in axes[:, j]:
+            ax.set_xlabel("request rate (req/s)")
+            ax.grid(alpha=0.3)
+        axes[0, j].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"[plot: {path}]", file=sys.stderr)
+
+
+def replace_md_section(title: str, body: str, path=os.path.join(ROOT, "BENCHMARKS.md")) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    head = f"## {title}"
+    block = f"{head}\n\nCommand: `python {' '.join(sys.argv)}`\n{body}\n"
+    if head in text:
+        start = text.index(head)
+        nxt = text.find("\n## ", start + len(head))
+        text = text[:start] + block + (text[nxt + 1:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv):
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache()
+    try:
+        run()
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run():
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import LinearCost, StepCostModel
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.simulate import AcceptanceProfile
+
+    policies = [p.strip() for p in FLAGS.policies.split(",") if p.strip()]
+    rates = _floats("rates", FLAGS.rates)
+    geom = dict(k_buckets=_ints("k_buckets", FLAGS.k_buckets), batch_buckets=_ints("batch_buckets", FLAGS.batch_buckets),
+                slots=FLAGS.slots)
+    if 0 not in geom["k_buckets"]:
+        raise SpecjaxError("--k_buckets must include 0")
+    if FLAGS.num_requests < 1:
+        raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
+    if FLAGS.burst > 0:
+        rates = [float("inf")]
+    rows = []
+    if FLAGS.scale:
+        if FLAGS.mode != "sim":
+            raise SpecjaxError("--scale is a simulation: use --mode sim")
+        from specjax.engine.scheduler import Request
+
+        for name in [s.strip() for s in FLAGS.scale.split(",")]:
+            if name not in SCALES:
+                raise SpecjaxError(f"unknown --scale {name!r}; known: {', '.join(SCALES)}")
+            sc = SCALES[name]
+            cost = StepCostModel(target=LinearCost(**sc["target"]), draft=LinearCost(**sc["draft"]),
+                                 prefill=LinearCost(**sc["prefill"]), context_mode="sum")
+            g = dict(geom, batch_buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc["rows"]], slots=sc["slots"])
+            acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
+            import numpy as np
+
+            def reqs_for_rate(rate, n=FLAGS.num_requests):
+                rng = np.random.default_rng(FLAGS.seed)
+                t = np.cumsum(rng.exponential(1.0 / rate, size=n))
+                return [Request(f"s{i}", [1] * FLAGS.sim_input_len, FLAGS.sim_output_len, arrival=float(t[i] - t[0]),
+                                ignore_eos=True) for i in range(n)]
+
+            print(f"[{name}: {sc['desc']}]", file=sys.stderr)
+            rows += run_sim(name, policies, rates, reqs_for_rate, cost, acc, True, g, FLAGS.seed,
+                            label=f"{name} (assumed)")
+        finish(rows)
+        return
+
+    from specjax.models.loader import load_model
+
+    model = load_model(FLAGS.model)
+    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
+    hw = hardware_key()
+    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
+    for d in drafters:
+        if d not in ("prompt_lookup", "layer_skip"):
+            raise SpecjaxError(f"--drafters: unknown {d!r} (prompt_lookup, layer_skip)")
+    if "oracle" in policies and FLAGS.mode != "sim":
+        raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
+    for d in drafters:
+        label = f"layer_skip{FLAGS.draft_layers}" if d == "layer_skip" else d
+        cost = load_perf(FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models),
+                         model_key(model.cfg.name, label, hw))
+        real_runs = {}
+        if FLAGS.mode in ("real", "both"):
+            r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed)
+            rows += r
+        if FLAGS.mode in ("sim", "both"):
+            accept = measured_acceptance(real_runs) if real_runs else AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
+
+            def reqs_for_rate(rate):
+                reqs = stream(prompts, rate, FLAGS.seed)
+                if real_runs:  # the lengths the real run produced (EOS included), no EOS in the simulator
+                    outs = real_runs[(rate, policies[0])][1]
+                    reqs = [dataclasses.replace(q, max_new_tokens=max(1, len(o.tokens)), ignore_eos=True)
+                            for q, o in zip(reqs, outs)]
+                return reqs
+
+            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
+                            label=d)
+    finish(rows)
+
+
+def measured_acceptance(real_runs):
+    """Per-position acceptance and proposal rate pooled over the real runs with drafts."""
+    import numpy as np
+
+    from specjax.simulate import AcceptanceProfile
+
+    dr, ac, off, prop = np.zeros(0), np.zeros(0), 0, 0
+    for eng, _ in real_runs.values():
+        n = max(len(dr), len(eng.pos_drafted))
+        dr = np.pad(dr, (0, n - len(dr))) + np.pad(eng.pos_drafted, (0, n - len(eng.pos_drafted)))
+        ac = np.pad(ac, (0, n - len(ac))) + np.pad(eng.pos_accepted, (0, n - len(eng.pos_accepted)))
+        off += eng.rows_offered
+        prop += eng.rows_proposed
+    rates = tuple(float(a / d) if d else 0.0 for a, d in zip(ac, dr)) or (0.0,)
+    prof = AcceptanceProfile(per_position=rates, propose_prob=prop / off if off else 1.0)
+    print(f"[measured acceptance per position {[round(x, 2) for x in rates]}, proposal rate "
+          f"{prof.propose_prob:.2f}]", file=sys.stderr)
+    return prof
+
+
+def finish(rows):
+    md = ""
+    for mode in ("real", "sim"):
+        if any(r["mode"] == mode for r in rows):
+            md += speedup_table(rows, mode) + "\n"
+    if any(r["mode"] == "real" for r in rows) and any(r["mode"] == "sim" for r in rows):
+        md += fidelity_table(rows) + "\n"
+    print(md)
+    if FLAGS.out_json:
+        with open(FLAGS.out_json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if FLAGS.plot:
+        plot(rows, FLAGS.plot)
+    if FLAGS.benchmarks_md_section:
+        replace_md_section(FLAGS.benchmarks_md_section, md)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

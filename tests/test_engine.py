@@ -1,0 +1,236 @@
+"""The continuous-batching serving engine (specjax/engine/) and its simulator: greedy
+losslessness under joins/leaves/resizes for host and device drafters, FCFS admission within KV
+rows, a burst of 4x the KV capacity, per-request sampling, prefill disabling, user errors,
+and the event clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.loop import EventClock, ServingEngine, summarize
+from specjax.engine.scheduler import Request, Scheduler
+from specjax.engine.step import DraftSpec
+from specjax.errors import SpecjaxError
+from specjax.generate import Generator
+from specjax.goodput import FixedK, GoodputPolicy, LinearCost, Policy, StepCostModel
+from specjax.goodput.selector import DraftPrefillGate
+from specjax.sampling import SamplingParams
+from specjax.simulate import AcceptanceProfile, simulate
+from specjax.spec_generate import SpecGenerator
+
+ROWS = (1, 4)  # batch buckets: the live state grows 1 -> 4 and shrinks back
+KS = (0, 2)
+SLOTS = 256
+MAX_NEW = 16
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 0:  # repetitive: prompt lookup has something to draft
+            unit = list(rng.integers(1, 255, size=int(rng.integers(2, 5))))
+            out.append((unit * 8)[:14])
+        else:
+            out.append(list(rng.integers(1, 255, size=int(rng.integers(3, 15)))))
+    return out
+
+
+PROMPTS = _prompts(10)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    cfg, params = tiny
+    gen = Generator(cfg, params, batch_buckets=(1,))
+    return [gen.generate([p], max_new_tokens=MAX_NEW)[0].tokens for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def backends(tiny):
+    cfg, params = tiny
+    pld = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS, slots=SLOTS,
+                     shrink_patience=2)
+    pld.warmup(prompt_lens=[16], greedy_modes=(True, False))
+    ls = JaxBackend(cfg, params, draft=DraftSpec("model", cfg, num_layers=2), k_buckets=KS, batch_buckets=ROWS,
+                    slots=SLOTS, shrink_patience=2)
+    ls.warmup(prompt_lens=[16])
+    return {"prompt_lookup": pld, "layer_skip": ls}
+
+
+def _cheap_spec():
+    # Verify tokens almost free: the goodput selector speculates.
+    return StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, 1e-4))
+
+
+def _reqs(arrival_gap, prompts=PROMPTS, **kw):
+    return [Request(f"q{i}", p, MAX_NEW, arrival=i * arrival_gap, **kw) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "layer_skip"])
+@pytest.mark.parametrize("policy", ["K=2", "smartspec"])
+def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, policy):
+    be = backends[drafter]
+    be.reset()
+    pol = FixedK(2) if policy == "K=2" else GoodputPolicy(_cheap_spec())
+    # Event clock on measured durations: arrivals interleave with steps deterministically enough
+    # that requests join a running batch, and leave it, at different steps.
+    # A late request, after the others left, runs alone in the 4-row state until it is compacted.
+    eng = ServingEngine(be, pol, clock=EventClock())
+    outs = eng.run(_reqs(arrival_gap=0.004) + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
+    assert [o.id for o in outs] == [f"q{i}" for i in range(len(PROMPTS))] + ["late"]
+    for o, ref in zip(outs, reference + [reference[1]]):
+        assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"
+        assert o.finish_reason == "length" and o.error is None
+        assert o.arrival <= o.admitted <= o.first_token <= o.finished
+    sizes = [s.n for s in eng.steps]
+    assert max(sizes) > 1 and min(sizes) == 1, sizes  # batches formed and drained
+    assert be.resizes >= 2  # grew to 4 and compacted back
+    assert sum(o.drafted for o in outs) > 0 and sum(o.accepted for o in outs) > 0
+    if drafter == "layer_skip":
+        assert all(o.drafted == 2 * o.steps for o in outs if eng.steps and all(s.k == 2 for s in eng.steps))
+
+
+def test_burst_of_four_times_capacity(backends, reference):
+    """4 rows, 40 requests at t=0 plus one that can never fit: everything is served exactly
+    once, in FCFS admission order, never more than 4 at a time, none truncated."""
+    be = backends["prompt_lookup"]
+    be.reset()
+    prompts = PROMPTS * 4
+    reqs = _reqs(0.0, prompts) + [Request("too-long", [7] * (SLOTS - 3), MAX_NEW)]
+    eng = ServingEngine(be, FixedK(2), clock=EventClock())
+    outs = eng.run(reqs)
+    assert len(outs) == len(reqs) and len({o.id for o in outs}) == len(reqs)
+    for o, p in zip(outs[:-1], prompts):
+        assert o.tokens == reference[PROMPTS.index(p)]
+    bad = outs[-1]
+    assert bad.finish_reason == "error" and "KV slots" in bad.error and bad.tokens == []
+    assert max(s.n for s in eng.steps) == be.num_rows
+    admitted = [o.admitted for o in outs[:-1]]
+    assert admitted == sorted(admitted)  # FCFS
+    assert summarize(outs, eng.steps)["errors"] == 1
+
+
+def test_sampled_requests_keep_their_own_parameters(tiny, backends):
+    """Sampled requests sharing batches with greedy ones get exactly the tokens they get alone
+    (K = 0 through the spec step, one request at a time): per-request temperature/top-k/seed
+    follow each request through joins, leaves and row moves."""
+    cfg, params = tiny
+    be = backends["prompt_lookup"]
+    be.reset()
+    samp = [SamplingParams(temperature=0.9, top_k=20, seed=s) if s % 2 else SamplingParams() for s in range(6)]
+    gen = SpecGenerator(cfg, params, batch_buckets=(1,), k_buckets=(0,), slot_buckets=(SLOTS,))
+    ref = [gen.generate([p], s, max_new_tokens=MAX_NEW, num_spec_tokens=0)[0].tokens
+           for p, s in zip(PROMPTS[:6], samp)]
+    reqs = [Request(f"s{i}", p, MAX_NEW, sampling=s, arrival=0.002 * i) for i, (p, s) in enumerate(zip(PROMPTS, samp))]
+    outs = ServingEngine(be, FixedK(0), clock=EventClock()).run(reqs)
+    assert [o.tokens for o in outs] == ref
+
+
+class _Script(Policy):
+    """K from a script (K = 0 first, to trip the prefill gate), then 2."""
+
+    name = "script"
+
+    def __init__(self, ks):
+        self.ks = list(ks)
+
+    def choose(self, view):
+        return self.ks.pop(0) if self.ks else 2
+
+
+def test_prefill_disabling_serves_without_speculation(backends, reference):
+    be = backends["layer_skip"]
+    be.reset()
+    gate = DraftPrefillGate(threshold=0.5, window=4)
+    # Step 1 (request 0 alone) proposes nothing; the others arrive during it, so at their
+    # admission 100% of recent steps were K = 0 > 0.5: they skip the draft prefill.
+    eng = ServingEngine(be, _Script([0]), clock=EventClock(), prefill_gate=gate)
+    reqs = _reqs(0.0, PROMPTS[:1]) + [Request(f"late{i}", p, MAX_NEW, arrival=1e-7)
+                                       for i, p in enumerate(PROMPTS[1:4])]
+    outs = eng.run(reqs)
+    for o, ref in zip(outs, reference[:4]):
+        assert o.tokens == ref
+    assert outs[0].drafted > 0  # admitted before the gate closed: speculates once K = 2
+    assert all(o.drafted == 0 for o in outs[1:]), [o.drafted for o in outs]  # draft prefill skipped
+
+
+def test_scheduler_admission_and_errors():
+    s = Scheduler(num_rows=2, slots=64, block_headroom=5)
+    with pytest.raises(SpecjaxError, match="exceeds"):
+        s.submit(Request("long", [1] * 50, 10))
+    with pytest.raises(SpecjaxError, match="empty prompt"):
+        s.submit(Request("empty", [], 10))
+    with pytest.raises(SpecjaxError, match="max_new_tokens"):
+        s.submit(Request("zero", [1], 0))
+    for i in range(3):
+        s.submit(Request(f"r{i}", [1] * 10, 10))
+    first = s.admit(0.0)
+    assert [r.req.id for r in first] == ["r0", "r1"] and s.admit(0.0) == []  # HasSlot: two rows only
+    s.release(first[0])
+    assert [r.req.id for r in s.admit(1.0)] == ["r2"]
+
+
+def test_event_clock_latency_is_modelled_time():
+    """One request, constant step and prefill cost: latency = prefill + steps x step time."""
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), prefill=LinearCost(0.0, 0.0, 0.05))
+    reqs = [Request("a", [1] * 10, 9, ignore_eos=True)]
+    outs, eng = simulate(reqs, FixedK(0), cost, AcceptanceProfile((0.0,)), device_draft=True)
+    assert len(eng.steps) == 8  # first token from the prefill, then one per step
+    assert outs[0].latency == pytest.approx(0.05 + 8 * 0.01)
+
+
+def test_simulator_smartspec_tracks_load():
+    """Light load: SmartSpec speculates and beats no-SD; heavy load with expensive verify
+    tokens: it stops speculating and beats fixed K = 5 (the paper's qualitative result)."""
+    cost = StepCostModel(target=LinearCost(0.0, 2e-4, 5e-3), draft=LinearCost(0.0, 1e-5, 5e-4))
+    acc = AcceptanceProfile((0.7,))
+    geom = dict(device_draft=True, k_buckets=(0, 1, 3, 5), batch_buckets=(1, 2, 4, 8, 16, 32, 64), slots=1024)
+
+    def run(rate, pol):
+        rng = np.random.default_rng(0)
+        t = np.cumsum(rng.exponential(1 / rate, 150))
+        reqs = [Request(f"r{i}", [1] * 64, 64, arrival=float(x - t[0]), ignore_eos=True) for i, x in enumerate(t)]
+        outs, eng = simulate(reqs, pol, cost, acc, **geom)
+        return summarize(outs, eng.steps)
+
+    light = {n: run(1.0, p) for n, p in [("none", FixedK(0)), ("smart", GoodputPolicy(cost)), ("k5", FixedK(5))]}
+    assert light["smart"]["mean_latency_s"] < 0.8 * light["none"]["mean_latency_s"]
+    assert light["smart"]["mean_k"] > 1.5
+    heavy = {n: run(40.0, p) for n, p in [("none", FixedK(0)), ("smart", GoodputPolicy(cost)), ("k5", FixedK(5))]}
+    assert heavy["smart"]["mean_latency_s"] < heavy["k5"]["mean_latency_s"]
+    assert heavy["smart"]["mean_k"] < light["smart"]["mean_k"]
+    oracle = run(1.0, GoodputPolicy(cost, "oracle"))
+    assert oracle["mean_latency_s"] <= light["smart"]["mean_latency_s"] * 1.02
+
+
+class _Recorder(Policy):
+    name = "record"
+
+    def __init__(self):
+        self.seen = []
+
+    def choose(self, view):
+        return 0
+
+    def observe(self, k, drafted, accepted, request_ids=()):
+        self.seen.append((k, list(drafted), list(accepted)))
+
+
+def test_host_drafts_are_shadow_verified_at_k0(backends, reference):
+    """Steps that verify nothing still teach the policy the drafts' acceptance: a host draft is
+    compared with the tokens the following steps generate (greedy: exactly what a verify would
+    have accepted), so a moving average that fell to 0 can recover."""
+    be = backends["prompt_lookup"]
+    be.reset()
+    pol = _Recorder()
+    outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.0, PROMPTS[:4]))
+    assert [o.tokens for o in outs] == reference[:4]
+    shadow = [s for s in pol.seen if s[0] > 0]
+    assert shadow, "no shadow observation although prompt lookup drafted"
+    for k, d, a in shadow:
+        assert d == [k] and 0 <= a[0] <= k
+    assert any(a[0] > 0 for _, _, a in shadow)  # the repetitive prompts' drafts do match
