@@ -174,6 +174,13 @@ def test_scheduler_admission_and_errors():
     assert [r.req.id for r in s.admit(1.0)] == ["r2"]
 
 
+def test_only_rejected_requests():
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01))
+    outs, eng = simulate([Request("a", [1] * 600, 4)], FixedK(0), cost, AcceptanceProfile(), device_draft=True,
+                         slots=512)
+    assert outs[0].finish_reason == "error" and "--slots" in outs[0].error and not eng.steps
+
+
 def test_event_clock_latency_is_modelled_time():
     """One request, constant step and prefill cost: latency = prefill + steps x step time."""
     cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), prefill=LinearCost(0.0, 0.0, 0.05))

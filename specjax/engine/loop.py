@@ -192,7 +192,8 @@ class ServingEngine:
                     if self.on_finish:
                         self.on_finish(out)
             if self.sched.idle:
-                self.clock.wait_until(self._t0 + requests[order[nxt]].arrival)
+                if nxt < len(order):  # (the last arrivals may all have been rejected)
+                    self.clock.wait_until(self._t0 + requests[order[nxt]].arrival)
                 continue
             self._admit()
             self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill

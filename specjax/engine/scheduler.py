@@ -86,7 +86,7 @@ class Scheduler:
         if need > self.slots:
             raise SpecjaxError(f"request {req.id}: prompt ({len(req.prompt)} tokens) + max_new_tokens "
                                f"({req.max_new_tokens}) + verify headroom ({self.block_headroom}) = {need} exceeds the "
-                               f"engine's {self.slots} KV slots per request; raise --max_len or lower max_new_tokens")
+                               f"engine's {self.slots} KV slots per request; raise the engine's slots (--slots) or lower max_new_tokens")
 
     def submit(self, req: Request) -> None:
         self.check(req)

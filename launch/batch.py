@@ -1,0 +1,315 @@
+"""Batch offline inference on the continuous-batching engine: JSONL in, JSONL out.
+
+  python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat
+  python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat --drafter layer_skip --draft_layers 8
+  python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat --policy 4 --num_spec_tokens 4
+  python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --drafter none          # no speculation
+
+Input: one JSON object per line with a ``prompt`` (string), an optional ``id`` (default: the
+1-based line number) and optional per-record overrides of the sampling flags (``temperature``,
+``top_k``, ``top_p``, ``seed``, ``max_new_tokens``). Output: one line per input id, as
+launch/generate.py writes it: {"id", "prompt", "output", "output_ids", "num_prompt_tokens",
+"num_tokens", "finish_reason"}, or {"id", "error"} for a malformed line, bad overrides, an
+empty prompt or a prompt that does not fit the engine's ``--slots`` KV slots. None of these
+stops the job. If an id occurs more than once in the input, only its first record is served;
+the later ones are reported on stderr (never a second output line with the same id).
+
+Every record arrives at t = 0 and the engine (``specjax.engine``) serves them with continuous
+batching: the first ``max(--batch_buckets)`` run, the rest queue and are admitted as rows free
+up. Each finished request is appended to ``--output_jsonl`` (flushed and fsynced) the moment it
+finishes, so a killed job loses only its in-flight requests: run the same command again and it
+skips every id already in the output (error records included; delete those lines to retry them).
+
+Speculation (``--policy``): ``auto`` uses SmartSpec's goodput selector when ``--perf_models``
+has a performance model for this model, drafter and hardware (make one with
+launch/profile.py), else a fixed K = ``--num_spec_tokens`` (said on stderr); ``smartspec``
+requires the model; ``none`` is K = 0; an integer is that fixed K (one of ``--k_buckets``).
+Greedy outputs are the target model's greedy outputs whatever the policy (lossless).
+
+Everything the run needs (every batch bucket x compiled K x the prompt buckets present, greedy
+and/or sampled) is compiled once before serving; the compile time is printed separately and is
+not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
+run's compilation fast.
+
+User mistakes print one line ("error: ...") and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+DRAFTERS = ("none", "prompt_lookup", "layer_skip")
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
+    flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
+    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+    flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
+    flags.DEFINE_string("system", None, "System message for --chat.")
+    flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (records may override).")
+    flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off (records may override).")
+    flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (records may override).")
+    flags.DEFINE_integer("seed", 0, "Random seed per request (records may override).")
+    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+    flags.DEFINE_enum("drafter", "prompt_lookup", list(DRAFTERS), "Speculative drafter; none = plain decoding.")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers.")
+    flags.DEFINE_string("policy", "auto", "auto | smartspec | none | an integer K (see the module doc).")
+    flags.DEFINE_integer("num_spec_tokens", 3, "K of the fixed-K fallback of --policy auto.")
+    flags.DEFINE_string("perf_models", "configs/perf_models.json", "Performance models from launch/profile.py "
+                        "(relative: to the repo root).")
+    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
+    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")
+    flags.DEFINE_integer("slots", 512, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
+
+
+# ---------------------------------------------------------------- flags
+
+
+def _ints(name: str, text: str) -> list[int]:
+    from specjax.errors import SpecjaxError
+
+    try:
+        xs = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
+    if not xs:
+        raise SpecjaxError(f"--{name} is empty")
+    return xs
+
+
+def validate_flags() -> dict:
+    """Every check that needs no model (before the slow load). Returns the parsed geometry."""
+    from specjax.errors import SpecjaxError
+
+    if not FLAGS.input_jsonl:
+        raise SpecjaxError("--input_jsonl is required")
+    if not FLAGS.output_jsonl:
+        raise SpecjaxError("--output_jsonl is required")
+    if os.path.abspath(FLAGS.input_jsonl) == os.path.abspath(FLAGS.output_jsonl):
+        raise SpecjaxError("--output_jsonl must differ from --input_jsonl")
+    if not os.path.isfile(FLAGS.input_jsonl):
+        raise SpecjaxError(f"input file not found: {FLAGS.input_jsonl}")
+    if FLAGS.system and not FLAGS.chat:
+        raise SpecjaxError("--system needs --chat")
+    if FLAGS.max_new_tokens < 1:
+        raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+    sampling()  # the default sampling flags
+    ks = _ints("k_buckets", FLAGS.k_buckets)
+    if min(ks) < 0 or 0 not in ks:
+        raise SpecjaxError(f"--k_buckets must be non-negative and include 0 (plain decoding), got {FLAGS.k_buckets!r}")
+    bbs = _ints("batch_buckets", FLAGS.batch_buckets)
+    if min(bbs) < 1:
+        raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
+    if FLAGS.slots < 16:
+        raise SpecjaxError(f"--slots must be >= 16, got {FLAGS.slots}")
+    pol = FLAGS.policy.strip().lower()
+    if pol not in ("auto", "smartspec", "none"):
+        try:
+            k = int(pol)
+        except ValueError:
+            raise SpecjaxError(f"--policy must be auto, smartspec, none or an integer K, "
+                               f"got {FLAGS.policy!r}") from None
+        if k not in ks:
+            raise SpecjaxError(f"--policy K={k} is not in --k_buckets {ks}")
+    if FLAGS.drafter == "none":
+        if pol not in ("auto", "none", "0"):
+            raise SpecjaxError(f"--policy {FLAGS.policy} needs a drafter; --drafter none decodes without speculation "
+                               "(use --policy auto or none)")
+        ks = [0]  # nothing to speculate with: compile plain decoding only
+    elif pol == "auto" and FLAGS.num_spec_tokens not in ks:
+        raise SpecjaxError(f"--num_spec_tokens {FLAGS.num_spec_tokens} (the fallback K of --policy auto) is not in "
+                           f"--k_buckets {ks}")
+    if FLAGS.drafter == "layer_skip" and FLAGS.draft_layers < 1:
+        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+    return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
+
+
+def sampling(overrides=None):
+    from specjax.sampling import SamplingParams
+
+    o = overrides or {}
+    return SamplingParams(temperature=float(o.get("temperature", FLAGS.temperature)),
+                          top_k=int(o.get("top_k", FLAGS.top_k)), top_p=float(o.get("top_p", FLAGS.top_p)),
+                          seed=int(o.get("seed", FLAGS.seed)))
+
+
+def make_policy(model):
+    """(policy, label) from --policy; auto falls back to fixed K with a note on stderr."""
+    from launch.profile import drafter_label
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import FixedK, GoodputPolicy
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+
+    pol = FLAGS.policy.strip().lower()
+    if FLAGS.drafter == "none" or pol in ("none", "0"):
+        return FixedK(0), "no-SD"
+    if pol not in ("auto", "smartspec"):
+        return FixedK(int(pol)), f"K={int(pol)}"
+    path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
+    key = model_key(model.cfg.name, drafter_label(FLAGS.drafter, FLAGS.draft_layers), hardware_key())
+    try:
+        cost = load_perf(path, key)
+    except SpecjaxError:
+        if pol == "smartspec":
+            raise
+        k = FLAGS.num_spec_tokens
+        print(f"note: no performance model for {key!r} in {FLAGS.perf_models}; using fixed K={k} instead of "
+              "SmartSpec (make one with launch/profile.py)", file=sys.stderr)
+        return FixedK(k), f"K={k} (auto)"
+    return GoodputPolicy(cost, "moving_average"), "SmartSpec"
+
+
+# ---------------------------------------------------------------- the job
+
+
+def main(argv):
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    try:
+        geom = validate_flags()
+        enable_compilation_cache()
+        run(geom)
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(geom) -> None:
+    from tqdm import tqdm
+
+    from launch.profile import make_backend
+    from specjax import jsonl_io
+    from specjax.engine.loop import ServingEngine, summarize
+    from specjax.engine.scheduler import Request, Scheduler
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import DraftPrefillGate
+    from specjax.models.loader import load_model
+
+    wall0 = time.perf_counter()
+    records = list(jsonl_io.read_records(FLAGS.input_jsonl))
+    done = jsonl_io.done_ids(FLAGS.output_jsonl)
+    seen: set[str] = set()
+    todo, dups = [], []
+    n_done = 0
+    for rec in records:
+        if rec.id in seen:
+            dups.append(rec.id)
+            continue
+        seen.add(rec.id)
+        if rec.id in done:
+            n_done += 1
+        else:
+            todo.append(rec)
+    if dups:
+        shown = ", ".join(repr(d) for d in dups[:5]) + (", ..." if len(dups) > 5 else "")
+        print(f"note: {len(dups)} records repeat an earlier id and are skipped (the first record of an id is "
+              f"served): {shown}", file=sys.stderr)
+
+    model = load_model(FLAGS.model)
+    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params) in {model.load_seconds:.1f} s]",
+          file=sys.stderr)
+    tok = model.tokenizer
+    if FLAGS.chat:
+        tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
+    backend = make_backend(model, FLAGS.drafter, draft_layers=FLAGS.draft_layers, **geom)
+    policy, policy_label = make_policy(model)
+    gate = DraftPrefillGate() if policy_label == "SmartSpec" else None
+    check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
+
+    n_err = n_tok = 0
+    with jsonl_io.ResumableWriter(FLAGS.output_jsonl) as out, \
+            tqdm(total=len(todo), unit="rec", disable=None, file=sys.stderr) as bar:
+        prompt_of: dict[str, str] = {}
+
+        def error(rid: str, msg: str) -> None:
+            nonlocal n_err
+            n_err += 1
+            out.write({"id": rid, "error": msg})
+            bar.update(1)
+
+        def on_finish(o) -> None:
+            nonlocal n_tok
+            if o.error is not None:
+                error(o.id, o.error)
+                return
+            n_tok += len(o.tokens)
+            out.write({"id": o.id, "prompt": prompt_of[o.id], "output": tok.decode(o.tokens),
+                       "output_ids": [int(t) for t in o.tokens], "num_prompt_tokens": o.prompt_len,
+                       "num_tokens": len(o.tokens), "finish_reason": o.finish_reason})
+            bar.update(1)
+
+        requests = []
+        for rec in todo:
+            try:
+                if rec.error:
+                    raise SpecjaxError(rec.error)
+                ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
+                req = Request(rec.id, ids, int(rec.overrides.get("max_new_tokens", FLAGS.max_new_tokens)),
+                              sampling(rec.overrides), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
+                check(req)
+                bad = [t for t in ids if not 0 <= int(t) < model.cfg.vocab_size]
+                if bad:
+                    raise SpecjaxError(f"prompt token ids out of range [0, {model.cfg.vocab_size}): {bad[:5]}")
+            except (SpecjaxError, ValueError, TypeError, OverflowError) as e:
+                error(rec.id, str(e))
+                continue
+            prompt_of[rec.id] = rec.prompt
+            requests.append(req)
+
+        engine = None
+        serve_s = compile_s = 0.0
+        if requests:
+            bar.clear()
+            t0 = time.perf_counter()
+            backend.warmup(prompt_lens=sorted({len(r.prompt) for r in requests}),
+                           greedy_modes=tuple(sorted({r.sampling.greedy for r in requests}, reverse=True)),
+                           progress=True)
+            compile_s = time.perf_counter() - t0
+            print(f"[compiled {len(backend.table)} executables in {compile_s:.1f} s; serving {len(requests)} "
+                  f"requests, policy {policy_label}, drafter {FLAGS.drafter}, {backend.num_rows} KV rows x "
+                  f"{backend.slots} slots]", file=sys.stderr)
+            engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish)
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.run(requests)
+            except KeyboardInterrupt:
+                bar.close()
+                print(f"\ninterrupted: {bar.n} of {len(todo)} records written to {FLAGS.output_jsonl}; run the same "
+                      "command again to finish the rest", file=sys.stderr)
+                sys.exit(130)
+            serve_s = time.perf_counter() - t0
+    wall = time.perf_counter() - wall0
+
+    line = (f"{len(records)} records ({n_done} already done, {len(todo)} to do, {n_err} errors"
+            + (f", {len(dups)} duplicate ids skipped" if dups else "") + f"); {n_tok} tokens")
+    if engine is None:
+        print(line + f"; nothing to serve ({wall:.1f} s)", file=sys.stderr)
+        return
+    s = summarize(outputs, engine.steps)
+    ok = s["requests"] - s["errors"]
+    print(line + f" in {serve_s:.1f} s serving = {n_tok / max(serve_s, 1e-9):.1f} tok/s "
+          f"(+ {compile_s:.1f} s compilation; {wall:.1f} s wall in all)", file=sys.stderr)
+    if ok:
+        print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "
+              f"acceptance rate {s['acceptance_rate']:.3f}; mean K {s['mean_k']:.2f}; mean batch "
+              f"{s['mean_batch']:.2f} over {s['steps']} steps; policy {policy_label}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
