@@ -65,7 +65,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers.")
     flags.DEFINE_string("policy", "auto", "auto | smartspec | none | an integer K (see the module doc).")
     flags.DEFINE_integer("num_spec_tokens", 3, "K of the fixed-K fallback of --policy auto.")
-    flags.DEFINE_string("perf_models", "configs/perf_models.json", "Performance models from launch/profile.py "
+    flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py "
                         "(relative: to the repo root).")
     flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")

@@ -55,7 +55,7 @@ def define_flags() -> None:
     flags.DEFINE_float("holdout", 0.25, "Share of grid cells held out to score the fit.")
     flags.DEFINE_integer("calibration_requests", 24, "Requests served to calibrate host overhead (0 = skip).")
     flags.DEFINE_integer("max_new_tokens", 48, "Calibration requests: tokens per request.")
-    flags.DEFINE_string("out", "perf_models.json", "JSON file to store the fitted models in.")
+    flags.DEFINE_string("out", "configs/perf/perf_models.json", "JSON file to store the fitted models in (other keys are kept).")
     flags.DEFINE_string("plot", None, "Optional PNG: predicted vs measured step time (held-out cells marked).")
     flags.DEFINE_integer("seed", 0, "Random seed (prompts, held-out split).")
 
@@ -125,7 +125,7 @@ def run():
     from specjax.engine.profiling import calibrate_host, fit_profile, profile_prefills, profile_steps
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, StepCostModel
-    from specjax.goodput.perf_model import hardware_key, model_key, save_model
+    from specjax.goodput.perf_model import hardware_key
     from specjax.models.loader import load_model
 
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
@@ -148,45 +148,45 @@ def run():
     print(f"[{model.cfg.name} on {hw}; batches {bbs}, K {ks}, contexts {contexts}]", file=sys.stderr)
 
     t0 = time.perf_counter()
+    cal_reqs = calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens)
+    warm_lens = contexts + plens + [len(r.prompt) for r in cal_reqs]
     tgt_be = make_backend(model, "prompt_lookup", profiling=True, **geom)
-    tgt_be.warmup(prompt_lens=contexts + plens, progress=True)
+    tgt_be.warmup(prompt_lens=warm_lens, progress=True)
     cells = len(bbs) * len(contexts) * len(ks)
     with tqdm(total=cells, desc="target steps", disable=None) as bar:
         tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
     pre = profile_prefills(tgt_be, bbs, plens)
-    models = {}
-    m, rep = fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed)
-    models["prompt_lookup"] = (m, rep, tgt, [])
+    fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
+    _save(model, hw, "prompt_lookup", fits["prompt_lookup"], bbs, ks, contexts)  # before the (long) rest
+    ls_be = None
     if "layer_skip" in drafters:
         ls_be = make_backend(model, "layer_skip", draft_layers=FLAGS.draft_layers, **geom)
-        ls_be.warmup(prompt_lens=contexts + plens, progress=True)
+        ls_be.warmup(prompt_lens=warm_lens, progress=True)
         with tqdm(total=cells, desc="layer-skip steps", disable=None) as bar:
             dr = profile_steps(ls_be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
         pre_ls = profile_prefills(ls_be, bbs, plens)
-        m, rep = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed)
-        models["layer_skip"] = (m, rep, tgt, dr)
+        fits["layer_skip"] = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
+        _save(model, hw, "layer_skip", fits["layer_skip"], bbs, ks, contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
 
     for d in drafters:
-        m, rep, tg, dr = models[d]
-        if FLAGS.calibration_requests > 0:
-            be = tgt_be if d == "prompt_lookup" else ls_be
+        m, rep, tg, dr = fits[d]
+        if cal_reqs:
             if d == "prompt_lookup":
                 be = make_backend(model, d, **geom)
                 be.table = tgt_be.table  # same compiled executables; only the drafter differs
+            else:
+                be = ls_be
             steps = []
             for k in sorted({0, min(2, max(ks)), max(ks)}):
                 be.reset()
                 eng = ServingEngine(be, FixedK(k), eos_ids=model.tokenizer.eos_ids)
-                eng.run(calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens))
+                eng.run(cal_reqs)
                 steps += eng.steps
             m, cal = calibrate_host(steps, m, FLAGS.seed)
             rep.update(cal)
+        key = _save(model, hw, d, (m, rep), bbs, ks, contexts)
         label = drafter_label(d, FLAGS.draft_layers)
-        key = model_key(model.cfg.name, label, hw)
-        meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
-                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-        save_model(FLAGS.out, key, m, meta)
         print(f"\n{key}")
         print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")
         if m.draft:
@@ -197,6 +197,17 @@ def run():
         if FLAGS.plot:
             _plot(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg, dr, label)
     print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
+
+
+def _save(model, hw, drafter, fit, bbs, ks, contexts) -> str:
+    from specjax.goodput.perf_model import model_key, save_model
+
+    m, rep = fit[0], fit[1]
+    key = model_key(model.cfg.name, drafter_label(drafter, FLAGS.draft_layers), hw)
+    meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    save_model(FLAGS.out, key, m, meta)
+    return key
 
 
 def _plot(path, m, tgt, dr, label):

@@ -3,7 +3,7 @@
   # real engine on SmolLM2 (CPU), prompt lookup and layer skip, then the simulator on the
   # same requests for fidelity:
   python launch/serve_sim.py --mode both --rates 0.5,1,2,3,4 --num_requests 20 \\
-      --perf_models configs/perf_models.json --plot docs/smartspec_sweep.png
+      --perf_models configs/perf/perf_models.json --plot docs/smartspec_sweep.png
   # simulated 7B / 70B-scale sweeps from stated A100 assumptions (no device needed):
   python launch/serve_sim.py --mode sim --scale 7b,70b --rates 1,2,4,8,16,32 --plot docs/smartspec_sim.png
   # load test: a burst of 4x the KV rows at t=0
@@ -71,7 +71,7 @@ def define_flags() -> None:
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; KV rows = the largest.")
     flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (SmartSpec chooses among them).")
     flags.DEFINE_integer("slots", 512, "KV slots per request row.")
-    flags.DEFINE_string("perf_models", "configs/perf_models.json", "Performance models from launch/profile.py.")
+    flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
     flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
     flags.DEFINE_integer("sim_input_len", 256, "sim --scale: prompt tokens per request.")
@@ -450,6 +450,12 @@ def finish(rows):
     if any(r["mode"] == "real" for r in rows) and any(r["mode"] == "sim" for r in rows):
         md += fidelity_table(rows) + "\n"
     print(md)
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    served = sum(r["requests"] - r["errors"] for r in rows)
+    print(f"[{len(rows)} runs, {served} requests served, {sum(r['errors'] for r in rows)} rejected; "
+          f"peak RSS {rss:.0f} MiB]", file=sys.stderr)
     if FLAGS.out_json:
         with open(FLAGS.out_json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -34,7 +34,9 @@ def _drafter(kind):
     return SuffixDrafter(cfg)
 
 
-@pytest.mark.parametrize("kind", ["tree", "path", "hybrid"])
+# Path mode is the same drafter and verifier with tree=False; it runs in the slow suite (and the
+# serving engine drafts suffix paths through the same chain step the other chain tests cover).
+@pytest.mark.parametrize("kind", ["tree", pytest.param("path", marks=pytest.mark.slow), "hybrid"])
 def test_suffix_greedy_equals_ar_and_learns_from_outputs(tiny, ar, kind, caplog):
     cfg, params = tiny
     drafter = _drafter(kind)

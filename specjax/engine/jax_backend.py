@@ -38,6 +38,28 @@ def _zeros_like_info(info):
     return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), info)
 
 
+MAPS_PER_LAYER_EXE = 22  # measured: ~650 memory maps per SmolLM2 (30-layer) prefill/step executable, row ops included
+
+
+def check_map_budget(n_heavy: int, num_layers: int) -> None:
+    """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
+    in its own memory mappings (~22 per layer), and Linux caps a process at
+    vm.max_map_count (65530 by default), which ~150 executables of a 30-layer model exhaust."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return  # not Linux: nothing to check
+    need = n_heavy * MAPS_PER_LAYER_EXE * max(num_layers, 1)
+    if used + need > 0.9 * limit:
+        raise SpecjaxError(
+            f"compiling {n_heavy} model executables needs about {need} memory maps but this process may use "
+            f"{limit - used} more (vm.max_map_count={limit}); raise it (sudo sysctl -w vm.max_map_count=262144) or "
+            "compile fewer variants (fewer --k_buckets / --batch_buckets, or one drafter per process)")
+
+
 class JaxBackend:
     def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: DraftSpec = DraftSpec(), draft_params=None,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
@@ -249,6 +271,7 @@ class JaxBackend:
             jobs += [("insert", B, Bp, rd) for Bp in self.batch_buckets if Bp <= B for rd in draft_modes]
             jobs += [("take", B, B2) for B2 in self.batch_buckets if B2 != B]
             jobs.append(("clear", B))
+        check_map_budget(sum(j[0] in ("prefill", "step") for j in jobs), self.cfg.num_layers)
         it = jobs
         if progress:
             from tqdm import tqdm
