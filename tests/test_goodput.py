@@ -520,13 +520,18 @@ def test_draft_prefill_gate():
 
 
 def test_selector_reprobes_after_stale_k0_steps():
-    """Once alpha reads 0 only K = 0 is chosen and nothing new is learnt; after `window` such
-    steps the estimate is pulled back towards the prior so speculation is tried again."""
-    pol = GoodputPolicy(_cost(a=0.0, g=1e-6, d=1e-2), window=4, prior_alpha=0.6)
+    """Once alpha reads 0 only K = 0 is chosen and nothing new is learnt; after `reprobe_after`
+    such steps the window is emptied (the prior decides once), and one real observation then
+    rules the estimate again."""
+    pol = GoodputPolicy(_cost(a=0.0, g=1e-6, d=1e-2), window=4, prior_alpha=0.6, reprobe_after=10)
     view = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 2, 4))
     _feed(pol, [4, 4], [0, 0], k=4, steps=4)
     assert pol.acc.alpha.value == 0.0 and pol.choose(view) == 0
-    for _ in range(4 * 3):
+    for _ in range(9):
         pol.observe(0, [0, 0], [0, 0])
-    assert pol.acc.alpha.value > 0.3
+    assert pol.acc.alpha.value == 0.0
+    pol.observe(0, [0, 0], [0, 0])  # the 10th stale step
+    assert pol.acc.alpha.value == pytest.approx(0.6)
     assert pol.choose(view) > 0
+    pol.observe(4, [4, 4], [0, 0])  # the probe fails
+    assert pol.acc.alpha.value == 0.0 and pol.choose(view) == 0

@@ -20,7 +20,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from specjax.goodput.acceptance import AcceptanceEstimator, confidence_lengths, expected_len
+from specjax.goodput.acceptance import AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len
 from specjax.goodput.perf_model import StepCostModel
 
 
@@ -89,13 +89,14 @@ class GoodputPolicy(Policy):
 
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
-                 name: str | None = None):
+                 name: str | None = None, reprobe_after: int | None = None):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
         self.cost = cost
         self.estimator = estimator
         self.acc = AcceptanceEstimator(window, prior_alpha, per_request)
         self.threshold = threshold
+        self.reprobe_after = reprobe_after if reprobe_after is not None else 4 * window
         self.name = name or {"moving_average": "SmartSpec", "confidence": "SmartSpec-conf",
                              "oracle": "oracle"}[estimator]
         self.last_goodputs: dict[int, float] = {}
@@ -137,17 +138,19 @@ class GoodputPolicy(Policy):
 
     def observe(self, k, drafted, accepted, request_ids=()):
         """Record a verify step. Steps with K = 0 teach nothing about acceptance (unless the
-        engine shadow-verifies host drafts), so after ``window`` of them in a row the estimate
-        is pulled one step back towards the prior: a device drafter whose alpha once read ~0
-        gets re-tried now and then instead of never again."""
+        engine shadow-verifies host drafts), so after ``reprobe_after`` of them in a row the
+        acceptance window is emptied: the estimate is the prior again for one decision, the
+        next speculative step's real observation then dominates the window. A device drafter
+        whose alpha once read ~0 is thus re-tried about once per ``reprobe_after`` steps
+        (measured acceptance can change as requests change) instead of never again."""
         if k > 0 and np.sum(drafted) > 0:
             self._stale = 0
             self.acc.observe(drafted, accepted, k, request_ids)
             return
         self._stale += 1
-        if self._stale >= self.acc.window:
+        if self._stale >= self.reprobe_after:
             self._stale = 0
-            self.acc.alpha.add(self.acc.alpha.prior)
+            self.acc.alpha = MovingAverage(self.acc.window, self.acc.alpha.prior)
 
     def finish(self, rid):
         self.acc.forget(rid)
