@@ -194,7 +194,8 @@ class JaxBackend:
 
     def propose(self, rs: Sequence[Running], k_max: int) -> Proposal:
         if self.device_draft:
-            return Proposal()
+            # A request admitted with the draft disabled never drafts: the policy must know.
+            return Proposal(draft_lens=[k_max if r.speculate else 0 for r in rs])
         self._drafts = {}
         lens = []
         for r in rs:

@@ -32,8 +32,9 @@ class BatchView:
     bucket: the compiled batch size the step will run at.
     k_options: compiled K values for this bucket, ascending, 0 included.
     request_ids: per running request.
-    draft_lens: host drafters propose before the choice: how many drafts each request has
-      (None for device drafters, which always draft K).
+    draft_lens: how many drafts each request can have: host drafters propose before the
+      choice; a device drafter drafts K for every request except those admitted with the draft
+      disabled (0). None: unknown (every request drafts K).
     confidences: optional [n, Kmax] per-token draft confidences (Algorithm 3).
     true_accept: simulator only: how many drafts each request *would* accept (oracle).
     """

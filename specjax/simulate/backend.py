@@ -82,7 +82,7 @@ class SimBackend:
         self._would = {r.uid: self._draw_would_accept(k_max) for r in rs}
         if self.device_draft:
             self._lens = {r.uid: (k_max if r.speculate else 0) for r in rs}
-            return Proposal(true_accept=[self._would[r.uid] for r in rs])
+            return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
         cap = k_max if self.accept.draft_len_cap is None else min(k_max, self.accept.draft_len_cap)
         self._lens = {r.uid: (cap if self.rng.random() < self.accept.propose_prob else 0) for r in rs}
         return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
