@@ -135,12 +135,10 @@ def validate_flags() -> dict:
 
 
 def sampling(overrides=None):
-    from specjax.sampling import SamplingParams
+    """SamplingParams from the flags, overridden per record (the same rule as launch/generate.py)."""
+    from launch.generate import _sampling
 
-    o = overrides or {}
-    return SamplingParams(temperature=float(o.get("temperature", FLAGS.temperature)),
-                          top_k=int(o.get("top_k", FLAGS.top_k)), top_p=float(o.get("top_p", FLAGS.top_p)),
-                          seed=int(o.get("seed", FLAGS.seed)))
+    return _sampling(overrides)
 
 
 def make_policy(model):
