@@ -58,6 +58,7 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "configs/perf/perf_models.json", "JSON file to store the fitted models in (other keys are kept).")
     flags.DEFINE_string("plot", None, "Optional PNG: predicted vs measured step time (held-out cells marked).")
     flags.DEFINE_integer("seed", 0, "Random seed (prompts, held-out split).")
+    flags.DEFINE_string("records_out", None, "Optional JSON: every timed step and prefill (for refits).")
 
 
 def _ints(name: str, text: str) -> list[int]:
@@ -125,7 +126,7 @@ def run():
     from specjax.engine.profiling import calibrate_host, fit_profile, profile_prefills, profile_steps
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, StepCostModel
-    from specjax.goodput.perf_model import hardware_key
+    from specjax.goodput.perf_model import ProfiledCost, hardware_key, save_table, table_cells
     from specjax.models.loader import load_model
 
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
@@ -168,6 +169,10 @@ def run():
         fits["layer_skip"] = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
         _save(model, hw, "layer_skip", fits["layer_skip"], bbs, ks, contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+    if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
+        with open(FLAGS.records_out, "w") as f:
+            json.dump({"target": tgt, "layer_skip": fits.get("layer_skip", (None, None, None, []))[3],
+                       "prefill": pre}, f)
 
     for d in drafters:
         m, rep, tg, dr = fits[d]
@@ -185,7 +190,15 @@ def run():
                 steps += eng.steps
             m, cal = calibrate_host(steps, m, FLAGS.seed)
             rep.update(cal)
+        # The simulator's profiled table: medians of the timed steps (K = 0 from the target grid)
+        # with its own host calibration on the same engine steps.
+        table = ProfiledCost(m, table_cells([r for r in tg if d == "prompt_lookup" or r["K"] == 0] + dr,
+                                            m.chunk))
+        if cal_reqs:
+            table, tcal = calibrate_host(steps, table, FLAGS.seed)
+            rep.update({f"table_{k}": v for k, v in tcal.items() if k != "calibration_steps"})
         key = _save(model, hw, d, (m, rep), bbs, ks, contexts)
+        save_table(FLAGS.out, key, table)
         label = drafter_label(d, FLAGS.draft_layers)
         print(f"\n{key}")
         print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")

@@ -83,6 +83,11 @@ def define_flags() -> None:
     flags.DEFINE_string("plot", None, "PNG: latency and speedup vs request rate per drafter.")
     flags.DEFINE_string("benchmarks_md_section", None, "Replace this '## ' section of BENCHMARKS.md with the table.")
     flags.DEFINE_integer("seed", 0, "Arrivals / prompt order / simulator draws.")
+    flags.DEFINE_integer("repeats", 1, "Independent request streams per rate (seeds seed..seed+R-1); every "
+                         "policy serves each, in a rotated order; tables pool the repeats.")
+    flags.DEFINE_enum("sim_cost", "table", ["table", "linear"], "What the simulator's event clock charges per step: "
+                      "the profiled step-time table (falling back to Eq. 7 off the grid) or Eq. 7 alone. The "
+                      "SmartSpec selector plans with Eq. 7 either way.")
 
 
 # ---------------------------------------------------------------- inputs
@@ -170,29 +175,72 @@ def policy_label(name: str) -> str:
 # ---------------------------------------------------------------- runs
 
 
+def rotated(policies, rep: int):
+    """Round ``rep`` runs the policies in a rotated order, so no policy is always the first run
+    after a pause or always the one that meets a slow stretch of a shared machine."""
+    i = rep % len(policies)
+    return list(policies[i:]) + list(policies[:i])
+
+
+def run_summary(eng, outs) -> dict:
+    """summarize() plus how busy the engine was: busy = step iterations + prefills; utilisation
+    = busy / (last finish - first arrival). Near 1 the queue is saturated."""
+    from specjax.engine.loop import summarize
+
+    s = summarize(outs, eng.steps)
+    busy = sum(st.wall for st in eng.steps) + eng.prefill_s
+    span = max((o.finished for o in outs if o.finished is not None), default=0.0)
+    s.update(busy_s=busy, span_s=span, utilization=busy / span if span > 0 else float("nan"))
+    return s
+
+
 def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
     from launch.profile import make_backend
-    from specjax.engine.loop import ServingEngine, summarize
+    from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
 
     be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, **geom)
     t0 = time.perf_counter()
-    be.warmup(prompt_lens=[len(p) for p in prompts], progress=True)
-    print(f"[{drafter}: compiled {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
+    be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
+    print(f"[{drafter}: compiled and ran {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]",
+          file=sys.stderr)
     rows, engines = [], {}
     for rate in rates:
-        reqs = stream(prompts, rate, seed)
-        for pol in policies:
-            be.reset()
-            policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
-            gate = DraftPrefillGate(FLAGS.prefill_disable) if pol == "smartspec" else None
-            eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
-            outs = eng.run(reqs)
-            s = summarize(outs, eng.steps)
-            rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), **s))
-            engines[(rate, pol)] = (eng, outs)
-            _log(rows[-1])
+        for rep in range(FLAGS.repeats):
+            reqs = stream(prompts, rate, seed + rep)
+            for pol in rotated(policies, rep):
+                be.reset()
+                policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol == "smartspec" else None
+                eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
+                outs = eng.run(reqs)
+                rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), repeat=rep,
+                                 **run_summary(eng, outs)))
+                engines[(rate, pol, rep)] = (eng, outs)
+                _log(rows[-1])
     return rows, engines
+
+
+def pooled(runs: list[dict]) -> list[dict]:
+    """One row per (mode, drafter, rate, policy): every repeat weighs the same (same request
+    count), so the pooled mean latency is the mean of the runs' means; the spread across
+    repeats is kept to show how far identical configurations drift on this machine."""
+    import numpy as np
+
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["mode"], r["drafter"], r["rate"], r["policy"]), []).append(r)
+    out = []
+    for (mode, d, rate, pol), rs in groups.items():
+        row = dict(mode=mode, drafter=d, rate=rate, policy=pol, repeats=len(rs))
+        for k, v in rs[0].items():
+            if k not in row and k != "repeat" and isinstance(v, (int, float)):
+                row[k] = float(np.mean([x[k] for x in rs]))
+        lat = [x["mean_latency_s"] for x in rs]
+        row["latency_runs_s"] = lat
+        row["latency_spread"] = (max(lat) - min(lat)) / row["mean_latency_s"] if len(lat) > 1 else 0.0
+        out.append(row)
+    return out
 
 
 def stream(prompts, rate, seed):
@@ -202,30 +250,34 @@ def stream(prompts, rate, seed):
     return make_requests(prompts, FLAGS.num_requests, rate, FLAGS.max_new_tokens, FLAGS.ignore_eos, seed)
 
 
-def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft, geom, seed, label=None):
-    from specjax.engine.loop import summarize
+def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft, geom, seed, label=None,
+            sim_cost=None, repeats: int = 1):
+    """``cost``: the linear model the selector plans with; ``sim_cost``: what the event clock
+    charges (a profiled table, or ``cost`` itself when None)."""
     from specjax.goodput import DraftPrefillGate
     from specjax.simulate import simulate
 
     rows = []
     for rate in rates:
-        reqs = reqs_for_rate(rate)
-        for pol in policies:
-            policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
-            gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in ("smartspec", "oracle") else None
-            outs, eng = simulate(reqs, policy, cost, accept, device_draft=device_draft, k_buckets=geom["k_buckets"],
-                                 batch_buckets=geom["batch_buckets"], slots=geom["slots"], seed=seed,
-                                 prefill_gate=gate)
-            s = summarize(outs, eng.steps)
-            rows.append(dict(mode="sim", drafter=label or drafter, rate=rate, policy=policy_label(pol), **s))
-            _log(rows[-1])
+        for rep in range(repeats):
+            reqs = reqs_for_rate(rate, rep)
+            for pol in policies:
+                policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in ("smartspec", "oracle") else None
+                outs, eng = simulate(reqs, policy, sim_cost or cost, accept, device_draft=device_draft,
+                                     k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
+                                     slots=geom["slots"], seed=seed + rep, prefill_gate=gate)
+                rows.append(dict(mode="sim", drafter=label or drafter, rate=rate, policy=policy_label(pol),
+                                 repeat=rep, **run_summary(eng, outs)))
+                _log(rows[-1])
     return rows
 
 
 def _log(r):
-    print(f"  {r['mode']:4s} {r['drafter']:14s} rate {r['rate']:5.2f}  {r['policy']:9s} latency {r['mean_latency_s']:7.2f} s"
-          f"  batch {r['mean_batch']:4.1f}  K {r['mean_k']:4.2f}  acc {r['acceptance_rate']:.2f}  "
-          f"tok/s {r['throughput_tok_s']:6.1f}  errors {r['errors']}", file=sys.stderr)
+    print(f"  {r['mode']:4s} {r['drafter']:14s} rate {r['rate']:5.2f} #{r.get('repeat', 0)} {r['policy']:9s} "
+          f"latency {r['mean_latency_s']:7.2f} s  batch {r['mean_batch']:4.1f}  K {r['mean_k']:4.2f}  "
+          f"acc {r['acceptance_rate']:.2f}  tok/s {r['throughput_tok_s']:6.1f}  busy {r['utilization']:.2f}  "
+          f"errors {r['errors']}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- reporting
@@ -259,18 +311,35 @@ def speedup_table(rows, mode: str) -> str:
     return "\n".join(lines)
 
 
+SATURATED = 0.95  # a real run whose engine was busy this share of its span had no spare capacity
+
+
 def fidelity_table(rows) -> str:
+    """Simulated vs measured mean latency per (rate, policy), with the real run's utilisation;
+    the summary separates runs below saturation (the regime the paper's <10% claim is about)."""
+    import numpy as np
+
     lines = ["\n**Simulator fidelity**: simulated vs measured mean latency (same requests, arrivals, output lengths)\n",
-             "| drafter | rate | policy | measured (s) | simulated (s) | error |", "|---|---|---|---|---|---|"]
+             "| drafter | rate | policy | real utilisation | measured (s) | simulated (s) | error |",
+             "|---|---|---|---|---|---|---|"]
     real = {(r["drafter"], r["rate"], r["policy"]): r for r in rows if r["mode"] == "real"}
+    errs: dict = {}
     for r in rows:
         if r["mode"] != "sim":
             continue
         m = real.get((r["drafter"], r["rate"], r["policy"]))
         if m:
             err = r["mean_latency_s"] / m["mean_latency_s"] - 1
-            lines.append(f"| {r['drafter']} | {r['rate']:g} | {r['policy']} | {m['mean_latency_s']:.2f} | "
-                         f"{r['mean_latency_s']:.2f} | {err * 100:+.1f}% |")
+            sat = m["utilization"] >= SATURATED
+            errs.setdefault((r["drafter"], sat), []).append(abs(err))
+            lines.append(f"| {r['drafter']} | {r['rate']:g} | {r['policy']} | {m['utilization']:.2f}"
+                         f"{' (saturated)' if sat else ''} | {m['mean_latency_s']:.2f} | {r['mean_latency_s']:.2f} | "
+                         f"{err * 100:+.1f}% |")
+    lines.append("")
+    for (d, sat), e in sorted(errs.items()):
+        lines.append(f"- {d}, {'saturated' if sat else 'below saturation'} (utilisation "
+                     f"{'>=' if sat else '<'} {SATURATED}): mean |error| {np.mean(e) * 100:.1f}%, max "
+                     f"{np.max(e) * 100:.1f}%, {sum(x <= 0.10 for x in e)} of {len(e)} runs within 10%")
     return "\n".join(lines)
 
 
@@ -346,7 +415,7 @@ def main(argv):
 def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import LinearCost, StepCostModel
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, load_profiled, model_key
     from specjax.simulate import AcceptanceProfile
 
     policies = [p.strip() for p in FLAGS.policies.split(",") if p.strip()]
@@ -357,6 +426,8 @@ def run():
         raise SpecjaxError("--k_buckets must include 0")
     if FLAGS.num_requests < 1:
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
+    if FLAGS.repeats < 1:
+        raise SpecjaxError(f"--repeats must be >= 1, got {FLAGS.repeats}")
     if FLAGS.burst > 0:
         rates = [float("inf")]
     rows = []
@@ -375,15 +446,15 @@ def run():
             acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
             import numpy as np
 
-            def reqs_for_rate(rate, n=FLAGS.num_requests):
-                rng = np.random.default_rng(FLAGS.seed)
+            def reqs_for_rate(rate, rep, n=FLAGS.num_requests):
+                rng = np.random.default_rng(FLAGS.seed + rep)
                 t = np.cumsum(rng.exponential(1.0 / rate, size=n))
                 return [Request(f"s{i}", [1] * FLAGS.sim_input_len, FLAGS.sim_output_len, arrival=float(t[i] - t[0]),
                                 ignore_eos=True) for i in range(n)]
 
             print(f"[{name}: {sc['desc']}]", file=sys.stderr)
             rows += run_sim(name, policies, rates, reqs_for_rate, cost, acc, True, g, FLAGS.seed,
-                            label=f"{name} (assumed)")
+                            label=f"{name} (assumed)", repeats=FLAGS.repeats)
         finish(rows)
         return
 
@@ -398,10 +469,14 @@ def run():
             raise SpecjaxError(f"--drafters: unknown {d!r} (prompt_lookup, layer_skip)")
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
+    perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
     for d in drafters:
         label = f"layer_skip{FLAGS.draft_layers}" if d == "layer_skip" else d
-        cost = load_perf(FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models),
-                         model_key(model.cfg.name, label, hw))
+        key = model_key(model.cfg.name, label, hw)
+        cost = load_perf(perf_path, key)
+        sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
+        if FLAGS.sim_cost == "table" and not sim_cost.cells:
+            print(f"[{key} has no profiled table: the simulator uses Eq. 7 (re-run launch/profile.py)]", file=sys.stderr)
         real_runs = {}
         if FLAGS.mode in ("real", "both"):
             r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed)
@@ -409,16 +484,16 @@ def run():
         if FLAGS.mode in ("sim", "both"):
             accept = measured_acceptance(real_runs) if real_runs else AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
 
-            def reqs_for_rate(rate):
-                reqs = stream(prompts, rate, FLAGS.seed)
+            def reqs_for_rate(rate, rep):
+                reqs = stream(prompts, rate, FLAGS.seed + rep)
                 if real_runs:  # the lengths the real run produced (EOS included), no EOS in the simulator
-                    outs = real_runs[(rate, policies[0])][1]
+                    outs = real_runs[(rate, policies[0], rep)][1]
                     reqs = [dataclasses.replace(q, max_new_tokens=max(1, len(o.tokens)), ignore_eos=True)
                             for q, o in zip(reqs, outs)]
                 return reqs
 
             rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
-                            label=d)
+                            label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
     finish(rows)
 
 
@@ -442,8 +517,12 @@ def measured_acceptance(real_runs):
     return prof
 
 
-def finish(rows):
+def finish(runs):
+    rows = pooled(runs)
     md = ""
+    if FLAGS.repeats > 1:
+        md += (f"\n(each cell: the mean over {FLAGS.repeats} independent request streams of "
+               f"{FLAGS.num_requests} requests; policies run in a rotated order per stream)\n")
     for mode in ("real", "sim"):
         if any(r["mode"] == mode for r in rows):
             md += speedup_table(rows, mode) + "\n"
@@ -453,12 +532,12 @@ def finish(rows):
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    served = sum(r["requests"] - r["errors"] for r in rows)
-    print(f"[{len(rows)} runs, {served} requests served, {sum(r['errors'] for r in rows)} rejected; "
+    served = sum(r["requests"] - r["errors"] for r in runs)
+    print(f"[{len(runs)} runs, {served} requests served, {sum(r['errors'] for r in runs)} rejected; "
           f"peak RSS {rss:.0f} MiB]", file=sys.stderr)
     if FLAGS.out_json:
         with open(FLAGS.out_json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"pooled": rows, "runs": runs}, f, indent=1)
     if FLAGS.plot:
         plot(rows, FLAGS.plot)
     if FLAGS.benchmarks_md_section:

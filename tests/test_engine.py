@@ -243,3 +243,15 @@ def test_host_drafts_are_shadow_verified_at_k0(backends, reference):
     for k, d, a in shadow:
         assert d == [k] and 0 <= a[0] <= k
     assert any(a[0] > 0 for _, _, a in shadow)  # the repetitive prompts' drafts do match
+
+
+def test_warmup_can_execute_every_executable(backends, reference):
+    """warmup(execute=True) runs each prefill and step once on empty rows (so first-execution
+    costs do not land on the first requests served), compiles nothing new, and leaves the
+    backend empty: serving afterwards is still exactly greedy decoding."""
+    be = backends["prompt_lookup"]
+    n = len(be.table)
+    be.warmup(prompt_lens=[16], greedy_modes=(True, False), execute=True)
+    assert len(be.table) == n and be.state is None and not be.row_of
+    outs = ServingEngine(be, FixedK(2), clock=EventClock()).run(_reqs(0.0, PROMPTS[:3]))
+    assert [o.tokens for o in outs] == reference[:3]

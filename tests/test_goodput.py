@@ -12,7 +12,8 @@ import pytest
 from specjax.errors import SpecjaxError
 from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
                                         expected_len_from_positions, tree_batched_tokens, tree_expected_len)
-from specjax.goodput.perf_model import (LinearCost, StepCostModel, context_tokens, fit_linear, fit_step_model,
+from specjax.goodput.perf_model import (LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
+                                        fit_step_model, load_profiled, save_table, table_cells,
                                         least_squares, load_model, r_squared, save_model)
 from specjax.goodput.selector import BatchView, DraftPrefillGate, FixedK, GoodputPolicy
 
@@ -329,6 +330,37 @@ def test_load_model_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(SpecjaxError, match="not valid JSON"):
         load_model(str(bad), "k")
+
+
+def test_profiled_table_lookup_and_fallback(tmp_path):
+    """The simulator's profiled cost: medians per (bucket, K, context chunks), the fitted line
+    off the grid and for prefill, and its own host terms; saved beside the linear model."""
+    lin = StepCostModel(target=LinearCost(1e-6, 1e-3, 1e-2), prefill=LinearCost(0.0, 2e-3, 3e-2),
+                        context_mode="padded", chunk=256, host_step=5e-3)
+    recs = [{"B": 2, "K": 1, "ctx_lens": [10, 200], "t": t} for t in (0.030, 0.050, 0.031)]
+    recs += [{"B": 2, "K": 1, "ctx_lens": [300, 5], "t": 0.070}]  # 2 chunks: its own cell
+    recs += [{"B": 4, "K": 0, "ctx_lens": [1, 1, 1, 1], "t": 0.020}]
+    cells = table_cells(recs, chunk=256)
+    assert cells == ((2, 1, 1, 0.031), (2, 1, 2, 0.070), (4, 0, 1, 0.020))
+    pc = ProfiledCost(lin, cells)
+    assert pc.device_time(2, 1, [3, 256]) == 0.031  # the median, not the mean
+    assert pc.device_time(2, 1, [257, 1]) == 0.070
+    assert pc.device_time(4, 0, [0, 0]) == 0.020  # an empty context still reads one chunk
+    assert pc.step_time(2, 1, [3, 4]) == pytest.approx(0.031 + 5e-3)
+    off_grid = (8, 3, [600] * 8)
+    assert pc.device_time(*off_grid) == pytest.approx(lin.device_time(*off_grid))
+    assert pc.step_time(2, 1, [3, 4], tokens_per_row=5) == pytest.approx(lin.step_time(2, 1, [3, 4], tokens_per_row=5))
+    assert pc.prefill_time(4, 128) == pytest.approx(lin.prefill_time(4, 128))
+    pc2 = pc.with_host(1e-3, 2e-4)
+    assert pc2.step_time(2, 1, [3, 4]) == pytest.approx(0.031 + 1e-3 + 2 * 2e-4)
+    assert pc.linear.host_step == 5e-3  # with_host returns a copy
+
+    path = str(tmp_path / "perf.json")
+    save_model(path, "m|d|cpu:cpu", lin)
+    assert load_profiled(path, "m|d|cpu:cpu") == ProfiledCost(lin)  # no table saved: the line alone
+    save_table(path, "m|d|cpu:cpu", pc2)
+    assert load_profiled(path, "m|d|cpu:cpu") == pc2
+    assert load_model(path, "m|d|cpu:cpu") == lin  # the selector's model is untouched
 
 
 # ----------------------------------------------------------------------------- the K selector (Algorithm 2)

@@ -15,6 +15,7 @@ The JSON file holds one entry per (model, hardware) key so one file serves sever
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -95,6 +96,9 @@ class StepCostModel:
 
     def prefill_time(self, bucket: int, prompt_bucket: int) -> float:
         return self.prefill(0.0, bucket * prompt_bucket)
+
+    def with_host(self, host_step: float, host_row: float) -> "StepCostModel":
+        return dataclasses.replace(self, host_step=host_step, host_row=host_row)
 
     # ------------------------------------------------------------ features for fitting
 
@@ -204,3 +208,77 @@ def load_model(path: str, key: str) -> StepCostModel:
 
 def model_key(target: str, drafter: str, hardware: str) -> str:
     return f"{target}|{drafter}|{hardware}"
+
+
+# ---------------------------------------------------------------- profiled tables
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledCost:
+    """Step times looked up in the profile itself, for the simulator (seed 000 §7.2: the event
+    clock advances by *profiled* execution times). Measured device time of one step, median per
+    (batch bucket, K, context chunks), where chunks = ceil(max context / chunk): with the
+    padded XLA:CPU attention that is all the context a step's cost depends on, so on the grid the
+    table is exact where Eq. 7 is only a line through it. Shapes the grid did not time fall back
+    to ``linear`` (the fitted Eq. 7), as do prefill and host overhead.
+
+    Only the simulator uses it; the SmartSpec selector keeps the paper's linear model."""
+
+    linear: StepCostModel
+    cells: tuple[tuple[int, int, int, float], ...] = ()  # (bucket, K, chunks, seconds)
+
+    @functools.cached_property
+    def _lookup(self) -> dict:
+        return {(b, k, c): t for b, k, c, t in self.cells}
+
+    def device_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
+        m = max(ctx_lens) if len(ctx_lens) else 0
+        t = self._lookup.get((bucket, k, max(1, math.ceil(m / self.linear.chunk))))
+        return t if t is not None else self.linear.device_time(bucket, k, ctx_lens)
+
+    def step_time(self, bucket: int, k: int, ctx_lens: Sequence[int], n_rows: int | None = None,
+                  tokens_per_row: int | None = None) -> float:
+        if tokens_per_row is not None and tokens_per_row != k + 1:
+            return self.linear.step_time(bucket, k, ctx_lens, n_rows, tokens_per_row)  # trees: not tabled
+        n = len(ctx_lens) if n_rows is None else n_rows
+        return self.device_time(bucket, k, ctx_lens) + self.linear.host_step + self.linear.host_row * n
+
+    def prefill_time(self, bucket: int, prompt_bucket: int) -> float:
+        return self.linear.prefill_time(bucket, prompt_bucket)
+
+    def with_host(self, host_step: float, host_row: float) -> "ProfiledCost":
+        return dataclasses.replace(self, linear=dataclasses.replace(self.linear, host_step=host_step,
+                                                                    host_row=host_row))
+
+
+def table_cells(recs: Sequence[dict], chunk: int = 256) -> tuple[tuple[int, int, int, float], ...]:
+    """Median step time per (bucket, K, context chunks) of profiling records {B, K, ctx_lens, t}."""
+    groups: dict = {}
+    for r in recs:
+        c = max(1, math.ceil(max(r["ctx_lens"]) / chunk))
+        groups.setdefault((int(r["B"]), int(r["K"]), c), []).append(float(r["t"]))
+    return tuple((b, k, c, float(np.median(ts))) for (b, k, c), ts in sorted(groups.items()))
+
+
+def save_table(path: str, key: str, cost: ProfiledCost) -> None:
+    """Store the profiled cells and their own host calibration beside the model saved under ``key``."""
+    with open(path) as f:
+        data = json.load(f)
+    data[key]["table"] = {"cells": [list(c) for c in cost.cells], "host_step": cost.linear.host_step,
+                          "host_row": cost.linear.host_row}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_profiled(path: str, key: str) -> ProfiledCost:
+    """The linear model under ``key`` with its profiled table and host terms (an empty table, i.e.
+    the linear model alone, if the profile saved none)."""
+    linear = load_model(path, key)
+    with open(path) as f:
+        tab = json.load(f)[key].get("table")
+    if not tab:
+        return ProfiledCost(linear)
+    cells = tuple((int(b), int(k), int(c), float(t)) for b, k, c, t in tab["cells"])
+    return ProfiledCost(linear, cells).with_host(float(tab["host_step"]), float(tab["host_row"]))
