@@ -498,22 +498,13 @@ def run():
 
 
 def measured_acceptance(real_runs):
-    """Per-position acceptance and proposal rate pooled over the real runs with drafts."""
-    import numpy as np
-
+    """Conditional per-position acceptance and proposal lengths pooled over the real runs."""
     from specjax.simulate import AcceptanceProfile
 
-    dr, ac, off, prop = np.zeros(0), np.zeros(0), 0, 0
-    for eng, _ in real_runs.values():
-        n = max(len(dr), len(eng.pos_drafted))
-        dr = np.pad(dr, (0, n - len(dr))) + np.pad(eng.pos_drafted, (0, n - len(eng.pos_drafted)))
-        ac = np.pad(ac, (0, n - len(ac))) + np.pad(eng.pos_accepted, (0, n - len(eng.pos_accepted)))
-        off += eng.rows_offered
-        prop += eng.rows_proposed
-    rates = tuple(float(a / d) if d else 0.0 for a, d in zip(ac, dr)) or (0.0,)
-    prof = AcceptanceProfile(per_position=rates, propose_prob=prop / off if off else 1.0)
-    print(f"[measured acceptance per position {[round(x, 2) for x in rates]}, proposal rate "
-          f"{prof.propose_prob:.2f}]", file=sys.stderr)
+    prof = AcceptanceProfile.measured([eng for eng, _ in real_runs.values()])
+    dist = "" if prof.draft_len_dist is None else f", proposal lengths {[round(x, 2) for x in prof.draft_len_dist]}"
+    print(f"[measured acceptance per position given the earlier ones {[round(x, 2) for x in prof.per_position]}"
+          f"{dist}]", file=sys.stderr)
     return prof
 
 

@@ -255,3 +255,30 @@ def test_warmup_can_execute_every_executable(backends, reference):
     assert len(be.table) == n and be.state is None and not be.row_of
     outs = ServingEngine(be, FixedK(2), clock=EventClock()).run(_reqs(0.0, PROMPTS[:3]))
     assert [o.tokens for o in outs] == reference[:3]
+
+
+def test_measured_acceptance_profile_is_conditional():
+    """The simulator chains per-position rates (position j survives given j - 1 did), so the
+    profile measured on real runs must be accepted / examined, not accepted / drafted; host
+    proposal lengths are measured and drawn with their frequencies."""
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01))
+    _, eng = simulate([Request("a", [1, 2], 2)], FixedK(0), cost, AcceptanceProfile(), device_draft=False)
+    eng._record_positions([3, 3, 2], [0, 3, 1])
+    eng._count_draft_lens([0, 0, 2, 5])
+    assert eng.per_position_acceptance() == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    assert eng.conditional_acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
+    prof = AcceptanceProfile.measured([eng, eng])
+    assert prof.per_position == pytest.approx((2 / 3, 1 / 2, 1.0))
+    assert prof.draft_len_dist == pytest.approx((0.5, 0.0, 0.25, 0.0, 0.0, 0.25))
+
+    from specjax.engine.scheduler import Scheduler
+    from specjax.simulate import SimBackend
+
+    be = SimBackend(cost, prof, device_draft=False, k_buckets=(0, 3), seed=1)
+    rs = [Scheduler(8, 512, 4).start(Request(f"r{i}", [1], 4), True, 0.0) for i in range(4)]
+    lens = np.concatenate([be.propose(rs, 3).draft_lens for _ in range(2000)])
+    assert set(lens) == {0, 2, 3}  # 5 is cut to the largest K asked for
+    assert np.mean(lens == 0) == pytest.approx(0.5, abs=0.03) and np.mean(lens == 3) == pytest.approx(0.25, abs=0.03)
+    # Chained draws reproduce the conditional rates: P(accept >= 2) = 2/3 * 1/2.
+    would = [be._draw_would_accept(3) for _ in range(20000)]
+    assert np.mean(np.array(would) >= 2) == pytest.approx(1 / 3, abs=0.015)

@@ -134,8 +134,13 @@ class ServingEngine:
         # and how often a row of a speculative step got any draft: what a simulator needs.
         self.pos_drafted = np.zeros(0, np.int64)
         self.pos_accepted = np.zeros(0, np.int64)
+        # Position j is *examined* when it was drafted and drafts < j were all accepted:
+        # pos_accepted / pos_examined is the conditional rate a simulator chains position by position.
+        self.pos_examined = np.zeros(0, np.int64)
         self.rows_offered = 0
         self.rows_proposed = 0
+        # Host drafters: how long the proposals were (asked for the largest compiled K), per row-step.
+        self.draft_len_counts = np.zeros(0, np.int64)
         # Shadow verification of host drafts a K = 0 step did not verify: uid -> [draft, matched].
         self._shadow: dict[int, list] = {}
 
@@ -226,6 +231,8 @@ class ServingEngine:
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept)
+        if prop.drafts is not None and prop.draft_lens is not None:
+            self._count_draft_lens(prop.draft_lens)
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
@@ -282,20 +289,34 @@ class ServingEngine:
             del self._shadow[r.uid]
             self.policy.observe(len(draft), [len(draft)], [m], [r.uid])
 
+    def _count_draft_lens(self, lens) -> None:
+        m = max(lens, default=0) + 1
+        if m > len(self.draft_len_counts):
+            self.draft_len_counts = np.pad(self.draft_len_counts, (0, m - len(self.draft_len_counts)))
+        for n in lens:
+            self.draft_len_counts[n] += 1
+
     def _record_positions(self, drafted, accepted) -> None:
         m = max(drafted, default=0)
         if m > len(self.pos_drafted):
             grow = m - len(self.pos_drafted)
-            self.pos_drafted = np.concatenate([self.pos_drafted, np.zeros(grow, np.int64)])
-            self.pos_accepted = np.concatenate([self.pos_accepted, np.zeros(grow, np.int64)])
+            self.pos_drafted = np.pad(self.pos_drafted, (0, grow))
+            self.pos_accepted = np.pad(self.pos_accepted, (0, grow))
+            self.pos_examined = np.pad(self.pos_examined, (0, grow))
         for d, a in zip(drafted, accepted):
             self.pos_drafted[:d] += 1
             self.pos_accepted[:a] += 1
+            self.pos_examined[:min(a + 1, d)] += 1
         self.rows_offered += len(drafted)
         self.rows_proposed += sum(d > 0 for d in drafted)
 
     def per_position_acceptance(self) -> list[float]:
+        """P(draft j accepted | j drafted): the share of row-steps with a j-th draft that accepted it."""
         return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+
+    def conditional_acceptance(self) -> list[float]:
+        """P(draft j accepted | j drafted and drafts < j accepted)."""
+        return [float(a / e) if e else 0.0 for a, e in zip(self.pos_accepted, self.pos_examined)]
 
     @property
     def propose_rate(self) -> float:

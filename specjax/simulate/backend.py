@@ -8,7 +8,8 @@ unbounded proposal, position j surviving with probability ``per_position[j]`` (m
 real run); a step of K drafts accepts ``min(that, drafts)``. The draw is made before the policy
 chooses and handed to it as ``true_accept``, which only the oracle policy reads (the paper's
 'optimal' predictor that knows the accepted lengths). Host drafters propose for a request
-with probability ``propose_prob`` (prompt lookup and suffix trees often find nothing).
+with a proposal length drawn from the lengths measured on a real run (prompt lookup and suffix
+trees often find nothing, or less than K), or with probability ``propose_prob`` a full draft.
 Batch buckets, compiled K values, KV rows and slots mirror the real backend's, so the same
 scheduler decisions (admission, padding to buckets) happen in both.
 """
@@ -30,14 +31,36 @@ from specjax.goodput.selector import DraftPrefillGate, Policy
 @dataclasses.dataclass(frozen=True)
 class AcceptanceProfile:
     """per_position[j] = P(draft j accepted | drafts < j accepted); positions past the list
-    reuse its last value. propose_prob: chance a host drafter has any draft for a request."""
+    reuse its last value. Host drafters: with ``draft_len_dist`` (P(a proposal has n tokens),
+    n = 0, 1, ..., when asked for the largest compiled K) the proposal length is drawn from it;
+    otherwise a request gets a full-length draft with probability ``propose_prob``."""
 
     per_position: tuple[float, ...] = (0.7,)
     propose_prob: float = 1.0
     draft_len_cap: int | None = None  # host drafters: longest draft they ever return
+    draft_len_dist: tuple[float, ...] | None = None
 
     def rate(self, j: int) -> float:
         return self.per_position[min(j, len(self.per_position) - 1)] if self.per_position else 0.0
+
+    @staticmethod
+    def measured(engines: Sequence[ServingEngine]) -> "AcceptanceProfile":
+        """Pooled from real engine runs: the conditional per-position rates (accepted / examined,
+        which is what ``rate`` chains; accepted / drafted would count the positions after a
+        rejection as rejections too) and, for host drafters, the proposal-length distribution."""
+        acc, exam, lens = np.zeros(0), np.zeros(0), np.zeros(0)
+        off = prop = 0
+        for e in engines:
+            n = max(len(acc), len(e.pos_accepted))
+            acc = np.pad(acc, (0, n - len(acc))) + np.pad(e.pos_accepted, (0, n - len(e.pos_accepted)))
+            exam = np.pad(exam, (0, n - len(exam))) + np.pad(e.pos_examined, (0, n - len(e.pos_examined)))
+            m = max(len(lens), len(e.draft_len_counts))
+            lens = np.pad(lens, (0, m - len(lens))) + np.pad(e.draft_len_counts, (0, m - len(e.draft_len_counts)))
+            off += e.rows_offered
+            prop += e.rows_proposed
+        rates = tuple(float(a / x) if x else 0.0 for a, x in zip(acc, exam)) or (0.0,)
+        dist = tuple(float(c) for c in lens / lens.sum()) if lens.sum() > 0 else None
+        return AcceptanceProfile(per_position=rates, propose_prob=prop / off if off else 1.0, draft_len_dist=dist)
 
 
 class SimBackend:
@@ -84,7 +107,11 @@ class SimBackend:
             self._lens = {r.uid: (k_max if r.speculate else 0) for r in rs}
             return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
         cap = k_max if self.accept.draft_len_cap is None else min(k_max, self.accept.draft_len_cap)
-        self._lens = {r.uid: (cap if self.rng.random() < self.accept.propose_prob else 0) for r in rs}
+        dist = self.accept.draft_len_dist
+        if dist is not None:
+            self._lens = {r.uid: min(int(self.rng.choice(len(dist), p=dist)), cap) for r in rs}
+        else:
+            self._lens = {r.uid: (cap if self.rng.random() < self.accept.propose_prob else 0) for r in rs}
         return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
 
     def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
