@@ -85,6 +85,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Arrivals / prompt order / simulator draws.")
     flags.DEFINE_integer("repeats", 1, "Independent request streams per rate (seeds seed..seed+R-1); every "
                          "policy serves each, in a rotated order; tables pool the repeats.")
+    flags.DEFINE_string("replay_json", None, "--mode sim: simulate the real runs saved in this --out_json (their "
+                        "output lengths and measured acceptance) and report fidelity against them.")
     flags.DEFINE_enum("sim_cost", "table", ["table", "linear"], "What the simulator's event clock charges per step: "
                       "the profiled step-time table (falling back to Eq. 7 off the grid) or Eq. 7 alone. The "
                       "SmartSpec selector plans with Eq. 7 either way.")
@@ -215,7 +217,7 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
                 eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
                 outs = eng.run(reqs)
                 rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), repeat=rep,
-                                 **run_summary(eng, outs)))
+                                 out_lens=[len(o.tokens) for o in outs], **run_summary(eng, outs)))
                 engines[(rate, pol, rep)] = (eng, outs)
                 _log(rows[-1])
     return rows, engines
@@ -428,6 +430,8 @@ def run():
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
         raise SpecjaxError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+    if FLAGS.replay_json and (FLAGS.mode != "sim" or FLAGS.scale):
+        raise SpecjaxError("--replay_json re-simulates saved real runs: use it with --mode sim (no --scale)")
     if FLAGS.burst > 0:
         rates = [float("inf")]
     rows = []
@@ -477,24 +481,56 @@ def run():
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
         if FLAGS.sim_cost == "table" and not sim_cost.cells:
             print(f"[{key} has no profiled table: the simulator uses Eq. 7 (re-run launch/profile.py)]", file=sys.stderr)
-        real_runs = {}
+        lens = {}  # (rate, repeat) -> output lengths the real run produced (EOS included)
+        accept = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
         if FLAGS.mode in ("real", "both"):
             r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed)
             rows += r
+            lens = {(x["rate"], x["repeat"]): x["out_lens"] for x in r if x["policy"] == policy_label(policies[0])}
+            accept = measured_acceptance(real_runs)
+            ACCEPTANCE[d] = dataclasses.asdict(accept)  # saved in --out_json for --replay_json
+        elif FLAGS.replay_json:
+            r, lens, accept = load_replay(FLAGS.replay_json, d, rates, policies)
+            rows += r
         if FLAGS.mode in ("sim", "both"):
-            accept = measured_acceptance(real_runs) if real_runs else AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
 
             def reqs_for_rate(rate, rep):
                 reqs = stream(prompts, rate, FLAGS.seed + rep)
-                if real_runs:  # the lengths the real run produced (EOS included), no EOS in the simulator
-                    outs = real_runs[(rate, policies[0], rep)][1]
-                    reqs = [dataclasses.replace(q, max_new_tokens=max(1, len(o.tokens)), ignore_eos=True)
-                            for q, o in zip(reqs, outs)]
+                if lens:  # the lengths the real run produced; no EOS in the simulator
+                    reqs = [dataclasses.replace(q, max_new_tokens=max(1, n), ignore_eos=True)
+                            for q, n in zip(reqs, lens[(rate, rep)])]
                 return reqs
 
             rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
                             label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
     finish(rows)
+
+
+ACCEPTANCE: dict = {}  # drafter -> the acceptance profile the simulator used (saved in --out_json)
+
+
+def load_replay(path, drafter, rates, policies):
+    """The real runs of an earlier ``--out_json`` (same prompts, rates, seeds, repeats): their rows,
+    output lengths and measured acceptance, so the simulator can be re-run against them."""
+    from specjax.errors import SpecjaxError
+    from specjax.simulate import AcceptanceProfile
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        real = [r for r in data["runs"] if r["mode"] == "real" and r["drafter"] == drafter]
+        acc = data["acceptance"][drafter]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"--replay_json {path}: no real runs / acceptance for {drafter!r} ({e})") from None
+    lens = {(r["rate"], r["repeat"]): r["out_lens"] for r in real if r["policy"] == policy_label(policies[0])}
+    missing = [(x, rep) for x in rates for rep in range(FLAGS.repeats) if (x, rep) not in lens]
+    if missing:
+        raise SpecjaxError(f"--replay_json {path} has no real {policy_label(policies[0])} run for (rate, repeat) "
+                           f"{missing[0]}; use the rates, repeats and policies of the run that wrote it")
+    prof = AcceptanceProfile(per_position=tuple(acc["per_position"]), propose_prob=acc["propose_prob"],
+                             draft_len_cap=acc.get("draft_len_cap"),
+                             draft_len_dist=tuple(acc["draft_len_dist"]) if acc.get("draft_len_dist") else None)
+    return [r for r in real if r["rate"] in rates], lens, prof
 
 
 def measured_acceptance(real_runs):
@@ -528,7 +564,7 @@ def finish(runs):
           f"peak RSS {rss:.0f} MiB]", file=sys.stderr)
     if FLAGS.out_json:
         with open(FLAGS.out_json, "w") as f:
-            json.dump({"pooled": rows, "runs": runs}, f, indent=1)
+            json.dump({"pooled": rows, "runs": runs, "acceptance": ACCEPTANCE}, f, indent=1)
     if FLAGS.plot:
         plot(rows, FLAGS.plot)
     if FLAGS.benchmarks_md_section:

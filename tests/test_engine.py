@@ -282,3 +282,20 @@ def test_measured_acceptance_profile_is_conditional():
     # Chained draws reproduce the conditional rates: P(accept >= 2) = 2/3 * 1/2.
     would = [be._draw_would_accept(3) for _ in range(20000)]
     assert np.mean(np.array(would) >= 2) == pytest.approx(1 / 3, abs=0.015)
+
+
+def test_no_sd_admits_without_the_draft_model():
+    """A policy that never speculates (no-SD) serves with no draft model at all: its requests are
+    admitted without the draft prefill, so the backend offers them no drafts; fixed K > 0 does."""
+    class Seen(FixedK):
+        def choose(self, view):
+            self.lens = getattr(self, "lens", []) + list(view.draft_lens)
+            return super().choose(view)
+
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01))
+    for k, expect in ((0, {0}), (2, {2})):
+        pol = Seen(k)
+        assert pol.may_speculate == (k > 0)
+        simulate([Request(f"r{i}", [1] * 8, 6, ignore_eos=True) for i in range(3)], pol, cost, AcceptanceProfile(),
+                 device_draft=True, k_buckets=(0, 2))
+        assert set(pol.lens) == expect

@@ -41,6 +41,7 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--rates", "0,1"], "--rates must be positive"),
     (["--scale", "9b"], "unknown --scale"),
     (["--policies", "none,7"], "not in --k_buckets"),
+    (["--replay_json", "x.json"], "use it with --mode sim (no --scale)"),
 ])
 def test_flag_errors_are_one_line(args, msg):
     p = run("--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args)
@@ -56,3 +57,23 @@ def test_rotated_policy_order():
     assert orders[0] == pols and orders[1] == ["1", "3", "smartspec", "none"]
     assert [o[0] for o in orders] == pols  # each policy leads one stream
     assert rotated(pols, 5) == orders[1]
+
+
+def test_replay_of_saved_real_runs(tmp_path):
+    """--mode sim --replay_json re-simulates saved real runs (their output lengths and measured
+    acceptance) and prints the fidelity table against them; a file without the asked-for runs
+    is a one-line error."""
+    real = [dict(mode="real", drafter="prompt_lookup", rate=1.0, policy=p, repeat=0, out_lens=[8] * 4,
+                 mean_latency_s=lat, utilization=0.5, requests=4, errors=0, tokens=32)
+            for p, lat in (("no-SD", 1.0), ("SmartSpec", 0.9))]
+    acc = {"prompt_lookup": {"per_position": [0.4, 0.8], "propose_prob": 1.0, "draft_len_cap": None,
+                             "draft_len_dist": [0.5, 0.0, 0.5]}}
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps({"runs": real, "acceptance": acc}))
+    common = ["--mode", "sim", "--drafters", "prompt_lookup", "--num_requests", "4", "--max_prompt_tokens", "120",
+              "--replay_json", str(path)]
+    p = run(*common, "--rates", "1", "--policies", "none,smartspec")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Simulator fidelity" in p.stdout and "| prompt_lookup | 1 | SmartSpec | 0.50 | 0.90 |" in p.stdout
+    p = run(*common, "--rates", "2", "--policies", "none")
+    assert p.returncode == 2 and "no real no-SD run for (rate, repeat) (2.0, 0)" in p.stderr

@@ -262,8 +262,8 @@ class JaxBackend:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
-        charged to the first requests served (measured: the first sweep run after a compile-only
-        warm-up was the slow one). Returns seconds."""
+        charged to the first requests served (the earlier sweeps, with a compile-only warm-up,
+        found their first run consistently slow). Returns seconds."""
         t0 = time.perf_counter()
         S = self.slots
         tps = sorted({bk.prompt_bucket(int(n), S) for n in prompt_lens})

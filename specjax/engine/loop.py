@@ -213,7 +213,8 @@ class ServingEngine:
     def _admit(self) -> None:
         if not self.sched.waiting or not self.sched.free_rows:
             return
-        speculate = self.gate.speculate() if self.gate else True
+        # No-SD serves with no draft model at all: its requests skip the draft prefill too.
+        speculate = self.policy.may_speculate and (self.gate.speculate() if self.gate else True)
         rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch)
         first, elapsed = self.backend.prefill(rs)
         self.clock.advance(elapsed)

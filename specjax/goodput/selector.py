@@ -54,6 +54,7 @@ class BatchView:
 
 class Policy:
     name = "policy"
+    may_speculate = True  # False: never drafts, so a request needs no draft-model prefill either
 
     def choose(self, view: BatchView) -> int:
         raise NotImplementedError
@@ -72,6 +73,7 @@ class FixedK(Policy):
     def __init__(self, k: int):
         self.k = int(k)
         self.name = "no-SD" if k == 0 else f"K={k}"
+        self.may_speculate = self.k > 0
 
     def choose(self, view: BatchView) -> int:
         if self.k not in view.k_options:
