@@ -79,11 +79,13 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 # From 2 up to SMALL_ROWS activation rows (batch x block), a projection can run as one
 # matrix-vector product per row in a fori_loop instead of one skinny GEMM. Whether that pays
 # depends on the CPU's GEMM kernels, so it is a setting (SPECJAX_SMALL_ROWS), off by default:
-# - on the machine of the first benchmarks (CPU model not recorded), Eigen's 2-8 row GEMM streamed weights at about half
-#   the GEMV rate (30 layers of 576x1536 weights, 5 rows: 14.9 ms as GEMMs, 10.2 ms as loops);
+# - on the machine of the first benchmarks (CPU model not recorded), Eigen's 2-8 row GEMM
+#   streamed weights at about half the GEMV rate (30 layers of 576x1536 weights, 5 rows:
+#   14.9 ms as GEMMs, 10.2 ms as loops);
 # - on the AVX-512 box of the SmartSpec sweeps, GEMMs won at every row count (all SmolLM2
-#   projections + head: 2 rows 19.1 ms vs 46.1 ms, 8 rows 34.5 ms vs 106.9 ms), and the loop
-#   made a batch-8 decode step (8 rows) cost more than a batch-8 K=1 verify (16 rows, GEMM).
+#   projections + head, benchmarks/projection_rows.py: 2 rows 21.8 vs 59.7 ms, 8 rows 42.9 vs
+#   126.9 ms), and the loop made a batch-8 decode step (8 rows) cost more than a batch-8 K=1
+#   verify (16 rows, GEMM).
 # A loop, not an unrolled list: one dot kernel per weight (an unrolled version exhausted the
 # process's memory maps after a few dozen compiled variants).
 SMALL_ROWS = int(os.environ.get("SPECJAX_SMALL_ROWS", "0"))
