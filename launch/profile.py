@@ -50,7 +50,8 @@ def define_flags() -> None:
     flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
     flags.DEFINE_integer("slots", 512, "KV slots per request row.")
     flags.DEFINE_string("contexts", "32,150,280", "Context lengths to time steps at.")
-    flags.DEFINE_string("prefill_lens", "24,100,200,400", "Prompt lengths to time prefills at.")
+    flags.DEFINE_string("prefill_lens", "24,50,100,200,400", "Prompt lengths to time prefills at (one per "
+                        "prompt bucket serving will use: the simulator looks the medians up).")
     flags.DEFINE_integer("reps", 4, "Timed steps per (batch, context, K) cell.")
     flags.DEFINE_float("holdout", 0.25, "Share of grid cells held out to score the fit.")
     flags.DEFINE_integer("calibration_requests", 24, "Requests served to calibrate host overhead (0 = skip).")
@@ -91,6 +92,9 @@ def drafter_label(drafter: str, draft_layers: int) -> str:
 
 
 def calibration_requests(tok, n: int, max_new: int) -> list:
+    """A burst of n requests whose lengths cycle through max_new x (1/4, 1/2, 3/4, 1): rows free
+    up at different steps, so the batch runs full, then drains through every size (the host
+    overhead per request is only identifiable across batch sizes)."""
     from specjax.engine.scheduler import Request
 
     from specjax.errors import SpecjaxError
@@ -99,7 +103,8 @@ def calibration_requests(tok, n: int, max_new: int) -> list:
         prompts = [tok.encode_chat(p) for p in CALIBRATION_PROMPTS]
     except SpecjaxError:  # no chat template (e.g. the byte-level test tokenizer)
         prompts = [tok.encode(p) for p in CALIBRATION_PROMPTS]
-    return [Request(f"cal{i}", prompts[i % len(prompts)], max_new, ignore_eos=True) for i in range(n)]
+    return [Request(f"cal{i}", prompts[i % len(prompts)], max(1, max_new * (i % 4 + 1) // 4), ignore_eos=True)
+            for i in range(n)]
 
 
 def main(argv):
@@ -123,10 +128,11 @@ def run():
     from tqdm import tqdm
 
     from specjax.engine.loop import ServingEngine
-    from specjax.engine.profiling import calibrate_host, fit_profile, profile_prefills, profile_steps
+    from specjax.engine.profiling import (calibrate_host, fit_profile, profile_prefills, profile_row_ops,
+                                         profile_steps, row_op_cells)
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, StepCostModel
-    from specjax.goodput.perf_model import ProfiledCost, hardware_key, save_table, table_cells
+    from specjax.goodput.perf_model import ProfiledCost, hardware_key, prefill_table_cells, save_table, table_cells
     from specjax.models.loader import load_model
 
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
@@ -157,6 +163,7 @@ def run():
     with tqdm(total=cells, desc="target steps", disable=None) as bar:
         tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
     pre = profile_prefills(tgt_be, bbs, plens)
+    row_ops = {"prompt_lookup": profile_row_ops(tgt_be)}
     fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
     _save(model, hw, "prompt_lookup", fits["prompt_lookup"], bbs, ks, contexts)  # before the (long) rest
     ls_be = None
@@ -166,13 +173,15 @@ def run():
         with tqdm(total=cells, desc="layer-skip steps", disable=None) as bar:
             dr = profile_steps(ls_be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
         pre_ls = profile_prefills(ls_be, bbs, plens)
+        row_ops["layer_skip"] = profile_row_ops(ls_be)  # its state holds the draft's cache too
         fits["layer_skip"] = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
         _save(model, hw, "layer_skip", fits["layer_skip"], bbs, ks, contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
         with open(FLAGS.records_out, "w") as f:
             json.dump({"target": tgt, "layer_skip": fits.get("layer_skip", (None, None, None, []))[3],
-                       "prefill": pre}, f)
+                       "prefill": pre, "prefill_layer_skip": pre_ls if ls_be is not None else [],
+                       "row_ops": row_ops}, f)
 
     for d in drafters:
         m, rep, tg, dr = fits[d]
@@ -193,7 +202,11 @@ def run():
         # The simulator's profiled table: medians of the timed steps (K = 0 from the target grid)
         # with its own host calibration on the same engine steps.
         table = ProfiledCost(m, table_cells([r for r in tg if d == "prompt_lookup" or r["K"] == 0] + dr,
-                                            m.chunk))
+                                            m.chunk), row_op_cells(row_ops[d]),
+                             # a device drafter's request admitted without its draft prefills the target only
+                             prefill_plain=fits["prompt_lookup"][0].prefill if d == "layer_skip" else None,
+                             prefill_cells=prefill_table_cells(pre, False)
+                             + (prefill_table_cells(pre_ls, True) if d == "layer_skip" else ()))
         if cal_reqs:
             table, tcal = calibrate_host(steps, table, FLAGS.seed)
             rep.update({f"table_{k}": v for k, v in tcal.items() if k != "calibration_steps"})
@@ -205,7 +218,9 @@ def run():
         if m.draft:
             print(f"  draft:  a={m.draft.alpha:.3e}  g={m.draft.gamma:.3e}  d={m.draft.delta * 1e3:.2f} ms per forward")
         print(f"  prefill: {m.prefill.gamma * 1e6:.1f} us/token + {m.prefill.delta * 1e3:.2f} ms")
-        print(f"  host: {m.host_step * 1e3:.2f} ms/step + {m.host_row * 1e3:.3f} ms/request")
+        print(f"  host: {m.host_step * 1e3:.2f} ms/step + {m.host_row * 1e3:.3f} ms/request (linear model); "
+              f"{table.linear.host_step * 1e3:.2f} ms/step + {table.linear.host_row * 1e3:.3f} ms/request (table)")
+        print("  row ops (ms): " + ", ".join(f"{op} {a}->{b} {t * 1e3:.1f}" for op, a, b, t in table.row_ops))
         print("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rep.items()}))
         if FLAGS.plot:
             _plot(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg, dr, label)

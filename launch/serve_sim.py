@@ -87,6 +87,10 @@ def define_flags() -> None:
                          "policy serves each, in a rotated order; tables pool the repeats.")
     flags.DEFINE_string("replay_json", None, "--mode sim: simulate the real runs saved in this --out_json (their "
                         "output lengths and measured acceptance) and report fidelity against them.")
+    flags.DEFINE_bool("speed_probe", False, "Real runs: time a few K = 0 steps per batch bucket just before each "
+                      "run (~1 s) and save this machine's speed relative to the profile; the simulator is then "
+                      "also run with the profiled table scaled by it ('<drafter>+probe' rows), to separate "
+                      "machine drift since the profile from the simulator's own error.")
     flags.DEFINE_enum("sim_cost", "table", ["table", "linear"], "What the simulator's event clock charges per step: "
                       "the profiled step-time table (falling back to Eq. 7 off the grid) or Eq. 7 alone. The "
                       "SmartSpec selector plans with Eq. 7 either way.")
@@ -196,7 +200,7 @@ def run_summary(eng, outs) -> dict:
     return s
 
 
-def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
+def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=None):
     from launch.profile import make_backend
     from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
@@ -211,6 +215,11 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
         for rep in range(FLAGS.repeats):
             reqs = stream(prompts, rate, seed + rep)
             for pol in rotated(policies, rep):
+                probe = None
+                if FLAGS.speed_probe and table is not None and table.cells:
+                    from specjax.engine.profiling import probe_speed
+
+                    probe = probe_speed(be, table, context=min(len(p) for p in prompts), seed=seed + rep)
                 be.reset()
                 policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
                 gate = DraftPrefillGate(FLAGS.prefill_disable) if pol == "smartspec" else None
@@ -218,6 +227,8 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed):
                 outs = eng.run(reqs)
                 rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), repeat=rep,
                                  out_lens=[len(o.tokens) for o in outs], **run_summary(eng, outs)))
+                if probe:
+                    rows[-1]["speed_probe"] = probe
                 engines[(rate, pol, rep)] = (eng, outs)
                 _log(rows[-1])
     return rows, engines
@@ -235,6 +246,8 @@ def pooled(runs: list[dict]) -> list[dict]:
     out = []
     for (mode, d, rate, pol), rs in groups.items():
         row = dict(mode=mode, drafter=d, rate=rate, policy=pol, repeats=len(rs))
+        if "real_drafter" in rs[0]:
+            row["real_drafter"] = rs[0]["real_drafter"]
         for k, v in rs[0].items():
             if k not in row and k != "repeat" and isinstance(v, (int, float)):
                 row[k] = float(np.mean([x[k] for x in rs]))
@@ -253,9 +266,10 @@ def stream(prompts, rate, seed):
 
 
 def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft, geom, seed, label=None,
-            sim_cost=None, repeats: int = 1):
+            sim_cost=None, repeats: int = 1, speed=None):
     """``cost``: the linear model the selector plans with; ``sim_cost``: what the event clock
-    charges (a profiled table, or ``cost`` itself when None)."""
+    charges (a profiled table, or ``cost`` itself when None); ``speed``: (rate, repeat, policy
+    label) -> the speed probe of that real run, to scale the table by."""
     from specjax.goodput import DraftPrefillGate
     from specjax.simulate import simulate
 
@@ -266,11 +280,14 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
             for pol in policies:
                 policy = make_policy(pol, cost, geom["k_buckets"], FLAGS.window)
                 gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in ("smartspec", "oracle") else None
-                outs, eng = simulate(reqs, policy, sim_cost or cost, accept, device_draft=device_draft,
+                charge = sim_cost or cost
+                if speed is not None:
+                    charge = charge.with_speed(speed.get((rate, rep, policy_label(pol))))
+                outs, eng = simulate(reqs, policy, charge, accept, device_draft=device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
                                      slots=geom["slots"], seed=seed + rep, prefill_gate=gate)
-                rows.append(dict(mode="sim", drafter=label or drafter, rate=rate, policy=policy_label(pol),
-                                 repeat=rep, **run_summary(eng, outs)))
+                rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
+                                 policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
                 _log(rows[-1])
     return rows
 
@@ -329,7 +346,7 @@ def fidelity_table(rows) -> str:
     for r in rows:
         if r["mode"] != "sim":
             continue
-        m = real.get((r["drafter"], r["rate"], r["policy"]))
+        m = real.get((r.get("real_drafter", r["drafter"]), r["rate"], r["policy"]))
         if m:
             err = r["mean_latency_s"] / m["mean_latency_s"] - 1
             sat = m["utilization"] >= SATURATED
@@ -417,7 +434,7 @@ def main(argv):
 def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import LinearCost, StepCostModel
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, load_profiled, model_key
+    from specjax.goodput.perf_model import ProfiledCost, hardware_key, load_model as load_perf, load_profiled, model_key
     from specjax.simulate import AcceptanceProfile
 
     policies = [p.strip() for p in FLAGS.policies.split(",") if p.strip()]
@@ -484,7 +501,8 @@ def run():
         lens = {}  # (rate, repeat) -> output lengths the real run produced (EOS included)
         accept = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
         if FLAGS.mode in ("real", "both"):
-            r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed)
+            r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed,
+                                    table=sim_cost if FLAGS.sim_cost == "table" else None)
             rows += r
             lens = {(x["rate"], x["repeat"]): x["out_lens"] for x in r if x["policy"] == policy_label(policies[0])}
             accept = measured_acceptance(real_runs)
@@ -503,6 +521,11 @@ def run():
 
             rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
                             label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
+            probes = {(x["rate"], x["repeat"], x["policy"]): {int(b): f for b, f in x["speed_probe"].items()}
+                      for x in rows if x["mode"] == "real" and x["drafter"] == d and x.get("speed_probe")}
+            if probes and isinstance(sim_cost, ProfiledCost):
+                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
+                                label=f"{d}+probe", sim_cost=sim_cost, repeats=FLAGS.repeats, speed=probes)
     finish(rows)
 
 

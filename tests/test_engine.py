@@ -89,6 +89,14 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
     sizes = [s.n for s in eng.steps]
     assert max(sizes) > 1 and min(sizes) == 1, sizes  # batches formed and drained
     assert be.resizes >= 2  # grew to 4 and compacted back
+    # Step records carry the bucket the live state really ran at (a lone request runs at 4
+    # until compaction) and the cache operations each step ran besides the forward pass.
+    assert any(s.n == 1 and s.bucket == 4 for s in eng.steps) and any(s.n == 1 and s.bucket == 1 for s in eng.steps)
+    assert all(s.bucket >= be.bucket(s.n) for s in eng.steps)
+    ops = [op for s in eng.steps for op in s.row_ops]
+    assert ("take", 4, 1) in ops and ("clear", 4, 4) in ops
+    shrink = next(i for i, s in enumerate(eng.steps) if ("take", 4, 1) in s.row_ops)
+    assert eng.steps[shrink].bucket == 1 and eng.steps[shrink - 1].bucket == 4
     assert sum(o.drafted for o in outs) > 0
     if policy == "K=2":  # SmartSpec may stop early: the tiny random model's drafts rarely match
         assert sum(o.accepted for o in outs) > 0
@@ -214,6 +222,81 @@ def test_simulator_smartspec_tracks_load():
     assert heavy["smart"]["mean_k"] < light["smart"]["mean_k"]
     oracle = run(1.0, GoodputPolicy(cost, "oracle"))
     assert oracle["mean_latency_s"] <= light["smart"]["mean_latency_s"] * 1.02
+
+
+def test_live_bucket_rule():
+    """Grow at once; shrink to the batch's bucket only after `patience` consecutive small
+    steps; peek predicts the bucket of the next step without changing anything."""
+    from specjax.engine.live_bucket import LiveBucket
+
+    lb = LiveBucket((1, 2, 4, 8), patience=3)
+    assert lb.peek(3) == 4 and lb.B == 0
+    assert lb.grow(3) == (0, 4) and lb.grow(4) is None and lb.grow(5) == (4, 8)
+    seen = []
+    for _ in range(4):
+        seen.append((lb.peek(1), lb.before_step(1), lb.B))
+    assert seen == [(8, None, 8), (8, None, 8), (1, (8, 1), 1), (1, None, 1)]
+    lb.grow(2)
+    assert lb.before_step(2) is None and lb.before_step(1) is None and lb.before_step(2) is None
+    assert [lb.before_step(1) for _ in range(3)] == [None, None, (2, 1)]  # a big step reset the count
+    lb.reset()
+    assert lb.B == 0 and lb.peek(8) == 8
+
+
+def test_simulator_mirrors_live_bucket_and_charges_row_ops():
+    """The simulator runs steps at the live state's bucket (not the batch's) and charges the
+    allocation, resize copies and clears the real backend would run, at profiled cost."""
+    from specjax.goodput.perf_model import ProfiledCost
+
+    lin = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), prefill=LinearCost(0.0, 0.0, 0.05))
+    cells = tuple((b, 0, 1, 0.01 * b) for b in (1, 2, 4))
+    ops = (("alloc", 0, 4, 0.3), ("take", 4, 1, 0.2), ("clear", 4, 4, 0.1), ("clear", 1, 1, 0.1))
+    # Three requests at once (state of 4), two end after 2 tokens, one runs on alone.
+    reqs = [Request("a", [1] * 10, 20, ignore_eos=True)] + [Request(f"b{i}", [1] * 10, 2, ignore_eos=True)
+                                                          for i in range(2)]
+    outs, eng = simulate(reqs, FixedK(0), ProfiledCost(lin, cells, ops), AcceptanceProfile((0.0,)),
+                         device_draft=True, batch_buckets=(1, 2, 4))
+    b = [s.bucket for s in eng.steps]
+    assert b[:8] == [4] * 8 and set(b[8:]) == {1}, b  # 1 step with 3 rows, 7 small; compacted on the 8th
+    assert [s.row_ops for s in eng.steps[:3]] == [(), (("clear", 4, 4),), ()]
+    assert eng.steps[8].row_ops == (("take", 4, 1),)
+    n_small = len(b) - 8
+    expect = 0.3 + 0.05 + 8 * 0.04 + 0.1 + 0.2 + n_small * 0.01  # alloc, prefill, steps at 4, clear, take, steps at 1
+    assert outs[0].finished == pytest.approx(expect)
+
+
+def test_simulated_no_sd_prefills_without_the_draft():
+    """A device drafter's no-SD run admits requests without the draft prefill (the real engine
+    does): the simulator charges the target-only prefill when the profile timed it."""
+    from specjax.goodput.perf_model import ProfiledCost
+
+    lin = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), draft=LinearCost(0.0, 0.0, 0.001),
+                        prefill=LinearCost(0.0, 0.0, 0.08))
+    pc = ProfiledCost(lin, prefill_plain=LinearCost(0.0, 0.0, 0.05))
+    reqs = [Request("a", [1] * 10, 5, ignore_eos=True)]
+    outs, _ = simulate(reqs, FixedK(0), pc, AcceptanceProfile((0.0,)), device_draft=True)
+    assert outs[0].latency == pytest.approx(0.05 + 4 * 0.01)
+    outs, _ = simulate(reqs, FixedK(1), pc, AcceptanceProfile((0.0,)), device_draft=True)
+    assert outs[0].latency == pytest.approx(0.08 + 4 * (0.01 + 0.001))
+
+
+def test_speed_probe_compares_live_steps_with_the_profile(backends):
+    """probe_speed times K = 0 steps per batch bucket against a profiled table and leaves the
+    backend empty; a table claiming twice the measured time reads as a factor 2 lower (exact
+    ratios, not timings, are asserted)."""
+    from specjax.engine.profiling import probe_speed, profile_steps
+    from specjax.goodput.perf_model import ProfiledCost, table_cells
+
+    be = backends["prompt_lookup"]
+    recs = profile_steps(be, be.batch_buckets, [16], [0], reps=2)
+    pc = ProfiledCost(_cheap_spec(), table_cells(recs))
+    f = probe_speed(be, pc, context=16, reps=2)
+    assert sorted(f) == list(be.batch_buckets) and all(x > 0 for x in f.values())
+    assert be.state is None and not be.row_of
+    slow = ProfiledCost(pc.linear, tuple((b, k, c, 2 * t) for b, k, c, t in pc.cells))
+    f2 = probe_speed(be, slow, context=16, reps=2)
+    assert all(0 < x for x in f2.values())
+    assert slow.with_speed(f2).device_time(1, 0, [16]) == pytest.approx(2 * pc.cells[0][3] * f2[1])
 
 
 class _Recorder(Policy):

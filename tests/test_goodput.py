@@ -12,8 +12,10 @@ import pytest
 from specjax.errors import SpecjaxError
 from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
                                         expected_len_from_positions, tree_batched_tokens, tree_expected_len)
+from specjax.engine.profiling import row_op_cells
 from specjax.goodput.perf_model import (LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
-                                        fit_step_model, load_profiled, save_table, table_cells,
+                                        fit_step_model, load_profiled, prefill_table_cells, save_table,
+                                        table_cells,
                                         least_squares, load_model, r_squared, save_model)
 from specjax.goodput.selector import BatchView, DraftPrefillGate, FixedK, GoodputPolicy
 
@@ -342,7 +344,12 @@ def test_profiled_table_lookup_and_fallback(tmp_path):
     recs += [{"B": 4, "K": 0, "ctx_lens": [1, 1, 1, 1], "t": 0.020}]
     cells = table_cells(recs, chunk=256)
     assert cells == ((2, 1, 1, 0.031), (2, 1, 2, 0.070), (4, 0, 1, 0.020))
-    pc = ProfiledCost(lin, cells)
+    ops = row_op_cells([{"op": "take", "a": 4, "b": 8, "t": t} for t in (0.09, 0.11, 0.5)]
+                       + [{"op": "clear", "a": 8, "b": 8, "t": 0.002}])
+    assert ops == (("clear", 8, 8, 0.002), ("take", 4, 8, 0.11))
+    pc = ProfiledCost(lin, cells, ops)
+    assert pc.row_op_time("take", 4, 8) == 0.11 and pc.row_op_time("take", 8, 4) == 0.0  # untimed: free
+    assert lin.row_op_time("take", 4, 8) == 0.0  # Eq. 7 has no row operations
     assert pc.device_time(2, 1, [3, 256]) == 0.031  # the median, not the mean
     assert pc.device_time(2, 1, [257, 1]) == 0.070
     assert pc.device_time(4, 0, [0, 0]) == 0.020  # an empty context still reads one chunk
@@ -360,7 +367,57 @@ def test_profiled_table_lookup_and_fallback(tmp_path):
     assert load_profiled(path, "m|d|cpu:cpu") == ProfiledCost(lin)  # no table saved: the line alone
     save_table(path, "m|d|cpu:cpu", pc2)
     assert load_profiled(path, "m|d|cpu:cpu") == pc2
+    assert load_profiled(path, "m|d|cpu:cpu").row_op_time("take", 4, 8) == 0.11
+    # A device drafter's table may know the target-only prefill (requests admitted without the draft).
+    plain = LinearCost(0.0, 1e-3, 2e-2)
+    pc3 = ProfiledCost(lin, cells, ops, plain)
+    assert pc3.prefill_time(2, 64, draft=False) == pytest.approx(plain(0, 128))
+    assert pc3.prefill_time(2, 64) == pc2.prefill_time(2, 64, draft=False) == pytest.approx(lin.prefill_time(2, 64))
+    save_table(path, "m|d|cpu:cpu", pc3)
+    assert load_profiled(path, "m|d|cpu:cpu") == pc3
+    # A speed probe scales steps and prefills per bucket (row ops and host terms stay).
+    fast = pc3.with_speed({2: 0.5})
+    assert fast.device_time(2, 1, [3, 256]) == pytest.approx(0.5 * 0.031)
+    assert fast.device_time(4, 0, [0]) == pc3.device_time(4, 0, [0])  # no factor: as profiled
+    assert fast.prefill_time(2, 64, draft=False) == pytest.approx(0.5 * plain(0, 128))
+    assert fast.row_op_time("take", 4, 8) == 0.11 and fast.with_speed(None) == pc3
+    # Measured prefill medians win over the lines where the profile timed that shape.
+    pre = [{"B": 1, "Tp": 64, "t": t} for t in (0.15, 0.17, 0.9)]
+    pcells = prefill_table_cells(pre, False) + prefill_table_cells([{"B": 1, "Tp": 64, "t": 0.2}], True)
+    assert pcells == ((1, 64, 0, 0.17), (1, 64, 1, 0.2))
+    pc4 = ProfiledCost(lin, cells, ops, plain, pcells)
+    assert pc4.prefill_time(1, 64, draft=False) == 0.17 and pc4.prefill_time(1, 64) == 0.2
+    assert pc4.prefill_time(1, 128, draft=False) == pytest.approx(plain(0, 128))  # untimed: the line
+    assert pc4.with_speed({1: 2.0}).prefill_time(1, 64) == pytest.approx(0.4)
+    save_table(path, "m|d|cpu:cpu", pc4)
+    assert load_profiled(path, "m|d|cpu:cpu") == pc4
     assert load_model(path, "m|d|cpu:cpu") == lin  # the selector's model is untouched
+
+
+def test_calibrate_host_measures_the_loop_outside_the_backend():
+    """Host terms come from wall - elapsed (the loop's own work), so a machine that runs 20%
+    slower than when it was profiled does not inflate them; the whole-step report shows the drift."""
+    from specjax.engine.loop import StepRecord
+    from specjax.engine.profiling import calibrate_host
+
+    lin = StepCostModel(target=LinearCost(1e-6, 1e-3, 1e-2), context_mode="padded")
+    cells = tuple((b, k, 1, 0.02 * b + 0.003 * k) for b in (1, 2, 4, 8) for k in (0, 1, 2))
+    pc = ProfiledCost(lin, cells, (("take", 8, 4, 0.2), ("clear", 8, 8, 0.05), ("clear", 4, 4, 0.03)))
+    rng = np.random.default_rng(0)
+    steps = []
+    for i in range(200):
+        n = int(rng.integers(1, 9))
+        bucket = 8 if i % 3 else max(4, 1 << (n - 1).bit_length())  # often a larger live bucket than n needs
+        ops = [(("take", 8, 4), ("clear", 8, 8), ("clear", 4, 4))[i % 3]] if i % 5 == 0 else []
+        k = int(rng.integers(0, 3))
+        elapsed = 1.2 * (pc.device_time(bucket, k, [10] * n) + sum(pc.row_op_time(*o) for o in ops))
+        wall = elapsed + 2e-3 + 1e-3 * n
+        steps.append(StepRecord(0.0, n, bucket, k, k, [10] * n, elapsed, wall, 1, 0, 0, tuple(ops)))
+    cal, rep = calibrate_host(steps, pc)
+    assert cal.linear.host_step == pytest.approx(2e-3, abs=1e-9) and cal.linear.host_row == pytest.approx(1e-3, abs=1e-9)
+    assert rep["calibration_batch_sizes"] == list(range(1, 9)) and rep["host_mean_abs_err_held_out_s"] < 1e-9
+    assert -0.2 < rep["mean_rel_err_engine_steps"] < -0.1  # the drift: predicted steps ~15% short
+    assert cal.row_ops == pc.row_ops and cal.cells == pc.cells
 
 
 # ----------------------------------------------------------------------------- the K selector (Algorithm 2)

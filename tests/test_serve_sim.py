@@ -77,3 +77,15 @@ def test_replay_of_saved_real_runs(tmp_path):
     assert "Simulator fidelity" in p.stdout and "| prompt_lookup | 1 | SmartSpec | 0.50 | 0.90 |" in p.stdout
     p = run(*common, "--rates", "2", "--policies", "none")
     assert p.returncode == 2 and "no real no-SD run for (rate, repeat) (2.0, 0)" in p.stderr
+    # Real runs that carry a speed probe are also simulated on the table scaled by it.
+    for r in real:
+        r["speed_probe"] = {"1": 3.0, "2": 3.0, "4": 3.0, "8": 3.0}
+    path.write_text(json.dumps({"runs": real, "acceptance": acc}))
+    p = run(*common, "--rates", "1", "--policies", "none,smartspec")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "**prompt_lookup+probe** (sim)" in p.stdout and "- prompt_lookup+probe, below saturation" in p.stdout
+    sim = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("| prompt_lookup") and "| no-SD |" in line:
+            sim[line.split(" | ")[0]] = float(line.split(" | ")[5])
+    assert sim["| prompt_lookup+probe"] > 2 * sim["| prompt_lookup"]  # 3x slower steps and prefills

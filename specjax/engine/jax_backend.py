@@ -3,11 +3,12 @@
 Requests own cache rows of a ``[B, S]`` state (B a batch bucket, S slots per row). Admission
 prefills the new requests as a small batch and scatters their rows into free rows of the
 live state (``insert_rows``); when the batch outgrows the bucket the state is regathered into
-the next bucket, and it is compacted into a smaller bucket once the batch has stayed at half
-the bucket or less for ``shrink_patience`` steps (a resize copies the whole cache, so it must
-not oscillate). Freed rows get length 0 before the next step. Every executable (prefills,
-steps of every compiled K, inserts, resizes) comes from a ``StepTable`` and is compiled by
-``warmup``; serving never compiles.
+the next bucket, and it is compacted into a smaller bucket once the batch has fit it for
+``shrink_patience`` steps (``LiveBucket``, the rule the simulator shares: a resize copies the
+whole cache, so it must not oscillate). Freed rows get length 0 before the next step. The
+allocations, resizes and clears a step runs are listed in ``take_row_ops`` for calibration.
+Every executable (prefills, steps of every compiled K, inserts, resizes) comes from a
+``StepTable`` and is compiled by ``warmup``; serving never compiles.
 
 Host drafters (prompt lookup, suffix trees in path mode) propose up to the largest K for
 every request before the policy chooses; the step then runs the smallest compiled block that
@@ -26,6 +27,7 @@ import numpy as np
 from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
+from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.scheduler import Running
 from specjax.engine.step import DraftSpec
@@ -79,7 +81,7 @@ class JaxBackend:
         self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
-        self.shrink_patience = shrink_patience
+        self.live = LiveBucket(self.batch_buckets, shrink_patience)
         self.table = StepTable(cfg, params, self.dparams, draft, attention_impl)
         self.reset()
 
@@ -94,13 +96,26 @@ class JaxBackend:
         self.samp_of: dict[int, SamplingParams] = {}
         self._to_clear: set[int] = set()
         self._samp = None
-        self._small_steps = 0
         self._drafts: dict[int, np.ndarray] = {}
         self.last_k_step = 0
         self.resizes = 0
+        self.live.reset()
+        # Row operations (op, bucket from, bucket to) done since the loop last asked, so that
+        # calibration can tell the loop's own overhead from the cache copies it triggered.
+        self.row_ops: list[tuple[str, int, int]] = []
 
     def bucket(self, n: int) -> int:
         return bk.pick(self.batch_buckets, n, "running requests")
+
+    def take_row_ops(self) -> list[tuple[str, int, int]]:
+        """The row operations since the last call (and forget them)."""
+        ops, self.row_ops = self.row_ops, []
+        return ops
+
+    def step_bucket(self, n: int) -> int:
+        """The bucket the next step of ``n`` running requests runs at (the live state may be
+        larger than ``bucket(n)`` until it is compacted)."""
+        return self.live.peek(n)
 
     def k_options(self, bucket: int) -> Sequence[int]:
         return self.k_buckets
@@ -111,9 +126,11 @@ class JaxBackend:
         idx[: len(keep_order)] = keep_order
         if self.state is None:
             self.state = _zeros_like_info(self.table.state_info(B_new, self.slots))
+            self.row_ops.append(("alloc", 0, B_new))
         else:
             self.state = self.table.take(self.B, B_new, self.slots)(self.state, jax.device_put(idx))
             self.resizes += 1
+            self.row_ops.append(("take", self.B, B_new))
         # Rows past keep_order come out empty (length 0); kept rows keep a pending clear.
         self._to_clear = {j for j, old in enumerate(keep_order) if old in self._to_clear}
         new_rows: list[int | None] = [None] * B_new
@@ -125,19 +142,36 @@ class JaxBackend:
         self._samp = None
 
     def _ensure_capacity(self, n_total: int) -> None:
-        need = self.bucket(n_total)
-        if need > self.B:
-            self._resize(need, list(range(self.B)))
+        t = self.live.grow(n_total)
+        if t:
+            self._resize(t[1], list(range(self.B)))
 
     def _maybe_shrink(self, n_running: int) -> None:
-        if self.B <= 1 or n_running == 0:
-            self._small_steps = 0
-            return
-        target = self.bucket(n_running)
-        self._small_steps = self._small_steps + 1 if target < self.B else 0
-        if self._small_steps >= self.shrink_patience:
-            self._small_steps = 0
-            self._resize(target, [j for j, u in enumerate(self.rows) if u is not None])
+        t = self.live.before_step(n_running)
+        if t:
+            self._resize(t[1], [j for j, u in enumerate(self.rows) if u is not None])
+
+    def reserve(self, n_rows: int) -> None:
+        """Allocate (or grow) the live state for ``n_rows`` requests now; profiling uses it to
+        time prefills apart from the allocation."""
+        self._ensure_capacity(n_rows)
+        jax.block_until_ready(self.state)
+
+    def resize_state(self, B_new: int) -> None:
+        """Regather the live state into bucket ``B_new`` now, keeping its first rows (profiling
+        times resizes with it; serving resizes only through the LiveBucket rule)."""
+        require(B_new in self.batch_buckets and self.state is not None, f"cannot resize the state to {B_new}")
+        require(sum(u is not None for u in self.rows[B_new:]) == 0, "resize would drop running requests")
+        self.live.B = B_new
+        self._resize(B_new, list(range(min(self.B, B_new))))
+        jax.block_until_ready(self.state)
+
+    def clear_state_rows(self, rows: Sequence[int]) -> None:
+        """Zero the lengths of ``rows`` of the live state now (profiling)."""
+        free = np.zeros(self.B, bool)
+        free[list(rows)] = True
+        self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
+        jax.block_until_ready(self.state)
 
     def _sampling(self):
         if self._samp is None:
@@ -212,6 +246,7 @@ class JaxBackend:
             free[list(self._to_clear)] = True
             self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
             self._to_clear.clear()
+            self.row_ops.append(("clear", self.B, self.B))
         B = self.B
         active = np.zeros(B, bool)
         num_draft = np.zeros(B, np.int32)
@@ -300,6 +335,7 @@ class JaxBackend:
 
     def _execute_once(self, jobs) -> None:
         S = self.slots
+        fresh = {}  # B -> a prefill output of that batch (for the inserts)
         for j in jobs:
             if j[0] == "prefill":
                 _, B, Tp, g, rd = j
@@ -307,6 +343,7 @@ class JaxBackend:
                 out = exe(self.params, self.dparams, jax.device_put(np.zeros((B, Tp), np.int32)),
                           jax.device_put(np.ones(B, np.int32)), SamplingArrays.build([], B))
                 jax.block_until_ready(out)
+                fresh.setdefault((B, rd), out)
         for B in self.batch_buckets:
             state = _zeros_like_info(self.table.state_info(B, S))
             samp = SamplingArrays.build([], B)
@@ -317,4 +354,14 @@ class JaxBackend:
                     state, o = exe(self.params, self.dparams, state, jax.device_put(np.zeros((B, max(K, 1)), np.int32)),
                                    jax.device_put(np.full(B, K, np.int32)), jax.device_put(np.ones(B, bool)), samp)
                     jax.block_until_ready(o)
+            # The row operations too: their first run would otherwise land on a served request.
+            for j in jobs:
+                if j[0] == "insert" and j[1] == B and (j[2], j[3]) in fresh:
+                    rows = jax.device_put(np.full(j[2], B, np.int32))  # all out of range: dropped
+                    state = self.table.insert(B, j[2], S, j[3])(state, fresh[(j[2], j[3])], rows)
+                elif j[0] == "clear" and j[1] == B:
+                    state = self.table.clear(B, S)(state, jax.device_put(np.zeros(B, bool)))
+                elif j[0] == "take" and j[1] == B:
+                    jax.block_until_ready(self.table.take(B, j[2], S)(state, jax.device_put(np.full(j[2], -1, np.int32))))
+            jax.block_until_ready(state)
         self.reset()

@@ -6,7 +6,8 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
      vLLM without chunked prefill); with a draft model, the prefill gate may admit a request
      without its draft prefill when recent steps proposed nothing (prefill disabling);
   3. host drafters propose for every running request (free next to a forward pass);
-  4. the policy picks K among the K values compiled for the batch bucket;
+  4. the policy picks K among the K values compiled for the bucket the live state will run the
+     step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
   5. the backend runs the draft+verify step; accepted tokens are emitted, finished requests
      leave and free their rows at once, and the policy observes the acceptance.
 
@@ -87,6 +88,10 @@ class Backend(Protocol):
 
     def bucket(self, n: int) -> int: ...
 
+    def step_bucket(self, n: int) -> int: ...  # the bucket the live state will run a step of n at
+
+    def take_row_ops(self) -> list[tuple[str, int, int]]: ...  # cache copies/clears since the last call
+
     def k_options(self, bucket: int) -> Sequence[int]: ...
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]: ...
@@ -104,7 +109,7 @@ class StepRecord:
 
     t: float
     n: int
-    bucket: int
+    bucket: int  # the live state's bucket the step ran at (>= the bucket of n until compacted)
     k: int  # chosen by the policy
     k_step: int  # compiled block actually run (host drafts shrink it)
     ctx_lens: list[int]
@@ -113,6 +118,7 @@ class StepRecord:
     generated: int
     drafted: int
     accepted: int
+    row_ops: tuple = ()  # (op, bucket from, bucket to): cache resizes / clears the step also ran
 
 
 class ServingEngine:
@@ -226,7 +232,8 @@ class ServingEngine:
         t0 = time.perf_counter()
         rs = list(self.sched.running)
         be = self.backend
-        bucket = be.bucket(len(rs))
+        be.take_row_ops()  # (the admissions' ops belong to the prefill)
+        bucket = be.step_bucket(len(rs))
         opts = be.k_options(bucket)
         prop = be.propose(rs, max(opts))
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
@@ -259,7 +266,7 @@ class ServingEngine:
         k_step = getattr(be, "last_k_step", k)
         self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed,
                                      time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed,
-                                     gen, sum(drafted), sum(accepted)))
+                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops())))
 
 
     def _shadow_verify(self, rs, prop: Proposal, results) -> None:

@@ -94,11 +94,18 @@ class StepCostModel:
     def device_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
         return self.draft_time(bucket, k, ctx_lens) + self.target_time(bucket, k, ctx_lens)
 
-    def prefill_time(self, bucket: int, prompt_bucket: int) -> float:
+    def prefill_time(self, bucket: int, prompt_bucket: int, draft: bool = True) -> float:
+        """``draft``: whether the draft model is prefilled too (this model does not tell the
+        two apart; ``ProfiledCost`` does when the profile timed both)."""
         return self.prefill(0.0, bucket * prompt_bucket)
 
     def with_host(self, host_step: float, host_row: float) -> "StepCostModel":
         return dataclasses.replace(self, host_step=host_step, host_row=host_row)
+
+    def row_op_time(self, op: str, b_from: int, b_to: int) -> float:
+        """Cost of a cache row operation (alloc / take / clear): not in Eq. 7, so 0 here; a
+        ``ProfiledCost`` charges what the profile measured."""
+        return 0.0
 
     # ------------------------------------------------------------ features for fitting
 
@@ -226,15 +233,26 @@ class ProfiledCost:
 
     linear: StepCostModel
     cells: tuple[tuple[int, int, int, float], ...] = ()  # (bucket, K, chunks, seconds)
+    row_ops: tuple[tuple[str, int, int, float], ...] = ()  # (op, bucket from, bucket to, seconds)
+    prefill_plain: LinearCost | None = None  # device drafters: a prefill without the draft's
+    # (bucket, prompt bucket, with the draft model 0/1, seconds): measured prefill medians.
+    prefill_cells: tuple[tuple[int, int, int, float], ...] = ()
+    # Optional (bucket, factor): this machine's speed now relative to the profile, measured by a
+    # probe just before a run (``engine.profiling.probe_speed``); scales steps and prefills.
+    speed: tuple[tuple[int, float], ...] = ()
 
     @functools.cached_property
     def _lookup(self) -> dict:
         return {(b, k, c): t for b, k, c, t in self.cells}
 
+    def _speed(self, bucket: int) -> float:
+        return dict(self.speed).get(bucket, 1.0)
+
     def device_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
         m = max(ctx_lens) if len(ctx_lens) else 0
         t = self._lookup.get((bucket, k, max(1, math.ceil(m / self.linear.chunk))))
-        return t if t is not None else self.linear.device_time(bucket, k, ctx_lens)
+        t = t if t is not None else self.linear.device_time(bucket, k, ctx_lens)
+        return t * self._speed(bucket)
 
     def step_time(self, bucket: int, k: int, ctx_lens: Sequence[int], n_rows: int | None = None,
                   tokens_per_row: int | None = None) -> float:
@@ -243,8 +261,32 @@ class ProfiledCost:
         n = len(ctx_lens) if n_rows is None else n_rows
         return self.device_time(bucket, k, ctx_lens) + self.linear.host_step + self.linear.host_row * n
 
-    def prefill_time(self, bucket: int, prompt_bucket: int) -> float:
-        return self.linear.prefill_time(bucket, prompt_bucket)
+    @functools.cached_property
+    def _prefill_lookup(self) -> dict:
+        return {(b, tp, d): t for b, tp, d, t in self.prefill_cells}
+
+    def prefill_time(self, bucket: int, prompt_bucket: int, draft: bool = True) -> float:
+        """The measured median where the profile timed this (bucket, prompt bucket, draft or
+        not); else the fitted line (the target-only line for a request admitted without its draft)."""
+        t = self._prefill_lookup.get((bucket, prompt_bucket, int(draft)))
+        if t is None:
+            if not draft and self.prefill_plain is not None:  # admitted with the draft disabled / no-SD
+                t = self.prefill_plain(0.0, bucket * prompt_bucket)
+            else:
+                t = self.linear.prefill_time(bucket, prompt_bucket)
+        return t * self._speed(bucket)
+
+    def with_speed(self, factors: dict[int, float] | None) -> "ProfiledCost":
+        """A copy whose steps and prefills at batch bucket b take ``factors[b]`` x the profiled time."""
+        return dataclasses.replace(self, speed=tuple(sorted((int(b), float(f)) for b, f in (factors or {}).items())))
+
+    @functools.cached_property
+    def _row_lookup(self) -> dict:
+        return {(op, a, b): t for op, a, b, t in self.row_ops}
+
+    def row_op_time(self, op: str, b_from: int, b_to: int) -> float:
+        """Measured cost of a cache row operation (0 where the profile did not time it)."""
+        return self._row_lookup.get((op, b_from, b_to), 0.0)
 
     def with_host(self, host_step: float, host_row: float) -> "ProfiledCost":
         return dataclasses.replace(self, linear=dataclasses.replace(self.linear, host_step=host_step,
@@ -260,12 +302,22 @@ def table_cells(recs: Sequence[dict], chunk: int = 256) -> tuple[tuple[int, int,
     return tuple((b, k, c, float(np.median(ts))) for (b, k, c), ts in sorted(groups.items()))
 
 
+def prefill_table_cells(recs: Sequence[dict], draft: bool) -> tuple[tuple[int, int, int, float], ...]:
+    """Median prefill time per (bucket, prompt bucket) of profiling records {B, Tp, t}."""
+    groups: dict = {}
+    for r in recs:
+        groups.setdefault((int(r["B"]), int(r["Tp"])), []).append(float(r["t"]))
+    return tuple((b, tp, int(draft), float(np.median(ts))) for (b, tp), ts in sorted(groups.items()))
+
+
 def save_table(path: str, key: str, cost: ProfiledCost) -> None:
     """Store the profiled cells and their own host calibration beside the model saved under ``key``."""
     with open(path) as f:
         data = json.load(f)
     data[key]["table"] = {"cells": [list(c) for c in cost.cells], "host_step": cost.linear.host_step,
-                          "host_row": cost.linear.host_row}
+                          "host_row": cost.linear.host_row, "row_ops": [list(c) for c in cost.row_ops],
+                          "prefill_plain": dataclasses.asdict(cost.prefill_plain) if cost.prefill_plain else None,
+                          "prefill_cells": [list(c) for c in cost.prefill_cells]}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -281,4 +333,7 @@ def load_profiled(path: str, key: str) -> ProfiledCost:
     if not tab:
         return ProfiledCost(linear)
     cells = tuple((int(b), int(k), int(c), float(t)) for b, k, c, t in tab["cells"])
-    return ProfiledCost(linear, cells).with_host(float(tab["host_step"]), float(tab["host_row"]))
+    ops = tuple((str(op), int(a), int(b), float(t)) for op, a, b, t in tab.get("row_ops", ()))
+    plain = LinearCost(**tab["prefill_plain"]) if tab.get("prefill_plain") else None
+    pcells = tuple((int(b), int(tp), int(d), float(t)) for b, tp, d, t in tab.get("prefill_cells", ()))
+    return ProfiledCost(linear, cells, ops, plain, pcells).with_host(float(tab["host_step"]), float(tab["host_row"]))

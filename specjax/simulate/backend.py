@@ -11,7 +11,11 @@ chooses and handed to it as ``true_accept``, which only the oracle policy reads 
 with a proposal length drawn from the lengths measured on a real run (prompt lookup and suffix
 trees often find nothing, or less than K), or with probability ``propose_prob`` a full draft.
 Batch buckets, compiled K values, KV rows and slots mirror the real backend's, so the same
-scheduler decisions (admission, padding to buckets) happen in both.
+scheduler decisions (admission, padding to buckets) happen in both. The live state's bucket
+follows the real backend's rule (``engine.live_bucket``: grow at once, compact after
+``shrink_patience`` small steps), so a step is charged at the bucket it really runs at, and the
+cache operations that rule implies (allocation, resize copies, clearing freed rows) are charged
+what the profile measured for them (``cost.row_op_time``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax import buckets as bk
+from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput, Running
 from specjax.goodput.perf_model import StepCostModel
@@ -66,7 +71,7 @@ class AcceptanceProfile:
 class SimBackend:
     def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, seed: int = 0):
+                 slots: int = 512, seed: int = 0, shrink_patience: int = 8):
         self.cost = cost
         self.accept = accept
         self.device_draft = device_draft
@@ -79,6 +84,24 @@ class SimBackend:
         self._would: dict[int, int] = {}
         self._lens: dict[int, int] = {}
         self.last_k_step = 0
+        self.live = LiveBucket(self.batch_buckets, shrink_patience)
+        self._running = 0
+        self._to_clear = False
+        self.row_ops: list[tuple[str, int, int]] = []
+
+    def _row_op(self, t: tuple[int, int] | None) -> float:
+        if t is None:
+            return 0.0
+        op = ("alloc", 0, t[1]) if t[0] == 0 else ("take", t[0], t[1])
+        self.row_ops.append(op)
+        return self.cost.row_op_time(*op)
+
+    def take_row_ops(self) -> list[tuple[str, int, int]]:
+        ops, self.row_ops = self.row_ops, []
+        return ops
+
+    def step_bucket(self, n: int) -> int:
+        return self.live.peek(n)
 
     def bucket(self, n: int) -> int:
         return bk.pick(self.batch_buckets, n, "running requests")
@@ -87,12 +110,17 @@ class SimBackend:
         return self.k_buckets
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
-        t = 0.0
+        t = self._row_op(self.live.grow(self._running + len(rs)))
+        self._running += len(rs)
         max_b = self.batch_buckets[-1]
-        for i in range(0, len(rs), max_b):
-            chunk = rs[i:i + max_b]
-            Tp = bk.prompt_bucket(max(len(r.req.prompt) for r in chunk), self.slots)
-            t += self.cost.prefill_time(self.bucket(len(chunk)), Tp)
+        groups: dict[bool, list[Running]] = {}  # like the real backend: with / without the draft prefill
+        for r in rs:
+            groups.setdefault(bool(r.speculate) or not self.device_draft, []).append(r)
+        for run_draft, grp in groups.items():
+            for i in range(0, len(grp), max_b):
+                chunk = grp[i:i + max_b]
+                Tp = bk.prompt_bucket(max(len(r.req.prompt) for r in chunk), self.slots)
+                t += self.cost.prefill_time(self.bucket(len(chunk)), Tp, draft=run_draft and self.device_draft)
         return [0] * len(rs), t
 
     def _draw_would_accept(self, cap: int) -> int:
@@ -127,10 +155,20 @@ class SimBackend:
             d = drafted[r.uid]
             a = min(self._would.get(r.uid, 0), d)
             out.append(RowResult([0] * (a + 1), d, a))
-        t = self.cost.step_time(self.bucket(len(rs)), k_step, [r.ctx_len for r in rs], len(rs))
+        shrink = self.live.before_step(len(rs))
+        t = self._row_op(shrink)
+        if shrink:
+            self._to_clear = False  # compacting keeps only the live rows
+        if self._to_clear:
+            self._to_clear = False
+            self.row_ops.append(("clear", self.live.B, self.live.B))
+            t += self.cost.row_op_time("clear", self.live.B, self.live.B)
+        t += self.cost.step_time(self.live.B, k_step, [r.ctx_len for r in rs], len(rs))
         return out, t
 
     def release(self, r: Running) -> None:
+        self._running -= 1
+        self._to_clear = True
         self._would.pop(r.uid, None)
         self._lens.pop(r.uid, None)
 
