@@ -4,6 +4,8 @@
   # same requests for fidelity:
   python launch/serve_sim.py --mode both --rates 0.5,1,2,3,4 --num_requests 20 \\
       --perf_models configs/perf/perf_models.json --plot docs/smartspec_sweep.png
+  # ... also simulated with the table scaled by a speed probe taken before each real run:
+  python launch/serve_sim.py --mode both --drafters prompt_lookup --speed_probe --rates 0.3,1.2
   # simulated 7B / 70B-scale sweeps from stated A100 assumptions (no device needed):
   python launch/serve_sim.py --mode sim --scale 7b,70b --rates 1,2,4,8,16,32 --plot docs/smartspec_sim.png
   # load test: a burst of 4x the KV rows at t=0
