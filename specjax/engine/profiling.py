@@ -6,13 +6,16 @@ exactly K tokens (so the block is K + 1 wide; acceptance does not change the tim
 verify). ``profile_prefills`` times prefill + row insert per (batch, prompt bucket).
 ``fit_profile`` fits Eq. 7 for the target (host-draft records) and the draft model (device-draft
 records, jointly with the target), holding out a random share of the (B, c, K) cells to report
-R^2 on points the fit never saw. ``calibrate_host`` fits the loop's own per-step and per-request
-overhead from a real engine run, again scoring on held-out steps.
+R^2 on points the fit never saw. ``profile_row_ops`` times the cache allocations, resizes and
+clears of continuous batching. ``calibrate_host`` fits the loop's own per-step and per-request
+overhead from a real engine run, again scoring on held-out steps. ``probe_speed`` re-times a few
+steps against a profile to measure how far the machine has drifted since.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
@@ -81,8 +84,8 @@ def profile_steps(backend, batch_sizes: Sequence[int], contexts: Sequence[int], 
 def probe_speed(backend, cost, context: int = 32, reps: int = 3, seed: int = 0) -> dict[int, float]:
     """This machine's speed now relative to the profile behind ``cost`` (a ``ProfiledCost``):
     per batch bucket, the median of measured / profiled K = 0 step time over ``reps`` steps at
-    ``context`` tokens. About a second on SmolLM2; leaves the backend reset. A shared machine
-    drifts by 10-35% within an hour here, which a profile taken once cannot know."""
+    ``context`` tokens. About a second on SmolLM2; leaves the backend reset. This shared machine
+    ran 0.9-1.6x the profiled step time within an hour of a profile, which the profile cannot know."""
     recs = profile_steps(backend, backend.batch_buckets, [context], [0], reps, seed)
     backend.reset()
     ratios: dict[int, list] = {}
@@ -113,8 +116,6 @@ def profile_row_ops(backend, reps: int = 3) -> list[dict]:
     the step and prefill grids do not contain: allocating a [b] state (op 'alloc', a = 0),
     regathering a [a] state into [b] (op 'take': a fresh buffer, so its page faults count) and
     zeroing freed rows' lengths (op 'clear', a = b). The first round only warms."""
-    import time
-
     bbs = backend.batch_buckets
     recs = []
     for rep in range(reps + 1):
@@ -209,7 +210,7 @@ def calibrate_host(steps: Sequence, cost, seed: int = 0):
     operations and all, is what the profiled table and ``row_op_time`` model.
 
     An earlier version fitted wall minus the *modelled* backend time: any drift of this shared
-    machine between the profile and the calibration run (10-35% here) then landed in the host
+    machine between the profile and the calibration run (up to 20% here) then landed in the host
     terms (8-15 ms per step, against 0.1-0.5 ms measured outside the backend), and the simulator
     over-charged every step. Reports the whole-step prediction (modelled backend + host) on the
     held-out half too, which shows that drift. ``cost``: a ``StepCostModel`` or a
