@@ -449,6 +449,9 @@ def run():
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
         raise SpecjaxError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+    if FLAGS.speed_probe and (FLAGS.mode == "sim" or FLAGS.sim_cost != "table"):
+        raise SpecjaxError("--speed_probe scales the profiled table by probes taken before real runs: use it with "
+                           "--mode real or both and --sim_cost table")
     if FLAGS.replay_json and (FLAGS.mode != "sim" or FLAGS.scale):
         raise SpecjaxError("--replay_json re-simulates saved real runs: use it with --mode sim (no --scale)")
     if FLAGS.burst > 0:

@@ -42,6 +42,7 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--scale", "9b"], "unknown --scale"),
     (["--policies", "none,7"], "not in --k_buckets"),
     (["--replay_json", "x.json"], "use it with --mode sim (no --scale)"),
+    (["--speed_probe"], "use it with --mode real or both"),
 ])
 def test_flag_errors_are_one_line(args, msg):
     p = run("--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args)

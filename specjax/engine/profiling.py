@@ -23,6 +23,7 @@ import numpy as np
 from specjax import buckets as bk
 from specjax.engine.scheduler import Request, Scheduler
 from specjax.goodput.perf_model import (LinearCost, StepCostModel, fit_linear, fit_step_model, least_squares,
+                                        median_cells,
                                         r_squared)
 
 
@@ -144,10 +145,7 @@ def profile_row_ops(backend, reps: int = 3) -> list[dict]:
 
 def row_op_cells(recs: Sequence[dict]) -> tuple[tuple[str, int, int, float], ...]:
     """Median time per (op, a, b) of ``profile_row_ops`` records."""
-    groups: dict = {}
-    for r in recs:
-        groups.setdefault((r["op"], int(r["a"]), int(r["b"])), []).append(float(r["t"]))
-    return tuple((op, a, b, float(np.median(ts))) for (op, a, b), ts in sorted(groups.items()))
+    return median_cells(recs, lambda r: (r["op"], int(r["a"]), int(r["b"])))
 
 
 def _cells(recs):

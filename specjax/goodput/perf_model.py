@@ -293,21 +293,22 @@ class ProfiledCost:
                                                                     host_row=host_row))
 
 
-def table_cells(recs: Sequence[dict], chunk: int = 256) -> tuple[tuple[int, int, int, float], ...]:
-    """Median step time per (bucket, K, context chunks) of profiling records {B, K, ctx_lens, t}."""
+def median_cells(recs: Sequence[dict], key) -> tuple:
+    """(*key(r), median t) per distinct key over records {..., t}, sorted by key."""
     groups: dict = {}
     for r in recs:
-        c = max(1, math.ceil(max(r["ctx_lens"]) / chunk))
-        groups.setdefault((int(r["B"]), int(r["K"]), c), []).append(float(r["t"]))
-    return tuple((b, k, c, float(np.median(ts))) for (b, k, c), ts in sorted(groups.items()))
+        groups.setdefault(tuple(key(r)), []).append(float(r["t"]))
+    return tuple((*k, float(np.median(ts))) for k, ts in sorted(groups.items()))
+
+
+def table_cells(recs: Sequence[dict], chunk: int = 256) -> tuple[tuple[int, int, int, float], ...]:
+    """Median step time per (bucket, K, context chunks) of profiling records {B, K, ctx_lens, t}."""
+    return median_cells(recs, lambda r: (int(r["B"]), int(r["K"]), max(1, math.ceil(max(r["ctx_lens"]) / chunk))))
 
 
 def prefill_table_cells(recs: Sequence[dict], draft: bool) -> tuple[tuple[int, int, int, float], ...]:
     """Median prefill time per (bucket, prompt bucket) of profiling records {B, Tp, t}."""
-    groups: dict = {}
-    for r in recs:
-        groups.setdefault((int(r["B"]), int(r["Tp"])), []).append(float(r["t"]))
-    return tuple((b, tp, int(draft), float(np.median(ts))) for (b, tp), ts in sorted(groups.items()))
+    return median_cells(recs, lambda r: (int(r["B"]), int(r["Tp"]), int(draft)))
 
 
 def save_table(path: str, key: str, cost: ProfiledCost) -> None:
