@@ -1,0 +1,379 @@
+"""The accelerator check: run this first whenever a GPU/TPU is at hand.
+
+  python benchmarks/device_check.py --out /tmp/devcheck                    # everything (~15 min on an H100)
+  python benchmarks/device_check.py --sections kernels,kernel_timing       # a part
+  python benchmarks/device_check.py --sections engine --engine_parts e2e --num_layers 8 \
+      --dtype float32 --matmul_precision highest                          # token identity, exact numerics
+  python benchmarks/device_check.py --tiny                                 # CPU smoke run (interpret mode)
+
+On the GPU image (no pip index) install the package in place first, so that the named configs
+resolve: ``python3 -m pip install --no-deps --no-build-isolation --no-index -e .``
+
+Sections (each is independent; a failing one is reported and the others still run):
+  env            jax version, backend, devices, a device copy bandwidth
+  kernels        tree-attention kernel (compiled for this device) vs the plain-jnp reference
+                 over a grid of row lengths (0, off the tile grid, full), tree shapes (chain, star,
+                 random), GQA ratios and dtypes; max abs error against a tolerance per dtype
+  kernel_timing  kernel vs the jitted XLA reference over context x tree size x batch
+                 (kernels_pallas/tree_attention/bench.py, the notebook's sweep)
+  engine         a 7B-shaped Llama (llama2-7b shapes, random bf16 weights drawn on device):
+                 step cost per K (xla and pallas attention) against the K = 0 step, and the
+                 serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
+                 every output compared token-for-token with the plain autoregressive Generator
+                 (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
+
+Each section writes <section>.json and the whole run a Markdown report (report.md) under --out.
+Random weights make acceptance meaningless: the engine section measures costs and losslessness,
+not speedups.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "/tmp/specjax_device_check", "Folder for the JSON results and report.md.")
+flags.DEFINE_list("sections", ["env", "kernels", "kernel_timing", "engine"], "Sections to run, in order.")
+flags.DEFINE_bool("tiny", False, "Tiny shapes and the tiny-random model (a CPU smoke run of this script).")
+flags.DEFINE_string("model", "llama2-7b", "Model config whose shapes the engine section uses (random weights).")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per request in the engine section.")
+flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
+flags.DEFINE_string("dtype", "bfloat16", "Weight dtype of the engine section's random model.")
+flags.DEFINE_integer("num_layers", 0, "Override the model's layer count in the engine section (0 = as configured).")
+flags.DEFINE_string("matmul_precision", "", "jax_default_matmul_precision for the whole run ('' = jax's default; "
+                    "'highest' rules out TF32 when checking fp32 token identity).")
+flags.DEFINE_list("engine_parts", ["step_cost", "e2e"], "Parts of the engine section to run.")
+flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip"],
+                  "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; layer skip as K = 4).")
+
+REPORT: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    REPORT.append(line)
+
+
+def median_s(fn, reps: int) -> float:
+    """Median wall seconds of fn() (which must block) after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+# ---------------------------------------------------------------------------- env
+
+def section_env(out):
+    import jax
+
+    from kernels_pallas.tree_attention import bench
+
+    devs = jax.devices()
+    info = dict(jax=jax.__version__, backend=jax.default_backend(), devices=[str(d) for d in devs],
+                device_kind=devs[0].device_kind, python=sys.version.split()[0])
+    info["copy_gbps"] = bench.copy_bandwidth(1 << (22 if FLAGS.tiny else 30))
+    say(f"jax {info['jax']} on {info['backend']} ({info['device_kind']}, {len(devs)} device(s)), "
+        f"Python {info['python']}; device copy bandwidth {info['copy_gbps']:.0f} GB/s (read + write)")
+    return info
+
+
+# ---------------------------------------------------------------------------- kernels vs reference
+
+TOL = {"float32": 5e-3, "bfloat16": 4e-2}
+
+
+def _random_parents(rng, n, kind):
+    if kind == "chain":
+        return [-1] + list(range(n - 1))
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+
+
+def section_kernels(out):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas.tree_attention import mask_from_parents, tree_attention, tree_attention_reference
+
+    on_cpu = jax.default_backend() == "cpu"
+    rng = np.random.default_rng(0)
+    S = 256 if FLAGS.tiny else 2048
+    hd = 32 if FLAGS.tiny else 128
+    grid = []
+    for dtype in ("float32", "bfloat16"):
+        for (H, Hkv) in ((4, 4), (8, 2)) if FLAGS.tiny else ((32, 32), (32, 8), (28, 4), (8, 1)):
+            for N, kind in ((1, "chain"), (5, "chain"), (8, "star"), (16, "random"), (64, "random")):
+                grid.append((dtype, H, Hkv, N, kind))
+    rows = []
+    ok_all = True
+    for dtype, H, Hkv, N, kind in grid:
+        B = 4
+        dt = jnp.dtype(dtype)
+        lengths = np.array([0, 1, S // 2 + 7, S - N][:B], np.int32)  # empty, one, off the tile grid, full
+
+        def r(*shape):
+            return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+
+        mask = np.stack([mask_from_parents(_random_parents(rng, N, kind)) for _ in range(B)])
+        args = (r(B, N, H, hd), r(B, N, Hkv, hd), r(B, N, Hkv, hd), r(2, B, Hkv, S, hd), r(2, B, Hkv, S, hd))
+        lens, m = jnp.asarray(lengths), jnp.asarray(mask)
+        row = dict(dtype=dtype, heads=H, kv_heads=Hkv, N=N, tree=kind, slots=S, head_dim=hd, tol=TOL[dtype])
+        try:
+            got = tree_attention(*args, lens, m, layer=1, backend="gpu" if on_cpu else "auto",
+                                 interpret=True if on_cpu else None)
+            want = tree_attention_reference(args[0], args[1], args[2], args[3][1], args[4][1], lens, m)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            row.update(max_abs_err=err, ok=bool(np.isfinite(err) and err <= TOL[dtype]))
+        except Exception as e:  # one case that does not compile must not hide the others
+            row.update(max_abs_err=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        ok_all &= row["ok"]
+        rows.append(row)
+    say(f"tree-attention kernel vs reference: {sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance "
+        f"(fp32 {TOL['float32']}, bf16 {TOL['bfloat16']}); rows of length 0, 1, S/2+7 and S-N; "
+        f"{S} slots, head_dim {hd}, stacked 2-layer cache")
+    say("| dtype | heads / KV heads | N | tree | max abs err | ok |")
+    say("|---|---|---|---|---|---|")
+    for r in rows:
+        say(f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['N']} | {r['tree']} | {r['max_abs_err']:.1e} | "
+            f"{'yes' if r['ok'] else '**NO** ' + r.get('error', '')} |")
+    if not ok_all:
+        raise AssertionError("some kernel cases exceed the tolerance (see the table)")
+    return rows
+
+
+def section_kernel_timing(out):
+    from kernels_pallas.tree_attention import bench
+
+    size = dict(bench.SIZES["tiny"]) if FLAGS.tiny else dict(
+        contexts=(1024, 4096, 16384), tree_sizes=(1, 8, 32, 64), batches=(1, 8), heads=(32, 8), head_dim=128,
+        reps=FLAGS.reps)
+    copy = bench.copy_bandwidth(1 << (22 if FLAGS.tiny else 30))
+    res = {}
+    for label, heads in (("GQA 32/8", (32, 8)), ("MHA 32/32", (32, 32))) if not FLAGS.tiny else (("tiny", size["heads"]),):
+        size["heads"] = heads
+        rows = bench.sweep(**size, dtype="bfloat16")
+        res[label] = rows
+        say(f"tree attention, bf16, {label} heads, head_dim {size['head_dim']}: kernel vs jitted XLA reference "
+            f"(median of {size['reps']}); copy bandwidth {copy:.0f} GB/s")
+        say(bench.markdown_table(rows, copy))
+        if not FLAGS.tiny:
+            bench.plot(rows, copy, os.path.join(out, f"kernel_timing_{label.split()[0]}.png"))
+    return dict(copy_gbps=copy, sweeps=res)
+
+
+# ---------------------------------------------------------------------------- engine on a 7B shape
+
+def section_engine(out):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import buckets as bk
+    from specjax import cache as kv
+    from specjax.config import get_model_config
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupConfig
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.engine.step import DraftSpec
+    from specjax.engine.table import StepTable
+    from specjax.generate import Generator
+    from specjax.goodput.selector import FixedK
+    from specjax.models import llama
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    from specjax.runtime import enable_compilation_cache
+
+    # identical executables (the engine's batch-8 steps and prefill are the step-cost table's) compile once
+    enable_compilation_cache(os.path.join(tempfile.gettempdir(), "specjax_device_check_xla"))
+    cfg = get_model_config("tiny-random" if FLAGS.tiny else FLAGS.model)
+    if FLAGS.num_layers:
+        cfg = cfg.replace(num_layers=FLAGS.num_layers, name=f"{cfg.name}-{FLAGS.num_layers}L")
+    dtype = jnp.float32 if FLAGS.tiny else jnp.dtype(FLAGS.dtype)
+    t0 = time.perf_counter()
+    params = llama.init_random_params(cfg, seed=0, dtype=dtype, on_device=True)
+    jax.block_until_ready(params)
+    gb = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / 1e9
+    say(f"{cfg.name} shapes, random {jnp.dtype(dtype).name} weights ({gb:.1f} GB) drawn on device in "
+        f"{time.perf_counter() - t0:.1f} s")
+    result = {"model": cfg.name, "weights_gb": gb}
+    S = 512 if FLAGS.tiny else 2048
+    impls = ("xla",) if FLAGS.tiny else ("xla", "pallas")
+    ks = (0, 2, 4, 8)
+    ctx = 200 if FLAGS.tiny else 1024
+    rng = np.random.default_rng(0)
+
+    # --- step cost per K at a fixed context, against the K = 0 step of the same table
+    cost = []
+    for impl in impls if "step_cost" in FLAGS.engine_parts else ():
+        table = StepTable(cfg, params, params, DraftSpec(), impl)
+        for B in (1, 8):
+            samp = SamplingArrays.build([SamplingParams()], B)
+            toks = jax.device_put(rng.integers(0, cfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
+            lens = np.full(B, ctx, np.int32)
+            act = jax.device_put(np.ones(B, bool))
+            base = None
+            for K in ks:
+                state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
+                    params, params, toks, jax.device_put(lens), samp)
+                exe = table.step(B, K, S, True)
+                dt = jax.device_put(rng.integers(0, cfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
+                nd = jax.device_put(np.full(B, K, np.int32))
+                holder = [state]
+
+                def run():
+                    st, o = exe(params, params, holder[0], dt, nd, act, samp)
+                    jax.block_until_ready(o.tokens)
+                    # stay at the same context (set_lengths makes a new buffer; the old was donated)
+                    holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
+                                             prev=st.prev, pending=st.pending)
+
+                ms = 1e3 * median_s(run, FLAGS.reps)
+                base = ms if K == 0 else base
+                cost.append(dict(attention=impl, batch=B, K=K, context=ctx, ms=ms, vs_k0=ms / base))
+    result["step_cost"] = cost
+    if "e2e" not in FLAGS.engine_parts:
+        return result
+    table = holder = None  # free the step-cost states before the engine allocates its own
+    gc.collect()
+    say(f"verify step cost, {cfg.name} shapes, context {ctx}, {S} slots, greedy (median of {FLAGS.reps}); "
+        "ratio = this step / the K = 0 step of the same attention path and batch")
+    say("| attention | batch | K | step ms | vs K=0 | tokens/s at full acceptance |")
+    say("|---|---|---|---|---|---|")
+    for c in cost:
+        say(f"| {c['attention']} | {c['batch']} | {c['K']} | {c['ms']:.2f} | {c['vs_k0']:.2f} | "
+            f"{1e3 * c['batch'] * (c['K'] + 1) / c['ms']:.0f} |")
+
+    # --- the engine end to end, outputs checked against the plain autoregressive Generator
+    n_req = 8
+    lengths = [60, 90, 120, 150] * 2 if FLAGS.tiny else [300, 500, 700, 900, 400, 600, 800, 1000]
+    prompts = []
+    for L in lengths:  # a repeated random segment: something for prompt lookup to find
+        seg = rng.integers(3, cfg.vocab_size, 50).tolist()
+        prompts.append((seg * (L // 50 + 1))[:L])
+    new = FLAGS.max_new_tokens
+    gen = Generator(cfg, params, batch_buckets=(n_req,))
+    ref = gen.generate(prompts, max_new_tokens=new, ignore_eos=True)  # compiles
+    t = time.perf_counter()
+    ref = gen.generate(prompts, max_new_tokens=new, ignore_eos=True)
+    ar_s = time.perf_counter() - t
+    ref_tokens = [r.tokens for r in ref]
+    say(f"Generator (plain AR, batch {n_req}, prompts {lengths}, {new} new tokens each): {ar_s:.2f} s, "
+        f"{n_req * new / ar_s:.0f} tok/s")
+    runs = []
+    draft_layers = max(1, cfg.num_layers // 4)
+    configs = [tuple(r.split(":")) for r in FLAGS.engine_runs if r.split(":")[0] in impls]
+    for impl, drafter in configs:
+        if drafter == "prompt_lookup":
+            parts = dict(drafter=PromptLookupDrafter(PromptLookupConfig(max_draft=4)))
+        else:
+            parts = dict(draft=DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers))
+        be = JaxBackend(cfg, params, k_buckets=(0, 4), batch_buckets=(n_req,), slots=S, attention_impl=impl, **parts)
+        t = time.perf_counter()
+        be.warmup(prompt_lens=lengths, execute=True)
+        warm_s = time.perf_counter() - t
+        for k in (0, 4):
+            name = "no-SD" if k == 0 else (drafter if drafter == "prompt_lookup" else f"layer_skip{draft_layers}")
+            if k == 0 and drafter == "layer_skip":
+                continue  # no-SD is the same step as the host backend's
+            be.reset()
+            eng = ServingEngine(be, FixedK(k))
+            reqs = [Request(str(i), p, max_new_tokens=new, ignore_eos=True) for i, p in enumerate(prompts)]
+            t = time.perf_counter()
+            outs = eng.run(reqs)
+            wall = time.perf_counter() - t
+            same = [o.tokens == r for o, r in zip(outs, ref_tokens)]
+            # where each request first leaves the Generator's tokens (None: never)
+            first_diff = [next((i for i, (a, b) in enumerate(zip(o.tokens, r)) if a != b), None)
+                          for o, r in zip(outs, ref_tokens)]
+            drafted = sum(o.drafted for o in outs)
+            accepted = sum(o.accepted for o in outs)
+            steps = len(eng.steps)
+            runs.append(dict(attention=impl, policy=name, wall_s=wall, tok_s=n_req * new / wall, steps=steps,
+                             drafted=drafted, accepted=accepted, identical=all(same), warmup_s=warm_s,
+                             first_diff=first_diff))
+            say(f"  {impl} {name}: {wall:.2f} s, identical {all(same)}, first differing token per request {first_diff}")
+        be = eng = None
+        gc.collect()
+    result["engine"] = runs
+    result["generator_s"] = ar_s
+    base = {r["attention"]: r["wall_s"] for r in runs if r["policy"] == "no-SD"}
+    base.setdefault("xla", ar_s)
+    say(f"serving engine, {n_req} requests at t = 0, batch bucket {n_req}, {new} new tokens each, greedy; "
+        "identical = every request's tokens equal the Generator's")
+    say("| attention | policy | wall s | tok/s | vs engine no-SD (xla) | vs Generator | steps | accepted/drafted | "
+        "identical | warm-up s |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
+        say(f"| {r['attention']} | {r['policy']} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | "
+            f"{base['xla'] / r['wall_s']:.2f}x | {ar_s / r['wall_s']:.2f}x | {r['steps']} | {acc} | "
+            f"{'yes' if r['identical'] else '**NO**'} | {r['warmup_s']:.0f} |")
+    # Token identity is the lossless check only where every path rounds alike: float32 at
+    # 'highest' matmul precision (or the CPU). In bf16 a different attention kernel or verify-block
+    # shape rounds differently and near-tied logits flip (measured on an H100: even K = 0 through
+    # the Pallas kernel leaves the XLA Generator's tokens after 2-40 tokens), so there the first
+    # differing token is reported, not asserted.
+    exact = jax.default_backend() == "cpu" or (dtype == jnp.float32 and FLAGS.matmul_precision == "highest")
+    result["identity_asserted"] = exact
+    if exact and not all(r["identical"] for r in runs):
+        raise AssertionError("an engine run's tokens differ from the Generator's (lossless check failed)")
+    return result
+
+
+SECTIONS = {"env": section_env, "kernels": section_kernels, "kernel_timing": section_kernel_timing,
+            "engine": section_engine}
+
+
+def main(argv):
+    del argv
+    os.makedirs(FLAGS.out, exist_ok=True)
+    if FLAGS.matmul_precision:
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", FLAGS.matmul_precision)
+    unknown = [s for s in FLAGS.sections if s not in SECTIONS]
+    if unknown:
+        raise app.UsageError(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    failed = []
+    for name in FLAGS.sections:
+        say(f"\n## {name}\n")
+        t = time.perf_counter()
+        try:
+            res = SECTIONS[name](FLAGS.out)
+            status = "ok"
+        except Exception as e:  # report and go on: one broken section must not hide the others
+            traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {e}"}
+            say(f"**{name} FAILED**: {type(e).__name__}: {str(e)[:2000]}")
+            status = "failed"
+            failed.append(name)
+        say(f"({name}: {status} in {time.perf_counter() - t:.0f} s)")
+        with open(os.path.join(FLAGS.out, f"{name}.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        with open(os.path.join(FLAGS.out, "report.md"), "w") as f:
+            f.write("\n".join(REPORT) + "\n")
+    if failed:
+        print(f"device check: sections failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)
