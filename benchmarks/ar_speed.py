@@ -42,7 +42,8 @@ def run_specjax(prompts, max_new_tokens, repeats):
     import numpy as np
 
     from specjax import buckets as bk
-    from specjax.generate import Generator, prefill
+    from specjax.generate import Generator
+    from specjax.reference_ar import prefill  # the same prefill computation as the engine's
     from specjax.models.loader import load_model
     from specjax.sampling import SamplingArrays, SamplingParams
 

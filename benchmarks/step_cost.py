@@ -45,7 +45,7 @@ def main(argv):
 
     from specjax import cache as kv
     from specjax.engine.step import DraftSpec, spec_prefill_jit, spec_step_jit
-    from specjax.generate import decode_step
+    from specjax.reference_ar import decode_step
     from specjax.models.loader import load_model
     from specjax.sampling import SamplingArrays, SamplingParams
 

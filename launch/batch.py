@@ -45,8 +45,9 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
+from specjax import cli, registry  # noqa: E402
+
 FLAGS = flags.FLAGS
-DRAFTERS = ("none", "prompt_lookup", "layer_skip")
 
 
 def define_flags() -> None:
@@ -61,15 +62,13 @@ def define_flags() -> None:
     flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (records may override).")
     flags.DEFINE_integer("seed", 0, "Random seed per request (records may override).")
     flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
-    flags.DEFINE_enum("drafter", "prompt_lookup", list(DRAFTERS), "Speculative drafter; none = plain decoding.")
-    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers.")
+    flags.DEFINE_enum("drafter", "prompt_lookup", list(registry.DRAFTERS), "Speculative drafter; none = plain decoding.")
     flags.DEFINE_string("policy", "auto", "auto | smartspec | none | an integer K (see the module doc).")
-    flags.DEFINE_integer("num_spec_tokens", 3, "K of the fixed-K fallback of --policy auto.")
     flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py "
                         "(relative: to the repo root).")
-    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")
     flags.DEFINE_integer("slots", 512, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
+    cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
 
 
 # ---------------------------------------------------------------- flags
@@ -103,7 +102,7 @@ def validate_flags() -> dict:
         raise SpecjaxError("--system needs --chat")
     if FLAGS.max_new_tokens < 1:
         raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
-    sampling()  # the default sampling flags
+    cli.sampling_from_flags()  # the default sampling flags
     ks = _ints("k_buckets", FLAGS.k_buckets)
     if min(ks) < 0 or 0 not in ks:
         raise SpecjaxError(f"--k_buckets must be non-negative and include 0 (plain decoding), got {FLAGS.k_buckets!r}")
@@ -129,21 +128,12 @@ def validate_flags() -> dict:
     elif pol == "auto" and FLAGS.num_spec_tokens not in ks:
         raise SpecjaxError(f"--num_spec_tokens {FLAGS.num_spec_tokens} (the fallback K of --policy auto) is not in "
                            f"--k_buckets {ks}")
-    if FLAGS.drafter == "layer_skip" and FLAGS.draft_layers < 1:
-        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+    cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
-
-
-def sampling(overrides=None):
-    """SamplingParams from the flags, overridden per record (the same rule as launch/generate.py)."""
-    from launch.generate import _sampling
-
-    return _sampling(overrides)
 
 
 def make_policy(model):
     """(policy, label) from --policy; auto falls back to fixed K with a note on stderr."""
-    from launch.profile import drafter_label
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, GoodputPolicy
     from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
@@ -154,7 +144,7 @@ def make_policy(model):
     if pol not in ("auto", "smartspec"):
         return FixedK(int(pol)), f"K={int(pol)}"
     path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
-    key = model_key(model.cfg.name, drafter_label(FLAGS.drafter, FLAGS.draft_layers), hardware_key())
+    key = model_key(model.cfg.name, registry.drafter_label(FLAGS.drafter, FLAGS.draft_layers), hardware_key())
     try:
         cost = load_perf(path, key)
     except SpecjaxError:
@@ -190,7 +180,6 @@ def main(argv):
 def run(geom) -> None:
     from tqdm import tqdm
 
-    from launch.profile import make_backend
     from specjax import jsonl_io
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
@@ -224,7 +213,7 @@ def run(geom) -> None:
     tok = model.tokenizer
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
-    backend = make_backend(model, FLAGS.drafter, draft_layers=FLAGS.draft_layers, **geom)
+    backend = registry.make_backend(model, FLAGS.drafter, **geom, **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
     policy, policy_label = make_policy(model)
     gate = DraftPrefillGate() if policy_label == "SmartSpec" else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
@@ -258,7 +247,7 @@ def run(geom) -> None:
                     raise SpecjaxError(rec.error)
                 ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
                 req = Request(rec.id, ids, int(rec.overrides.get("max_new_tokens", FLAGS.max_new_tokens)),
-                              sampling(rec.overrides), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
+                              cli.sampling_from_flags(rec.overrides), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
                 check(req)
                 bad = [t for t in ids if not 0 <= int(t) < model.cfg.vocab_size]
                 if bad:

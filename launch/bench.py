@@ -59,7 +59,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from launch import generate as lg  # noqa: E402  (defines no flags at import)
+from specjax import cli, registry  # noqa: E402
 
 FLAGS = flags.FLAGS
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
@@ -71,7 +71,7 @@ flags.DEFINE_list("categories", None, "Only these categories (comma list); defau
 flags.DEFINE_integer("per_category", 0, "Keep the first N questions of each category; 0 = all.")
 flags.DEFINE_integer("max_new_tokens", 256, "New tokens per prompt (Spec-Bench uses 1024).")
 flags.DEFINE_list("drafters", ["prompt_lookup", "layer_skip"],
-                  f"Drafters to compare with the AR baseline, from {', '.join(lg.SPEC_DRAFTERS)}.")
+                  f"Drafters to compare with the AR baseline, from {', '.join(registry.SPEC_DRAFTERS)}.")
 flags.DEFINE_bool("chat", True, "Wrap questions in the model's chat template (--nochat: raw text).")
 flags.DEFINE_string("system", None, "System message for the chat template.")
 flags.DEFINE_integer("max_prompt_tokens", 2048, "Skip (and count) prompts longer than this many tokens.")
@@ -86,7 +86,7 @@ flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transf
 flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens.")
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size; 0 = HF's default (2).")
 flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
-lg.define_spec_flags()
+cli.define_spec_flags()
 
 
 # ---------------------------------------------------------------- inputs
@@ -155,40 +155,6 @@ def hf_gguf_path(model: str) -> str:
 
 
 # ---------------------------------------------------------------- warm-up
-
-
-def ar_shapes(gen, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
-    """(batch, prompt bucket, slots) Generator uses for one prompt (mirrors Generator._generate_batch)."""
-    from specjax import buckets as bk
-
-    cfg = gen.cfg
-    B = bk.pick(gen.batch_buckets, 1, "batch size")
-    budget = min(max_new_tokens, cfg.max_position - prompt_len)
-    return B, bk.prompt_bucket(prompt_len, cfg.max_position), bk.slot_bucket(prompt_len + budget, cfg.max_position)
-
-
-def warm_ar(gen, shapes) -> float:
-    """Compile Generator's prefill/decode_step for these (B, Tp, slots), calling them exactly as
-    Generator does (same argument kinds, so the jit cache entries are the ones it will hit)."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from specjax.generate import decode_step, prefill
-    from specjax.sampling import SamplingArrays, SamplingParams
-
-    t0 = time.perf_counter()
-    for B, Tp, S in sorted(set(shapes)):
-        toks = np.zeros((B, Tp), np.int32)
-        lens = np.ones(B, np.int32)
-        samp = SamplingArrays.build([SamplingParams()] * B, B)
-        cache, tok = prefill(gen.params, jnp.asarray(toks), jnp.asarray(lens), samp, cfg=gen.cfg, slots=S,
-                             greedy_only=True, attention_impl=gen.attention_impl)
-        tok = np.asarray(tok)
-        done = np.zeros(B, bool)
-        cache, tok = decode_step(gen.params, cache, jnp.asarray(tok), jnp.asarray(~done), samp, cfg=gen.cfg,
-                                 greedy_only=True, attention_impl=gen.attention_impl)
-        np.asarray(tok)
-    return time.perf_counter() - t0
 
 
 class CompileCounter:
@@ -361,22 +327,12 @@ def validate_flags():
         raise SpecjaxError(f"--max_prompt_tokens must be >= 1, got {FLAGS.max_prompt_tokens}")
     drafters = [d.strip() for d in FLAGS.drafters if d.strip()]
     if not drafters:
-        raise SpecjaxError("--drafters is empty; give at least one of " + ", ".join(lg.SPEC_DRAFTERS))
-    bad = [d for d in drafters if d not in lg.SPEC_DRAFTERS]
-    if bad:
-        raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(lg.SPEC_DRAFTERS)}")
+        raise SpecjaxError("--drafters is empty; give at least one of " + ", ".join(registry.SPEC_DRAFTERS))
     if len(set(drafters)) != len(drafters):
         raise SpecjaxError(f"--drafters lists a drafter twice: {drafters}")
-    if "draft_model" in drafters and not FLAGS.draft_model:
-        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
-    k_buckets = lg.parse_k_buckets(FLAGS.k_buckets)
-    lg.check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
-    if "prompt_lookup" in drafters or "hybrid" in drafters:
-        lg.prompt_lookup_config(FLAGS.num_spec_tokens, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram)
-    if set(drafters) & set(lg.SUFFIX_DRAFTERS):
-        lg.suffix_config_from_flags(FLAGS.num_spec_tokens)
-        if FLAGS.suffix_tau < 0:
-            raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
+    if "none" in drafters:
+        raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
+    k_buckets = cli.validate_spec_flags(drafters)
     if FLAGS.hf_python:
         if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
             raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
@@ -441,17 +397,16 @@ def bench() -> int:
 
     # Generators and shape-exact warm-up (compilation excluded from every timing).
     ar = Generator(cfg, model.params, eos_ids=tok.eos_ids)
-    specs = {d: lg.build_spec_generator(model, d, k=K, k_buckets=k_buckets, draft_model=FLAGS.draft_model,
-                                        draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
-                                        pld_max_ngram=FLAGS.pld_max_ngram, dtype=FLAGS.dtype, draft=draft,
-                                        **lg.suffix_kwargs(model, d, K))
+    specs = {d: registry.build_spec_generator(model, d, k=K, k_buckets=k_buckets,
+                                              **cli.drafter_kwargs(model, d, K, draft=draft))
              for d in drafters}
     counter = CompileCounter()
     mnt = FLAGS.max_new_tokens
-    warm = {"ar_compile_s": warm_ar(ar, [ar_shapes(ar, len(p["ids"]), mnt) for p in prompts])}
+    # The AR baseline is the engine's K = 0 step (Generator is a SpecGenerator with no drafter).
+    warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0)}
     for d, g in specs.items():
         print(f"[compiling {d} variants]", file=sys.stderr)
-        warm[f"{d}_compile_s"] = lg.warm_spec(g, {lg.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, K)
+        warm[f"{d}_compile_s"] = registry.warm_spec(g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, K)
     t0 = time.perf_counter()
     first = prompts[0]["ids"]
     ar.generate([first], max_new_tokens=mnt)

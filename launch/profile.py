@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from specjax.registry import drafter_label, make_backend  # noqa: E402
+
 FLAGS = flags.FLAGS
 
 CALIBRATION_PROMPTS = [
@@ -72,23 +74,6 @@ def _ints(name: str, text: str) -> list[int]:
     if not xs or min(xs) < 0:
         raise SpecjaxError(f"--{name} must be a non-empty list of non-negative integers, got {text!r}")
     return xs
-
-
-def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, draft_layers=8, profiling=False):
-    """A JaxBackend for ``drafter`` (``profiling``: host drafts of exactly K tokens instead)."""
-    from launch.generate import drafter_parts
-    from specjax.engine.jax_backend import JaxBackend
-    from specjax.engine.profiling import FixedLengthDrafter
-
-    if drafter == "prompt_lookup" and profiling:
-        parts = {"drafter": FixedLengthDrafter()}
-    else:
-        parts = drafter_parts(model, drafter, k=max(k_buckets), draft_layers=draft_layers)
-    return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots, **parts)
-
-
-def drafter_label(drafter: str, draft_layers: int) -> str:
-    return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
 
 
 def calibration_requests(tok, n: int, max_new: int) -> list:

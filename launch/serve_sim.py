@@ -203,7 +203,7 @@ def run_summary(eng, outs) -> dict:
 
 
 def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=None):
-    from launch.profile import make_backend
+    from specjax.registry import make_backend
     from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
 

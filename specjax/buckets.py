@@ -31,3 +31,14 @@ def prompt_bucket(n: int, max_len: int) -> int:
 
 def slot_bucket(n: int, max_len: int) -> int:
     return pow2_bucket(max(n, 1), MIN_SLOT_BUCKET, max_len)
+
+
+def proposal_bucket(k_options, longest: int) -> int:
+    """The smallest compiled proposal size (K drafts, or draft nodes of a tree) that holds the
+    longest proposal in a batch. A verify block costs more than a decode step even when its
+    drafts are padding, so the backend, the simulator and the selector all run (and charge)
+    this bucket, never a larger one."""
+    for k in sorted(k_options):
+        if k >= longest:
+            return k
+    raise SpecjaxError(f"a proposal of {longest} tokens exceeds the largest compiled size {max(k_options)}")

@@ -11,6 +11,8 @@ tree up to that size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 
@@ -97,3 +99,32 @@ def pad_tree(parents, tokens, num_nodes: int):
     return (np.concatenate([p, np.zeros(pad, np.int64)]).astype(np.int32),
             np.concatenate([t, np.zeros(pad, np.int32)]),
             np.arange(num_nodes) < p.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A host drafter's proposal as the engine handles it: ``parents[i]`` is draft node i's parent
+    among the draft nodes, -1 for a child of the root (the pending token); topological order.
+    A chain of drafts is ``DraftTree.chain(tokens)``. ``tree[:k]`` keeps the first k nodes,
+    which is again a tree."""
+
+    parents: np.ndarray
+    tokens: np.ndarray
+
+    @staticmethod
+    def chain(tokens) -> "DraftTree":
+        t = np.asarray(tokens, np.int32)
+        return DraftTree(np.arange(-1, len(t) - 1, dtype=np.int32), t)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, s: slice) -> "DraftTree":
+        if not isinstance(s, slice) or s.start not in (None, 0) or s.step not in (None, 1):
+            raise TypeError("a draft tree is cut to a prefix of its nodes: tree[:k]")
+        return DraftTree(self.parents[s], self.tokens[s])
+
+    def child(self, node: int, token: int) -> int | None:
+        """The draft node under ``node`` (-1: the root) carrying ``token``, or None."""
+        hits = np.flatnonzero((self.parents == node) & (self.tokens == token))
+        return int(hits[0]) if hits.size else None

@@ -25,6 +25,8 @@ from specjax import cache as kv
 from specjax.config import RopeScaling, get_model_config
 from specjax.errors import SpecjaxError
 from specjax.generate import Generator, validate_request
+from specjax.verify import verify_chain
+from specjax.reference_ar import reference_generate
 from specjax.models import llama
 from specjax.sampling import SamplingArrays, SamplingParams, sample
 
@@ -437,6 +439,9 @@ def test_generator_greedy_batch_equals_single_and_naive(gen_prompts, greedy_batc
         single = gen.generate([p], max_new_tokens=MAX_NEW)[0]
         assert single.tokens == r.tokens, f"row {b}: batched != alone"
         assert naive_greedy(p, MAX_NEW) == r.tokens, f"row {b}: != naive no-cache loop"
+    # The plain reference loop (the oracle of the speculative tests) agrees too.
+    assert [r.tokens for r in reference_generate(CFG, PARAMS, gen_prompts, max_new_tokens=MAX_NEW)] == \
+        [r.tokens for r in greedy_batch]
 
 
 def test_generator_eos_stopping(gen_prompts, greedy_batch):
@@ -461,6 +466,7 @@ def test_generator_eos_stopping(gen_prompts, greedy_batch):
 
 
 _sample1 = jax.jit(sample, static_argnames=("greedy_only",))
+_verify0 = jax.jit(verify_chain)
 
 
 def test_generator_sampling_batch_independent_and_matches_naive(gen_prompts):
@@ -474,12 +480,20 @@ def test_generator_sampling_batch_independent_and_matches_naive(gen_prompts):
         "sampling produced exactly the greedy output for every row"
     # The naive loop runs each row alone, so agreeing with it also shows the batch
     # (its composition, padding rows, bucket) does not affect a row's samples.
+    # Generator is the engine's K = 0 step: the first token is sampled by the prefill (sample()),
+    # every later one as the bonus token of a verify step with no drafts (its residual stream);
+    # both are keyed by (seed, absolute position) only.
     for b in range(3):
         seq = list(gen_prompts[b])
         arrs = SamplingArrays.build([sps[b]], 1)
-        for _ in range(6):
+        for i in range(6):
             logits = jnp.asarray(ref_logits(PARAMS, CFG, seq)[-1:])
-            seq.append(int(_sample1(logits, arrs, jnp.asarray([len(seq)]), greedy_only=False)[0]))
+            pos = jnp.asarray([len(seq)])
+            if i == 0:
+                seq.append(int(_sample1(logits, arrs, pos, greedy_only=False)[0]))
+            else:
+                toks, _, _ = _verify0(logits[:, None], jnp.zeros((1, 0), jnp.int32), jnp.zeros(1, jnp.int32), arrs, pos)
+                seq.append(int(toks[0, 0]))
         assert seq[len(gen_prompts[b]):] == batch[b].tokens, f"row {b}: != naive sampling loop"
 
 

@@ -14,7 +14,7 @@ from specjax.engine.loop import EventClock, ServingEngine, summarize
 from specjax.engine.scheduler import Request, Scheduler
 from specjax.engine.step import DraftSpec
 from specjax.errors import SpecjaxError
-from specjax.generate import Generator
+from specjax.reference_ar import reference_generate
 from specjax.goodput import FixedK, GoodputPolicy, LinearCost, Policy, StepCostModel
 from specjax.goodput.selector import DraftPrefillGate
 from specjax.sampling import SamplingParams
@@ -45,8 +45,7 @@ PROMPTS = _prompts(10)
 @pytest.fixture(scope="module")
 def reference(tiny):
     cfg, params = tiny
-    gen = Generator(cfg, params, batch_buckets=(1,))
-    return [gen.generate([p], max_new_tokens=MAX_NEW)[0].tokens for p in PROMPTS]
+    return [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
 
 
 @pytest.fixture(scope="module")
@@ -382,3 +381,56 @@ def test_no_sd_admits_without_the_draft_model():
         simulate([Request(f"r{i}", [1] * 8, 6, ignore_eos=True) for i in range(3)], pol, cost, AcceptanceProfile(),
                  device_draft=True, k_buckets=(0, 2))
         assert set(pol.lens) == expect
+
+
+# ---------------------------------------------------------------- token trees in the engine
+
+
+@pytest.fixture(scope="module")
+def tree_backend(tiny):
+    """A suffix-tree drafter (tree mode) in the serving engine: rows 1 -> 4 -> 8."""
+    from specjax.drafters.suffix import SuffixConfig, SuffixDrafter
+
+    cfg, params = tiny
+    be = JaxBackend(cfg, params, drafter=SuffixDrafter(SuffixConfig(max_depth=16, alpha=2.0, min_prob=0.05)),
+                    k_buckets=(0, 4), batch_buckets=(1, 4, 8), slots=SLOTS, shrink_patience=2)
+    assert be.tree_mode
+    be.warmup(prompt_lens=[16])
+    return be
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_token_trees_greedy_lossless_with_joins_and_leaves(tree_backend, reference, rows):
+    """SuffixDecoding's token trees through the continuous-batching engine: requests join and
+    leave a running batch of up to ``rows`` while each step verifies a tree per row (the tree
+    step at the live bucket); every request's tokens equal autoregressive greedy, trees were
+    drafted and some of their nodes accepted (the repetitive prompts and the outputs the
+    global suffix tree has seen)."""
+    be = tree_backend
+    be.reset()
+    # 1: each request arrives after the previous one left; 3: staggered joins; 8: a burst of 10
+    # into 8 rows (two join as the first leave)
+    n, gap = {1: (3, 50.0), 3: (3, 0.003), 8: (len(PROMPTS), 0.0)}[rows]
+    reqs = [Request(f"t{i}", p, MAX_NEW, arrival=gap * i) for i, p in enumerate(PROMPTS[:n])]
+    eng = ServingEngine(be, FixedK(4), clock=EventClock())
+    outs = eng.run(reqs)
+    for o, ref in zip(outs, reference):
+        assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"
+    sizes = [s.n for s in eng.steps]
+    assert max(sizes) <= rows and (rows == 1 or max(sizes) > 1) and min(sizes) == 1, sizes
+    assert sum(o.drafted for o in outs) > 0 and sum(o.accepted for o in outs) > 0
+    assert {s.k_step for s in eng.steps} <= {0, 4}
+
+
+def test_token_trees_are_shadow_verified_at_k0(tree_backend, reference):
+    """At K = 0 a tree drafter's proposals are still learnt from: the path the generated tokens
+    walk down each tree is its greedy acceptance."""
+    be = tree_backend
+    be.reset()
+    pol = _Recorder()
+    outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.0, PROMPTS[:4]))
+    assert [o.tokens for o in outs] == reference[:4]
+    shadow = [s for s in pol.seen if s[0] > 0]
+    assert shadow, "no shadow observation although the suffix tree drafted"
+    for k, d, a in shadow:
+        assert d == [k] and 0 <= a[0] <= k

@@ -9,6 +9,7 @@ import pytest
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.engine.step import DraftSpec
 from specjax.generate import Generator
+from specjax.reference_ar import reference_generate
 from specjax.models import llama
 from specjax.spec_generate import SpecGenerator
 
@@ -20,8 +21,7 @@ KW = dict(batch_buckets=(1, 4), k_buckets=(0, 1, 4), slot_buckets=(256,), attent
 @pytest.fixture(scope="module")
 def ar_xla(tiny):
     cfg, params = tiny
-    gen = Generator(cfg, params, batch_buckets=(1, 4))
-    return [r.tokens for r in gen.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+    return [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1, 4))]
 
 
 def test_ar_decode_with_pallas_equals_xla(tiny, ar_xla):

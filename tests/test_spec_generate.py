@@ -16,7 +16,7 @@ from specjax.drafters.base import NoDrafter
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.engine.step import DraftSpec
 from specjax.errors import SpecjaxError
-from specjax.generate import Generator
+from specjax.reference_ar import reference_generate
 from specjax.models import llama
 from specjax.sampling import SamplingParams
 from specjax.spec_generate import SpecGenerator, SpecStats
@@ -68,8 +68,8 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def ar_greedy(tiny):
     cfg, params = tiny
-    gen = Generator(cfg, params, batch_buckets=BATCH_BUCKETS)
-    out = {B: [r.tokens for r in gen.generate(PROMPTS[B], max_new_tokens=MAX_NEW)] for B in PROMPTS}
+    out = {B: [r.tokens for r in reference_generate(cfg, params, PROMPTS[B], max_new_tokens=MAX_NEW,
+                                                    batch_buckets=BATCH_BUCKETS)] for B in PROMPTS}
     for B in PROMPTS:
         assert all(len(t) == MAX_NEW for t in out[B])
     return out
@@ -148,13 +148,14 @@ def test_host_step_shrinks_to_the_proposal(tiny, ar_greedy):
     gen = SpecGenerator(cfg, params, drafter=ScriptedDrafter(), batch_buckets=BATCH_BUCKETS, k_buckets=K_BUCKETS,
                         slot_buckets=SLOTS)
     used = []
-    real = gen._step_exec
+    table = gen.backend(gen.slots_for([len(PROMPTS[1][0])], MAX_NEW)).table
+    real = table.step
 
     def spy(B, K, S, greedy_only):
         used.append(K)
         return real(B, K, S, greedy_only)
 
-    gen._step_exec = spy
+    table.step = spy
     res = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
     assert res[0].tokens == ar_greedy[1][0]
     assert used[:6] == [0, 1, 4, 0, 1, 4]
@@ -328,8 +329,8 @@ def smol():
 def _real_check(smol, prompts, drafters, ks, new_tokens, batch_buckets):
     tok = smol.tokenizer
     ids = [tok.encode_chat(p) for p in prompts]
-    ar = Generator(smol.cfg, smol.params, eos_ids=tok.eos_ids, batch_buckets=batch_buckets)
-    want = [r.tokens for r in ar.generate(ids, max_new_tokens=new_tokens)]
+    want = [r.tokens for r in reference_generate(smol.cfg, smol.params, ids, max_new_tokens=new_tokens,
+                                                 eos_ids=tok.eos_ids, batch_buckets=batch_buckets)]
     accepted = {}
     for name, kw in drafters.items():
         gen = SpecGenerator(smol.cfg, smol.params, eos_ids=tok.eos_ids, batch_buckets=batch_buckets,

@@ -12,7 +12,7 @@ import pytest
 
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.drafters.suffix import HybridDrafter, SuffixConfig, SuffixDrafter
-from specjax.generate import Generator
+from specjax.reference_ar import reference_generate
 from specjax.sampling import SamplingParams
 from specjax.spec_generate import SpecGenerator, SpecStats
 
@@ -24,7 +24,7 @@ KW = dict(batch_buckets=(1, 4), k_buckets=(0, 2, 4, 8), slot_buckets=(256,))
 @pytest.fixture(scope="module")
 def ar(tiny):
     cfg, params = tiny
-    return [r.tokens for r in Generator(cfg, params, batch_buckets=(1, 4)).generate(PROMPTS, max_new_tokens=MAX_NEW)]
+    return [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1, 4))]
 
 
 def _drafter(kind):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.errors import SpecjaxError
-from specjax.generate import Generator
+from specjax.reference_ar import reference_generate
 from specjax.spec_generate import SpecGenerator, SpecStats
 
 PROMPTS = [[30] * 8, [42, 7, 99], [11, 12] * 6]
@@ -78,8 +78,7 @@ class RandomTreeDrafter(OracleTreeDrafter):
 @pytest.fixture(scope="module")
 def ar(tiny):
     cfg, params = tiny
-    gen = Generator(cfg, params, batch_buckets=(1, 4))
-    return [r.tokens for r in gen.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+    return [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1, 4))]
 
 
 @pytest.mark.parametrize("batch", [1, 3])

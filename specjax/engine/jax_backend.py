@@ -12,8 +12,12 @@ Every executable (prefills, steps of every compiled K, inserts, resizes) comes f
 
 Host drafters (prompt lookup, suffix trees in path mode) propose up to the largest K for
 every request before the policy chooses; the step then runs the smallest compiled block that
-holds the longest draft cut to K. Device drafters (draft model, layer skip) draft K inside
-the step; a request admitted with the draft disabled gets num_draft = 0.
+holds the longest draft cut to K. Host drafters with ``propose_tree`` (SuffixDecoding in tree
+mode, hybrid) propose token trees instead: K is then the node budget, a tree is cut to its first
+K nodes (nodes are topologically ordered, so any prefix is a tree) and verified by the tree step.
+K = 0 always runs the chain step: plain decoding is one executable whatever the drafter.
+Device drafters (draft model, layer skip) draft K inside the step; a request admitted with the
+draft disabled gets num_draft = 0.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jax
 import numpy as np
 
 from specjax import buckets as bk
+from specjax import tree
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
 from specjax.engine.live_bucket import LiveBucket
@@ -65,7 +70,8 @@ def check_map_budget(n_heavy: int, num_layers: int) -> None:
 class JaxBackend:
     def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: DraftSpec = DraftSpec(), draft_params=None,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, attention_impl: str = "xla", shrink_patience: int = 8):
+                 slots: int = 512, attention_impl: str = "xla", shrink_patience: int = 8,
+                 shrink_to_proposal: bool = True):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
@@ -76,6 +82,11 @@ class JaxBackend:
         self.drafter = drafter if drafter is not None else NoDrafter()
         if self.device_draft and drafter is not None:
             raise SpecjaxError("give either a host drafter or a device draft model, not both")
+        # Host drafts: run the smallest compiled block holding the longest proposal (False: always
+        # the chosen K, for measuring a fixed block's cost).
+        self.shrink_to_proposal = shrink_to_proposal
+        self.tree_mode = not self.device_draft and bool(
+            getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
         self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
         self.k_max = self.k_buckets[-1]
         self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
@@ -233,7 +244,13 @@ class JaxBackend:
         self._drafts = {}
         lens = []
         for r in rs:
-            d = self.drafter.propose(r.uid, k_max) if k_max > 0 else np.zeros(0, np.int32)
+            if k_max <= 0:
+                d = np.zeros(0, np.int32)
+            elif self.tree_mode:
+                parents, toks = self.drafter.propose_tree(r.uid, k_max)
+                d = tree.DraftTree(np.asarray(parents, np.int32), np.asarray(toks, np.int32))
+            else:
+                d = np.asarray(self.drafter.propose(r.uid, k_max), np.int32)
             self._drafts[r.uid] = d
             lens.append(len(d))
         return Proposal(draft_lens=lens, drafts=[self._drafts[r.uid] for r in rs])
@@ -260,17 +277,23 @@ class JaxBackend:
         else:
             cut = {u: d[:k] for u, d in self._drafts.items()}
             longest = max((len(d) for d in cut.values()), default=0)
-            k_step = next(x for x in self.k_buckets if x >= longest)
+            k_step = bk.proposal_bucket(self.k_buckets, longest) if self.shrink_to_proposal else k
+            if self.tree_mode and k_step > 0:
+                inputs = self._tree_inputs(B, k_step, cut)
+        if not (self.tree_mode and k_step > 0):
             draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-            for u, d in cut.items():
-                row = self.row_of[u]
-                draft_tokens[row, : len(d)] = d
-                num_draft[row] = len(d)
+            if not self.device_draft:
+                for u, d in cut.items():
+                    row = self.row_of[u]
+                    draft_tokens[row, : len(d)] = d if not isinstance(d, tree.DraftTree) else d.tokens
+                    num_draft[row] = len(d)
+            inputs = (draft_tokens, num_draft)
         self.last_k_step = k_step
-        exe = self.table.step(B, k_step, self.slots, self._greedy())
-        self.state, o = exe(self.params, self.dparams, self.state, jax.device_put(draft_tokens),
-                            jax.device_put(num_draft), jax.device_put(active), self._sampling())
-        toks, n_acc, nd = np.asarray(o.tokens), np.asarray(o.n_accepted), np.asarray(o.num_draft)
+        exe = self._step_exe(B, k_step, self._greedy())
+        self.state, o = exe(self.params, self.dparams, self.state, *(jax.device_put(a) for a in inputs),
+                            jax.device_put(active), self._sampling())
+        o = jax.device_get(o)  # the step's results reach the host in one transfer (one sync)
+        toks, n_acc, nd = o.tokens, o.n_accepted, o.num_draft
         out = []
         for r in rs:
             row = self.row_of[r.uid]
@@ -279,6 +302,29 @@ class JaxBackend:
             if not self.device_draft:
                 self.drafter.extend(r.uid, new)
         return out, time.perf_counter() - t0
+
+    def _tree_inputs(self, B: int, k_step: int, trees: dict) -> tuple:
+        """(tokens, parents, valid) [B, k_step + 1] of the tree step: node 0 is each row's pending
+        token (the root), draft node i is tree node i + 1."""
+        parents = np.zeros((B, k_step + 1), np.int32)
+        parents[:, 0] = -1
+        tokens = np.zeros((B, k_step + 1), np.int32)
+        valid = np.zeros((B, k_step + 1), bool)
+        for u, t in trees.items():
+            row, m = self.row_of[u], len(t)
+            if m == 0:
+                continue
+            parents[row, 1:m + 1] = t.parents + 1  # parent -1 (the root) becomes node 0
+            tokens[row, 1:m + 1] = t.tokens
+            valid[row, 1:m + 1] = True
+            tree.validate_parents(parents[row])  # a drafter bug must fail loudly here, not corrupt the cache
+        return tokens, parents, valid
+
+    def _step_exe(self, B: int, k: int, greedy: bool):
+        """The compiled step for k drafts (tree mode: k draft nodes); k = 0 is the chain step."""
+        if self.tree_mode and k > 0:
+            return self.table.tree_step(B, k, self.slots, greedy)
+        return self.table.step(B, k, self.slots, greedy)
 
     def release(self, r: Running) -> None:
         row = self.row_of.pop(r.uid)
@@ -293,23 +339,27 @@ class JaxBackend:
     # ------------------------------------------------------------ compilation
 
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
-               execute: bool = False) -> float:
+               execute: bool = False, batch_buckets: Sequence[int] | None = None,
+               k_buckets: Sequence[int] | None = None) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
         charged to the first requests served (the earlier sweeps, with a compile-only warm-up,
-        found their first run consistently slow). Returns seconds."""
+        found their first run consistently slow). ``batch_buckets`` / ``k_buckets``: compile only
+        these (a static batch that never resizes needs no other). Returns seconds."""
         t0 = time.perf_counter()
         S = self.slots
         tps = sorted({bk.prompt_bucket(int(n), S) for n in prompt_lens})
         draft_modes = (True, False) if self.device_draft else (False,)
+        bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
+        kbs = sorted(k_buckets) if k_buckets is not None else self.k_buckets
         jobs = []
-        for B in self.batch_buckets:
+        for B in bbs:
             for g in greedy_modes:
                 jobs += [("prefill", B, tp, g, rd) for tp in tps for rd in draft_modes]
-                jobs += [("step", B, K, g) for K in self.k_buckets]
-            jobs += [("insert", B, Bp, rd) for Bp in self.batch_buckets if Bp <= B for rd in draft_modes]
-            jobs += [("take", B, B2) for B2 in self.batch_buckets if B2 != B]
+                jobs += [("step", B, K, g) for K in kbs]
+            jobs += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]
+            jobs += [("take", B, B2) for B2 in bbs if B2 != B]
             jobs.append(("clear", B))
         check_map_budget(sum(j[0] in ("prefill", "step") for j in jobs), self.cfg.num_layers)
         it = jobs
@@ -321,7 +371,7 @@ class JaxBackend:
             if j[0] == "prefill":
                 self.table.prefill(j[1], j[2], S, j[3], j[4])
             elif j[0] == "step":
-                self.table.step(j[1], j[2], S, j[3])
+                self._step_exe(j[1], j[2], j[3])
             elif j[0] == "insert":
                 self.table.insert(j[1], j[2], S, j[3])
             elif j[0] == "take":
@@ -344,15 +394,20 @@ class JaxBackend:
                           jax.device_put(np.ones(B, np.int32)), SamplingArrays.build([], B))
                 jax.block_until_ready(out)
                 fresh.setdefault((B, rd), out)
-        for B in self.batch_buckets:
+        for B in sorted({j[1] for j in jobs}):
             state = _zeros_like_info(self.table.state_info(B, S))
             samp = SamplingArrays.build([], B)
             for j in jobs:
                 if j[0] == "step" and j[1] == B:
                     K = j[2]
-                    exe = self.table.step(B, K, S, j[3])
-                    state, o = exe(self.params, self.dparams, state, jax.device_put(np.zeros((B, max(K, 1)), np.int32)),
-                                   jax.device_put(np.full(B, K, np.int32)), jax.device_put(np.ones(B, bool)), samp)
+                    if self.tree_mode and K > 0:  # a chain tree of K nodes on every row
+                        inputs = self._tree_inputs(B, K, {})
+                        inputs[1][:, 1:] = np.arange(K)
+                    else:
+                        inputs = (np.zeros((B, max(K, 1)), np.int32), np.full(B, K, np.int32))
+                    state, o = self._step_exe(B, K, j[3])(self.params, self.dparams, state,
+                                                          *(jax.device_put(a) for a in inputs),
+                                                          jax.device_put(np.ones(B, bool)), samp)
                     jax.block_until_ready(o)
             # The row operations too: their first run would otherwise land on a served request.
             for j in jobs:

@@ -27,6 +27,7 @@ import numpy as np
 from specjax.engine.scheduler import Request, RequestOutput, Running, Scheduler
 from specjax.errors import SpecjaxError
 from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
+from specjax.tree import DraftTree
 
 
 class WallClock:
@@ -273,9 +274,10 @@ class ServingEngine:
         """Host drafts cost nothing to make, so their acceptance can be learnt even when the
         step verified none of them: a greedy verifier accepts a draft token iff it equals the
         token the target generates there, so a draft offered but not verified is compared with
-        the tokens the following steps generate. Without this, a moving average that once
-        dropped to ~0 would keep K = 0 forever (nothing new is ever observed). Exact for greedy
-        requests; for sampled ones it is the acceptance of a greedy-matching verifier."""
+        the tokens the following steps generate (for a token tree: the path those tokens walk
+        down it). Without this, a moving average that once dropped to ~0 would keep K = 0
+        forever (nothing new is ever observed). Exact for greedy requests; for sampled ones it
+        is the acceptance of a greedy-matching verifier."""
         if prop.drafts is None:
             return
         for r, d, res in zip(rs, prop.drafts, results):
@@ -283,16 +285,17 @@ class ServingEngine:
             if sh is None:
                 if res.drafted > 0 or not len(d):
                     continue  # verified for real (observed above), or nothing was drafted
-                sh = self._shadow[r.uid] = [np.asarray(d), 0]
-            draft, m = sh
+                d = d if isinstance(d, DraftTree) else DraftTree.chain(d)
+                sh = self._shadow[r.uid] = [d, -1, 0]  # tree, node reached (-1: root), depth matched
+            draft, node, m = sh
             for t in res.tokens:
-                if m < len(draft) and int(draft[m]) == int(t):
-                    m += 1
-                    continue
-                break
+                nxt = draft.child(node, int(t))
+                if nxt is None:
+                    break
+                node, m = nxt, m + 1
             else:
-                if m < len(draft):  # still matching: wait for the next step's tokens
-                    sh[1] = m
+                if np.any(draft.parents == node):  # still matching and the tree goes on: wait
+                    sh[1], sh[2] = node, m
                     continue
             del self._shadow[r.uid]
             self.policy.observe(len(draft), [len(draft)], [m], [r.uid])

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
-from specjax.engine.step import DraftSpec, StepState, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
+from specjax.engine.step import DraftSpec, StepState, spec_prefill, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
@@ -85,6 +85,9 @@ class StepTable:
         self.draft = draft
         self.attention_impl = attention_impl
         self._exe: dict = {}
+        self._info: dict = {}
+        self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
+                               for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
 
     def _get(self, key, build, what: str, compile_if_missing: bool = False):
@@ -114,8 +117,21 @@ class StepTable:
                          f"prefill for batch {B}, prompt bucket {Tp}, slots {S}", compile_if_missing)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
-        """Abstract StepState of a [B]-row state with S slots."""
-        return self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
+        """Abstract StepState of a [B]-row state with S slots (traced, never compiled)."""
+        key = ("state_info", B, S, bool(run_draft) and self.draft.kind == "model")
+        if key not in self._info and not self._one_device:
+            # Sharded params: the state's shardings are what the compiled prefill produces (an
+            # abstract shape alone would pin the compiled steps to one device). The mesh-aware
+            # state layout (cache sharding rules in the compile key) replaces this.
+            self._info[key] = self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
+        if key not in self._info:
+            draft = self.draft if key[3] else NO_DRAFT
+            toks = jax.ShapeDtypeStruct((B, bk.MIN_PROMPT_BUCKET), jnp.int32)
+            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
+            self._info[key] = jax.eval_shape(
+                partial(spec_prefill, cfg=self.cfg, slots=S, draft=draft, greedy_only=True,
+                        attention_impl=self.attention_impl), self.params, self.dparams, toks, nv, _abstract_samp(B))
+        return self._info[key]
 
     def step(self, B: int, K: int, S: int, greedy_only: bool):
         def build():

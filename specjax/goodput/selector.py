@@ -20,6 +20,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from specjax.buckets import proposal_bucket
 from specjax.goodput.acceptance import AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len
 from specjax.goodput.perf_model import StepCostModel
 
@@ -131,7 +132,7 @@ class GoodputPolicy(Policy):
         if view.draft_lens is not None and k > 0:
             # Host drafts shrink the block to the smallest compiled K holding the longest one.
             longest = int(min(max(view.draft_lens, default=0), k))
-            k_step = next(x for x in view.k_options if x >= longest)
+            k_step = proposal_bucket(view.k_options, longest)
         t = self.cost.step_time(view.bucket, k_step, view.ctx_lens)
         return self.expected_tokens(view, k) / max(t, 1e-12)
 

@@ -148,7 +148,7 @@ class SimBackend:
             k_step = k
         else:
             longest = max(drafted.values(), default=0)
-            k_step = next(x for x in self.k_buckets if x >= longest)
+            k_step = bk.proposal_bucket(self.k_buckets, longest)
         self.last_k_step = k_step
         out = []
         for r in rs:

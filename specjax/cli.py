@@ -1,0 +1,111 @@
+"""Command-line flags shared by the launch scripts, and their translation into library arguments.
+
+The scripts in ``launch/`` are leaves: each defines its own flags plus the groups here that it
+shares with the others, and builds everything through ``specjax.registry``. Functions here read
+absl ``FLAGS``; they are only called after the flags are parsed.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from specjax import registry
+
+FLAGS = flags.FLAGS
+
+
+def define_spec_flags(num_spec_tokens: int = 4, k_buckets: str = "0,1,2,4,8") -> None:
+    """The drafter knobs every script that speculates offers (defaults of K and the K buckets
+    per script: serving compiles the small Ks SmartSpec chooses among)."""
+    flags.DEFINE_integer("num_spec_tokens", num_spec_tokens, "K: draft tokens per speculative step (one of "
+                         "--k_buckets; the fixed K of a fixed-K policy).")
+    flags.DEFINE_string("k_buckets", k_buckets, "Comma list of precompiled K values (must include 0).")
+    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
+                        "(must share the target's vocabulary).")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
+                         "(1..num_layers-1).")
+    flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
+    flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
+    flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
+                         "tokens per step; 0 = K.")
+    flags.DEFINE_integer("suffix_max_depth", 64, "suffix/hybrid: suffix-tree depth cap.")
+    flags.DEFINE_float("suffix_alpha", 1.0, "suffix/hybrid: max spec factor; draft budget = alpha * match length.")
+    flags.DEFINE_float("suffix_min_prob", 0.1, "suffix/hybrid: drop draft nodes with estimated acceptance below this.")
+    flags.DEFINE_bool("suffix_tree", True, "suffix/hybrid: draft token trees (--nosuffix_tree: single paths).")
+    flags.DEFINE_float("suffix_tau", 1.0, "hybrid: use the suffix draft when its score > tau, else prompt lookup.")
+    flags.DEFINE_integer("suffix_cache_requests", 100000, "suffix/hybrid: past outputs kept in the global tree "
+                         "(-1 unlimited, 0 = no global tree).")
+    flags.DEFINE_float("suffix_cache_mb", 1024.0, "suffix/hybrid: memory bound of the global tree (MiB).")
+    flags.DEFINE_string("suffix_history_jsonl", None, "suffix/hybrid: JSONL of past outputs to preload the global "
+                        "tree (each line has 'output_ids' (token ids) or 'output' (text)).")
+
+
+def suffix_config_from_flags(k: int):
+    return registry.suffix_config(k, max_depth=FLAGS.suffix_max_depth, alpha=FLAGS.suffix_alpha,
+                                  min_prob=FLAGS.suffix_min_prob, tree=FLAGS.suffix_tree,
+                                  cache_requests=FLAGS.suffix_cache_requests, cache_mb=FLAGS.suffix_cache_mb)
+
+
+def prompt_lookup_config_from_flags(k: int):
+    return registry.prompt_lookup_config(k, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram, FLAGS.pld_max_draft)
+
+
+def suffix_kwargs(model, drafter: str, k: int) -> dict:
+    """build_spec_generator's suffix arguments from the flags (empty for other drafters)."""
+    if drafter not in registry.SUFFIX_DRAFTERS:
+        return {}
+    hist = registry.load_suffix_history(FLAGS.suffix_history_jsonl, model.tokenizer) if FLAGS.suffix_history_jsonl else ()
+    return dict(suffix=suffix_config_from_flags(k), suffix_tau=FLAGS.suffix_tau, suffix_history=hist)
+
+
+def drafter_kwargs(model, drafter: str, k: int, draft=None) -> dict:
+    """Every drafter knob from the flags, as keyword arguments of registry.drafter_parts /
+    build_spec_generator (the flags a script did not define keep the library defaults)."""
+    kw = dict(draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
+              pld_max_ngram=FLAGS.pld_max_ngram, pld_max_draft=FLAGS.pld_max_draft, draft=draft)
+    if "dtype" in FLAGS:
+        kw["dtype"] = FLAGS.dtype
+    kw.update(suffix_kwargs(model, drafter, k))
+    return kw
+
+
+def sampling_from_flags(overrides=None):
+    """SamplingParams from the flags, with per-record overrides (a JSONL record's fields)."""
+    from specjax.sampling import SamplingParams
+
+    o = overrides or {}
+    return SamplingParams(temperature=float(o.get("temperature", FLAGS.temperature)),
+                          top_k=int(o.get("top_k", FLAGS.top_k)), top_p=float(o.get("top_p", FLAGS.top_p)),
+                          seed=int(o.get("seed", FLAGS.seed)))
+
+
+def validate_spec_flags(drafters) -> tuple[int, ...] | None:
+    """The drafter flag checks that need no model (run before the slow load) for every drafter
+    in ``drafters`` ('none' = plain decoding). Returns the parsed K buckets (None without a
+    speculative drafter). Raises SpecjaxError on the first problem."""
+    from specjax.errors import SpecjaxError
+
+    drafters = [d for d in drafters if d != "none"]
+    bad = [d for d in drafters if d not in registry.SPEC_DRAFTERS]
+    if bad:
+        raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(registry.SPEC_DRAFTERS)}")
+    if FLAGS.draft_model and "draft_model" not in drafters:
+        raise SpecjaxError("--draft_model is only used with --drafter draft_model")
+    if "draft_model" in drafters and not FLAGS.draft_model:
+        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    suffix = set(drafters) & set(registry.SUFFIX_DRAFTERS)
+    if FLAGS.suffix_history_jsonl and not suffix:
+        raise SpecjaxError("--suffix_history_jsonl is only used with --drafter suffix, suffix_path or hybrid")
+    if not drafters:
+        return None
+    k_buckets = registry.parse_k_buckets(FLAGS.k_buckets)
+    registry.check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
+    if "prompt_lookup" in drafters or "hybrid" in drafters:
+        prompt_lookup_config_from_flags(FLAGS.num_spec_tokens)
+    if suffix:
+        suffix_config_from_flags(FLAGS.num_spec_tokens)
+        if FLAGS.suffix_tau < 0:
+            raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
+    if "layer_skip" in drafters and FLAGS.draft_layers < 1:
+        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+    return k_buckets

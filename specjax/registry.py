@@ -1,0 +1,200 @@
+"""Assembly: drafters, generators, backends and labels built from plain settings.
+
+Every launch script builds what it runs through these functions, so a drafter, its knobs and its
+validation exist once; the scripts only turn flags into arguments (``specjax.cli``). Nothing here
+reads flags or touches the process (no absl, no printing).
+"""
+
+from __future__ import annotations
+
+import time
+
+DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip", "suffix", "suffix_path", "hybrid")
+SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
+SPEC_DRAFTERS = DRAFTERS[1:]
+
+
+def parse_k_buckets(text: str) -> tuple[int, ...]:
+    from specjax.errors import SpecjaxError
+
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecjaxError(f"k_buckets must be a comma list of integers, got {text!r}") from None
+    if not ks:
+        raise SpecjaxError("k_buckets is empty")
+    if min(ks) < 0:
+        raise SpecjaxError(f"k_buckets must be >= 0, got {text!r}")
+    if 0 not in ks:
+        raise SpecjaxError(f"k_buckets must include 0 (plain decoding), got {text!r}")
+    return tuple(sorted(set(ks)))
+
+
+def check_num_spec_tokens(k: int, k_buckets) -> None:
+    from specjax.errors import SpecjaxError
+
+    if k < 1:
+        raise SpecjaxError(f"num_spec_tokens must be >= 1 with a drafter, got {k} (use --drafter none for plain "
+                           "decoding)")
+    if k > max(k_buckets):
+        raise SpecjaxError(f"num_spec_tokens {k} is larger than the largest bucket in k_buckets "
+                           f"({max(k_buckets)}); add it to k_buckets")
+    if k not in k_buckets:
+        raise SpecjaxError(f"num_spec_tokens {k} is not a bucket in k_buckets {list(k_buckets)}; "
+                           "use one of them or add it")
+
+
+def prompt_lookup_config(k: int, min_ngram: int = 1, max_ngram: int = 3, max_draft: int = 0):
+    """Validated before the model load (raises SpecjaxError on bad n-gram bounds). max_draft:
+    at most this many drafts per step; 0 means K."""
+    from specjax.drafters.prompt_lookup import PromptLookupConfig
+
+    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=min(max_draft or k, max(k, 1)))
+
+
+def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, cache_requests=100000,
+                  cache_mb=1024.0):
+    """Validated before the model load (raises SpecjaxError on bad knobs)."""
+    from specjax.drafters.suffix import SuffixConfig
+
+    return SuffixConfig(max_depth=max_depth, alpha=alpha, min_prob=min_prob, tree=tree, max_spec=max(k, 1),
+                        max_cached_requests=cache_requests, max_cached_mb=cache_mb)
+
+
+def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
+    """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
+    from specjax.jsonl_io import read_outputs
+
+    return [tokenizer.encode(x) if isinstance(x, str) else x
+            for x in read_outputs(path, flag="--suffix_history_jsonl")]
+
+
+def spec_slot_buckets(cfg) -> tuple[int, ...]:
+    """Cache-size buckets up to the full context (SpecGenerator's default stops at 2048, which
+    would silently cut the budget of long prompts)."""
+    from specjax import buckets as bk
+
+    out, s = [], bk.MIN_SLOT_BUCKET
+    while s < cfg.max_position:
+        out.append(s)
+        s *= 2
+    out.append(cfg.max_position)
+    return tuple(out)
+
+
+def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
+                  pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
+                  draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=()) -> dict:
+    """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
+    ``drafter`` (a host drafter) or ``draft`` (a DraftSpec) + ``draft_params``. ``draft``: an
+    already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
+    bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
+    past outputs (token lists) preloaded into the global suffix tree."""
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.engine.step import DraftSpec
+    from specjax.errors import SpecjaxError
+    from specjax.models.loader import load_model
+
+    cfg = model.cfg
+    if drafter == "prompt_lookup":
+        return {"drafter": PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))}
+    if drafter in SUFFIX_DRAFTERS:
+        import dataclasses
+
+        from specjax.drafters.suffix import HybridDrafter, SuffixDrafter
+
+        scfg = suffix or suffix_config(k)
+        if drafter == "suffix_path":
+            scfg = dataclasses.replace(scfg, tree=False)
+        sd = SuffixDrafter(scfg, history=suffix_history)
+        if drafter == "hybrid":
+            pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
+            if suffix_tau < 0:
+                raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
+            sd = HybridDrafter(sd, pld, tau=suffix_tau)
+        return {"drafter": sd}
+    if drafter == "layer_skip":
+        if not 1 <= draft_layers <= cfg.num_layers - 1:
+            raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
+                               f"({cfg.num_layers} layers), got {draft_layers}")
+        return {"draft": DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers)}
+    if drafter == "draft_model":
+        if draft is None:
+            if not draft_model:
+                raise SpecjaxError("--drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+            draft = load_model(draft_model, dtype)
+        dcfg = draft.cfg
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
+                               f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
+        return {"draft": DraftSpec(kind="model", cfg=dcfg), "draft_params": draft.params}
+    if drafter == "none":
+        return {}
+    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+
+
+def build_spec_generator(model, drafter: str, *, k: int, k_buckets, attention_impl: str = "xla", **kw):
+    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts."""
+    from specjax import buckets as bk
+    from specjax.errors import SpecjaxError
+    from specjax.spec_generate import SpecGenerator
+
+    if drafter == "none":
+        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
+    parts = drafter_parts(model, drafter, k=k, **kw)
+    return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
+                         slot_buckets=spec_slot_buckets(model.cfg), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
+                         attention_impl=attention_impl, **parts)
+
+
+def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
+    """(batch bucket, prompt bucket, cache slots) a SpecGenerator runs these prompts at (used to
+    compile exactly what a run needs ahead of time)."""
+    from specjax import buckets as bk
+
+    B = bk.pick(gen.batch_buckets, batch, "batch size")
+    S = gen.slots_for([prompt_len], max_new_tokens)
+    return B, bk.prompt_bucket(prompt_len, S), S
+
+
+def warm_spec(gen, shapes, k: int, greedy: bool = True) -> float:
+    """Compile the (batch, prompt bucket, slots) prefills and the (batch, k, slots) steps for
+    every bucket k <= K (a host drafter's step shrinks to the proposal) in ``shapes``
+    (from spec_shapes) and nothing else; afterwards the generator refuses to compile (a missed
+    shape raises instead of silently timing a compilation). Returns seconds."""
+    t0 = time.perf_counter()
+    by_bs: dict = {}
+    for B, Tp, S in shapes:
+        by_bs.setdefault((B, S), set()).add(Tp)
+    for (B, S), tps in sorted(by_bs.items()):
+        gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
+        gen.warmup(prompt_buckets=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
+                   k_buckets=[b for b in gen.k_buckets if b <= k])
+    gen.warm = True
+    return time.perf_counter() - t0
+
+
+def format_spec_stats(stats) -> str:
+    pos = ", ".join(f"{p:.2f}" for p in stats.per_position_acceptance)
+    return (f"acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts); "
+            f"mean accepted tokens per step {stats.mean_accepted_tokens:.2f} (bonus included; {stats.steps} steps); "
+            f"per-position acceptance [{pos}]")
+
+
+def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, attention_impl="xla",
+                 **drafter_kw):
+    """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
+    (``profiling``: prompt lookup replaced by host drafts of exactly K tokens)."""
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.profiling import FixedLengthDrafter
+
+    if drafter == "prompt_lookup" and profiling:
+        parts = {"drafter": FixedLengthDrafter()}
+    else:
+        parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
+    return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
+                      attention_impl=attention_impl, **parts)
+
+
+def drafter_label(drafter: str, draft_layers: int) -> str:
+    return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
