@@ -192,11 +192,12 @@ def section_engine(out):
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
-    from specjax.engine.step import DraftSpec
+    from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.engine.table import StepTable
     from specjax.generate import Generator
     from specjax.goodput.selector import FixedK
     from specjax.models import llama
+    from specjax.models.options import ForwardOptions
     from specjax.sampling import SamplingArrays, SamplingParams
 
     from specjax.runtime import enable_compilation_cache
@@ -223,7 +224,7 @@ def section_engine(out):
     # --- step cost per K at a fixed context, against the K = 0 step of the same table
     cost = []
     for impl in impls if "step_cost" in FLAGS.engine_parts else ():
-        table = StepTable(cfg, params, params, DraftSpec(), impl)
+        table = StepTable(cfg, params, params, None, ForwardOptions(attention=impl))
         for B in (1, 8):
             samp = SamplingArrays.build([SamplingParams()], B)
             toks = jax.device_put(rng.integers(0, cfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
@@ -284,8 +285,9 @@ def section_engine(out):
         if drafter == "prompt_lookup":
             parts = dict(drafter=PromptLookupDrafter(PromptLookupConfig(max_draft=4)))
         else:
-            parts = dict(draft=DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers))
-        be = JaxBackend(cfg, params, k_buckets=(0, 4), batch_buckets=(n_req,), slots=S, attention_impl=impl, **parts)
+            d, dparams = layer_skip(cfg, params, draft_layers)
+            parts = dict(draft=d, draft_params=dparams)
+        be = JaxBackend(cfg, params, k_buckets=(0, 4), batch_buckets=(n_req,), slots=S, fwd=ForwardOptions(attention=impl), **parts)
         t = time.perf_counter()
         be.warmup(prompt_lens=lengths, execute=True)
         warm_s = time.perf_counter() - t

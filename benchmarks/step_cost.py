@@ -44,7 +44,8 @@ def main(argv):
     import numpy as np
 
     from specjax import cache as kv
-    from specjax.engine.step import DraftSpec, spec_prefill_jit, spec_step_jit
+    from specjax.drafters.device import layer_skip
+    from specjax.engine.step import spec_prefill_jit, spec_step_jit
     from specjax.reference_ar import decode_step
     from specjax.models.loader import load_model
     from specjax.sampling import SamplingArrays, SamplingParams
@@ -54,8 +55,7 @@ def main(argv):
     S = FLAGS.slots
     samp = SamplingArrays.build([SamplingParams()], 1)
     rng = np.random.default_rng(0)
-    drafts = [DraftSpec()] + ([DraftSpec(kind="model", cfg=cfg, num_layers=FLAGS.draft_layers)]
-                              if FLAGS.draft_layers else [])
+    drafts = [(None, params)] + ([layer_skip(cfg, params, FLAGS.draft_layers)] if FLAGS.draft_layers else [])
     print(f"{cfg.name}, batch 1, greedy, {S} slots; ms per call (median of {FLAGS.reps})")
     print("| context | drafter | K | step ms | AR decode ms | step / AR |")
     print("|---|---|---|---|---|---|")
@@ -65,8 +65,8 @@ def main(argv):
 
         def fresh_lens():
             return jax.device_put(np.array([ctx], np.int32))
-        for draft in drafts:
-            state0 = spec_prefill_jit(params, params, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
+        for draft, dparams in drafts:
+            state0 = spec_prefill_jit(params, dparams, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
                                       greedy_only=True)
             ar_cache = state0.cache
             tok = jax.device_put(np.zeros(1, np.int32))
@@ -80,21 +80,21 @@ def main(argv):
 
             ar_ms = _median_ms(ar, FLAGS.reps)
             for K in map(int, FLAGS.ks):
-                state = spec_prefill_jit(params, params, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
+                state = spec_prefill_jit(params, dparams, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
                                          greedy_only=True)
                 dt = jax.device_put(rng.integers(0, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
                 nd = jax.device_put(np.array([K], np.int32))
 
                 def step():
                     nonlocal state
-                    st, o = spec_step_jit(params, params, state, dt, nd, act, samp, cfg=cfg, K=K, draft=draft,
+                    st, o = spec_step_jit(params, dparams, state, dt, nd, act, samp, cfg=cfg, K=K, draft=draft,
                                           greedy_only=True)
                     jax.block_until_ready(o.tokens)
                     state = st.__class__(cache=kv.set_lengths(st.cache, fresh_lens()), dcache=st.dcache, prev=st.prev,
                                          pending=st.pending)
 
                 ms = _median_ms(step, FLAGS.reps)
-                name = "host" if draft.kind == "host" else f"layer_skip{draft.num_layers}"
+                name = "host" if draft is None else draft.label
                 print(f"| {ctx} | {name} | {K} | {ms:.1f} | {ar_ms:.1f} | {ms / ar_ms:.2f} |", flush=True)
 
 

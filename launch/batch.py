@@ -63,12 +63,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Random seed per request (records may override).")
     flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
     flags.DEFINE_enum("drafter", "prompt_lookup", list(registry.DRAFTERS), "Speculative drafter; none = plain decoding.")
-    flags.DEFINE_string("policy", "auto", "auto | smartspec | none | an integer K (see the module doc).")
-    flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py "
-                        "(relative: to the repo root).")
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")
     flags.DEFINE_integer("slots", 512, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
     cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
+    cli.define_forward_flags()
+    cli.define_policy_flags()
 
 
 # ---------------------------------------------------------------- flags
@@ -111,50 +110,11 @@ def validate_flags() -> dict:
         raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
     if FLAGS.slots < 16:
         raise SpecjaxError(f"--slots must be >= 16, got {FLAGS.slots}")
-    pol = FLAGS.policy.strip().lower()
-    if pol not in ("auto", "smartspec", "none"):
-        try:
-            k = int(pol)
-        except ValueError:
-            raise SpecjaxError(f"--policy must be auto, smartspec, none or an integer K, "
-                               f"got {FLAGS.policy!r}") from None
-        if k not in ks:
-            raise SpecjaxError(f"--policy K={k} is not in --k_buckets {ks}")
+    registry.check_policy(FLAGS.policy, ks, FLAGS.drafter, FLAGS.num_spec_tokens)
     if FLAGS.drafter == "none":
-        if pol not in ("auto", "none", "0"):
-            raise SpecjaxError(f"--policy {FLAGS.policy} needs a drafter; --drafter none decodes without speculation "
-                               "(use --policy auto or none)")
         ks = [0]  # nothing to speculate with: compile plain decoding only
-    elif pol == "auto" and FLAGS.num_spec_tokens not in ks:
-        raise SpecjaxError(f"--num_spec_tokens {FLAGS.num_spec_tokens} (the fallback K of --policy auto) is not in "
-                           f"--k_buckets {ks}")
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
-
-
-def make_policy(model):
-    """(policy, label) from --policy; auto falls back to fixed K with a note on stderr."""
-    from specjax.errors import SpecjaxError
-    from specjax.goodput import FixedK, GoodputPolicy
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
-
-    pol = FLAGS.policy.strip().lower()
-    if FLAGS.drafter == "none" or pol in ("none", "0"):
-        return FixedK(0), "no-SD"
-    if pol not in ("auto", "smartspec"):
-        return FixedK(int(pol)), f"K={int(pol)}"
-    path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
-    key = model_key(model.cfg.name, registry.drafter_label(FLAGS.drafter, FLAGS.draft_layers), hardware_key())
-    try:
-        cost = load_perf(path, key)
-    except SpecjaxError:
-        if pol == "smartspec":
-            raise
-        k = FLAGS.num_spec_tokens
-        print(f"note: no performance model for {key!r} in {FLAGS.perf_models}; using fixed K={k} instead of "
-              "SmartSpec (make one with launch/profile.py)", file=sys.stderr)
-        return FixedK(k), f"K={k} (auto)"
-    return GoodputPolicy(cost, "moving_average"), "SmartSpec"
 
 
 # ---------------------------------------------------------------- the job
@@ -213,8 +173,9 @@ def run(geom) -> None:
     tok = model.tokenizer
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
-    backend = registry.make_backend(model, FLAGS.drafter, **geom, **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
-    policy, policy_label = make_policy(model)
+    backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(), **geom,
+                                   **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
+    policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
     gate = DraftPrefillGate() if policy_label == "SmartSpec" else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 

@@ -12,8 +12,9 @@ Protocol (Spec-Bench conventions where they apply; differences are stated):
   prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
   (per category in the table, listed in the JSON), never dropped silently.
 - Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
-  (``Generator``) and each drafter in ``--drafters`` (``SpecGenerator``, K =
-  ``--num_spec_tokens``). For each prompt the AR baseline runs first, then each drafter in
+  (``Generator``, the engine's K = 0 step) and each drafter in ``--drafters`` (``SpecGenerator``
+  under ``--policy``: SmartSpec when a performance model exists, else fixed K =
+  ``--num_spec_tokens``; an integer forces that K). For each prompt the AR baseline runs first, then each drafter in
   order (interleaving per prompt keeps slow machine drift out of the ratios).
 - Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
   compiled ahead of time (shape-exact, from the same bucket rules the generators use), then
@@ -87,6 +88,8 @@ flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_to
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size; 0 = HF's default (2).")
 flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
 cli.define_spec_flags()
+cli.define_forward_flags()
+cli.define_policy_flags()
 
 
 # ---------------------------------------------------------------- inputs
@@ -333,6 +336,8 @@ def validate_flags():
     if "none" in drafters:
         raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
     k_buckets = cli.validate_spec_flags(drafters)
+    for d in drafters:
+        registry.check_policy(FLAGS.policy, k_buckets, d, FLAGS.num_spec_tokens)
     if FLAGS.hf_python:
         if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
             raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
@@ -396,22 +401,27 @@ def bench() -> int:
     hf = run_hf(prompts, tok.eos_ids, gguf) if FLAGS.hf_python else None
 
     # Generators and shape-exact warm-up (compilation excluded from every timing).
-    ar = Generator(cfg, model.params, eos_ids=tok.eos_ids)
-    specs = {d: registry.build_spec_generator(model, d, k=K, k_buckets=k_buckets,
+    fwd = cli.forward_options_from_flags()
+    ar = Generator(cfg, model.params, eos_ids=tok.eos_ids, fwd=fwd)
+    specs = {d: registry.build_spec_generator(model, d, k=K, k_buckets=k_buckets, fwd=fwd,
                                               **cli.drafter_kwargs(model, d, K, draft=draft))
              for d in drafters}
+    # One policy per drafter, kept across prompts (SmartSpec learns acceptance online).
+    policies = {d: cli.policy_from_flags(model, d) for d in drafters}
     counter = CompileCounter()
     mnt = FLAGS.max_new_tokens
     # The AR baseline is the engine's K = 0 step (Generator is a SpecGenerator with no drafter).
     warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0)}
     for d, g in specs.items():
         print(f"[compiling {d} variants]", file=sys.stderr)
-        warm[f"{d}_compile_s"] = registry.warm_spec(g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, K)
+        k_warm = getattr(policies[d][0], "k", max(k_buckets))  # a fixed K runs buckets <= K; SmartSpec any
+        warm[f"{d}_compile_s"] = registry.warm_spec(g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts},
+                                                    k_warm)
     t0 = time.perf_counter()
     first = prompts[0]["ids"]
     ar.generate([first], max_new_tokens=mnt)
-    for g in specs.values():
-        g.generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats())
+    for d, g in specs.items():
+        g.generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats(), policy=policies[d][0])
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
     for g in specs.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
         for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
@@ -437,7 +447,8 @@ def bench() -> int:
             for d in drafters:
                 st = SpecStats()
                 t = time.perf_counter()
-                s = specs[d].generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st)[0]
+                s = specs[d].generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st,
+                                      policy=policies[d][0])[0]
                 wall = time.perf_counter() - t
                 eq = s.tokens == r.tokens
                 row[d] = {"wall_s": wall, "new_tokens": len(s.tokens), "prefill_s": s.prefill_s,
@@ -459,7 +470,8 @@ def bench() -> int:
     summary = summarize(rows, cat_order, drafters, skipped, hf["rows"] if hf else None)
     table = markdown_table(summary, drafters, hf is not None)
     over = summary[-1]
-    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, K={K}, "
+    pols = ", ".join(f"{d}: {lab}" for d, (_, lab) in policies.items())
+    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, policy ({pols}), "
             f"max_new_tokens={mnt}, first turn, {'chat template' if FLAGS.chat else 'raw text'}, "
             f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
@@ -502,6 +514,7 @@ def bench() -> int:
         res = {"config": {"model": cfg.name, "dtype": FLAGS.dtype, "question_file": qfile,
                           "categories": cat_order, "per_category": FLAGS.per_category, "max_new_tokens": mnt,
                           "drafters": drafters, "num_spec_tokens": K, "k_buckets": list(k_buckets),
+                         "policies": {d: lab for d, (_, lab) in policies.items()},
                           "draft_layers": FLAGS.draft_layers, "draft_model": FLAGS.draft_model,
                           "pld_min_ngram": FLAGS.pld_min_ngram, "pld_max_ngram": FLAGS.pld_max_ngram,
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,

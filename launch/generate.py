@@ -20,8 +20,14 @@ Drafters (``--drafter``):
 For suffix/hybrid, K (``--num_spec_tokens``) is the draft-node budget per step, e.g.
 ``--num_spec_tokens 16 --k_buckets 0,1,2,4,8,16``.
 
-Speculative runs use ``SpecGenerator`` with ``--num_spec_tokens`` K drafts per step; K must be
-one of ``--k_buckets`` (the precompiled K variants, which also size the cache headroom).
+Speculative runs use ``SpecGenerator`` (the serving engine with every prompt at t = 0) under
+``--policy``: ``auto`` (default) is SmartSpec's goodput choice of K per step among
+``--k_buckets`` when a performance model for this model, drafter and hardware exists (shipped
+for SmolLM2 on CPU; launch/profile.py makes one), else a fixed K = ``--num_spec_tokens`` (said
+on stderr); ``smartspec`` requires the model; an integer is that fixed K; ``none`` is K = 0.
+So a prompt where drafts do not pay falls back to plain decoding instead of paying for
+verification. K must be one of ``--k_buckets`` (the precompiled K variants, which also size the
+cache headroom).
 
 Compilation: with ``--prompt`` and a drafter, exactly the variants this one prompt needs
 (one prefill and one K-step for its prompt/cache bucket) are compiled *before* generation, so
@@ -55,9 +61,6 @@ def define_flags() -> None:
     flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
     flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
     flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
-    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"],
-                      "Attention for decode/verify blocks: xla, or the Pallas tree-attention kernel "
-                      "(kernels_pallas/; GPU/TPU; on CPU it runs in interpret mode, for testing only).")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
@@ -70,6 +73,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
     flags.DEFINE_enum("drafter", "none", list(registry.DRAFTERS), "Speculative drafter; none = autoregressive decoding.")
     cli.define_spec_flags()
+    cli.define_forward_flags()
+    cli.define_policy_flags()
 
 
 # ---------------------------------------------------------------- generation
@@ -79,11 +84,11 @@ def _encode(tok, text: str, chat: bool, system: str | None):
     return tok.encode_chat(text, system) if chat else tok.encode(text)
 
 
-def _spec_kw(stats):
-    return {} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats}
+def _spec_kw(stats, policy):
+    return {} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats, "policy": policy}
 
 
-def run_single(model, gen, stats=None) -> None:
+def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     from specjax.generate import validate_request
 
     tok = model.tokenizer
@@ -92,10 +97,12 @@ def run_single(model, gen, stats=None) -> None:
     compile_s = None
     if stats is not None:
         validate_request(ids, FLAGS.max_new_tokens, model.cfg)
-        compile_s = registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], FLAGS.num_spec_tokens,
-                              greedy=samp.greedy)
+        # a fixed K runs buckets <= K (host drafts shrink the block); SmartSpec may choose any
+        k_warm = getattr(policy, "k", max(gen.k_buckets))
+        compile_s = registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], k_warm,
+                                       greedy=samp.greedy)
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
-                       **_spec_kw(stats))[0]
+                       **_spec_kw(stats, policy))[0]
     print(tok.decode(res.tokens))
     n = len(res.tokens)
     dec = n / res.decode_s if res.decode_s > 0 else float("nan")
@@ -106,10 +113,10 @@ def run_single(model, gen, stats=None) -> None:
               file=sys.stderr)
     else:
         print(head + f"compilation {compile_s:.1f} s before generation, excluded]", file=sys.stderr)
-        print(f"[spec {FLAGS.drafter} K={FLAGS.num_spec_tokens}: {registry.format_spec_stats(stats)}]", file=sys.stderr)
+        print(f"[spec {FLAGS.drafter}, policy {policy_label}: {registry.format_spec_stats(stats)}]", file=sys.stderr)
 
 
-def run_jsonl(model, gen, stats=None) -> None:
+def run_jsonl(model, gen, stats=None, policy=None, policy_label="") -> None:
     from tqdm import tqdm
 
     from specjax import jsonl_io
@@ -138,7 +145,7 @@ def run_jsonl(model, gen, stats=None) -> None:
                 groups.setdefault(item[2], []).append(item)
             for mnt, items in groups.items():
                 results = gen.generate([i[1] for i in items], [i[3] for i in items], max_new_tokens=mnt,
-                                       ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats))
+                                       ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats, policy))
                 for (rec, _, _, _), res in zip(items, results):
                     n_tok += len(res.tokens)
                     out.write({"id": rec.id, "prompt": rec.prompt, "output": tok.decode(res.tokens),
@@ -169,7 +176,7 @@ def run_jsonl(model, gen, stats=None) -> None:
     print(f"{len(todo)} records ({len(records) - len(todo)} already done, {n_err} errors); "
           f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s", file=sys.stderr)
     if stats is not None:
-        print(f"spec {FLAGS.drafter} K={FLAGS.num_spec_tokens} (compilation included in the time above): "
+        print(f"spec {FLAGS.drafter}, policy {policy_label} (compilation included in the time above): "
               f"{registry.format_spec_stats(stats)}", file=sys.stderr)
 
 
@@ -196,24 +203,27 @@ def main(argv):
         if FLAGS.batch_size < 1:
             raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
         k_buckets = cli.validate_spec_flags([FLAGS.drafter])
+        registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
         model = load_model(FLAGS.model, FLAGS.dtype)
         print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
               f"in {model.load_seconds:.1f} s]", file=sys.stderr)
-        stats = None
+        stats = policy = None
+        label = ""
         if FLAGS.drafter == "none":
             gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
-                            attention_impl=FLAGS.attention_impl)
+                            fwd=cli.forward_options_from_flags())
         else:
             from specjax.spec_generate import SpecStats
 
             gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
-                                                attention_impl=FLAGS.attention_impl,
+                                                fwd=cli.forward_options_from_flags(),
                                                 **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
             stats = SpecStats()
+            policy, label = cli.policy_from_flags(model, FLAGS.drafter)
         if FLAGS.prompt is not None:
-            run_single(model, gen, stats)
+            run_single(model, gen, stats, policy, label)
         else:
-            run_jsonl(model, gen, stats)
+            run_jsonl(model, gen, stats, policy, label)
     except SpecjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

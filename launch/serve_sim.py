@@ -35,6 +35,8 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
+from specjax import registry  # noqa: E402
+
 FLAGS = flags.FLAGS
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
 
@@ -497,7 +499,7 @@ def run():
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
     perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
     for d in drafters:
-        label = f"layer_skip{FLAGS.draft_layers}" if d == "layer_skip" else d
+        label = registry.drafter_label(d, FLAGS.draft_layers)
         key = model_key(model.cfg.name, label, hw)
         cost = load_perf(perf_path, key)
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
@@ -524,12 +526,12 @@ def run():
                             for q, n in zip(reqs, lens[(rate, rep)])]
                 return reqs
 
-            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
+            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
                             label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
             probes = {(x["rate"], x["repeat"], x["policy"]): {int(b): f for b, f in x["speed_probe"].items()}
                       for x in rows if x["mode"] == "real" and x["drafter"] == d and x.get("speed_probe")}
             if probes and isinstance(sim_cost, ProfiledCost):
-                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d == "layer_skip", geom, FLAGS.seed,
+                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
                                 label=f"{d}+probe", sim_cost=sim_cost, repeats=FLAGS.repeats, speed=probes)
     finish(rows)
 

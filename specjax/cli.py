@@ -109,3 +109,37 @@ def validate_spec_flags(drafters) -> tuple[int, ...] | None:
     if "layer_skip" in drafters and FLAGS.draft_layers < 1:
         raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
     return k_buckets
+
+
+def define_forward_flags() -> None:
+    """The compiled-forward settings (models.options.ForwardOptions)."""
+    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"],
+                      "Decode/verify attention: plain XLA, or the Pallas tree-attention kernel (GPU/TPU; "
+                      "interpret mode on CPU, slow; prefill always uses XLA).")
+    flags.DEFINE_integer("small_rows", 0, "Project 2..N activation rows as per-row matrix-vector products "
+                         "instead of one GEMM (a CPU-specific setting; see benchmarks/projection_rows.py; 0 = off).")
+
+
+def forward_options_from_flags():
+    from specjax.models.options import ForwardOptions
+
+    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows)
+
+
+def define_policy_flags() -> None:
+    """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K."""
+    flags.DEFINE_string("policy", "auto", registry.POLICY_HELP + ": auto = SmartSpec when --perf_models has a "
+                        "model for this model, drafter and hardware, else fixed K = --num_spec_tokens.")
+    flags.DEFINE_string("perf_models", None, "Performance models from launch/profile.py (default: the ones "
+                        "shipped in configs/perf/).")
+
+
+def policy_from_flags(model, drafter: str):
+    """(policy, label) from --policy; an auto fallback to fixed K is said on stderr."""
+    import sys
+
+    pol, label, note = registry.make_policy(FLAGS.policy, model.cfg.name, drafter, draft_layers=FLAGS.draft_layers,
+                                            fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return pol, label

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from specjax import buckets as bk
 from specjax.config import ModelConfig
+from specjax.models.options import ForwardOptions
 from specjax.results import GenerationResult, validate_request  # noqa: F401  (re-exported)
 from specjax.sampling import SamplingParams
 from specjax.spec_generate import SpecGenerator
@@ -24,11 +25,11 @@ class Generator(SpecGenerator):
     engine runs whenever it does not speculate."""
 
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (),
-                 batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, attention_impl: str = "xla"):
+                 batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, fwd: ForwardOptions = ForwardOptions()):
         slots = tuple(bk.MIN_SLOT_BUCKET << i for i in range(32)
                       if bk.MIN_SLOT_BUCKET << i < cfg.max_position) + (cfg.max_position,)
         super().__init__(cfg, params, eos_ids=eos_ids, k_buckets=(0,), batch_buckets=batch_buckets,
-                         slot_buckets=slots, attention_impl=attention_impl)
+                         slot_buckets=slots, fwd=fwd)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  max_new_tokens: int = 128, ignore_eos: bool = False, num_spec_tokens: int = 0,

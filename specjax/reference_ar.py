@@ -22,12 +22,13 @@ from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.results import GenerationResult, validate_request
 from specjax.models import llama
+from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingArrays, SamplingParams, sample
 
 
-@partial(jax.jit, static_argnames=("cfg", "slots", "greedy_only", "attention_impl"))
+@partial(jax.jit, static_argnames=("cfg", "slots", "greedy_only", "fwd"))
 def prefill(params, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int, greedy_only: bool,
-            attention_impl: str = "xla"):
+            fwd: ForwardOptions = ForwardOptions()):
     """Run the prompts ([B, Tp], row b valid up to n_valid[b]) into a fresh cache and
     sample each row's first new token."""
     B, T = tokens.shape
@@ -35,20 +36,20 @@ def prefill(params, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, 
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     last = jnp.maximum(n_valid - 1, 0)[:, None]
     logits, cache = llama.forward(params, tokens, pos, cache, llama.causal_mask(B, T), cfg=cfg,
-                                  use_prefix=False, logits_at=last, attention_impl=attention_impl)
+                                  use_prefix=False, logits_at=last, fwd=fwd)
     cache = kv.set_lengths(cache, n_valid)
     tok = sample(logits[:, 0], samp, n_valid, greedy_only)
     return cache, tok
 
 
-@partial(jax.jit, static_argnames=("cfg", "greedy_only", "attention_impl"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "greedy_only", "fwd"), donate_argnames=("cache",))
 def decode_step(params, cache: kv.KVCache, tokens, active, samp: SamplingArrays, *, cfg: ModelConfig,
-                greedy_only: bool, attention_impl: str = "xla"):
+                greedy_only: bool, fwd: ForwardOptions = ForwardOptions()):
     """Feed one token per row; rows with active=False do not advance."""
     B = tokens.shape[0]
     pos = cache.lengths[:, None]
     logits, cache = llama.forward(params, tokens[:, None], pos, cache, llama.causal_mask(B, 1), cfg=cfg,
-                                  attention_impl=attention_impl)
+                                  fwd=fwd)
     cache = kv.advance(cache, active.astype(jnp.int32))
     tok = sample(logits[:, 0], samp, cache.lengths, greedy_only)
     return cache, tok
@@ -58,7 +59,7 @@ def reference_generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
                        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                        max_new_tokens: int = 128, ignore_eos: bool = False, eos_ids: Sequence[int] = (),
                        batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS,
-                       attention_impl: str = "xla") -> list[GenerationResult]:
+                       fwd: ForwardOptions = ForwardOptions()) -> list[GenerationResult]:
     """Generate for every prompt, in static batches of at most the largest batch bucket. Each
     row generates up to ``max_new_tokens`` and never past the context."""
     if isinstance(sampling, SamplingParams):
@@ -69,11 +70,11 @@ def reference_generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
     out: list[GenerationResult] = []
     for i in range(0, len(prompts), buckets[-1]):
         out.extend(_batch(cfg, params, prompts[i:i + buckets[-1]], sampling[i:i + buckets[-1]], max_new_tokens,
-                          ignore_eos, set(int(e) for e in eos_ids), buckets, attention_impl))
+                          ignore_eos, set(int(e) for e in eos_ids), buckets, fwd))
     return out
 
 
-def _batch(cfg, params, prompts, sampling, max_new_tokens, ignore_eos, eos, buckets, attention_impl):
+def _batch(cfg, params, prompts, sampling, max_new_tokens, ignore_eos, eos, buckets, fwd):
     n = len(prompts)
     B = bk.pick(buckets, n, "batch size")
     lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
@@ -87,7 +88,7 @@ def _batch(cfg, params, prompts, sampling, max_new_tokens, ignore_eos, eos, buck
     greedy_only = all(s.greedy for s in sampling)
     t0 = time.perf_counter()
     cache, tok = prefill(params, jnp.asarray(toks), jnp.asarray(lens), samp, cfg=cfg, slots=slots,
-                         greedy_only=greedy_only, attention_impl=attention_impl)
+                         greedy_only=greedy_only, fwd=fwd)
     tok = np.asarray(tok)
     t1 = time.perf_counter()
     generated = [[] for _ in range(B)]
@@ -106,7 +107,7 @@ def _batch(cfg, params, prompts, sampling, max_new_tokens, ignore_eos, eos, buck
         if done.all():
             break
         cache, tok = decode_step(params, cache, jnp.asarray(tok), jnp.asarray(~done), samp, cfg=cfg,
-                                 greedy_only=greedy_only, attention_impl=attention_impl)
+                                 greedy_only=greedy_only, fwd=fwd)
         tok = np.asarray(tok)
     t2 = time.perf_counter()
     return [GenerationResult(generated[b], reason[b], int(lens[b]), t1 - t0, t2 - t1) for b in range(n)]

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 
+from specjax.models.options import ForwardOptions
+
 DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip", "suffix", "suffix_path", "hybrid")
 SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
 SPEC_DRAFTERS = DRAFTERS[1:]
+DEVICE_DRAFTERS = ("draft_model", "layer_skip")  # run inside the step (drafters.device); the rest on the host
 
 
 def parse_k_buckets(text: str) -> tuple[int, ...]:
@@ -86,12 +89,12 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=()) -> dict:
     """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
-    ``drafter`` (a host drafter) or ``draft`` (a DraftSpec) + ``draft_params``. ``draft``: an
+    ``drafter`` (a host drafter) or ``draft`` (a device drafter) + ``draft_params``. ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree."""
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
-    from specjax.engine.step import DraftSpec
+    from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.errors import SpecjaxError
     from specjax.models.loader import load_model
 
@@ -117,7 +120,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
-        return {"draft": DraftSpec(kind="model", cfg=cfg, num_layers=draft_layers)}
+        d, dparams = layer_skip(cfg, model.params, draft_layers)
+        return {"draft": d, "draft_params": dparams}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -127,13 +131,13 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
         if dcfg.vocab_size != cfg.vocab_size:
             raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
                                f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
-        return {"draft": DraftSpec(kind="model", cfg=dcfg), "draft_params": draft.params}
+        return {"draft": ModelDraft(dcfg), "draft_params": draft.params}
     if drafter == "none":
         return {}
     raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
 
 
-def build_spec_generator(model, drafter: str, *, k: int, k_buckets, attention_impl: str = "xla", **kw):
+def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, **kw):
     """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts."""
     from specjax import buckets as bk
     from specjax.errors import SpecjaxError
@@ -144,7 +148,7 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, attention_im
     parts = drafter_parts(model, drafter, k=k, **kw)
     return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=spec_slot_buckets(model.cfg), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
-                         attention_impl=attention_impl, **parts)
+                         fwd=fwd or ForwardOptions(), **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
@@ -181,7 +185,7 @@ def format_spec_stats(stats) -> str:
             f"per-position acceptance [{pos}]")
 
 
-def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, attention_impl="xla",
+def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
                  **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens)."""
@@ -193,8 +197,69 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     else:
         parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
     return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
-                      attention_impl=attention_impl, **parts)
+                      fwd=fwd or ForwardOptions(), **parts)
 
 
 def drafter_label(drafter: str, draft_layers: int) -> str:
     return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
+
+
+POLICY_HELP = "auto, smartspec, none or an integer K"
+
+
+def check_policy(policy: str, k_buckets, drafter: str, fallback_k: int) -> str:
+    """Validate a policy name against the compiled K buckets; returns it normalised. Raises
+    SpecjaxError. ``auto``: SmartSpec when a performance model exists, else fixed ``fallback_k``;
+    ``smartspec`` requires the model; ``none`` is K = 0; an integer is that fixed K."""
+    from specjax.errors import SpecjaxError
+
+    pol = policy.strip().lower()
+    if pol not in ("auto", "smartspec", "none"):
+        try:
+            k = int(pol)
+        except ValueError:
+            raise SpecjaxError(f"--policy must be {POLICY_HELP}, got {policy!r}") from None
+        if k not in k_buckets:
+            raise SpecjaxError(f"--policy K={k} is not in --k_buckets {list(k_buckets)}")
+    if drafter == "none":
+        if pol not in ("auto", "none", "0"):
+            raise SpecjaxError(f"--policy {policy} needs a drafter; --drafter none decodes without speculation "
+                               "(use --policy auto or none)")
+    elif pol == "auto" and fallback_k not in k_buckets:
+        raise SpecjaxError(f"--num_spec_tokens {fallback_k} (the fallback K of --policy auto) is not in "
+                           f"--k_buckets {list(k_buckets)}")
+    return pol
+
+
+def default_perf_models() -> str:
+    """The performance models shipped with the package (configs/perf/perf_models.json)."""
+    from importlib import resources
+
+    return str(resources.files("specjax.configs").joinpath("perf", "perf_models.json"))
+
+
+def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int = 8, fallback_k: int = 4,
+                perf_models: str | None = None):
+    """(policy object, label, note or None) for ``policy`` (see check_policy). ``note`` says when
+    ``auto`` fell back to a fixed K because no performance model matches this model, drafter and
+    hardware (make one with launch/profile.py)."""
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import FixedK, GoodputPolicy
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+
+    pol = policy.strip().lower()
+    if drafter == "none" or pol in ("none", "0"):
+        return FixedK(0), "no-SD", None
+    if pol not in ("auto", "smartspec"):
+        return FixedK(int(pol)), f"K={int(pol)}", None
+    path = perf_models or default_perf_models()
+    key = model_key(model_name, drafter_label(drafter, draft_layers), hardware_key())
+    try:
+        cost = load_perf(path, key)
+    except SpecjaxError:
+        if pol == "smartspec":
+            raise
+        return (FixedK(fallback_k), f"K={fallback_k} (auto)",
+                f"no performance model for {key!r} in {path}; using fixed K={fallback_k} instead of SmartSpec "
+                "(make one with launch/profile.py)")
+    return GoodputPolicy(cost, "moving_average"), "SmartSpec", None

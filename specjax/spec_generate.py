@@ -23,10 +23,11 @@ from specjax.drafters.base import NoDrafter
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput
-from specjax.engine.step import DraftSpec
+from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
 from specjax.results import GenerationResult, validate_request
-from specjax.goodput.selector import FixedK
+from specjax.goodput.selector import FixedK, Policy
+from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
 
@@ -86,27 +87,21 @@ class SpecStats:
 
 class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
-                 draft: DraftSpec = DraftSpec(), draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
+                 draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
                  batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
-                 attention_impl: str = "xla", shrink_to_proposal: bool = True):
+                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
-        if draft.kind == "model":
-            require(draft.cfg is not None, "a model drafter needs its config")
-            require(draft_params is not None or draft.num_layers is not None,
-                    "an independent draft model needs its params (a layer-skip self-draft uses the target's)")
-            if draft.cfg.vocab_size != cfg.vocab_size:
-                raise SpecjaxError(f"draft model vocabulary ({draft.cfg.vocab_size}) differs from the target's "
-                                   f"({cfg.vocab_size}); draft and target must share a tokenizer")
+        check_pair(cfg, draft, draft_params)
         self.cfg = cfg
         self.params = params
         self.dparams = draft_params if draft_params is not None else params
         self.draft = draft
-        self.drafter = drafter if drafter is not None else (None if draft.kind == "model" else NoDrafter())
+        self.drafter = drafter if drafter is not None else (None if draft is not None else NoDrafter())
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.k_buckets = tuple(sorted(set(k_buckets)))
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
-        self.attention_impl = attention_impl
+        self.fwd = fwd
         self.shrink_to_proposal = shrink_to_proposal
         self._backends: dict[int, JaxBackend] = {}
         self._warm = False
@@ -119,8 +114,8 @@ class SpecGenerator:
             # (a resize copies the whole cache), as the batch they started in.
             be = self._backends[slots] = JaxBackend(
                 self.cfg, self.params, drafter=self.drafter, draft=self.draft,
-                draft_params=self.dparams if self.draft.kind == "model" else None, k_buckets=self.k_buckets,
-                batch_buckets=self.batch_buckets, slots=slots, attention_impl=self.attention_impl,
+                draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
+                batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
                 shrink_patience=1 << 30)
             be.table.warm = self._warm
         be.shrink_to_proposal = self.shrink_to_proposal
@@ -166,8 +161,11 @@ class SpecGenerator:
         return next((s for s in self.slot_buckets if s >= need), self.slot_buckets[-1])
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling=SamplingParams(), max_new_tokens: int = 128,
-                 num_spec_tokens: int = 4, ignore_eos: bool = False, stats: SpecStats | None = None
-                 ) -> list[GenerationResult]:
+                 num_spec_tokens: int = 4, ignore_eos: bool = False, stats: SpecStats | None = None,
+                 policy: Policy | None = None) -> list[GenerationResult]:
+        """``policy``: how many drafts each step verifies (default: fixed K = ``num_spec_tokens``;
+        a ``GoodputPolicy`` chooses among every compiled K, learning acceptance across calls).
+        Whatever the policy, greedy outputs are the target's own."""
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         require(len(sampling) == len(prompts), "one SamplingParams per prompt")
@@ -188,7 +186,7 @@ class SpecGenerator:
             reqs.append(Request(str(i), list(p), budget, s, 0.0, ignore_eos))
         be = self.backend(S)
         be.reset()
-        engine = ServingEngine(be, FixedK(num_spec_tokens), eos_ids=self.eos_ids)
+        engine = ServingEngine(be, policy if policy is not None else FixedK(num_spec_tokens), eos_ids=self.eos_ids)
         outs = engine.run(reqs)
         for o in outs:
             if o.error is not None:

@@ -28,3 +28,21 @@ def test_chunked_matches_reference(T, lengths):
         got = jax.jit(A.block_attention_chunked, static_argnames=("layer", "chunk"))(
             q, kb, vb, k_all, v_all, layer=layer, lengths=lens, block_mask=mask, chunk=256)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_forward_options_are_compile_settings_with_one_result(tiny):
+    """Every ForwardOptions setting (one-shot vs chunked prefix attention, per-row matvec
+    projections) computes the same step; each is its own static key, so switching one compiles
+    a new executable instead of silently changing a process-wide one."""
+    from specjax.errors import SpecjaxError
+    from specjax.models.options import ForwardOptions
+    from specjax.reference_ar import reference_generate
+
+    cfg, params = tiny
+    prompts = [[5, 6, 7, 8] * 3, [9, 10]]
+    opts = [ForwardOptions(), ForwardOptions(attn_chunk=0), ForwardOptions(small_rows=8)]
+    assert len({hash(o) for o in opts}) == 3
+    outs = [[r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=6, fwd=o)] for o in opts]
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(SpecjaxError, match="unknown attention implementation"):
+        ForwardOptions(attention="flash")

@@ -12,7 +12,7 @@ from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import EventClock, ServingEngine, summarize
 from specjax.engine.scheduler import Request, Scheduler
-from specjax.engine.step import DraftSpec
+from specjax.drafters.device import layer_skip
 from specjax.errors import SpecjaxError
 from specjax.reference_ar import reference_generate
 from specjax.goodput import FixedK, GoodputPolicy, LinearCost, Policy, StepCostModel
@@ -20,6 +20,12 @@ from specjax.goodput.selector import DraftPrefillGate
 from specjax.sampling import SamplingParams
 from specjax.simulate import AcceptanceProfile, simulate
 from specjax.spec_generate import SpecGenerator
+
+
+def _ls(cfg, params, n):
+    """Layer-skip self-drafting with the first n layers, as SpecGenerator / JaxBackend kwargs."""
+    d, dparams = layer_skip(cfg, params, n)
+    return {"draft": d, "draft_params": dparams}
 
 ROWS = (1, 4)  # batch buckets: the live state grows 1 -> 4 and shrinks back
 KS = (0, 2)
@@ -54,7 +60,7 @@ def backends(tiny):
     pld = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS, slots=SLOTS,
                      shrink_patience=2)
     pld.warmup(prompt_lens=[16], greedy_modes=(True, False))
-    ls = JaxBackend(cfg, params, draft=DraftSpec("model", cfg, num_layers=2), k_buckets=KS, batch_buckets=ROWS,
+    ls = JaxBackend(cfg, params, **_ls(cfg, params, 2), k_buckets=KS, batch_buckets=ROWS,
                     slots=SLOTS, shrink_patience=2)
     ls.warmup(prompt_lens=[16])
     return {"prompt_lookup": pld, "layer_skip": ls}

@@ -50,6 +50,8 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "12 tokens (length)" in r.stderr
     assert "excluded" in r.stderr  # compilation happens before generation and is reported apart
+    # --policy auto: no performance model for the tiny model here, so a fixed K, said once
+    assert "instead of SmartSpec" in r.stderr and "policy K=" in r.stderr, r.stderr[-2000:]
     _assert_metrics(r.stderr)
 
 
@@ -70,6 +72,9 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     (["--drafter", "hybrid", "--suffix_tau", "-1"], "--suffix_tau must be >= 0"),
     (["--drafter", "suffix", "--suffix_history_jsonl", "/nonexistent.jsonl"], "does not exist"),
     (["--drafter", "prompt_lookup", "--suffix_history_jsonl", "x.jsonl"], "only used with --drafter suffix"),
+    (["--drafter", "prompt_lookup", "--policy", "smartspec"], "no performance model for 'tiny-random|prompt_lookup"),
+    (["--drafter", "prompt_lookup", "--policy", "3"], "--policy K=3 is not in --k_buckets"),
+    (["--drafter", "prompt_lookup", "--policy", "fast"], "--policy must be auto, smartspec"),
 ])
 def test_bad_spec_input_gives_one_line_error(args, message, draft_dirs):
     args = [draft_dirs.get(a, a) for a in args]

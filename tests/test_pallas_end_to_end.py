@@ -7,15 +7,22 @@ from __future__ import annotations
 import pytest
 
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
-from specjax.engine.step import DraftSpec
+from specjax.drafters.device import ModelDraft, layer_skip
 from specjax.generate import Generator
+from specjax.models.options import ForwardOptions
 from specjax.reference_ar import reference_generate
 from specjax.models import llama
 from specjax.spec_generate import SpecGenerator
 
+
+def _ls(cfg, params, n):
+    """Layer-skip self-drafting with the first n layers, as SpecGenerator / JaxBackend kwargs."""
+    d, dparams = layer_skip(cfg, params, n)
+    return {"draft": d, "draft_params": dparams}
+
 PROMPTS = [[30] * 8, [42, 7, 99], [11, 12] * 6]
 MAX_NEW = 16
-KW = dict(batch_buckets=(1, 4), k_buckets=(0, 1, 4), slot_buckets=(256,), attention_impl="pallas")
+KW = dict(batch_buckets=(1, 4), k_buckets=(0, 1, 4), slot_buckets=(256,), fwd=ForwardOptions(attention="pallas"))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,7 @@ def ar_xla(tiny):
 
 def test_ar_decode_with_pallas_equals_xla(tiny, ar_xla):
     cfg, params = tiny
-    gen = Generator(cfg, params, batch_buckets=(1, 4), attention_impl="pallas")
+    gen = Generator(cfg, params, batch_buckets=(1, 4), fwd=ForwardOptions(attention="pallas"))
     assert [r.tokens for r in gen.generate(PROMPTS, max_new_tokens=MAX_NEW)] == ar_xla
 
 
@@ -37,9 +44,9 @@ def test_spec_greedy_with_pallas_equals_ar(tiny, ar_xla, drafter):
         gen = SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), **KW)
     elif drafter == "draft_model":
         dcfg = cfg.replace(name="tiny-draft", num_layers=2)
-        gen = SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg),
+        gen = SpecGenerator(cfg, params, draft=ModelDraft(dcfg),
                             draft_params=llama.init_random_params(dcfg, seed=1), **KW)
     else:
-        gen = SpecGenerator(cfg, params, draft=DraftSpec("model", cfg, num_layers=2), **KW)
+        gen = SpecGenerator(cfg, params, **_ls(cfg, params, 2), **KW)
     assert [r.tokens for r in gen.generate(PROMPTS, max_new_tokens=MAX_NEW, num_spec_tokens=4)] == ar_xla
     assert [r.tokens for r in gen.generate(PROMPTS[:1], max_new_tokens=MAX_NEW, num_spec_tokens=1)] == ar_xla[:1]

@@ -14,12 +14,18 @@ import pytest
 
 from specjax.drafters.base import NoDrafter
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
-from specjax.engine.step import DraftSpec
+from specjax.drafters.device import ModelDraft, layer_skip
 from specjax.errors import SpecjaxError
 from specjax.reference_ar import reference_generate
 from specjax.models import llama
 from specjax.sampling import SamplingParams
 from specjax.spec_generate import SpecGenerator, SpecStats
+
+
+def _ls(cfg, params, n):
+    """Layer-skip self-drafting with the first n layers, as SpecGenerator / JaxBackend kwargs."""
+    d, dparams = layer_skip(cfg, params, n)
+    return {"draft": d, "draft_params": dparams}
 
 BATCH_BUCKETS = (1, 4, 8)  # batch 3 runs padded to 4: padding rows are exercised too
 K_BUCKETS = (0, 1, 4)
@@ -83,8 +89,8 @@ def spec_gens(tiny, draft_model):
     return {
         "none": SpecGenerator(cfg, params, drafter=NoDrafter(), **kw),
         "prompt_lookup": SpecGenerator(cfg, params, drafter=RecordingLookup(), **kw),
-        "draft_model": SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg), draft_params=dparams, **kw),
-        "layer_skip": SpecGenerator(cfg, params, draft=DraftSpec("model", cfg, num_layers=2), draft_params=None, **kw),
+        "draft_model": SpecGenerator(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, **kw),
+        "layer_skip": SpecGenerator(cfg, params, **_ls(cfg, params, 2), **kw),
     }
 
 
@@ -171,7 +177,7 @@ def test_full_depth_self_draft_is_always_accepted(tiny):
     is accepted. This fails if the draft's warping, its random stream or its cache bookkeeping
     (re-feeding [prev, pending], rollback) disagreed with the target's."""
     cfg, params = tiny
-    gen = SpecGenerator(cfg, params, draft=DraftSpec("model", cfg, num_layers=cfg.num_layers),
+    gen = SpecGenerator(cfg, params, **_ls(cfg, params, cfg.num_layers),
                         batch_buckets=(4,), k_buckets=(0, 4), slot_buckets=SLOTS)
     st = SpecStats()
     sp = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2),
@@ -179,6 +185,37 @@ def test_full_depth_self_draft_is_always_accepted(tiny):
     res = gen.generate(PROMPTS[3], sampling=sp, max_new_tokens=MAX_NEW, num_spec_tokens=4, stats=st)
     assert [len(r.tokens) for r in res] == [MAX_NEW] * 3
     assert st.drafted == 4 * st.steps and st.acceptance_rate > 0.97, st.summary()
+
+
+def test_goodput_policy_through_the_static_api(spec_gens, ar_greedy):
+    """SpecGenerator.generate under SmartSpec's goodput policy (K chosen per step among every
+    compiled bucket, acceptance learnt across calls) is still exactly AR greedy."""
+    from specjax.goodput import GoodputPolicy, LinearCost, StepCostModel
+
+    cheap = StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, 1e-4))
+    pol = GoodputPolicy(cheap)
+    gen = spec_gens["prompt_lookup"]
+    st = SpecStats()
+    for B in (1, 3):
+        out = gen.generate(PROMPTS[B], max_new_tokens=MAX_NEW, num_spec_tokens=4, stats=st, policy=pol)
+        assert [r.tokens for r in out] == ar_greedy[B]
+    assert st.drafted > 0
+
+
+def test_layer_skip_draft_owns_its_params(tiny):
+    """A layer-skip draft has a params tree of its own: it shares the target's arrays (no copy)
+    until trained, and replacing the draft's arrays (what a distiller does) leaves the target
+    untouched; its static description says what it is."""
+    cfg, params = tiny
+    d, dparams = layer_skip(cfg, params, 2)
+    assert d.cfg.num_layers == 2 and d.label == "layer_skip2" and hash(d) == hash(layer_skip(cfg, params, 2)[0])
+    assert dparams["layers"][0]["wq"] is params["layers"][0]["wq"] and dparams["embed"] is params["embed"]
+    dparams["layers"][0] = {k: v * 0 for k, v in dparams["layers"][0].items()}
+    dparams["embed"] = dparams["embed"] + 1
+    assert float(abs(params["layers"][0]["wq"]).sum()) > 0 and len(params["layers"]) == cfg.num_layers
+    assert dparams["embed"] is not params["embed"]
+    with pytest.raises(SpecjaxError, match="layer-skip draft needs 1..4 layers"):
+        layer_skip(cfg, params, 0)
 
 
 # ---------------------------------------------------------------- sampled generation
@@ -246,7 +283,7 @@ def test_no_compilation_after_warmup(tiny, draft_model):
     cfg, params = tiny
     dcfg, dparams = draft_model
     # A slot bucket no other test uses, so warm-up really compiles (JAX caches executables in-process).
-    gen = SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg), draft_params=dparams, batch_buckets=(1, 4),
+    gen = SpecGenerator(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, batch_buckets=(1, 4),
                         k_buckets=(0, 2, 4), slot_buckets=(192,))
     with capture_compiles() as log:
         jax.jit(lambda x: x * 3 + 1)(jnp.ones((11,)))  # the capture must see a deliberate compile
@@ -291,9 +328,9 @@ def test_bad_inputs_raise_clear_errors(tiny, draft_model):
         gen.generate([[1, 2], []], num_spec_tokens=1)
     other = dcfg.replace(name="other-vocab", vocab_size=300)
     with pytest.raises(SpecjaxError, match=r"draft model vocabulary \(300\) differs from the target's \(256\)"):
-        SpecGenerator(cfg, params, draft=DraftSpec("model", other), draft_params=llama.init_random_params(other, 2))
+        SpecGenerator(cfg, params, draft=ModelDraft(other), draft_params=llama.init_random_params(other, 2))
     with pytest.raises(SpecjaxError, match="needs its params"):
-        SpecGenerator(cfg, params, draft=DraftSpec("model", dcfg))
+        SpecGenerator(cfg, params, draft=ModelDraft(dcfg))
     with pytest.raises(SpecjaxError, match="k_buckets must include 0"):
         SpecGenerator(cfg, params, k_buckets=(1, 4))
     for bad in (0.0, -0.5, 1.5, float("nan")):
@@ -347,7 +384,7 @@ def _real_check(smol, prompts, drafters, ks, new_tokens, batch_buckets):
 
 def test_smollm2_greedy_spec_equals_autoregressive(smol):
     drafters = {"prompt_lookup": dict(drafter=PromptLookupDrafter()),
-                "layer_skip": dict(draft=DraftSpec("model", smol.cfg, num_layers=8))}
+                "layer_skip": dict(**_ls(smol.cfg, smol.params, 8))}
     want, acc = _real_check(smol, CHAT, drafters, ks=(4,), new_tokens=32, batch_buckets=(4,))
     assert "Paris" in smol.tokenizer.decode(want[0])
     assert acc[("prompt_lookup", 4)] > 1.0, acc  # the repeated sentence gets copied
@@ -358,8 +395,8 @@ def test_smollm2_greedy_spec_equals_autoregressive(smol):
 def test_smollm2_greedy_spec_grid(smol, B):
     # 8 layers: drafts are almost never accepted (rejection paths); 24 layers: a fair share is.
     drafters = {"prompt_lookup": dict(drafter=PromptLookupDrafter()),
-                "layer_skip_8": dict(draft=DraftSpec("model", smol.cfg, num_layers=8)),
-                "layer_skip_24": dict(draft=DraftSpec("model", smol.cfg, num_layers=24))}
+                "layer_skip_8": dict(**_ls(smol.cfg, smol.params, 8)),
+                "layer_skip_24": dict(**_ls(smol.cfg, smol.params, 24))}
     _, acc = _real_check(smol, CHAT_MORE[:B], drafters, ks=(2, 4), new_tokens=48, batch_buckets=(1, 4, 8))
     print(f"B={B} mean accepted tokens per step: {acc}")
     assert acc[("layer_skip_24", 4)] > 1.0, acc

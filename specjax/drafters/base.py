@@ -2,9 +2,8 @@
 
 A drafter is either host-side (proposes tokens from the token history: prompt
 lookup, suffix trees) or device-side (runs inside the jitted step: an independent
-draft model, or the target's own first layers). Host drafters implement
-``start / extend / propose / finish`` per batch row; device drafters only describe
-themselves with a ``DraftSpec`` and supply draft params.
+draft model, or the target's own first layers; see ``drafters.device``). Host drafters
+implement ``start / extend / propose / finish`` per request (``propose_tree`` for token trees).
 """
 
 from __future__ import annotations

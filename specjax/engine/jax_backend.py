@@ -32,11 +32,12 @@ from specjax import buckets as bk
 from specjax import tree
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
+from specjax.drafters.device import ModelDraft, check_pair
 from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.scheduler import Running
-from specjax.engine.step import DraftSpec
 from specjax.engine.table import StepTable
+from specjax.models.options import ForwardOptions
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
 
@@ -68,16 +69,17 @@ def check_map_budget(n_heavy: int, num_layers: int) -> None:
 
 
 class JaxBackend:
-    def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: DraftSpec = DraftSpec(), draft_params=None,
+    def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: ModelDraft | None = None, draft_params=None,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, attention_impl: str = "xla", shrink_patience: int = 8,
+                 slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
                  shrink_to_proposal: bool = True):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
         self.params = params
         self.draft = draft
-        self.device_draft = draft.kind == "model"
+        check_pair(cfg, draft, draft_params)
+        self.device_draft = draft is not None
         self.dparams = draft_params if draft_params is not None else params
         self.drafter = drafter if drafter is not None else NoDrafter()
         if self.device_draft and drafter is not None:
@@ -93,7 +95,7 @@ class JaxBackend:
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
         self.live = LiveBucket(self.batch_buckets, shrink_patience)
-        self.table = StepTable(cfg, params, self.dparams, draft, attention_impl)
+        self.table = StepTable(cfg, params, self.dparams, draft, fwd)
         self.reset()
 
     # ------------------------------------------------------------ state

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
-from specjax.engine.step import DraftSpec, StepState, spec_prefill, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
+from specjax.drafters.device import ModelDraft
+from specjax.models.options import ForwardOptions
+from specjax.engine.step import StepState, spec_prefill, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
-NO_DRAFT = DraftSpec()
 
 
 def _set_rows(dst, src, rows, axis):
@@ -78,12 +79,13 @@ def _abstract_samp(B):
 
 
 class StepTable:
-    def __init__(self, cfg: ModelConfig, params, dparams, draft: DraftSpec = NO_DRAFT, attention_impl: str = "xla"):
+    def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
+                 fwd: ForwardOptions = ForwardOptions()):
         self.cfg = cfg
         self.params = params
         self.dparams = dparams
         self.draft = draft
-        self.attention_impl = attention_impl
+        self.fwd = fwd
         self._exe: dict = {}
         self._info: dict = {}
         self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
@@ -103,34 +105,34 @@ class StepTable:
 
     def prefill(self, B: int, Tp: int, S: int, greedy_only: bool, run_draft: bool = True,
                 compile_if_missing: bool = False):
-        run_draft = bool(run_draft) and self.draft.kind == "model"  # one key for host drafters
-        draft = self.draft if run_draft else NO_DRAFT
+        run_draft = bool(run_draft) and self.draft is not None  # one key for host drafters
+        draft = self.draft if run_draft else None
 
         def build():
             toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
             return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B), cfg=self.cfg,
                                           slots=S, draft=draft, greedy_only=greedy_only,
-                                          attention_impl=self.attention_impl).compile()
+                                          fwd=self.fwd).compile()
 
         return self._get(("prefill", B, Tp, S, greedy_only, run_draft), build,
                          f"prefill for batch {B}, prompt bucket {Tp}, slots {S}", compile_if_missing)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (traced, never compiled)."""
-        key = ("state_info", B, S, bool(run_draft) and self.draft.kind == "model")
+        key = ("state_info", B, S, bool(run_draft) and self.draft is not None)
         if key not in self._info and not self._one_device:
             # Sharded params: the state's shardings are what the compiled prefill produces (an
             # abstract shape alone would pin the compiled steps to one device). The mesh-aware
             # state layout (cache sharding rules in the compile key) replaces this.
             self._info[key] = self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
         if key not in self._info:
-            draft = self.draft if key[3] else NO_DRAFT
+            draft = self.draft if key[3] else None
             toks = jax.ShapeDtypeStruct((B, bk.MIN_PROMPT_BUCKET), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
             self._info[key] = jax.eval_shape(
                 partial(spec_prefill, cfg=self.cfg, slots=S, draft=draft, greedy_only=True,
-                        attention_impl=self.attention_impl), self.params, self.dparams, toks, nv, _abstract_samp(B))
+                        fwd=self.fwd), self.params, self.dparams, toks, nv, _abstract_samp(B))
         return self._info[key]
 
     def step(self, B: int, K: int, S: int, greedy_only: bool):
@@ -140,7 +142,7 @@ class StepTable:
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
             return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
                                        _abstract_samp(B), cfg=self.cfg, K=K, draft=self.draft, greedy_only=greedy_only,
-                                       attention_impl=self.attention_impl).compile()
+                                       fwd=self.fwd).compile()
 
         return self._get(("step", B, K, S, greedy_only), build, f"spec step for batch {B}, K {K}, slots {S}")
 
@@ -150,12 +152,12 @@ class StepTable:
             return spec_tree_step_jit.lower(
                 self.params, self.dparams, self.state_info(B, S), ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
                 jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), cfg=self.cfg, N=K + 1,
-                greedy_only=greedy_only, attention_impl=self.attention_impl).compile()
+                greedy_only=greedy_only, fwd=self.fwd).compile()
 
         return self._get(("tree", B, K, S, greedy_only), build, f"tree step for batch {B}, {K} draft nodes, slots {S}")
 
     def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
-        run_draft = bool(run_draft) and self.draft.kind == "model"
+        run_draft = bool(run_draft) and self.draft is not None
 
         def build():
             rows = jax.ShapeDtypeStruct((Bp,), jnp.int32)

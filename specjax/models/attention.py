@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from specjax.models.options import ForwardOptions
+
 _NEG = -1e30
 
 
@@ -87,29 +89,23 @@ def block_attention_chunked(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, 
     return o.reshape(B, T, H, hd).astype(q.dtype)
 
 
-CHUNK = 256
-CHUNKED = True
-
-
-def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask, *, impl="xla",
-                    use_prefix=True):
+def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask, *,
+                    fwd: ForwardOptions = ForwardOptions(), use_prefix=True):
     """k_all, v_all: the whole stacked cache [L, B, Hkv, S, hd]; `layer` selects this layer's part.
 
-    impl: "xla" (plain XLA, the CPU default) or "pallas" (kernels_pallas.tree_attention: the
-    Triton kernel on GPU, the Mosaic kernel on TPU, interpret mode on CPU). Blocks longer
-    than the kernel's MAX_TREE_TOKENS (prefill) always take the XLA path."""
-    if impl == "pallas":
+    fwd.attention: "xla" or "pallas" (kernels_pallas.tree_attention: the Triton kernel on GPU,
+    the Mosaic kernel on TPU, interpret mode on CPU). Blocks longer than the kernel's
+    MAX_TREE_TOKENS (prefill) always take the XLA path, chunked by fwd.attn_chunk."""
+    if fwd.attention == "pallas":
         from kernels_pallas import tree_attention as ta  # imported lazily: Pallas is not needed for "xla"
 
         if q.shape[1] <= ta.MAX_TREE_TOKENS:
             lens = lengths if use_prefix else jnp.zeros_like(lengths)
             return ta.tree_attention(q, k_blk, v_blk, k_all, v_all, lens, block_mask, layer=layer)
-        impl = "xla"
-    if impl == "xla":
-        if use_prefix and CHUNKED and k_all.shape[3] % CHUNK == 0:
-            return block_attention_chunked(q, k_blk, v_blk, k_all, v_all, layer, lengths, block_mask, CHUNK)
-        L, B, Hkv, S, hd = k_all.shape
-        kc = jax.lax.dynamic_slice(k_all, (layer, 0, 0, 0, 0), (1, B, Hkv, S, hd))[0]
-        vc = jax.lax.dynamic_slice(v_all, (layer, 0, 0, 0, 0), (1, B, Hkv, S, hd))[0]
-        return block_attention_xla(q, k_blk, v_blk, kc, vc, lengths, block_mask, use_prefix)
-    raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
+    chunk = fwd.attn_chunk
+    if use_prefix and chunk and k_all.shape[3] % chunk == 0:
+        return block_attention_chunked(q, k_blk, v_blk, k_all, v_all, layer, lengths, block_mask, chunk)
+    L, B, Hkv, S, hd = k_all.shape
+    kc = jax.lax.dynamic_slice(k_all, (layer, 0, 0, 0, 0), (1, B, Hkv, S, hd))[0]
+    vc = jax.lax.dynamic_slice(v_all, (layer, 0, 0, 0, 0), (1, B, Hkv, S, hd))[0]
+    return block_attention_xla(q, k_blk, v_blk, kc, vc, lengths, block_mask, use_prefix)

@@ -22,7 +22,6 @@ Params layout (activations are ``x @ W``)::
 
 from __future__ import annotations
 
-import os
 
 import dataclasses
 import math
@@ -34,6 +33,7 @@ import numpy as np
 
 from specjax import cache as kv
 from specjax.config import ModelConfig
+from specjax.models.options import ForwardOptions
 from specjax.models import attention as attn_lib
 
 
@@ -76,9 +76,9 @@ def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(m, (batch, t, t))
 
 
-# From 2 up to SMALL_ROWS activation rows (batch x block), a projection can run as one
+# From 2 up to `small_rows` activation rows (batch x block), a projection can run as one
 # matrix-vector product per row in a fori_loop instead of one skinny GEMM. Whether that pays
-# depends on the CPU's GEMM kernels, so it is a setting (SPECJAX_SMALL_ROWS), off by default:
+# depends on the CPU's GEMM kernels, so it is a setting (ForwardOptions.small_rows), off by default:
 # - on the machine of the first benchmarks (CPU model not recorded), Eigen's 2-8 row GEMM
 #   streamed weights at about half the GEMV rate (30 layers of 576x1536 weights, 5 rows:
 #   14.9 ms as GEMMs, 10.2 ms as loops);
@@ -88,7 +88,6 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 #   verify (16 rows, GEMM).
 # A loop, not an unrolled list: one dot kernel per weight (an unrolled version exhausted the
 # process's memory maps after a few dozen compiled variants).
-SMALL_ROWS = int(os.environ.get("SPECJAX_SMALL_ROWS", "0"))
 
 
 def _rowwise_matvec(flat: jax.Array, w: jax.Array) -> jax.Array:
@@ -100,16 +99,16 @@ def _rowwise_matvec(flat: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, flat.shape[0], body, init)
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, small_rows: int = 0) -> jax.Array:
     """``x @ w`` for x [..., K], w [K, N], in the faster form for the row count."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
-    if 1 < rows <= SMALL_ROWS:
+    if 1 < rows <= small_rows:
         return _rowwise_matvec(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[-1])
     return x @ w
 
 
-def _layer(cfg: ModelConfig, inv_freq, attention_impl: str, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
+def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
            positions, block_mask):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
@@ -117,9 +116,9 @@ def _layer(cfg: ModelConfig, inv_freq, attention_impl: str, use_prefix: bool, x,
     B, T, D = x.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = dense(h, lp["wq"])
-    k = dense(h, lp["wk"])
-    v = dense(h, lp["wv"])
+    q = dense(h, lp["wq"], fwd.small_rows)
+    k = dense(h, lp["wk"], fwd.small_rows)
+    v = dense(h, lp["wv"], fwd.small_rows)
     if cfg.qkv_bias:
         q = q + lp["bq"]
         k = k + lp["bk"]
@@ -129,13 +128,13 @@ def _layer(cfg: ModelConfig, inv_freq, attention_impl: str, use_prefix: bool, x,
     v = v.reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
     o = attn_lib.block_attention(
-        q, k, v, k_all, v_all, layer, lengths, block_mask, impl=attention_impl, use_prefix=use_prefix
+        q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix
     )
-    x = x + dense(o.reshape(B, T, H * hd), lp["wo"])
+    x = x + dense(o.reshape(B, T, H * hd), lp["wo"], fwd.small_rows)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
-    g = dense(h, lp["w_gate"])
-    u = dense(h, lp["w_up"])
-    x = x + dense(jax.nn.silu(g) * u, lp["w_down"])
+    g = dense(h, lp["w_gate"], fwd.small_rows)
+    u = dense(h, lp["w_up"], fwd.small_rows)
+    x = x + dense(jax.nn.silu(g) * u, lp["w_down"], fwd.small_rows)
     return x, k_all, v_all
 
 
@@ -148,7 +147,7 @@ def forward(
     *,
     cfg: ModelConfig,
     num_layers: int | None = None,
-    attention_impl: str = "xla",
+    fwd: ForwardOptions = ForwardOptions(),
     use_prefix: bool = True,
     logits_at: jax.Array | None = None,
     return_hidden: bool = False,
@@ -176,7 +175,7 @@ def forward(
     # weights every step (measured 1.6x-10x slower for decode).
     k_all, v_all = cache.k, cache.v
     for i, lp in enumerate(layers):
-        x, k_all, v_all = _layer(cfg, inv_freq, attention_impl, use_prefix, x, lp, k_all, v_all, i,
+        x, k_all, v_all = _layer(cfg, inv_freq, fwd, use_prefix, x, lp, k_all, v_all, i,
                                  cache.lengths, positions, block_mask)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)

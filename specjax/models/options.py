@@ -1,0 +1,31 @@
+"""``ForwardOptions``: every setting besides the model config and the shapes that changes the
+compiled forward pass. It is a static argument of every jitted model function, so it is part of
+each executable's compile key, and nothing that changes compiled code is a process-wide switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """attention: "xla" (plain XLA; the CPU default) or "pallas" (the tree-attention kernel for
+    blocks of up to 64 tokens: Triton on GPU, Mosaic on TPU, interpret mode on CPU).
+    attn_chunk: XLA prefix attention reads the committed cache in chunks of this many slots with
+    a trip count that follows the rows' real lengths (0: one pass over every slot).
+    small_rows: project 2..small_rows activation rows (batch x block) as one matrix-vector product
+    per row instead of one skinny GEMM (whether that pays depends on the CPU's GEMM kernels;
+    measured in benchmarks/projection_rows.py; 0 = always GEMM)."""
+
+    attention: str = "xla"
+    attn_chunk: int = 256
+    small_rows: int = 0
+
+    def __post_init__(self):
+        require(self.attention in ("xla", "pallas"),
+                f"unknown attention implementation {self.attention!r} (expected 'xla' or 'pallas')")
+        require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
+        require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
