@@ -192,7 +192,7 @@ def section_engine(out):
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
-    from specjax.drafters.device import ModelDraft, layer_skip
+    from specjax.drafters.device import layer_skip
     from specjax.engine.table import StepTable
     from specjax.generate import Generator
     from specjax.goodput.selector import FixedK

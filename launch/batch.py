@@ -53,18 +53,11 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
     flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
-    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
-    flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
-    flags.DEFINE_string("system", None, "System message for --chat.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
-    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (records may override).")
-    flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off (records may override).")
-    flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (records may override).")
-    flags.DEFINE_integer("seed", 0, "Random seed per request (records may override).")
-    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
     flags.DEFINE_enum("drafter", "prompt_lookup", list(registry.DRAFTERS), "Speculative drafter; none = plain decoding.")
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")
     flags.DEFINE_integer("slots", 512, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
+    cli.define_request_flags()
     cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
     cli.define_forward_flags()
     cli.define_policy_flags()
@@ -121,20 +114,7 @@ def validate_flags() -> dict:
 
 
 def main(argv):
-    from absl import logging
-
-    from specjax.errors import SpecjaxError
-    from specjax.runtime import enable_compilation_cache
-
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    try:
-        geom = validate_flags()
-        enable_compilation_cache()
-        run(geom)
-    except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run_job(lambda: run(validate_flags()), argv)
 
 
 def run(geom) -> None:

@@ -476,7 +476,7 @@ def bench() -> int:
             f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
             f"(shape-exact warm-up + one untimed run; {counter.count} compile events during timing).")
-    notes = [f"Speedup = total specjax AR wall time / total drafter wall time per category; "
+    notes = ["Speedup = total specjax AR wall time / total drafter wall time per category; "
              f"acc. tok/step = mean accepted tokens per verify step, bonus included."]
     for d in drafters:
         x = over["drafters"][d]
@@ -533,22 +533,7 @@ def bench() -> int:
 
 
 def main(argv):
-    from absl import logging
-
-    from specjax.errors import SpecjaxError
-    from specjax.runtime import enable_compilation_cache
-
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
-    logging.set_verbosity(logging.WARNING)
-    enable_compilation_cache()
-    try:
-        code = bench()
-    except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code)
+    cli.run_job(bench, argv)
 
 
 if __name__ == "__main__":

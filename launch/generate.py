@@ -60,18 +60,11 @@ def define_flags() -> None:
     flags.DEFINE_string("prompt", None, "Prompt text.")
     flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
     flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
-    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
-    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-    flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off.")
-    flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off.")
-    flags.DEFINE_integer("seed", 0, "Random seed (per request; JSONL records may override).")
-    flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
-    flags.DEFINE_string("system", None, "System message for --chat.")
     flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
-    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
     flags.DEFINE_enum("drafter", "none", list(registry.DRAFTERS), "Speculative drafter; none = autoregressive decoding.")
+    cli.define_request_flags()
     cli.define_spec_flags()
     cli.define_forward_flags()
     cli.define_policy_flags()
@@ -180,53 +173,46 @@ def run_jsonl(model, gen, stats=None, policy=None, policy_label="") -> None:
               f"{registry.format_spec_stats(stats)}", file=sys.stderr)
 
 
-def main(argv):
-    from absl import logging
-
+def job() -> None:
     from specjax.errors import SpecjaxError
-    from specjax.runtime import enable_compilation_cache
+    from specjax.generate import Generator
+    from specjax.models.loader import load_model
 
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    enable_compilation_cache()
-    try:
-        from specjax.generate import Generator
-        from specjax.models.loader import load_model
+    if (FLAGS.prompt is None) == (FLAGS.input_jsonl is None):
+        raise SpecjaxError("give exactly one of --prompt or --input_jsonl")
+    if FLAGS.prompt is not None and not FLAGS.prompt.strip():
+        raise SpecjaxError("empty prompt: --prompt must contain some text")
+    cli.sampling_from_flags()  # validate sampling flags before the (slow) model load
+    if FLAGS.max_new_tokens < 1:
+        raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+    if FLAGS.batch_size < 1:
+        raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+    k_buckets = cli.validate_spec_flags([FLAGS.drafter])
+    registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
+    model = load_model(FLAGS.model, FLAGS.dtype)
+    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
+          f"in {model.load_seconds:.1f} s]", file=sys.stderr)
+    stats = policy = None
+    label = ""
+    if FLAGS.drafter == "none":
+        gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
+                        fwd=cli.forward_options_from_flags())
+    else:
+        from specjax.spec_generate import SpecStats
 
-        if (FLAGS.prompt is None) == (FLAGS.input_jsonl is None):
-            raise SpecjaxError("give exactly one of --prompt or --input_jsonl")
-        if FLAGS.prompt is not None and not FLAGS.prompt.strip():
-            raise SpecjaxError("empty prompt: --prompt must contain some text")
-        cli.sampling_from_flags()  # validate sampling flags before the (slow) model load
-        if FLAGS.max_new_tokens < 1:
-            raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
-        if FLAGS.batch_size < 1:
-            raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
-        k_buckets = cli.validate_spec_flags([FLAGS.drafter])
-        registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
-        model = load_model(FLAGS.model, FLAGS.dtype)
-        print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
-              f"in {model.load_seconds:.1f} s]", file=sys.stderr)
-        stats = policy = None
-        label = ""
-        if FLAGS.drafter == "none":
-            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
-                            fwd=cli.forward_options_from_flags())
-        else:
-            from specjax.spec_generate import SpecStats
+        gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
+                                            fwd=cli.forward_options_from_flags(),
+                                            **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
+        stats = SpecStats()
+        policy, label = cli.policy_from_flags(model, FLAGS.drafter)
+    if FLAGS.prompt is not None:
+        run_single(model, gen, stats, policy, label)
+    else:
+        run_jsonl(model, gen, stats, policy, label)
 
-            gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
-                                                fwd=cli.forward_options_from_flags(),
-                                                **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
-            stats = SpecStats()
-            policy, label = cli.policy_from_flags(model, FLAGS.drafter)
-        if FLAGS.prompt is not None:
-            run_single(model, gen, stats, policy, label)
-        else:
-            run_jsonl(model, gen, stats, policy, label)
-    except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+def main(argv):
+    cli.run_job(job, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from specjax import cli  # noqa: E402
+
 from specjax.registry import drafter_label, make_backend  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -93,23 +95,10 @@ def calibration_requests(tok, n: int, max_new: int) -> list:
 
 
 def main(argv):
-    from absl import logging
-
-    from specjax.errors import SpecjaxError
-    from specjax.runtime import enable_compilation_cache
-
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    enable_compilation_cache()
-    try:
-        run()
-    except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run_job(run, argv)
 
 
 def run():
-    import numpy as np
     from tqdm import tqdm
 
     from specjax.engine.loop import ServingEngine

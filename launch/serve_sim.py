@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from specjax import registry  # noqa: E402
+from specjax import cli, registry  # noqa: E402
 
 FLAGS = flags.FLAGS
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
@@ -420,19 +420,7 @@ def replace_md_section(title: str, body: str, path=os.path.join(ROOT, "BENCHMARK
 
 
 def main(argv):
-    from absl import logging
-
-    from specjax.errors import SpecjaxError
-    from specjax.runtime import enable_compilation_cache
-
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    enable_compilation_cache()
-    try:
-        run()
-    except SpecjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli.run_job(run, argv)
 
 
 def run():

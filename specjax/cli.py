@@ -143,3 +143,40 @@ def policy_from_flags(model, drafter: str):
     if note:
         print(f"note: {note}", file=sys.stderr)
     return pol, label
+
+
+def define_request_flags(chat: bool = False) -> None:
+    """The target model, the prompt wrapping and the sampling of each request (JSONL records may
+    override the sampling flags and max_new_tokens)."""
+    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+    flags.DEFINE_bool("chat", chat, "Wrap prompts in the model's chat template (--nochat: raw text).")
+    flags.DEFINE_string("system", None, "System message for --chat.")
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (JSONL records may override).")
+    flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off (JSONL records may override).")
+    flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (JSONL records may override).")
+    flags.DEFINE_integer("seed", 0, "Random seed per request (JSONL records may override).")
+    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+
+
+def run_job(job, argv) -> None:
+    """A launch script's main: quiet absl logging, the persistent XLA cache, and a user mistake
+    (SpecjaxError) printed as one ``error:`` line with exit status 2. ``job()`` returns the exit
+    status (None = 0)."""
+    import sys
+
+    from absl import logging
+
+    from specjax.errors import SpecjaxError
+    from specjax.runtime import enable_compilation_cache
+
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+    logging.set_verbosity(logging.WARNING)
+    try:
+        enable_compilation_cache()
+        code = job()
+    except SpecjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)

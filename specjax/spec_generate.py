@@ -14,8 +14,6 @@ import dataclasses
 import time
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig

@@ -18,7 +18,6 @@ pure ``prefill`` / ``draft`` functions; the step calls them with the draft's own
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any
 
 import jax
