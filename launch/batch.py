@@ -66,18 +66,6 @@ def define_flags() -> None:
 # ---------------------------------------------------------------- flags
 
 
-def _ints(name: str, text: str) -> list[int]:
-    from specjax.errors import SpecjaxError
-
-    try:
-        xs = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
-    if not xs:
-        raise SpecjaxError(f"--{name} is empty")
-    return xs
-
-
 def validate_flags() -> dict:
     """Every check that needs no model (before the slow load). Returns the parsed geometry."""
     from specjax.errors import SpecjaxError
@@ -95,10 +83,10 @@ def validate_flags() -> dict:
     if FLAGS.max_new_tokens < 1:
         raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     cli.sampling_from_flags()  # the default sampling flags
-    ks = _ints("k_buckets", FLAGS.k_buckets)
+    ks = registry.number_list("k_buckets", FLAGS.k_buckets)
     if min(ks) < 0 or 0 not in ks:
         raise SpecjaxError(f"--k_buckets must be non-negative and include 0 (plain decoding), got {FLAGS.k_buckets!r}")
-    bbs = _ints("batch_buckets", FLAGS.batch_buckets)
+    bbs = registry.number_list("batch_buckets", FLAGS.batch_buckets)
     if min(bbs) < 1:
         raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
     if FLAGS.slots < 16:

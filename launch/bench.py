@@ -477,7 +477,7 @@ def bench() -> int:
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
             f"(shape-exact warm-up + one untimed run; {counter.count} compile events during timing).")
     notes = ["Speedup = total specjax AR wall time / total drafter wall time per category; "
-             f"acc. tok/step = mean accepted tokens per verify step, bonus included."]
+             "acc. tok/step = mean accepted tokens per verify step, bonus included."]
     for d in drafters:
         x = over["drafters"][d]
         pos = ", ".join(f"{v:.2f}" for v in x["per_position_acceptance"])

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli  # noqa: E402
+from specjax import cli, registry  # noqa: E402
 
 from specjax.registry import drafter_label, make_backend  # noqa: E402
 
@@ -66,18 +66,6 @@ def define_flags() -> None:
     flags.DEFINE_string("records_out", None, "Optional JSON: every timed step and prefill (for refits).")
 
 
-def _ints(name: str, text: str) -> list[int]:
-    from specjax.errors import SpecjaxError
-
-    try:
-        xs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
-    if not xs or min(xs) < 0:
-        raise SpecjaxError(f"--{name} must be a non-empty list of non-negative integers, got {text!r}")
-    return xs
-
-
 def calibration_requests(tok, n: int, max_new: int) -> list:
     """A burst of n requests whose lengths cycle through max_new x (1/4, 1/2, 3/4, 1): rows free
     up at different steps, so the batch runs full, then drains through every size (the host
@@ -113,10 +101,10 @@ def run():
     for d in drafters:
         if d not in ("prompt_lookup", "layer_skip"):
             raise SpecjaxError(f"--drafters: {d!r} is not profiled here (use prompt_lookup and/or layer_skip)")
-    ks, bbs = _ints("k_buckets", FLAGS.k_buckets), _ints("batch_buckets", FLAGS.batch_buckets)
+    ks, bbs = registry.number_list("k_buckets", FLAGS.k_buckets, minimum=0), registry.number_list("batch_buckets", FLAGS.batch_buckets, minimum=0)
     if 0 not in ks:
         raise SpecjaxError("--k_buckets must include 0")
-    contexts, plens = _ints("contexts", FLAGS.contexts), _ints("prefill_lens", FLAGS.prefill_lens)
+    contexts, plens = registry.number_list("contexts", FLAGS.contexts, minimum=0), registry.number_list("prefill_lens", FLAGS.prefill_lens, minimum=0)
     if max(contexts) + (FLAGS.reps + 1) * (max(ks) + 1) * len(ks) + max(ks) + 1 > FLAGS.slots:
         raise SpecjaxError(f"--contexts up to {max(contexts)} leave no room for the timed steps in --slots "
                            f"{FLAGS.slots}; lower the contexts or raise --slots")

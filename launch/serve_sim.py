@@ -103,30 +103,6 @@ def define_flags() -> None:
 # ---------------------------------------------------------------- inputs
 
 
-def _ints(name, text):
-    from specjax.errors import SpecjaxError
-
-    try:
-        xs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecjaxError(f"--{name} must be a comma list of integers, got {text!r}") from None
-    if not xs:
-        raise SpecjaxError(f"--{name} is empty")
-    return xs
-
-
-def _floats(name, text):
-    from specjax.errors import SpecjaxError
-
-    try:
-        xs = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecjaxError(f"--{name} must be a comma list of numbers, got {text!r}") from None
-    if not xs or min(xs) <= 0:
-        raise SpecjaxError(f"--{name} must be positive numbers, got {text!r}")
-    return xs
-
-
 def load_prompts(path: str, tok, max_tokens: int) -> list[list[int]]:
     """First turns of Spec-Bench questions, chat-templated, at most ``max_tokens`` long."""
     from specjax.errors import SpecjaxError
@@ -264,7 +240,7 @@ def pooled(runs: list[dict]) -> list[dict]:
 
 def stream(prompts, rate, seed):
     if FLAGS.burst > 0:
-        return make_requests(prompts, int(FLAGS.burst * max(_ints("batch_buckets", FLAGS.batch_buckets))), None,
+        return make_requests(prompts, int(FLAGS.burst * max(registry.number_list("batch_buckets", FLAGS.batch_buckets))), None,
                              FLAGS.max_new_tokens, FLAGS.ignore_eos, seed)
     return make_requests(prompts, FLAGS.num_requests, rate, FLAGS.max_new_tokens, FLAGS.ignore_eos, seed)
 
@@ -430,8 +406,8 @@ def run():
     from specjax.simulate import AcceptanceProfile
 
     policies = [p.strip() for p in FLAGS.policies.split(",") if p.strip()]
-    rates = _floats("rates", FLAGS.rates)
-    geom = dict(k_buckets=_ints("k_buckets", FLAGS.k_buckets), batch_buckets=_ints("batch_buckets", FLAGS.batch_buckets),
+    rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
+    geom = dict(k_buckets=registry.number_list("k_buckets", FLAGS.k_buckets), batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets),
                 slots=FLAGS.slots)
     if 0 not in geom["k_buckets"]:
         raise SpecjaxError("--k_buckets must include 0")

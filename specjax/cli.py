@@ -180,3 +180,4 @@ def run_job(job, argv) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
+

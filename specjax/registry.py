@@ -17,20 +17,32 @@ SPEC_DRAFTERS = DRAFTERS[1:]
 DEVICE_DRAFTERS = ("draft_model", "layer_skip")  # run inside the step (drafters.device); the rest on the host
 
 
+def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = False) -> list:
+    """A flag's comma list of numbers, sorted and deduplicated; SpecjaxError on a malformed or
+    empty list, a value below ``minimum`` or (``positive``) one that is not above 0."""
+    from specjax.errors import SpecjaxError
+
+    what = "integers" if kind is int else "numbers"
+    try:
+        xs = sorted({kind(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SpecjaxError(f"--{name} must be a comma list of {what}, got {text!r}") from None
+    if not xs:
+        raise SpecjaxError(f"--{name} is empty")
+    if minimum is not None and xs[0] < minimum:
+        raise SpecjaxError(f"--{name} must be {what} >= {minimum}, got {text!r}")
+    if positive and xs[0] <= 0:
+        raise SpecjaxError(f"--{name} must be positive {what}, got {text!r}")
+    return xs
+
+
 def parse_k_buckets(text: str) -> tuple[int, ...]:
     from specjax.errors import SpecjaxError
 
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecjaxError(f"k_buckets must be a comma list of integers, got {text!r}") from None
-    if not ks:
-        raise SpecjaxError("k_buckets is empty")
-    if min(ks) < 0:
-        raise SpecjaxError(f"k_buckets must be >= 0, got {text!r}")
+    ks = number_list("k_buckets", text, minimum=0)
     if 0 not in ks:
-        raise SpecjaxError(f"k_buckets must include 0 (plain decoding), got {text!r}")
-    return tuple(sorted(set(ks)))
+        raise SpecjaxError(f"--k_buckets must include 0 (plain decoding), got {text!r}")
+    return tuple(ks)
 
 
 def check_num_spec_tokens(k: int, k_buckets) -> None:

@@ -48,6 +48,12 @@ class StepOutput:
     tokens: jax.Array  # [B, K+1]: accepted drafts then the correction/bonus token
     n_accepted: jax.Array  # [B]
     num_draft: jax.Array  # [B] drafts actually proposed
+    host: jax.Array  # [B, K+3] int32: tokens | n_accepted | num_draft, what the host reads in one transfer
+
+    @staticmethod
+    def of(tokens, n_accepted, num_draft) -> "StepOutput":
+        host = jnp.concatenate([tokens, n_accepted[:, None], num_draft[:, None]], axis=1).astype(jnp.int32)
+        return StepOutput(tokens=tokens, n_accepted=n_accepted, num_draft=num_draft, host=host)
 
 
 def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, *,
@@ -72,7 +78,7 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
     new_state = StepState(cache=cache, dcache=dcache, prev=prev, pending=pending)
-    return new_state, StepOutput(tokens=tokens, n_accepted=n, num_draft=num_draft)
+    return new_state, StepOutput.of(tokens, n, num_draft)
 
 
 def tree_mask_and_depth(parents):
@@ -118,8 +124,7 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     prev = jnp.where(active, jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(out, n[:, None], axis=1)[:, 0], state.pending)
     num_draft = jnp.sum(node_valid[:, 1:], axis=1).astype(jnp.int32)
-    return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput(
-        tokens=out, n_accepted=n, num_draft=num_draft)
+    return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput.of(out, n, num_draft)
 
 
 def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int,
