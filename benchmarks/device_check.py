@@ -19,7 +19,7 @@ Sections (each is independent; a failing one is reported and the others still ru
   engine         a 7B-shaped Llama (llama2-7b shapes, random bf16 weights drawn on device):
                  step cost per K (xla and pallas attention) against the K = 0 step, and the
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
-                 every output compared token-for-token with the plain autoregressive Generator
+                 every output compared token-for-token with the plain AR loop (specjax.reference_ar)
                  (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
 
 Each section writes <section>.json and the whole run a Markdown report (report.md) under --out.
@@ -194,7 +194,7 @@ def section_engine(out):
     from specjax.engine.scheduler import Request
     from specjax.drafters.device import layer_skip
     from specjax.engine.table import StepTable
-    from specjax.generate import Generator
+    from specjax.reference_ar import reference_generate
     from specjax.goodput.selector import FixedK
     from specjax.models import llama
     from specjax.models.options import ForwardOptions
@@ -262,7 +262,7 @@ def section_engine(out):
         say(f"| {c['attention']} | {c['batch']} | {c['K']} | {c['ms']:.2f} | {c['vs_k0']:.2f} | "
             f"{1e3 * c['batch'] * (c['K'] + 1) / c['ms']:.0f} |")
 
-    # --- the engine end to end, outputs checked against the plain autoregressive Generator
+    # --- the engine end to end, outputs checked against the plain AR reference loop
     n_req = 8
     lengths = [60, 90, 120, 150] * 2 if FLAGS.tiny else [300, 500, 700, 900, 400, 600, 800, 1000]
     prompts = []
@@ -270,13 +270,12 @@ def section_engine(out):
         seg = rng.integers(3, cfg.vocab_size, 50).tolist()
         prompts.append((seg * (L // 50 + 1))[:L])
     new = FLAGS.max_new_tokens
-    gen = Generator(cfg, params, batch_buckets=(n_req,))
-    ref = gen.generate(prompts, max_new_tokens=new, ignore_eos=True)  # compiles
-    t = time.perf_counter()
-    ref = gen.generate(prompts, max_new_tokens=new, ignore_eos=True)
+    ref = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, batch_buckets=(n_req,))
+    t = time.perf_counter()  # (the first call compiled)
+    ref = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, batch_buckets=(n_req,))
     ar_s = time.perf_counter() - t
     ref_tokens = [r.tokens for r in ref]
-    say(f"Generator (plain AR, batch {n_req}, prompts {lengths}, {new} new tokens each): {ar_s:.2f} s, "
+    say(f"reference AR loop (specjax.reference_ar, batch {n_req}, prompts {lengths}, {new} new tokens each): {ar_s:.2f} s, "
         f"{n_req * new / ar_s:.0f} tok/s")
     runs = []
     draft_layers = max(1, cfg.num_layers // 4)
@@ -302,7 +301,7 @@ def section_engine(out):
             outs = eng.run(reqs)
             wall = time.perf_counter() - t
             same = [o.tokens == r for o, r in zip(outs, ref_tokens)]
-            # where each request first leaves the Generator's tokens (None: never)
+            # where each request first leaves the reference's tokens (None: never)
             first_diff = [next((i for i, (a, b) in enumerate(zip(o.tokens, r)) if a != b), None)
                           for o, r in zip(outs, ref_tokens)]
             drafted = sum(o.drafted for o in outs)
@@ -319,8 +318,8 @@ def section_engine(out):
     base = {r["attention"]: r["wall_s"] for r in runs if r["policy"] == "no-SD"}
     base.setdefault("xla", ar_s)
     say(f"serving engine, {n_req} requests at t = 0, batch bucket {n_req}, {new} new tokens each, greedy; "
-        "identical = every request's tokens equal the Generator's")
-    say("| attention | policy | wall s | tok/s | vs engine no-SD (xla) | vs Generator | steps | accepted/drafted | "
+        "identical = every request's tokens equal the reference loop's")
+    say("| attention | policy | wall s | tok/s | vs engine no-SD (xla) | vs reference AR | steps | accepted/drafted | "
         "identical | warm-up s |")
     say("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
@@ -331,12 +330,12 @@ def section_engine(out):
     # Token identity is the lossless check only where every path rounds alike: float32 at
     # 'highest' matmul precision (or the CPU). In bf16 a different attention kernel or verify-block
     # shape rounds differently and near-tied logits flip (measured on an H100: even K = 0 through
-    # the Pallas kernel leaves the XLA Generator's tokens after 2-40 tokens), so there the first
+    # the Pallas kernel leaves the XLA AR loop's tokens after 2-40 tokens), so there the first
     # differing token is reported, not asserted.
     exact = jax.default_backend() == "cpu" or (dtype == jnp.float32 and FLAGS.matmul_precision == "highest")
     result["identity_asserted"] = exact
     if exact and not all(r["identical"] for r in runs):
-        raise AssertionError("an engine run's tokens differ from the Generator's (lossless check failed)")
+        raise AssertionError("an engine run's tokens differ from the reference AR loop's (lossless check failed)")
     return result
 
 

@@ -45,6 +45,7 @@ def main(argv):
 
     from specjax import cache as kv
     from specjax.drafters.device import layer_skip
+    from specjax.engine.compile_key import CompileKey
     from specjax.engine.step import spec_prefill_jit, spec_step_jit
     from specjax.reference_ar import decode_step
     from specjax.models.loader import load_model
@@ -66,8 +67,8 @@ def main(argv):
         def fresh_lens():
             return jax.device_put(np.array([ctx], np.int32))
         for draft, dparams in drafts:
-            state0 = spec_prefill_jit(params, dparams, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
-                                      greedy_only=True)
+            pkey = CompileKey("prefill", cfg, 1, S, True, draft, prompt=ctx)
+            state0 = spec_prefill_jit(params, dparams, toks, lens, samp, key=pkey)
             ar_cache = state0.cache
             tok = jax.device_put(np.zeros(1, np.int32))
             act = jax.device_put(np.ones(1, bool))
@@ -80,15 +81,14 @@ def main(argv):
 
             ar_ms = _median_ms(ar, FLAGS.reps)
             for K in map(int, FLAGS.ks):
-                state = spec_prefill_jit(params, dparams, toks, lens, samp, cfg=cfg, slots=S, draft=draft,
-                                         greedy_only=True)
+                state = spec_prefill_jit(params, dparams, toks, lens, samp, key=pkey)
                 dt = jax.device_put(rng.integers(0, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
                 nd = jax.device_put(np.array([K], np.int32))
 
                 def step():
                     nonlocal state
-                    st, o = spec_step_jit(params, dparams, state, dt, nd, act, samp, cfg=cfg, K=K, draft=draft,
-                                          greedy_only=True)
+                    st, o = spec_step_jit(params, dparams, state, dt, nd, act, samp,
+                                          key=CompileKey("step", cfg, 1, S, True, draft, k=K))
                     jax.block_until_ready(o.tokens)
                     state = st.__class__(cache=kv.set_lengths(st.cache, fresh_lens()), dcache=st.dcache, prev=st.prev,
                                          pending=st.pending)

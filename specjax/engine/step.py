@@ -11,8 +11,9 @@ bucket, the cache slots and greedy-only are static; every variant the generator 
 use is lowered and compiled ahead of time into ``StepTable`` so that generation
 never traces or compiles.
 
-Device drafters (``drafters.device``: a draft model or layer skip) are a static argument with
-pure ``prefill`` / ``draft`` functions; the step calls them with the draft's own params.
+Every static choice (shapes, K, verify rule, device drafter, forward options) is one
+``CompileKey``. Device drafters (``drafters.device``: a draft model or layer skip) are part of
+it, with pure ``prefill`` / ``draft`` functions the step calls with the draft's own params.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import cache as kv
-from specjax.config import ModelConfig
-from specjax.drafters.device import ModelDraft
+from specjax.engine.compile_key import CompileKey
 from specjax.models import llama
-from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingArrays, sample
 from specjax.verify import verify_chain
 from specjax.verify_tree import verify_tree
@@ -57,8 +56,9 @@ class StepOutput:
 
 
 def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, *,
-              cfg: ModelConfig, K: int, draft: ModelDraft | None, greedy_only: bool, fwd: ForwardOptions = ForwardOptions()):
-    """``draft``: the device drafter (None: the drafts are the host's ``draft_tokens``)."""
+              key: CompileKey):
+    """``key.draft``: the device drafter (None: the drafts are the host's ``draft_tokens``)."""
+    cfg, K, draft, greedy_only, fwd = key.cfg, key.k, key.draft, key.greedy_only, key.fwd
     B = state.pending.shape[0]
     q = None
     dcache = state.dcache
@@ -101,13 +101,14 @@ def tree_mask_and_depth(parents):
 
 
 def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node_valid, active, samp: SamplingArrays,
-                   *, cfg: ModelConfig, N: int, greedy_only: bool, fwd: ForwardOptions = ForwardOptions()):
+                   *, key: CompileKey):
     """One step with a host-proposed token tree of N nodes per row (node 0 = the pending token;
     tree_tokens[:, 0] is ignored). The tree runs at positions ``lengths + depth`` under its
     ancestor mask, is verified (verify_tree), and the accepted path's K/V entries are moved
     to contiguous slots before the length advances. Returns (state, StepOutput) with
     ``tokens[B, N]`` = accepted drafts then the correction/bonus."""
     del dparams  # host drafters only
+    cfg, N, greedy_only, fwd = key.cfg, key.k + 1, key.greedy_only, key.fwd
     cache = state.cache
     B = state.pending.shape[0]
     tokens = tree_tokens.at[:, 0].set(state.pending)
@@ -127,9 +128,10 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput.of(out, n, num_draft)
 
 
-def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int,
-                 draft: ModelDraft | None, greedy_only: bool, fwd: ForwardOptions = ForwardOptions()) -> StepState:
-    """Prompts [B, Tp] (row b valid up to n_valid[b] >= 1) into fresh target (and draft) caches."""
+def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, key: CompileKey) -> StepState:
+    """Prompts [B, Tp] (row b valid up to n_valid[b] >= 1) into fresh target (and draft) caches
+    (the draft's when ``key.draft`` is set)."""
+    cfg, slots, draft, greedy_only, fwd = key.cfg, key.slots, key.draft, key.greedy_only, key.fwd
     B, T = tokens.shape
     dtype = params["embed"].dtype
     cache = llama.init_cache_for(cfg, B, slots, dtype)
@@ -145,8 +147,6 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, cfg:
     return StepState(cache=cache, dcache=dcache, prev=prev, pending=pending)
 
 
-_STATIC = ("cfg", "K", "draft", "greedy_only", "fwd")
-spec_step_jit = jax.jit(spec_step, static_argnames=_STATIC, donate_argnames=("state",))
-spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("cfg", "N", "greedy_only", "fwd"),
-                             donate_argnames=("state",))
-spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("cfg", "slots", "draft", "greedy_only", "fwd"))
+spec_step_jit = jax.jit(spec_step, static_argnames=("key",), donate_argnames=("state",))
+spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("key",), donate_argnames=("state",))
+spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("key",))

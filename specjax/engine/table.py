@@ -23,6 +23,7 @@ from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
+from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
 from specjax.engine.step import StepState, spec_prefill, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
 from specjax.errors import SpecjaxError
@@ -92,6 +93,12 @@ class StepTable:
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
 
+    def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
+            prompt: int = 0) -> CompileKey:
+        """The compile key of one of this table's model executables."""
+        draft = self.draft if (run_draft and op != "tree") else None
+        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt)
+
     def _get(self, key, build, what: str, compile_if_missing: bool = False):
         exe = self._exe.get(key)
         if exe is None:
@@ -105,18 +112,14 @@ class StepTable:
 
     def prefill(self, B: int, Tp: int, S: int, greedy_only: bool, run_draft: bool = True,
                 compile_if_missing: bool = False):
-        run_draft = bool(run_draft) and self.draft is not None  # one key for host drafters
-        draft = self.draft if run_draft else None
+        key = self.key("prefill", B, S, greedy_only, run_draft, prompt=Tp)
 
         def build():
             toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
-            return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B), cfg=self.cfg,
-                                          slots=S, draft=draft, greedy_only=greedy_only,
-                                          fwd=self.fwd).compile()
+            return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B), key=key).compile()
 
-        return self._get(("prefill", B, Tp, S, greedy_only, run_draft), build,
-                         f"prefill for batch {B}, prompt bucket {Tp}, slots {S}", compile_if_missing)
+        return self._get(key, build, key.describe(), compile_if_missing)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (traced, never compiled)."""
@@ -127,34 +130,35 @@ class StepTable:
             # state layout (cache sharding rules in the compile key) replaces this.
             self._info[key] = self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
         if key not in self._info:
-            draft = self.draft if key[3] else None
             toks = jax.ShapeDtypeStruct((B, bk.MIN_PROMPT_BUCKET), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
-            self._info[key] = jax.eval_shape(
-                partial(spec_prefill, cfg=self.cfg, slots=S, draft=draft, greedy_only=True,
-                        fwd=self.fwd), self.params, self.dparams, toks, nv, _abstract_samp(B))
+            ck = self.key("prefill", B, S, True, key[3], prompt=bk.MIN_PROMPT_BUCKET)
+            self._info[key] = jax.eval_shape(partial(spec_prefill, key=ck), self.params, self.dparams, toks, nv,
+                                             _abstract_samp(B))
         return self._info[key]
 
     def step(self, B: int, K: int, S: int, greedy_only: bool):
+        key = self.key("step", B, S, greedy_only, k=K)
+
         def build():
             dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
             nd = jax.ShapeDtypeStruct((B,), jnp.int32)
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
             return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                       _abstract_samp(B), cfg=self.cfg, K=K, draft=self.draft, greedy_only=greedy_only,
-                                       fwd=self.fwd).compile()
+                                       _abstract_samp(B), key=key).compile()
 
-        return self._get(("step", B, K, S, greedy_only), build, f"spec step for batch {B}, K {K}, slots {S}")
+        return self._get(key, build, key.describe())
 
     def tree_step(self, B: int, K: int, S: int, greedy_only: bool):
+        key = self.key("tree", B, S, greedy_only, k=K)
+
         def build():
             ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
             return spec_tree_step_jit.lower(
                 self.params, self.dparams, self.state_info(B, S), ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
-                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), cfg=self.cfg, N=K + 1,
-                greedy_only=greedy_only, fwd=self.fwd).compile()
+                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), key=key).compile()
 
-        return self._get(("tree", B, K, S, greedy_only), build, f"tree step for batch {B}, {K} draft nodes, slots {S}")
+        return self._get(key, build, key.describe())
 
     def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
         run_draft = bool(run_draft) and self.draft is not None

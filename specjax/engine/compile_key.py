@@ -1,0 +1,39 @@
+"""``CompileKey``: the one static description of a compiled prefill or speculative step.
+
+Everything that changes the code XLA compiles is a field here, and the jitted step functions
+take it as their only static argument, so an executable is identified by one hashable value:
+the model config, the operation and its shapes (batch bucket, cache slots, drafts per row or
+tree nodes, prompt bucket), the verify rule (greedy-only or mixed sampling), the device drafter
+(None for host drafts, or a prefill without the draft) and the forward options (attention
+implementation, prefix chunk, CPU projection mode). The mesh joins it when the engine is sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.config import ModelConfig
+from specjax.drafters.device import ModelDraft
+from specjax.models.options import ForwardOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileKey:
+    op: str  # "prefill" | "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes)
+    cfg: ModelConfig
+    batch: int
+    slots: int
+    greedy_only: bool
+    draft: ModelDraft | None = None
+    fwd: ForwardOptions = ForwardOptions()
+    k: int = 0  # drafts per row (step) or draft nodes (tree); 0 = plain decoding
+    prompt: int = 0  # prompt bucket (prefill)
+
+    def __post_init__(self):
+        if self.op not in ("prefill", "step", "tree"):
+            raise ValueError(f"unknown compiled operation {self.op!r}")
+
+    def describe(self) -> str:
+        what = {"prefill": f"prefill of prompt bucket {self.prompt}", "step": f"spec step with K {self.k}",
+                "tree": f"tree step with {self.k} draft nodes"}[self.op]
+        return f"{what} for batch {self.batch}, slots {self.slots}"
