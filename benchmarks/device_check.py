@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks.timing import median_seconds  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "/tmp/specjax_device_check", "Folder for the JSON results and report.md.")
 flags.DEFINE_list("sections", ["env", "kernels", "kernel_timing", "engine"], "Sections to run, in order.")
@@ -62,18 +64,6 @@ REPORT: list[str] = []
 def say(line: str = "") -> None:
     print(line, flush=True)
     REPORT.append(line)
-
-
-def median_s(fn, reps: int) -> float:
-    """Median wall seconds of fn() (which must block) after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 # ---------------------------------------------------------------------------- env
@@ -246,14 +236,10 @@ def section_engine(out):
                     holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
                                              prev=st.prev, pending=st.pending)
 
-                ms = 1e3 * median_s(run, FLAGS.reps)
+                ms = 1e3 * median_seconds(run, FLAGS.reps)
                 base = ms if K == 0 else base
                 cost.append(dict(attention=impl, batch=B, K=K, context=ctx, ms=ms, vs_k0=ms / base))
     result["step_cost"] = cost
-    if "e2e" not in FLAGS.engine_parts:
-        return result
-    table = holder = None  # free the step-cost states before the engine allocates its own
-    gc.collect()
     say(f"verify step cost, {cfg.name} shapes, context {ctx}, {S} slots, greedy (median of {FLAGS.reps}); "
         "ratio = this step / the K = 0 step of the same attention path and batch")
     say("| attention | batch | K | step ms | vs K=0 | tokens/s at full acceptance |")
@@ -261,6 +247,11 @@ def section_engine(out):
     for c in cost:
         say(f"| {c['attention']} | {c['batch']} | {c['K']} | {c['ms']:.2f} | {c['vs_k0']:.2f} | "
             f"{1e3 * c['batch'] * (c['K'] + 1) / c['ms']:.0f} |")
+
+    if "e2e" not in FLAGS.engine_parts:
+        return result
+    table = holder = None  # free the step-cost states before the engine allocates its own
+    gc.collect()
 
     # --- the engine end to end, outputs checked against the plain AR reference loop
     n_req = 8

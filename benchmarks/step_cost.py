@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from benchmarks.timing import median_seconds  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
@@ -26,17 +27,6 @@ flags.DEFINE_list("ks", ["0", "1", "2", "4", "8"], "K values.")
 flags.DEFINE_integer("slots", 2048, "Cache slots.")
 flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
-
-
-def _median_ms(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    return 1e3 * ts[len(ts) // 2]
 
 
 def main(argv):
@@ -79,7 +69,7 @@ def main(argv):
                 jax.block_until_ready(t)
                 ar_cache = kv.set_lengths(c, fresh_lens())  # stay at the same context (a new buffer: donated)
 
-            ar_ms = _median_ms(ar, FLAGS.reps)
+            ar_ms = 1e3 * median_seconds(ar, FLAGS.reps)
             for K in map(int, FLAGS.ks):
                 state = spec_prefill_jit(params, dparams, toks, lens, samp, key=pkey)
                 dt = jax.device_put(rng.integers(0, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
@@ -93,7 +83,7 @@ def main(argv):
                     state = st.__class__(cache=kv.set_lengths(st.cache, fresh_lens()), dcache=st.dcache, prev=st.prev,
                                          pending=st.pending)
 
-                ms = _median_ms(step, FLAGS.reps)
+                ms = 1e3 * median_seconds(step, FLAGS.reps)
                 name = "host" if draft is None else draft.label
                 print(f"| {ctx} | {name} | {K} | {ms:.1f} | {ar_ms:.1f} | {ms / ar_ms:.2f} |", flush=True)
 

@@ -250,20 +250,38 @@ def default_perf_models() -> str:
     return str(resources.files("specjax.configs").joinpath("perf", "perf_models.json"))
 
 
+def policy_for(name: str, cost=None, k_buckets=None, window: int = 16):
+    """The policy object of an explicit name: 'none' (K = 0), 'smartspec' (goodput, moving
+    average), 'oracle' (goodput with the simulator's true acceptance) or an integer K."""
+    from specjax.errors import SpecjaxError
+    from specjax.goodput import FixedK, GoodputPolicy
+
+    if name in ("none", "0"):
+        return FixedK(0)
+    if name in ("smartspec", "oracle"):
+        return GoodputPolicy(cost, "moving_average" if name == "smartspec" else "oracle", window=window)
+    try:
+        k = int(name)
+    except ValueError:
+        raise SpecjaxError(f"unknown policy {name!r} (none, smartspec, oracle or an integer K)") from None
+    if k_buckets is not None and k not in k_buckets:
+        raise SpecjaxError(f"policy K={k} is not in --k_buckets {list(k_buckets)}")
+    return FixedK(k)
+
+
 def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int = 8, fallback_k: int = 4,
                 perf_models: str | None = None):
     """(policy object, label, note or None) for ``policy`` (see check_policy). ``note`` says when
     ``auto`` fell back to a fixed K because no performance model matches this model, drafter and
     hardware (make one with launch/profile.py)."""
     from specjax.errors import SpecjaxError
-    from specjax.goodput import FixedK, GoodputPolicy
     from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
 
     pol = policy.strip().lower()
     if drafter == "none" or pol in ("none", "0"):
-        return FixedK(0), "no-SD", None
+        return policy_for("none"), "no-SD", None
     if pol not in ("auto", "smartspec"):
-        return FixedK(int(pol)), f"K={int(pol)}", None
+        return policy_for(pol), f"K={int(pol)}", None
     path = perf_models or default_perf_models()
     key = model_key(model_name, drafter_label(drafter, draft_layers), hardware_key())
     try:
@@ -271,7 +289,7 @@ def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int
     except SpecjaxError:
         if pol == "smartspec":
             raise
-        return (FixedK(fallback_k), f"K={fallback_k} (auto)",
+        return (policy_for(str(fallback_k)), f"K={fallback_k} (auto)",
                 f"no performance model for {key!r} in {path}; using fixed K={fallback_k} instead of SmartSpec "
                 "(make one with launch/profile.py)")
-    return GoodputPolicy(cost, "moving_average"), "SmartSpec", None
+    return policy_for("smartspec", cost), "SmartSpec", None

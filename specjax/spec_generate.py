@@ -65,17 +65,30 @@ class SpecStats:
     def per_position_acceptance(self) -> list[float]:
         return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
 
+    @staticmethod
+    def merged(stats: Sequence["SpecStats"]) -> "SpecStats":
+        """The counts of several runs added up (per-position counts aligned by position)."""
+        out = SpecStats()
+        for s in stats:
+            out.steps += s.steps
+            out.drafted += s.drafted
+            out.accepted += s.accepted
+            out.emitted += s.emitted
+            m = max(len(out.pos_drafted), len(s.pos_drafted))
+            out.pos_drafted = np.pad(out.pos_drafted, (0, m - len(out.pos_drafted))) + np.pad(
+                s.pos_drafted, (0, m - len(s.pos_drafted)))
+            out.pos_accepted = np.pad(out.pos_accepted, (0, m - len(out.pos_accepted))) + np.pad(
+                s.pos_accepted, (0, m - len(s.pos_accepted)))
+        return out
+
     def add_run(self, engine: ServingEngine, outputs: Sequence[RequestOutput]) -> None:
         """Add an engine run's counts (row-steps, drafts, acceptances, per-position)."""
-        self.steps += sum(o.steps for o in outputs)
-        self.drafted += sum(o.drafted for o in outputs)
-        self.accepted += sum(o.accepted for o in outputs)
-        self.emitted += sum(max(len(o.tokens) - 1, 0) for o in outputs)  # the first token comes from prefill
-        m = max(len(self.pos_drafted), len(engine.pos_drafted))
-        self.pos_drafted = np.pad(self.pos_drafted, (0, m - len(self.pos_drafted))) + np.pad(
-            engine.pos_drafted, (0, m - len(engine.pos_drafted)))
-        self.pos_accepted = np.pad(self.pos_accepted, (0, m - len(self.pos_accepted))) + np.pad(
-            engine.pos_accepted, (0, m - len(engine.pos_accepted)))
+        run = SpecStats(steps=sum(o.steps for o in outputs), drafted=sum(o.drafted for o in outputs),
+                        accepted=sum(o.accepted for o in outputs),
+                        emitted=sum(max(len(o.tokens) - 1, 0) for o in outputs),  # the first comes from prefill
+                        pos_drafted=np.asarray(engine.pos_drafted, np.int64),
+                        pos_accepted=np.asarray(engine.pos_accepted, np.int64))
+        self.__dict__.update(SpecStats.merged([self, run]).__dict__)
 
     def summary(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
