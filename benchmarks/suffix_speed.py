@@ -113,7 +113,7 @@ def main():
             d.start(1, s[:32].tolist())
             for j in range(32, min(len(s), 32 + 200)):
                 t = time.perf_counter()
-                parents, toks = d.propose_tree(1, a.max_nodes)
+                parents, toks = d.propose_tree(1, a.max_nodes)[:2]
                 spec_t += time.perf_counter() - t
                 calls += 1
                 drafted += len(toks)

@@ -55,7 +55,7 @@ def replay(drafter, prompt, out, k, tree=True):
     pos, steps, acc = 1, 0, 0
     while pos < len(out):
         if tree:
-            parents, toks = drafter.propose_tree(0, k)
+            parents, toks = drafter.propose_tree(0, k)[:2]
         else:
             toks = drafter.propose(0, k)
             parents = np.arange(-1, len(toks) - 1)

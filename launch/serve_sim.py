@@ -63,7 +63,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("mode", "real", ["real", "sim", "both"], "real engine, simulator, or both on the same "
                       "requests (simulator fidelity).")
     flags.DEFINE_string("model", "smollm2-135m", "Target model (real mode).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup, layer_skip.")
+    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list of drafters (every drafter of "
+                        "launch/generate.py; suffix/hybrid run token trees, K = the node budget).")
     flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the first N layers.")
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, oracle.")
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
@@ -307,14 +308,13 @@ def run():
     hw = hardware_key()
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
     for d in drafters:
-        if d not in ("prompt_lookup", "layer_skip"):
-            raise SpecjaxError(f"--drafters: unknown {d!r} (prompt_lookup, layer_skip)")
+        if d not in registry.SPEC_DRAFTERS:
+            raise SpecjaxError(f"--drafters: unknown {d!r} ({', '.join(registry.SPEC_DRAFTERS)})")
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
     perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
     for d in drafters:
-        label = registry.drafter_label(d, FLAGS.draft_layers)
-        key = model_key(model.cfg.name, label, hw)
+        key = model_key(model.cfg.name, registry.perf_model_label(d, FLAGS.draft_layers), hw)
         cost = load_perf(perf_path, key)
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
         if FLAGS.sim_cost == "table" and not sim_cost.cells:

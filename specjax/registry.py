@@ -216,6 +216,13 @@ def drafter_label(drafter: str, draft_layers: int) -> str:
     return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
 
 
+def perf_model_label(drafter: str, draft_layers: int) -> str:
+    """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
+    suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
+    which launch/profile.py fits under the name prompt_lookup."""
+    return drafter_label(drafter, draft_layers) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
+
+
 POLICY_HELP = "auto, smartspec, none or an integer K"
 
 
@@ -283,7 +290,7 @@ def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int
     if pol not in ("auto", "smartspec"):
         return policy_for(pol), f"K={int(pol)}", None
     path = perf_models or default_perf_models()
-    key = model_key(model_name, drafter_label(drafter, draft_layers), hardware_key())
+    key = model_key(model_name, perf_model_label(drafter, draft_layers), hardware_key())
     try:
         cost = load_perf(path, key)
     except SpecjaxError:

@@ -110,6 +110,7 @@ class DraftTree:
 
     parents: np.ndarray
     tokens: np.ndarray
+    probs: np.ndarray | None = None  # the drafter's estimated acceptance of each node, if it has one
 
     @staticmethod
     def chain(tokens) -> "DraftTree":
@@ -122,7 +123,7 @@ class DraftTree:
     def __getitem__(self, s: slice) -> "DraftTree":
         if not isinstance(s, slice) or s.start not in (None, 0) or s.step not in (None, 1):
             raise TypeError("a draft tree is cut to a prefix of its nodes: tree[:k]")
-        return DraftTree(self.parents[s], self.tokens[s])
+        return DraftTree(self.parents[s], self.tokens[s], None if self.probs is None else self.probs[s])
 
     def child(self, node: int, token: int) -> int | None:
         """The draft node under ``node`` (-1: the root) carrying ``token``, or None."""

@@ -440,3 +440,16 @@ def test_token_trees_are_shadow_verified_at_k0(tree_backend, reference):
     assert shadow, "no shadow observation although the suffix tree drafted"
     for k, d, a in shadow:
         assert d == [k] and 0 <= a[0] <= k
+
+
+def test_token_trees_under_goodput_policy(tree_backend, reference):
+    """SmartSpec over token trees: the suffix drafter's node probabilities are the predictor
+    (calibrated online), the node budget is chosen among the compiled buckets every step, and
+    the output is still exactly AR greedy."""
+    be = tree_backend
+    be.reset()
+    pol = GoodputPolicy(_cheap_spec())
+    outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.002, PROMPTS[:6]))
+    for o, ref in zip(outs, reference):
+        assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"
+    assert len(pol.score_calibration) > 0  # verified (or shadow-verified) trees calibrated the scores

@@ -624,3 +624,33 @@ def test_selector_reprobes_after_stale_k0_steps():
     assert pol.choose(view) > 0
     pol.observe(4, [4, 4], [0, 0])  # the probe fails
     assert pol.acc.alpha.value == 0.0 and pol.choose(view) == 0
+
+
+def test_goodput_over_scored_trees_chooses_and_calibrates():
+    """Tree drafters' node probabilities predict accepted drafts (the sum over the first m
+    nodes): a confident tree makes the selector use a large node budget, an unlikely one K = 0,
+    and the calibration (accepted / predicted) learnt from verified steps scales the scores, so
+    a drafter that overrates its trees is trusted less."""
+    # Verify cost grows with the block: 10 ms + 5 ms per block token (batch 1).
+    cost = StepCostModel(target=LinearCost(0.0, 5e-3, 1e-2), draft=LinearCost(0.0, 0.0, 0.0))
+    pol = GoodputPolicy(cost)
+    sure = np.full(8, 0.95)
+    view = BatchView(ctx_lens=[100], bucket=1, k_options=[0, 2, 4, 8], request_ids=["a"], draft_lens=[8],
+                     draft_scores=[sure])
+    assert pol.choose(view) == 8
+    assert pol.expected_tokens(view, 4) == pytest.approx(1 + 4 * 0.95)
+    weak = BatchView(ctx_lens=[100], bucket=1, k_options=[0, 2, 4, 8], request_ids=["b"], draft_lens=[8],
+                     draft_scores=[np.full(8, 0.02)])
+    assert pol.choose(weak) == 0
+    # A request without scores (a prompt-lookup chain from the hybrid's fallback) uses alpha.
+    mixed = BatchView(ctx_lens=[100, 100], bucket=2, k_options=[0, 4], request_ids=["a", "c"], draft_lens=[4, 4],
+                      draft_scores=[sure, None])
+    assert pol.expected_tokens(mixed, 4) == pytest.approx(1 + 4 * 0.95 + expected_len(pol.acc.alpha.value, 4))
+    # The drafter overrates: its 8-node trees predict 7.6 accepted drafts, 1 is accepted each time.
+    for _ in range(16):
+        pol.choose(view)
+        pol.observe(8, [8], [1], ["a"])
+    assert pol.score_calibration.value == pytest.approx(1 / 7.6)
+    assert pol.choose(view) < 8
+    pol.finish("a")
+    assert "a" not in pol._scores

@@ -138,8 +138,9 @@ def test_drafter_learns_from_finished_requests_and_drafts_from_the_prompt():
     d.extend(0, [3, 10, 11, 12, 13])
     d.finish(0)  # its output [3, 10, 11, 12, 13] is now in the global tree
     d.start(1, [99, 3, 10])
-    parents, tokens = d.propose_tree(1, 3)
+    parents, tokens, probs = d.propose_tree(1, 3)
     assert tokens.tolist() == [11, 12, 13] and parents.tolist() == [-1, 0, 1]
+    assert len(probs) == 3 and all(0.0 < p <= 1.0 for p in probs)  # per-node acceptance estimates
     assert d.last_draft(1).match_len == 2
 
 

@@ -250,13 +250,19 @@ class JaxBackend:
             if k_max <= 0:
                 d = np.zeros(0, np.int32)
             elif self.tree_mode:
-                parents, toks = self.drafter.propose_tree(r.uid, k_max)
-                d = tree.DraftTree(np.asarray(parents, np.int32), np.asarray(toks, np.int32))
+                # (parents, tokens) or (parents, tokens, node probabilities) for drafters that
+                # estimate their acceptance (SuffixDecoding): the goodput policy's predictor
+                t = self.drafter.propose_tree(r.uid, k_max)
+                probs = None if len(t) < 3 or t[2] is None else np.asarray(t[2], np.float64)
+                d = tree.DraftTree(np.asarray(t[0], np.int32), np.asarray(t[1], np.int32), probs)
             else:
                 d = np.asarray(self.drafter.propose(r.uid, k_max), np.int32)
             self._drafts[r.uid] = d
             lens.append(len(d))
-        return Proposal(draft_lens=lens, drafts=[self._drafts[r.uid] for r in rs])
+        drafts = [self._drafts[r.uid] for r in rs]
+        scores = [d.probs if isinstance(d, tree.DraftTree) else None for d in drafts]
+        return Proposal(draft_lens=lens, drafts=drafts,
+                        draft_scores=scores if any(x is not None for x in scores) else None)
 
     def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
         t0 = time.perf_counter()

@@ -72,6 +72,7 @@ class Proposal:
     drafts: list | None = None  # host drafters: the draft token arrays (for shadow verification)
     confidences: object = None
     true_accept: list[int] | None = None
+    draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
 
 
 @dataclasses.dataclass
@@ -239,7 +240,8 @@ class ServingEngine:
         prop = be.propose(rs, max(opts))
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
-                         confidences=prop.confidences, true_accept=prop.true_accept)
+                         confidences=prop.confidences, true_accept=prop.true_accept,
+                         draft_scores=prop.draft_scores)
         if prop.drafts is not None and prop.draft_lens is not None:
             self._count_draft_lens(prop.draft_lens)
         k = self.policy.choose(view)

@@ -38,6 +38,10 @@ class BatchView:
       disabled (0). None: unknown (every request drafts K).
     confidences: optional [n, Kmax] per-token draft confidences (Algorithm 3).
     true_accept: simulator only: how many drafts each request *would* accept (oracle).
+    draft_scores: host tree drafters (SuffixDecoding): per request, the drafter's estimated
+      probability that each proposed node is accepted (node order, the order a tree is cut in),
+      or None for a request without such estimates. The expected accepted drafts of the first
+      m nodes is their sum.
     """
 
     ctx_lens: Sequence[int]
@@ -47,6 +51,7 @@ class BatchView:
     draft_lens: Sequence[int] | None = None
     confidences: np.ndarray | None = None
     true_accept: Sequence[int] | None = None
+    draft_scores: Sequence[np.ndarray | None] | None = None
 
     @property
     def n(self) -> int:
@@ -105,6 +110,10 @@ class GoodputPolicy(Policy):
                              "oracle": "oracle"}[estimator]
         self.last_goodputs: dict[int, float] = {}
         self._stale = 0
+        # Drafter scores (tree drafters' node probabilities) are calibrated online like alpha:
+        # the moving average of accepted / predicted accepted drafts scales every prediction.
+        self.score_calibration = MovingAverage(window, 1.0)
+        self._scores: dict = {}  # request id -> the node probabilities of its last proposal
 
     def expected_tokens(self, view: BatchView, k: int) -> float:
         """Expected generated tokens of the batch with K drafts (bonus tokens included)."""
@@ -122,7 +131,10 @@ class GoodputPolicy(Policy):
         else:
             alphas = [self.acc.alpha.value] * n
         if view.draft_lens is not None:
-            return float(sum(expected_len(a, int(m)) for a, m in zip(alphas, lens)))
+            scores = view.draft_scores if view.draft_scores is not None else [None] * n
+            c = self.score_calibration.value
+            return float(sum(1.0 + min(c * float(np.sum(sc[:int(m)])), float(m)) if sc is not None
+                             else expected_len(a, int(m)) for a, m, sc in zip(alphas, lens, scores)))
         rho = self.acc.rho.value  # device drafters always propose (rho = 1 once observed)
         return float(sum(1.0 + rho * (expected_len(a, k) - 1.0) for a in alphas))
 
@@ -137,6 +149,8 @@ class GoodputPolicy(Policy):
         return self.expected_tokens(view, k) / max(t, 1e-12)
 
     def choose(self, view: BatchView) -> int:
+        if view.draft_scores is not None and len(view.request_ids):
+            self._scores = {r: sc for r, sc in zip(view.request_ids, view.draft_scores) if sc is not None}
         self.last_goodputs = {k: self.goodput(view, k) for k in view.k_options}
         return max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
 
@@ -150,14 +164,28 @@ class GoodputPolicy(Policy):
         if k > 0 and np.sum(drafted) > 0:
             self._stale = 0
             self.acc.observe(drafted, accepted, k, request_ids)
+            self._calibrate_scores(drafted, accepted, request_ids)
             return
         self._stale += 1
         if self._stale >= self.reprobe_after:
             self._stale = 0
             self.acc.alpha = MovingAverage(self.acc.window, self.acc.alpha.prior)
 
+    def _calibrate_scores(self, drafted, accepted, request_ids) -> None:
+        """accepted / predicted over the rows whose drafts carried scores (the first ``drafted``
+        nodes of the scored proposal were verified, for real or in the shadow)."""
+        pred = got = 0.0
+        for rid, d, a in zip(request_ids, drafted, accepted):
+            sc = self._scores.get(rid)
+            if sc is not None and d > 0:
+                pred += float(np.sum(sc[:int(d)]))
+                got += float(a)
+        if pred > 0:
+            self.score_calibration.add(got / pred)
+
     def finish(self, rid):
         self.acc.forget(rid)
+        self._scores.pop(rid, None)
 
 
 class DraftPrefillGate:

@@ -142,9 +142,10 @@ class SuffixDrafter:
         return self.draft(row, k, tree=False).tokens
 
     def propose_tree(self, row: int, max_nodes: int):
-        """(parents, tokens) of the draft tree; parent -1 is the last token of the history."""
+        """(parents, tokens, probs) of the draft tree; parent -1 is the last token of the history
+        and probs[i] the estimated probability that node i is accepted (the goodput predictor)."""
         d = self.draft(row, max_nodes)
-        return d.parents, d.tokens
+        return d.parents, d.tokens, d.probs
 
     def last_draft(self, row: int) -> Draft:
         return self._get(row).last

@@ -42,11 +42,11 @@ class HybridDrafter:
         d = self.suffix.draft(row, k, tree=tree)
         if len(d) and d.score > self.tau:
             self.used["suffix"] += 1
-            return d.parents, d.tokens
+            return d.parents, d.tokens, d.probs
         toks = np.asarray(self.fallback.propose(row, k), np.int32)
         if len(toks):
             self.used["fallback"] += 1
-        return np.arange(-1, len(toks) - 1, dtype=np.int32), toks  # a chain
+        return np.arange(-1, len(toks) - 1, dtype=np.int32), toks, None  # a chain, no estimates
 
     def propose(self, row, k):
         return self._pick(row, k, tree=False)[1]
