@@ -1,6 +1,7 @@
 """Write a repetitive, agent-like workload in Spec-Bench's question format (for launch/bench.py).
 
   python benchmarks/make_workload.py --out /tmp/repetitive.jsonl [--n_json 16 --n_code 8]
+  python benchmarks/make_workload.py --out /tmp/mixed.jsonl --mix_specbench 3   # the mixed stream
 
 Two task blocks, in this order (the order matters for the online-adaptation view: a suffix
 drafter's global tree has only seen the first task when the second begins):
@@ -10,6 +11,10 @@ drafter's global tree has only seen the first task when the second begins):
   sharing a template: the AgenticSQL-style pattern of the SuffixDecoding paper);
 - ``code_tests``: HumanEval functions (../shared/data/humaneval), each with the same request
   to write pytest tests for it (code whose shape repeats from task to task).
+
+``--mix_specbench N``: the mixed stream instead: the repetitive prompts interleaved one for one
+with open-ended Spec-Bench questions (the first N of each category, as many as there are
+repetitive prompts), half repetitive, half not.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main():
     ap.add_argument("--n_json", type=int, default=16)
     ap.add_argument("--n_code", type=int, default=8)
     ap.add_argument("--data_dir", default=DATA)
+    ap.add_argument("--mix_specbench", type=int, default=0, help="interleave with N Spec-Bench questions per category")
     a = ap.parse_args()
     rows = []
     with open(os.path.join(a.data_dir, "gsm8k", "test_shared_200.jsonl"), encoding="utf-8") as f:
@@ -52,6 +58,15 @@ def main():
             q = json.loads(line)
             rows.append({"question_id": q["task_id"], "category": "code_tests",
                          "turns": [CODE_TEMPLATE.format(prompt=q["prompt"].strip())]})
+    if a.mix_specbench > 0:
+        seen, open_ended = {}, []
+        with open(os.path.join(a.data_dir, "spec_bench", "question.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                q = json.loads(line)
+                if seen.get(q["category"], 0) < a.mix_specbench:
+                    seen[q["category"]] = seen.get(q["category"], 0) + 1
+                    open_ended.append(q)
+        rows = [r for pair in zip(rows, open_ended) for r in pair]
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
