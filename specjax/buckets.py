@@ -33,6 +33,15 @@ def slot_bucket(n: int, max_len: int) -> int:
     return pow2_bucket(max(n, 1), MIN_SLOT_BUCKET, max_len)
 
 
+def context_slot_buckets(max_position: int) -> tuple[int, ...]:
+    """Cache-size buckets (powers of two from MIN_SLOT_BUCKET) up to the full context."""
+    out, s = [], MIN_SLOT_BUCKET
+    while s < max_position:
+        out.append(s)
+        s *= 2
+    return tuple(out) + (max_position,)
+
+
 def proposal_bucket(k_options, longest: int) -> int:
     """The smallest compiled proposal size (K drafts, or draft nodes of a tree) that holds the
     longest proposal in a batch. A verify block costs more than a decode step even when its

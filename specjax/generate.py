@@ -26,10 +26,8 @@ class Generator(SpecGenerator):
 
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (),
                  batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, fwd: ForwardOptions = ForwardOptions()):
-        slots = tuple(bk.MIN_SLOT_BUCKET << i for i in range(32)
-                      if bk.MIN_SLOT_BUCKET << i < cfg.max_position) + (cfg.max_position,)
         super().__init__(cfg, params, eos_ids=eos_ids, k_buckets=(0,), batch_buckets=batch_buckets,
-                         slot_buckets=slots, fwd=fwd)
+                         slot_buckets=bk.context_slot_buckets(cfg.max_position), fwd=fwd)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  max_new_tokens: int = 128, ignore_eos: bool = False, num_spec_tokens: int = 0,

@@ -84,19 +84,6 @@ def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
             for x in read_outputs(path, flag="--suffix_history_jsonl")]
 
 
-def spec_slot_buckets(cfg) -> tuple[int, ...]:
-    """Cache-size buckets up to the full context (SpecGenerator's default stops at 2048, which
-    would silently cut the budget of long prompts)."""
-    from specjax import buckets as bk
-
-    out, s = [], bk.MIN_SLOT_BUCKET
-    while s < cfg.max_position:
-        out.append(s)
-        s *= 2
-    out.append(cfg.max_position)
-    return tuple(out)
-
-
 def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=()) -> dict:
@@ -159,7 +146,7 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, **
         raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
     parts = drafter_parts(model, drafter, k=k, **kw)
     return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
-                         slot_buckets=spec_slot_buckets(model.cfg), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
+                         slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
                          fwd=fwd or ForwardOptions(), **parts)
 
 

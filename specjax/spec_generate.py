@@ -40,18 +40,6 @@ class SpecStats:
     pos_drafted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     pos_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
-    def record(self, num_draft: int, n_acc: int, emitted: int):
-        self.steps += 1
-        self.drafted += num_draft
-        self.accepted += n_acc
-        self.emitted += emitted
-        if num_draft > len(self.pos_drafted):
-            grow = num_draft - len(self.pos_drafted)
-            self.pos_drafted = np.concatenate([self.pos_drafted, np.zeros(grow, np.int64)])
-            self.pos_accepted = np.concatenate([self.pos_accepted, np.zeros(grow, np.int64)])
-        self.pos_drafted[:num_draft] += 1
-        self.pos_accepted[:n_acc] += 1
-
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -131,10 +119,6 @@ class SpecGenerator:
             be.table.warm = self._warm
         be.shrink_to_proposal = self.shrink_to_proposal
         return be
-
-    @property
-    def tree_mode(self) -> bool:
-        return self.backend(self.slot_buckets[0]).tree_mode
 
     # ------------------------------------------------------------ compilation
 

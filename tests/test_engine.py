@@ -317,19 +317,26 @@ class _Recorder(Policy):
         self.seen.append((k, list(drafted), list(accepted)))
 
 
-def test_host_drafts_are_shadow_verified_at_k0(backends, reference):
-    """Steps that verify nothing still teach the policy the drafts' acceptance: a host draft is
-    compared with the tokens the following steps generate (greedy: exactly what a verify would
-    have accepted), so a moving average that fell to 0 can recover."""
-    be = backends["prompt_lookup"]
+def _shadow_observations(be, reference):
+    """Serve 4 requests at K = 0 and return the policy's shadow observations (k, drafted,
+    accepted), checked: output is AR greedy, drafts were offered, each observation verified the
+    whole offered draft and accepted no more of it."""
     be.reset()
     pol = _Recorder()
     outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.0, PROMPTS[:4]))
     assert [o.tokens for o in outs] == reference[:4]
     shadow = [s for s in pol.seen if s[0] > 0]
-    assert shadow, "no shadow observation although prompt lookup drafted"
+    assert shadow, "no shadow observation although the drafter proposed"
     for k, d, a in shadow:
         assert d == [k] and 0 <= a[0] <= k
+    return shadow
+
+
+def test_host_drafts_are_shadow_verified_at_k0(backends, reference):
+    """Steps that verify nothing still teach the policy the drafts' acceptance: a host draft is
+    compared with the tokens the following steps generate (greedy: exactly what a verify would
+    have accepted), so a moving average that fell to 0 can recover."""
+    shadow = _shadow_observations(backends["prompt_lookup"], reference)
     assert any(a[0] > 0 for _, _, a in shadow)  # the repetitive prompts' drafts do match
 
 
@@ -431,15 +438,7 @@ def test_token_trees_greedy_lossless_with_joins_and_leaves(tree_backend, referen
 def test_token_trees_are_shadow_verified_at_k0(tree_backend, reference):
     """At K = 0 a tree drafter's proposals are still learnt from: the path the generated tokens
     walk down each tree is its greedy acceptance."""
-    be = tree_backend
-    be.reset()
-    pol = _Recorder()
-    outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.0, PROMPTS[:4]))
-    assert [o.tokens for o in outs] == reference[:4]
-    shadow = [s for s in pol.seen if s[0] > 0]
-    assert shadow, "no shadow observation although the suffix tree drafted"
-    for k, d, a in shadow:
-        assert d == [k] and 0 <= a[0] <= k
+    _shadow_observations(tree_backend, reference)
 
 
 def test_token_trees_under_goodput_policy(tree_backend, reference):

@@ -291,10 +291,10 @@ class JaxBackend:
                 inputs = self._tree_inputs(B, k_step, cut)
         if not (self.tree_mode and k_step > 0):
             draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-            if not self.device_draft:
+            if not (self.device_draft or self.tree_mode):  # (a tree step of 0 nodes has no drafts)
                 for u, d in cut.items():
                     row = self.row_of[u]
-                    draft_tokens[row, : len(d)] = d if not isinstance(d, tree.DraftTree) else d.tokens
+                    draft_tokens[row, : len(d)] = d
                     num_draft[row] = len(d)
             inputs = (draft_tokens, num_draft)
         self.last_k_step = k_step
