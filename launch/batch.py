@@ -92,6 +92,7 @@ def validate_flags() -> dict:
     if FLAGS.slots < 16:
         raise SpecjaxError(f"--slots must be >= 16, got {FLAGS.slots}")
     registry.check_policy(FLAGS.policy, ks, FLAGS.drafter, FLAGS.num_spec_tokens)
+    cli.check_policy_flags()
     if FLAGS.drafter == "none":
         ks = [0]  # nothing to speculate with: compile plain decoding only
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
@@ -142,9 +143,10 @@ def run(geom) -> None:
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
     backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(), **geom,
+                                    **registry.backend_options([FLAGS.policy]),
                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
-    gate = DraftPrefillGate() if policy_label == "SmartSpec" else None
+    gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 
     n_err = n_tok = 0

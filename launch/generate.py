@@ -189,6 +189,7 @@ def job() -> None:
         raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
     k_buckets = cli.validate_spec_flags([FLAGS.drafter])
     registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
+    cli.check_policy_flags()
     model = load_model(FLAGS.model, FLAGS.dtype)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
           f"in {model.load_seconds:.1f} s]", file=sys.stderr)
@@ -202,6 +203,7 @@ def job() -> None:
 
         gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
                                             fwd=cli.forward_options_from_flags(),
+                                            **registry.backend_options([FLAGS.policy]),
                                             **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
         stats = SpecStats()
         policy, label = cli.policy_from_flags(model, FLAGS.drafter)

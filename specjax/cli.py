@@ -132,6 +132,21 @@ def define_policy_flags() -> None:
                         "model for this model, drafter and hardware, else fixed K = --num_spec_tokens.")
     flags.DEFINE_string("perf_models", None, "Performance models from launch/profile.py (default: the ones "
                         "shipped in configs/perf/).")
+    define_confidence_flag()
+
+
+def define_confidence_flag() -> None:
+    flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
+                       "draft's probability under the draft model exceeds this, in [0, 1).")
+
+
+def check_policy_flags() -> None:
+    """Range checks of the policy flags (before the model load)."""
+    from specjax.errors import SpecjaxError
+
+    t = FLAGS.confidence_threshold
+    if not 0.0 <= t < 1.0:  # (NaN fails too)
+        raise SpecjaxError(f"--confidence_threshold must be in [0, 1), got {t}")
 
 
 def policy_from_flags(model, drafter: str):
@@ -139,7 +154,8 @@ def policy_from_flags(model, drafter: str):
     import sys
 
     pol, label, note = registry.make_policy(FLAGS.policy, model.cfg.name, drafter, draft_layers=FLAGS.draft_layers,
-                                            fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models)
+                                            fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models,
+                                            threshold=FLAGS.confidence_threshold)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return pol, label

@@ -88,7 +88,8 @@ class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
                  draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
                  batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
-                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True):
+                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True, draft_first: bool = False,
+                 packed: bool = False):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         check_pair(cfg, draft, draft_params)
         self.cfg = cfg
@@ -102,6 +103,8 @@ class SpecGenerator:
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
         self.fwd = fwd
         self.shrink_to_proposal = shrink_to_proposal
+        self.draft_first = draft_first  # device drafter: compile the draft-ahead path (confidence policies)
+        self.packed = packed  # packed verify blocks (per-request draft counts)
         self._backends: dict[int, JaxBackend] = {}
         self._warm = False
 
@@ -115,7 +118,7 @@ class SpecGenerator:
                 self.cfg, self.params, drafter=self.drafter, draft=self.draft,
                 draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
                 batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
-                shrink_patience=1 << 30)
+                shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed)
             be.table.warm = self._warm
         be.shrink_to_proposal = self.shrink_to_proposal
         return be

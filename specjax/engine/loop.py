@@ -73,6 +73,7 @@ class Proposal:
     confidences: object = None
     true_accept: list[int] | None = None
     draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
+    drafted_ahead: int = 0  # device draft forwards already run for this step (a draft call, Algorithm 3)
 
 
 @dataclasses.dataclass
@@ -98,9 +99,14 @@ class Backend(Protocol):
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]: ...
 
-    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal: ...
+    # threshold: a confidence policy's cut (Algorithm 3): a device drafter drafts before the choice
+    def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal: ...
 
-    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]: ...
+    # row_k: per-request draft counts <= k (the policy's per-request choice), aligned with rs
+    def step(self, rs: Sequence[Running], k: int, row_k: Sequence[int] | None = None
+             ) -> tuple[list[RowResult], float]: ...
+
+    def token_options(self, bucket: int, k: int) -> Sequence[int]: ...  # packed verify sizes (may be empty)
 
     def release(self, r: Running) -> None: ...
 
@@ -121,6 +127,7 @@ class StepRecord:
     drafted: int
     accepted: int
     row_ops: tuple = ()  # (op, bucket from, bucket to): cache resizes / clears the step also ran
+    tokens: int = 0  # verify rows the step ran (a packed size, or bucket x (k_step + 1))
 
 
 class ServingEngine:
@@ -237,17 +244,18 @@ class ServingEngine:
         be.take_row_ops()  # (the admissions' ops belong to the prefill)
         bucket = be.step_bucket(len(rs))
         opts = be.k_options(bucket)
-        prop = be.propose(rs, max(opts))
+        prop = be.propose(rs, max(opts), self.policy.draft_threshold)
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept,
-                         draft_scores=prop.draft_scores)
+                         draft_scores=prop.draft_scores, drafted_ahead=prop.drafted_ahead,
+                         token_options={k: tuple(be.token_options(bucket, k)) for k in opts})
         if prop.drafts is not None and prop.draft_lens is not None:
             self._count_draft_lens(prop.draft_lens)
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
-        results, elapsed = be.step(rs, k)
+        results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
         if self.gate:
             self.gate.record(k)
@@ -269,7 +277,8 @@ class ServingEngine:
         k_step = getattr(be, "last_k_step", k)
         self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed,
                                      time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed,
-                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops())))
+                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops()),
+                                     getattr(be, "last_tokens", bucket * (k_step + 1))))
 
 
     def _shadow_verify(self, rs, prop: Proposal, results) -> None:
