@@ -78,7 +78,7 @@ def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, c
 
 def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
     """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
-    from specjax.jsonl_io import read_outputs
+    from specjax.jobs import read_outputs
 
     return [tokenizer.encode(x) if isinstance(x, str) else x
             for x in read_outputs(path, flag="--suffix_history_jsonl")]
