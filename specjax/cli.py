@@ -220,9 +220,13 @@ def check_range(name: str, lo=None, hi=None, *, lo_open: bool = False) -> None:
 
     v = FLAGS[name].value
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        left = "(" if lo_open else "["
-        raise SpecjaxError(f"--{name} must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
-                           f"got {v}")
+        if hi is None:
+            rule = f"{'>' if lo_open else '>='} {lo}"
+        elif lo is None:
+            rule = f"<= {hi}"
+        else:
+            rule = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise SpecjaxError(f"--{name} must be {rule}, got {v}")
 
 
 def define_job_flags() -> None:

@@ -90,7 +90,7 @@ def decode_line(raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise LineError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})") from None
+        raise LineError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
 
 
 def _no_constant(name):
@@ -553,6 +553,10 @@ class Job:
                     self._serve_batch(items[i:i + size], generate)
         except KeyboardInterrupt:
             self.stopping = True
+        except OutputError:
+            self._bar = None
+            print(self.summary(), file=self.log, flush=True)
+            raise
         finally:
             self._bar = None
         self.interrupted = self.stopping
@@ -594,5 +598,6 @@ class Job:
                 if isinstance(exc2, SpecjaxError):
                     msg = _describe(exc2)  # the record's own problem, now isolated
                 else:
-                    msg = f"generation failed twice ({_describe(exc)}; alone: {_describe(exc2)})"
+                    # (the first failure is not named: it may have been another record's)
+                    msg = f"generation failed, and again when retried alone: {_describe(exc2)}"
                 self._write(rec, error=f"line {rec.line}: {msg}")

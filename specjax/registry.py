@@ -29,6 +29,8 @@ def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = F
         raise SpecjaxError(f"--{name} must be a comma list of {what}, got {text!r}") from None
     if not xs:
         raise SpecjaxError(f"--{name} is empty")
+    if any(x != x or x in (float("inf"), float("-inf")) for x in xs):  # a NaN passes every range check below
+        raise SpecjaxError(f"--{name} must be finite {what}, got {text!r}")
     if minimum is not None and xs[0] < minimum:
         raise SpecjaxError(f"--{name} must be {what} >= {minimum}, got {text!r}")
     if positive and xs[0] <= 0:
