@@ -40,6 +40,10 @@ Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / d
 mean accepted tokens per step = tokens committed per verify step, bonus token included
 (1.0 = no speedup possible); per-position acceptance = P(draft j accepted | drafted).
 
+JSONL mode is a ``specjax.jobs`` job (README "JSONL jobs"): one output line per non-blank input
+line (a result or an error record), ids and duplicates, resume, a lock on the output, one lone
+retry after a generation failure; Ctrl-C stops after the current batch with exit status 130.
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 

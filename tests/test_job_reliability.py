@@ -121,11 +121,12 @@ def test_output_that_is_the_input_is_refused(tmp_path, script, link):
 
 def test_a_second_job_on_a_locked_output_is_refused(tmp_path):
     """Was: no lock, so a second job served every record again into the same file."""
-    from specjax.jobs import Job
+    import fcntl
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_lines(inp, ABC)
-    with Job(str(inp), str(out), dict(max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=0)):
+    with open(out, "ab") as held:  # another job's lock, as specjax.jobs takes it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         r = job("generate", inp, out)
     assert_one_line_error(r, "another job is writing")
     assert "[loaded" not in err(r) and out.read_bytes() == b""
@@ -176,16 +177,19 @@ def test_unwritable_output_is_an_error_before_the_model_loads(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    ([b"--prompt", b"caf\xe9"], "--prompt is not valid UTF-8 text"),
-    ([b"--prompt", b"hi", b"--system", b"\xff"], "--system is not valid UTF-8 text"),
-    ([b"--prompt", b"hi", b"--drafter", b"suffix", b"--suffix_history_jsonl", b"HIST"], ":2: not valid UTF-8"),
+    ([b"--prompt", b"caf\xe9", b"--model", b"tiny-random"], "--prompt is not valid UTF-8 text"),
+    # (the system message needs a chat template: SmolLM2's, which the check spares loading)
+    ([b"--prompt", b"hi", b"--chat", b"--system", b"\xff", b"--model", b"smollm2-135m"],
+     "--system is not valid UTF-8 text"),
+    ([b"--prompt", b"hi", b"--drafter", b"suffix", b"--suffix_history_jsonl", b"HIST", b"--model", b"tiny-random"],
+     ":2: not valid UTF-8"),
 ], ids=["prompt", "system", "history"])
 def test_non_utf8_text_is_an_error_before_the_model_loads(tmp_path, args, needle):
     """Was: a traceback after the model load (invalid UTF-8 in --prompt or in a history file)."""
     hist = tmp_path / "hist.jsonl"
     hist.write_bytes(b'{"output": "fine"}\n{"output": "caf\xe9"}\n')
     args = [str(hist).encode() if a == b"HIST" else a for a in args]
-    r = run(GEN, *args, b"--model", b"tiny-random", b"--chat", timeout=120)
+    r = run(GEN, *args, timeout=120)
     assert_one_line_error(r, needle)
     assert "[loaded" not in err(r)
 

@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # No example database in the work tree; a failure prints the example and how to reproduce it.
 SETTINGS = settings(deadline=None, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EXAMPLES = int(os.environ.get("SPECJAX_FUZZ_EXAMPLES", "400"))  # generated files per property; more: a longer hunt
 
 # ---------------------------------------------------------------- the generator of input lines
 
@@ -176,7 +177,7 @@ def _run(inp, out, **kw):
 # ---------------------------------------------------------------- properties
 
 
-@settings(SETTINGS, max_examples=400)
+@settings(SETTINGS, max_examples=EXAMPLES)
 @given(input_files(), st.integers(1, 5))
 def test_every_input_line_gets_exactly_its_record(case, batch):
     specs, data = case
@@ -209,7 +210,7 @@ def _damage_tail(path, how: str, rng: random.Random) -> None:
         f.write(data)
 
 
-@settings(SETTINGS, max_examples=200)
+@settings(SETTINGS, max_examples=max(EXAMPLES // 2, 1))
 @given(input_files(), st.integers(1, 4), st.data())
 def test_kills_and_reruns_end_with_the_uninterrupted_output(case, batch, data):
     specs, raw = case
