@@ -116,6 +116,7 @@ def serve(job, geom) -> int:
 
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
+    from specjax.errors import SpecjaxError
     from specjax.generate import validate_request
     from specjax.goodput import DraftPrefillGate
     from specjax.models.loader import load_model
@@ -124,6 +125,8 @@ def serve(job, geom) -> int:
     model = load_model(FLAGS.model)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params) in {model.load_seconds:.1f} s]",
           file=sys.stderr)
+    if FLAGS.slots > model.cfg.max_position:  # (positions past the context; and a huge cache fails to allocate)
+        raise SpecjaxError(f"--slots {FLAGS.slots} exceeds {model.cfg.name}'s context of {model.cfg.max_position}")
     tok = model.tokenizer
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record

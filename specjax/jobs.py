@@ -45,6 +45,7 @@ import fcntl
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 from typing import Callable, Iterator, Mapping, Sequence
@@ -311,6 +312,9 @@ class JobOutput:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise SpecjaxError(f"cannot write the output {path}: {e.strerror}") from None
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # a FIFO or device: no resume, no repair
+            os.close(self.fd)
+            raise SpecjaxError(f"the output {path} is not a regular file")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
