@@ -140,9 +140,11 @@ def serve(job, geom) -> int:
         ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
         mnt = rec.fields["max_new_tokens"]
         validate_request(ids, mnt, model.cfg)
-        req = Request(f"line {rec.line}", ids, mnt, cli.sampling_from_flags(rec.fields), arrival=0.0,
-                      ignore_eos=FLAGS.ignore_eos)
-        check(req)
+        req = Request("r", ids, mnt, cli.sampling_from_flags(rec.fields), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
+        try:
+            check(req)
+        except SpecjaxError as e:  # (the job layer names the line; the engine's request id means nothing here)
+            raise SpecjaxError(str(e).removeprefix("request r: ")) from None
         return req
 
     warmed: set = set()

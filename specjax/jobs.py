@@ -241,6 +241,8 @@ def read_outputs(path: str, *, flag: str, limit: int = 0, field: str | None = No
     its text ('output', or the text field ``field``) for the caller to tokenize. Unlike job
     input, a bad line here is fatal: a SpecjaxError naming ``path:line``. ``limit`` > 0 stops
     after that many outputs; ``flag`` names the file in the not-found message."""
+    if not os.path.exists(path):
+        raise SpecjaxError(f"{flag} {path} does not exist")
     data = _read_bytes(path, flag)
     items: list = []
     for i, raw in split_lines(data):
@@ -256,7 +258,7 @@ def read_outputs(path: str, *, flag: str, limit: int = 0, field: str | None = No
             raise SpecjaxError(f"{path}:{i}: expected a JSON object")
         if field:
             try:
-                items.append(check_text(field, rec.get(field)))
+                items.append(check_text(field, rec.get(field), blank_ok=True))
             except SpecjaxError as e:
                 raise SpecjaxError(f"{path}:{i}: no usable text field {field!r} ({e})") from None
             continue
@@ -265,7 +267,7 @@ def read_outputs(path: str, *, flag: str, limit: int = 0, field: str | None = No
             items.append(ids)
         elif ids is None and isinstance(rec.get("output"), str):
             try:
-                items.append(check_text("output", rec["output"]))
+                items.append(check_text("output", rec["output"], blank_ok=True))
             except SpecjaxError as e:
                 raise SpecjaxError(f"{path}:{i}: {e}") from None
         else:

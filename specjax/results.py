@@ -96,17 +96,17 @@ def request_fields(obj: Mapping, defaults: Mapping) -> dict:
     return dict(max_new_tokens=check_max_new_tokens(f["max_new_tokens"]), temperature=t, top_k=k, top_p=p, seed=s)
 
 
-def check_text(name: str, text) -> str:
+def check_text(name: str, text, *, blank_ok: bool = False) -> str:
     """A prompt (or other model input text): a string that is valid Unicode, i.e. encodable as
     UTF-8 (a JSON escape such as \\ud800, or undecodable command-line bytes, give lone
-    surrogates, which are not), with some non-blank content."""
+    surrogates, which are not), with some non-blank content unless ``blank_ok``."""
     if not isinstance(text, str):
         raise SpecjaxError(f"{name} must be a string, got {_show(text)} ({_kind(text)})")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise SpecjaxError(f"{name} is not valid UTF-8 text (character {e.start}: {text[e.start]!r})") from None
-    if not text.strip():
+    if not blank_ok and not text.strip():
         raise SpecjaxError(f"empty {name}: it must contain some text")
     return text
 
