@@ -272,6 +272,16 @@ def run():
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
         raise SpecjaxError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+    # Range checks of the remaining numeric flags (NaN and infinities are refused by cli.run_job).
+    cli.check_range("burst", 0)
+    cli.check_range("sim_alpha", 0, 1)
+    cli.check_range("prefill_disable", 0, 1)
+    for name in ("max_prompt_tokens", "max_new_tokens", "sim_input_len", "sim_output_len", "window", "draft_layers"):
+        cli.check_range(name, 1)
+    cli.check_range("slots", 16)
+    cli.check_range("seed", 0)
+    if FLAGS.burst > 0 and int(FLAGS.burst * max(geom["batch_buckets"])) < 1:
+        raise SpecjaxError(f"--burst {FLAGS.burst} x {max(geom['batch_buckets'])} KV rows is less than one request")
     if FLAGS.speed_probe and (FLAGS.mode == "sim" or FLAGS.sim_cost != "table"):
         raise SpecjaxError("--speed_probe scales the profiled table by probes taken before real runs: use it with "
                            "--mode real or both and --sim_cost table")

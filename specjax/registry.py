@@ -29,6 +29,8 @@ def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = F
         raise SpecjaxError(f"--{name} must be a comma list of {what}, got {text!r}") from None
     if not xs:
         raise SpecjaxError(f"--{name} is empty")
+    if any(x != x or x in (float("inf"), float("-inf")) for x in xs):  # a NaN passes every range check below
+        raise SpecjaxError(f"--{name} must be finite {what}, got {text!r}")
     if minimum is not None and xs[0] < minimum:
         raise SpecjaxError(f"--{name} must be {what} >= {minimum}, got {text!r}")
     if positive and xs[0] <= 0:
@@ -78,7 +80,7 @@ def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, c
 
 def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
     """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
-    from specjax.jsonl_io import read_outputs
+    from specjax.jobs import read_outputs
 
     return [tokenizer.encode(x) if isinstance(x, str) else x
             for x in read_outputs(path, flag="--suffix_history_jsonl")]

@@ -23,7 +23,7 @@ from specjax.engine.loop import ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
-from specjax.results import GenerationResult, validate_request
+from specjax.results import GenerationResult, check_max_new_tokens, validate_request
 from specjax.goodput.selector import FixedK, Policy
 from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
@@ -167,6 +167,9 @@ class SpecGenerator:
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         require(len(sampling) == len(prompts), "one SamplingParams per prompt")
+        require(all(isinstance(s, SamplingParams) for s in sampling),
+                "sampling must be a SamplingParams or one SamplingParams per prompt")
+        check_max_new_tokens(max_new_tokens)
         require(num_spec_tokens in self.k_buckets,
                 f"num_spec_tokens={num_spec_tokens} is not a precompiled K bucket {list(self.k_buckets)}"
                 if num_spec_tokens <= max(self.k_buckets) else

@@ -133,7 +133,8 @@ class StepRecord:
 class ServingEngine:
     def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None):
+                 on_finish: Callable[[RequestOutput], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
@@ -141,6 +142,7 @@ class ServingEngine:
         self.gate = prefill_gate if (prefill_gate is not None and backend.device_draft) else None
         self.max_prefill_batch = max_prefill_batch
         self.on_finish = on_finish
+        self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
@@ -193,12 +195,15 @@ class ServingEngine:
 
     def run(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Serve ``requests`` (arrival times in seconds from now) to completion; returns one
-        output per request in input order (rejected requests carry ``error``)."""
+        output per request in input order (rejected requests carry ``error``; after a
+        ``should_stop``, only the finished ones)."""
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
         finished: list[RequestOutput] = []
         nxt = 0
         self._t0 = self.clock.now()
         while nxt < len(order) or not self.sched.idle:
+            if self.should_stop is not None and self.should_stop():
+                break  # unfinished requests get no output
             now = self._now()
             while nxt < len(order) and requests[order[nxt]].arrival <= now:
                 req = requests[order[nxt]]
@@ -223,7 +228,7 @@ class ServingEngine:
         by_id: dict = {}
         for o in finished:
             by_id.setdefault(o.id, []).append(o)
-        return [by_id[r.id].pop(0) for r in requests]
+        return [by_id[r.id].pop(0) for r in requests if by_id.get(r.id)]
 
     def _admit(self) -> None:
         if not self.sched.waiting or not self.sched.free_rows:
