@@ -121,6 +121,7 @@ class JaxBackend:
         self._samp = None
         self._drafts: dict[int, np.ndarray] = {}
         self._ahead = None  # this step's device drafts from a draft call: (tokens, q, width, proposed per row)
+        self._ahead_s = 0.0  # seconds the draft call took (charged to the step that verifies it)
         self._prepared = False  # the live state was resized / cleared for the coming step
         self.last_k_step = 0
         self.last_tokens = 0  # the last step's verify rows (packed size, or bucket x (k_step + 1))
