@@ -134,11 +134,13 @@ def define_policy_flags() -> None:
                         "shipped in configs/perf/).")
 
 
-def policy_from_flags(model, drafter: str):
-    """(policy, label) from --policy; an auto fallback to fixed K is said on stderr."""
+def policy_from_flags(model, drafter: str, policy: str | None = None):
+    """(policy, label) from --policy (or ``policy``, one entry of a script's policy list); an auto
+    fallback to fixed K is said on stderr."""
     import sys
 
-    pol, label, note = registry.make_policy(FLAGS.policy, model.cfg.name, drafter, draft_layers=FLAGS.draft_layers,
+    pol, label, note = registry.make_policy(policy if policy is not None else FLAGS.policy, model.cfg.name, drafter,
+                                            draft_layers=FLAGS.draft_layers,
                                             fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models)
     if note:
         print(f"note: {note}", file=sys.stderr)
