@@ -320,7 +320,8 @@ def bench() -> int:
             r = ar.generate([p["ids"]], max_new_tokens=mnt)[0]
             wall = time.perf_counter() - t
             row["ar"] = {"wall_s": wall, "new_tokens": len(r.tokens), "prefill_s": r.prefill_s,
-                         "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens}
+                         "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens,
+                         "step_records": specbench.step_records(ar.last_engine)}
             bar.update(1)
             for m in order:
                 name, g = m["name"], gens[m["name"]]
