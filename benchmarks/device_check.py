@@ -230,7 +230,7 @@ def section_engine(out):
                 holder = [state]
 
                 def run():
-                    st, o = exe(params, params, holder[0], dt, nd, act, samp)
+                    st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
                     jax.block_until_ready(o.tokens)
                     # stay at the same context (set_lengths makes a new buffer; the old was donated)
                     holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,

@@ -5,20 +5,22 @@
   python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat --policy 4 --num_spec_tokens 4
   python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --drafter none          # no speculation
 
-Input: one JSON object per line with a ``prompt`` (string), an optional ``id`` (default: the
-1-based line number) and optional per-record overrides of the sampling flags (``temperature``,
-``top_k``, ``top_p``, ``seed``, ``max_new_tokens``). Output: one line per input id, as
-launch/generate.py writes it: {"id", "prompt", "output", "output_ids", "num_prompt_tokens",
-"num_tokens", "finish_reason"}, or {"id", "error"} for a malformed line, bad overrides, an
-empty prompt or a prompt that does not fit the engine's ``--slots`` KV slots. None of these
-stops the job. If an id occurs more than once in the input, only its first record is served;
-the later ones are reported on stderr (never a second output line with the same id).
+Input: one JSON object per line with a ``prompt`` (string), an optional ``id`` (a string or an
+integer; default ``#<line number>``) and optional per-record overrides of the sampling flags
+(``temperature``, ``top_k``, ``top_p``, ``seed``, ``max_new_tokens``). Output: exactly one line
+per non-blank input line, as launch/generate.py writes it: {"id", "prompt", "output",
+"output_ids", "num_prompt_tokens", "num_tokens", "finish_reason"}, or {"id", "error"} for a
+line that is not valid UTF-8 or JSON, a bad or repeated id, a bad override, an empty prompt or a
+prompt that does not fit the engine's ``--slots`` KV slots. None of these stops the job. The job
+layer (``specjax.jobs``; README "JSONL jobs") holds the rules: ids, duplicates, resume, the lock
+on the output, retries and exit statuses.
 
 Every record arrives at t = 0 and the engine (``specjax.engine``) serves them with continuous
 batching: the first ``max(--batch_buckets)`` run, the rest queue and are admitted as rows free
 up. Each finished request is appended to ``--output_jsonl`` (flushed and fsynced) the moment it
 finishes, so a killed job loses only its in-flight requests: run the same command again and it
 skips every id already in the output (error records included; delete those lines to retry them).
+Ctrl-C stops after the current engine step (exit status 130); the same command resumes.
 
 Speculation (``--policy``): ``auto`` uses SmartSpec's goodput selector when ``--perf_models``
 has a performance model for this model, drafter and hardware (make one with
@@ -51,8 +53,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
-    flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
+    cli.define_job_flags()
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
     flags.DEFINE_enum("drafter", "prompt_lookup", list(registry.DRAFTERS), "Speculative drafter; none = plain decoding.")
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; the engine's KV rows = the largest.")
@@ -74,15 +75,9 @@ def validate_flags() -> dict:
         raise SpecjaxError("--input_jsonl is required")
     if not FLAGS.output_jsonl:
         raise SpecjaxError("--output_jsonl is required")
-    if os.path.abspath(FLAGS.input_jsonl) == os.path.abspath(FLAGS.output_jsonl):
-        raise SpecjaxError("--output_jsonl must differ from --input_jsonl")
-    if not os.path.isfile(FLAGS.input_jsonl):
-        raise SpecjaxError(f"input file not found: {FLAGS.input_jsonl}")
     if FLAGS.system and not FLAGS.chat:
         raise SpecjaxError("--system needs --chat")
-    if FLAGS.max_new_tokens < 1:
-        raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
-    cli.sampling_from_flags()  # the default sampling flags
+    cli.request_defaults()  # --max_new_tokens and the sampling flags
     ks = registry.number_list("k_buckets", FLAGS.k_buckets)
     if min(ks) < 0 or 0 not in ks:
         raise SpecjaxError(f"--k_buckets must be non-negative and include 0 (plain decoding), got {FLAGS.k_buckets!r}")
@@ -92,6 +87,7 @@ def validate_flags() -> dict:
     if FLAGS.slots < 16:
         raise SpecjaxError(f"--slots must be >= 16, got {FLAGS.slots}")
     registry.check_policy(FLAGS.policy, ks, FLAGS.drafter, FLAGS.num_spec_tokens)
+    cli.check_policy_flags()
     if FLAGS.drafter == "none":
         ks = [0]  # nothing to speculate with: compile plain decoding only
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
@@ -105,125 +101,104 @@ def main(argv):
     cli.run_job(lambda: run(validate_flags()), argv)
 
 
-def run(geom) -> None:
-    from tqdm import tqdm
+def run(geom) -> int:
+    # The output is locked, repaired and scanned before the model load: a second job on it, or
+    # an unwritable path, is a one-line error at once.
+    with cli.open_job() as job:
+        if not job.todo:
+            job.notes()
+            print(job.summary() + " (nothing to serve)", file=sys.stderr)
+            return 0
+        return serve(job, geom)
 
-    from specjax import jsonl_io
+
+def serve(job, geom) -> int:
+    import dataclasses
+
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
     from specjax.errors import SpecjaxError
+    from specjax.generate import validate_request
     from specjax.goodput import DraftPrefillGate
     from specjax.models.loader import load_model
 
     wall0 = time.perf_counter()
-    records = list(jsonl_io.read_records(FLAGS.input_jsonl))
-    done = jsonl_io.done_ids(FLAGS.output_jsonl)
-    seen: set[str] = set()
-    todo, dups = [], []
-    n_done = 0
-    for rec in records:
-        if rec.id in seen:
-            dups.append(rec.id)
-            continue
-        seen.add(rec.id)
-        if rec.id in done:
-            n_done += 1
-        else:
-            todo.append(rec)
-    if dups:
-        shown = ", ".join(repr(d) for d in dups[:5]) + (", ..." if len(dups) > 5 else "")
-        print(f"note: {len(dups)} records repeat an earlier id and are skipped (the first record of an id is "
-              f"served): {shown}", file=sys.stderr)
-
     model = load_model(FLAGS.model)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params) in {model.load_seconds:.1f} s]",
           file=sys.stderr)
+    if FLAGS.slots > model.cfg.max_position:  # (positions past the context; and a huge cache fails to allocate)
+        raise SpecjaxError(f"--slots {FLAGS.slots} exceeds {model.cfg.name}'s context of {model.cfg.max_position}")
     tok = model.tokenizer
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
     backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(), **geom,
+                                    **registry.backend_options([FLAGS.policy]),
                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
-    gate = DraftPrefillGate() if policy_label == "SmartSpec" else None
+    gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 
-    n_err = n_tok = 0
-    with jsonl_io.ResumableWriter(FLAGS.output_jsonl) as out, \
-            tqdm(total=len(todo), unit="rec", disable=None, file=sys.stderr) as bar:
-        prompt_of: dict[str, str] = {}
+    def prepare(rec):
+        ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
+        mnt = rec.fields["max_new_tokens"]
+        validate_request(ids, mnt, model.cfg)
+        req = Request("r", ids, mnt, cli.sampling_from_flags(rec.fields), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
+        try:
+            check(req)
+        except SpecjaxError as e:  # (the job layer names the line; the engine's request id means nothing here)
+            raise SpecjaxError(str(e).removeprefix("request r: ")) from None
+        return req
 
-        def error(rid: str, msg: str) -> None:
-            nonlocal n_err
-            n_err += 1
-            out.write({"id": rid, "error": msg})
-            bar.update(1)
+    warmed: set = set()
+    runs = []  # (engine, outputs) of every engine run (one, unless a failure was retried)
+    t = dict(compile=0.0, serve=0.0)
+    n_tok = 0
 
-        def on_finish(o) -> None:
+    def generate(items, emit):
+        nonlocal n_tok
+        shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed
+        if shapes:  # everything this run needs, compiled before serving (a retry needs nothing new)
+            t0 = time.perf_counter()
+            backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
+                           greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True)
+            t["compile"] += time.perf_counter() - t0
+            warmed.update(shapes)
+            job.note(f"[compiled {len(backend.table)} executables in {t['compile']:.1f} s; serving {len(items)} "
+                     f"requests, policy {policy_label}, drafter {FLAGS.drafter}, {backend.num_rows} KV rows x "
+                     f"{backend.slots} slots]")
+
+        def on_finish(o):
             nonlocal n_tok
+            i = int(o.id)
             if o.error is not None:
-                error(o.id, o.error)
+                emit(i, error=o.error)
                 return
             n_tok += len(o.tokens)
-            out.write({"id": o.id, "prompt": prompt_of[o.id], "output": tok.decode(o.tokens),
-                       "output_ids": [int(t) for t in o.tokens], "num_prompt_tokens": o.prompt_len,
-                       "num_tokens": len(o.tokens), "finish_reason": o.finish_reason})
-            bar.update(1)
+            emit(i, result={"output": tok.decode(o.tokens), "output_ids": [int(x) for x in o.tokens],
+                            "num_prompt_tokens": o.prompt_len, "num_tokens": len(o.tokens),
+                            "finish_reason": o.finish_reason})
 
-        requests = []
-        for rec in todo:
-            try:
-                if rec.error:
-                    raise SpecjaxError(rec.error)
-                ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
-                req = Request(rec.id, ids, int(rec.overrides.get("max_new_tokens", FLAGS.max_new_tokens)),
-                              cli.sampling_from_flags(rec.overrides), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
-                check(req)
-                bad = [t for t in ids if not 0 <= int(t) < model.cfg.vocab_size]
-                if bad:
-                    raise SpecjaxError(f"prompt token ids out of range [0, {model.cfg.vocab_size}): {bad[:5]}")
-            except (SpecjaxError, ValueError, TypeError, OverflowError) as e:
-                error(rec.id, str(e))
-                continue
-            prompt_of[rec.id] = rec.prompt
-            requests.append(req)
+        backend.reset()  # a fresh live state (also after a failed run)
+        engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
+                               should_stop=job.should_stop)
+        t0 = time.perf_counter()
+        try:
+            runs.append((engine, engine.run([dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)])))
+        finally:
+            t["serve"] += time.perf_counter() - t0
 
-        engine = None
-        serve_s = compile_s = 0.0
-        if requests:
-            bar.clear()
-            t0 = time.perf_counter()
-            backend.warmup(prompt_lens=sorted({len(r.prompt) for r in requests}),
-                           greedy_modes=tuple(sorted({r.sampling.greedy for r in requests}, reverse=True)),
-                           progress=True)
-            compile_s = time.perf_counter() - t0
-            print(f"[compiled {len(backend.table)} executables in {compile_s:.1f} s; serving {len(requests)} "
-                  f"requests, policy {policy_label}, drafter {FLAGS.drafter}, {backend.num_rows} KV rows x "
-                  f"{backend.slots} slots]", file=sys.stderr)
-            engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish)
-            t0 = time.perf_counter()
-            try:
-                outputs = engine.run(requests)
-            except KeyboardInterrupt:
-                bar.close()
-                print(f"\ninterrupted: {bar.n} of {len(todo)} records written to {FLAGS.output_jsonl}; run the same "
-                      "command again to finish the rest", file=sys.stderr)
-                sys.exit(130)
-            serve_s = time.perf_counter() - t0
+    code = job.serve(prepare, generate)
     wall = time.perf_counter() - wall0
-
-    line = (f"{len(records)} records ({n_done} already done, {len(todo)} to do, {n_err} errors"
-            + (f", {len(dups)} duplicate ids skipped" if dups else "") + f"); {n_tok} tokens")
-    if engine is None:
-        print(line + f"; nothing to serve ({wall:.1f} s)", file=sys.stderr)
-        return
-    s = summarize(outputs, engine.steps)
-    ok = s["requests"] - s["errors"]
-    print(line + f" in {serve_s:.1f} s serving = {n_tok / max(serve_s, 1e-9):.1f} tok/s "
-          f"(+ {compile_s:.1f} s compilation; {wall:.1f} s wall in all)", file=sys.stderr)
-    if ok:
+    serve_s = t["serve"]
+    print(f"{n_tok} tokens in {serve_s:.1f} s serving = {n_tok / max(serve_s, 1e-9):.1f} tok/s "
+          f"(+ {t['compile']:.1f} s compilation; {wall:.1f} s wall in all)", file=sys.stderr)
+    outputs = [o for _, outs in runs for o in outs]
+    s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
+    if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "
               f"acceptance rate {s['acceptance_rate']:.3f}; mean K {s['mean_k']:.2f}; mean batch "
               f"{s['mean_batch']:.2f} over {s['steps']} steps; policy {policy_label}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

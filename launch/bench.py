@@ -14,8 +14,9 @@ Protocol (Spec-Bench conventions where they apply; differences are stated):
 - Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
   (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
   ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
-  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), ``smartspec``,
-  ``none`` or an integer K. For each prompt the AR baseline runs first, then every pair, in an
+  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
+  policy (``smartspec``, ``smartspec-req``, ``smartspec-conf``: device drafters only), ``none``
+  or an integer K; every goodput policy is checked against the best fixed K. For each prompt the AR baseline runs first, then every pair, in an
   order rotated by one pair per prompt (interleaving per prompt keeps slow machine drift out of
   the ratios; rotating keeps any pair from always running right after AR).
 - Each pair has its own generator and drafter (a suffix tree learns only from the outputs of
@@ -181,6 +182,7 @@ def validate_flags():
     if "none" in drafters:
         raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
     k_buckets = cli.validate_spec_flags(drafters)
+    cli.check_policy_flags()
     if FLAGS.policies is not None and FLAGS["policy"].present:
         raise SpecjaxError("give --policy or --policies, not both")
     raw = FLAGS.policies if FLAGS.policies is not None else [FLAGS.policy]
@@ -274,8 +276,9 @@ def bench() -> int:
             # for a goodput policy), as the serving engine's drafters do.
             kd = max(k_buckets) if goodput else (getattr(pol, "k", 0) or max(k_buckets))
             g = registry.build_spec_generator(model, d, k=kd, k_buckets=k_buckets, fwd=fwd,
+                                              **registry.backend_options([pn]),
                                               **cli.drafter_kwargs(model, d, kd, draft=draft))
-            group = d if d in registry.DEVICE_DRAFTERS else "host"
+            group = d if d in registry.DEVICE_DRAFTERS else "host"  # (compile keys tell packed etc. apart)
             if group in compiled_by:
                 g.share_compiled(compiled_by[group])
             else:

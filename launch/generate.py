@@ -40,6 +40,10 @@ Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / d
 mean accepted tokens per step = tokens committed per verify step, bonus token included
 (1.0 = no speedup possible); per-position acceptance = P(draft j accepted | drafted).
 
+JSONL mode is a ``specjax.jobs`` job (README "JSONL jobs"): one output line per non-blank input
+line (a result or an error record), ids and duplicates, resume, a lock on the output, one lone
+retry after a generation failure; Ctrl-C stops after the current batch with exit status 130.
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -58,8 +62,7 @@ from specjax import cli, registry  # noqa: E402
 FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_string("prompt", None, "Prompt text.")
-    flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
-    flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; finished ids are skipped on resume).")
+    cli.define_job_flags()
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
     flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
@@ -109,71 +112,43 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
         print(f"[spec {FLAGS.drafter}, policy {policy_label}: {registry.format_spec_stats(stats)}]", file=sys.stderr)
 
 
-def run_jsonl(model, gen, stats=None, policy=None, policy_label="") -> None:
-    from tqdm import tqdm
-
-    from specjax import jsonl_io
-    from specjax.errors import SpecjaxError
+def run_jsonl(job, model, gen, stats=None, policy=None, policy_label="") -> int:
+    """Serve the job in batches of --batch_size (specjax.jobs: errors, retries, Ctrl-C)."""
     from specjax.generate import validate_request
 
-    if not FLAGS.output_jsonl:
-        raise SpecjaxError("--input_jsonl needs --output_jsonl")
     tok = model.tokenizer
-    records = list(jsonl_io.read_records(FLAGS.input_jsonl))
-    done = jsonl_io.done_ids(FLAGS.output_jsonl)
-    todo = [r for r in records if r.id not in done]
-    n_err = n_tok = 0
+    n_tok = 0
+
+    def prepare(rec):
+        ids = _encode(tok, rec.prompt, FLAGS.chat, FLAGS.system)
+        validate_request(ids, rec.fields["max_new_tokens"], model.cfg)
+        return ids, rec.fields["max_new_tokens"], cli.sampling_from_flags(rec.fields)
+
+    def generate(items, emit):
+        nonlocal n_tok
+        groups: dict[int, list[int]] = {}  # rows of one generate call share max_new_tokens
+        for i, (_, mnt, _) in enumerate(items):
+            groups.setdefault(mnt, []).append(i)
+        for mnt, idx in groups.items():
+            results = gen.generate([items[i][0] for i in idx], [items[i][2] for i in idx], max_new_tokens=mnt,
+                                   ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats, policy))
+            for i, res in zip(idx, results):
+                n_tok += len(res.tokens)
+                emit(i, result={"output": tok.decode(res.tokens), "output_ids": [int(t) for t in res.tokens],
+                                "num_prompt_tokens": res.prompt_len, "num_tokens": len(res.tokens),
+                                "finish_reason": res.finish_reason})
+
     t0 = time.perf_counter()
-    with jsonl_io.ResumableWriter(FLAGS.output_jsonl) as out, tqdm(total=len(todo), unit="prompt",
-                                                                     disable=None) as bar:
-        batch: list = []
-
-        def flush():
-            nonlocal n_tok
-            if not batch:
-                return
-            # Rows of one batch share max_new_tokens; group by it.
-            groups: dict[int, list] = {}
-            for item in batch:
-                groups.setdefault(item[2], []).append(item)
-            for mnt, items in groups.items():
-                results = gen.generate([i[1] for i in items], [i[3] for i in items], max_new_tokens=mnt,
-                                       ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats, policy))
-                for (rec, _, _, _), res in zip(items, results):
-                    n_tok += len(res.tokens)
-                    out.write({"id": rec.id, "prompt": rec.prompt, "output": tok.decode(res.tokens),
-                               "output_ids": [int(t) for t in res.tokens],
-                               "num_prompt_tokens": res.prompt_len, "num_tokens": len(res.tokens),
-                               "finish_reason": res.finish_reason})
-                    bar.update(1)
-            batch.clear()
-
-        for rec in todo:
-            try:
-                if rec.error:
-                    raise SpecjaxError(rec.error)
-                ids = _encode(tok, rec.prompt, FLAGS.chat, FLAGS.system)
-                mnt = int(rec.overrides.get("max_new_tokens", FLAGS.max_new_tokens))
-                validate_request(ids, mnt, model.cfg)
-                samp = cli.sampling_from_flags(rec.overrides)
-            except (SpecjaxError, ValueError, TypeError) as e:
-                n_err += 1
-                out.write({"id": rec.id, "error": str(e)})
-                bar.update(1)
-                continue
-            batch.append((rec, ids, mnt, samp))
-            if len(batch) >= FLAGS.batch_size:
-                flush()
-        flush()
+    code = job.serve(prepare, generate, batch=FLAGS.batch_size)
     dt = time.perf_counter() - t0
-    print(f"{len(todo)} records ({len(records) - len(todo)} already done, {n_err} errors); "
-          f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s", file=sys.stderr)
+    print(f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s (compilation included)", file=sys.stderr)
     if stats is not None:
         print(f"spec {FLAGS.drafter}, policy {policy_label} (compilation included in the time above): "
               f"{registry.format_spec_stats(stats)}", file=sys.stderr)
+    return code
 
 
-def job() -> None:
+def job() -> int:
     from specjax.errors import SpecjaxError
     from specjax.generate import Generator
     from specjax.models.loader import load_model
@@ -182,33 +157,44 @@ def job() -> None:
         raise SpecjaxError("give exactly one of --prompt or --input_jsonl")
     if FLAGS.prompt is not None and not FLAGS.prompt.strip():
         raise SpecjaxError("empty prompt: --prompt must contain some text")
-    cli.sampling_from_flags()  # validate sampling flags before the (slow) model load
-    if FLAGS.max_new_tokens < 1:
-        raise SpecjaxError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+    cli.request_defaults()  # --max_new_tokens and the sampling flags, before the (slow) model load
     if FLAGS.batch_size < 1:
         raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
     k_buckets = cli.validate_spec_flags([FLAGS.drafter])
     registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
-    model = load_model(FLAGS.model, FLAGS.dtype)
-    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
-          f"in {model.load_seconds:.1f} s]", file=sys.stderr)
-    stats = policy = None
-    label = ""
-    if FLAGS.drafter == "none":
-        gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
-                        fwd=cli.forward_options_from_flags())
-    else:
-        from specjax.spec_generate import SpecStats
+    cli.check_policy_flags()
+    # The output is locked, repaired and scanned before the model load: a second job on it, or
+    # an unwritable path, is a one-line error at once.
+    jobfile = cli.open_job() if FLAGS.input_jsonl is not None else None
+    try:
+        if jobfile is not None and not jobfile.todo:
+            jobfile.notes()
+            print(jobfile.summary() + " (nothing to generate)", file=sys.stderr)
+            return 0
+        model = load_model(FLAGS.model, FLAGS.dtype)
+        print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
+              f"in {model.load_seconds:.1f} s]", file=sys.stderr)
+        stats = policy = None
+        label = ""
+        if FLAGS.drafter == "none":
+            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
+                            fwd=cli.forward_options_from_flags())
+        else:
+            from specjax.spec_generate import SpecStats
 
-        gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
-                                            fwd=cli.forward_options_from_flags(),
-                                            **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
-        stats = SpecStats()
-        policy, label = cli.policy_from_flags(model, FLAGS.drafter)
-    if FLAGS.prompt is not None:
-        run_single(model, gen, stats, policy, label)
-    else:
-        run_jsonl(model, gen, stats, policy, label)
+            gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
+                                                fwd=cli.forward_options_from_flags(),
+                                                **registry.backend_options([FLAGS.policy]),
+                                                **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
+            stats = SpecStats()
+            policy, label = cli.policy_from_flags(model, FLAGS.drafter)
+        if jobfile is None:
+            run_single(model, gen, stats, policy, label)
+            return 0
+        return run_jsonl(jobfile, model, gen, stats, policy, label)
+    finally:
+        if jobfile is not None:
+            jobfile.close()
 
 
 def main(argv):

@@ -110,6 +110,11 @@ def run():
                            f"{FLAGS.slots}; lower the contexts or raise --slots")
     if not 0 < FLAGS.holdout < 1:
         raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
+    if min(bbs) < 1:
+        raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
+    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("draft_layers", 1),
+                     ("slots", 16), ("seed", 0)):
+        cli.check_range(name, lo)
     model = load_model(FLAGS.model)
     hw = hardware_key()
     base = StepCostModel(target=None, context_mode="padded")  # XLA:CPU chunked attention reads padded rows

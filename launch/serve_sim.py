@@ -66,7 +66,9 @@ def define_flags() -> None:
     flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list of drafters (every drafter of "
                         "launch/generate.py; suffix/hybrid run token trees, K = the node budget).")
     flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the first N layers.")
-    flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, oracle.")
+    flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
+                       "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
+    cli.define_confidence_flag()
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
@@ -140,7 +142,8 @@ def make_requests(prompts, n: int, rate: float | None, max_new: int, ignore_eos:
 
 
 def policy_label(name: str) -> str:
-    return {"none": "no-SD", "smartspec": "SmartSpec", "oracle": "oracle"}.get(name, f"K={name}")
+    return {"none": "no-SD", "smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req",
+            "smartspec-conf": "SmartSpec-conf", "oracle": "oracle"}.get(name, f"K={name}")
 
 
 # ---------------------------------------------------------------- runs
@@ -170,7 +173,8 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
     from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
 
-    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, **geom)
+    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, **geom,
+                      **registry.backend_options(policies))
     t0 = time.perf_counter()
     be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
     print(f"[{drafter}: compiled and ran {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]",
@@ -186,8 +190,8 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
 
                     probe = probe_speed(be, table, context=min(len(p) for p in prompts), seed=seed + rep)
                 be.reset()
-                policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol == "smartspec" else None
+                policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
                 eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
                 outs = eng.run(reqs)
                 rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), repeat=rep,
@@ -219,14 +223,15 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
         for rep in range(repeats):
             reqs = reqs_for_rate(rate, rep)
             for pol in policies:
-                policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in ("smartspec", "oracle") else None
+                policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
                 charge = sim_cost or cost
                 if speed is not None:
                     charge = charge.with_speed(speed.get((rate, rep, policy_label(pol))))
                 outs, eng = simulate(reqs, policy, charge, accept, device_draft=device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
-                                     slots=geom["slots"], seed=seed + rep, prefill_gate=gate)
+                                     slots=geom["slots"], seed=seed + rep, prefill_gate=gate,
+                                     packed=registry.backend_options(policies)["packed"])
                 rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
                                  policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
                 _log(rows[-1])
@@ -256,7 +261,8 @@ def run():
     from specjax.goodput.perf_model import ProfiledCost, hardware_key, load_model as load_perf, load_profiled, model_key
     from specjax.simulate import AcceptanceProfile
 
-    policies = [p.strip() for p in FLAGS.policies.split(",") if p.strip()]
+    policies = [p.strip().lower() for p in FLAGS.policies.split(",") if p.strip()]
+    cli.check_policy_flags()
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
     geom = dict(k_buckets=registry.number_list("k_buckets", FLAGS.k_buckets), batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets),
                 slots=FLAGS.slots)
@@ -266,6 +272,16 @@ def run():
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
         raise SpecjaxError(f"--repeats must be >= 1, got {FLAGS.repeats}")
+    # Range checks of the remaining numeric flags (NaN and infinities are refused by cli.run_job).
+    cli.check_range("burst", 0)
+    cli.check_range("sim_alpha", 0, 1)
+    cli.check_range("prefill_disable", 0, 1)
+    for name in ("max_prompt_tokens", "max_new_tokens", "sim_input_len", "sim_output_len", "window", "draft_layers"):
+        cli.check_range(name, 1)
+    cli.check_range("slots", 16)
+    cli.check_range("seed", 0)
+    if FLAGS.burst > 0 and int(FLAGS.burst * max(geom["batch_buckets"])) < 1:
+        raise SpecjaxError(f"--burst {FLAGS.burst} x {max(geom['batch_buckets'])} KV rows is less than one request")
     if FLAGS.speed_probe and (FLAGS.mode == "sim" or FLAGS.sim_cost != "table"):
         raise SpecjaxError("--speed_probe scales the profiled table by probes taken before real runs: use it with "
                            "--mode real or both and --sim_cost table")
@@ -310,6 +326,10 @@ def run():
     for d in drafters:
         if d not in registry.SPEC_DRAFTERS:
             raise SpecjaxError(f"--drafters: unknown {d!r} ({', '.join(registry.SPEC_DRAFTERS)})")
+    for p in policies:
+        if registry.backend_options([p])["draft_first"] and set(drafters) - set(registry.DEVICE_DRAFTERS):
+            raise SpecjaxError("policy smartspec-conf (confidence-based proposal) needs device drafters "
+                               f"({', '.join(registry.DEVICE_DRAFTERS)}); got --drafters {FLAGS.drafters}")
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
     perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)

@@ -30,7 +30,7 @@ def main(argv):
     del argv
     from specjax.drafters.suffix.entropy import empirical_entropy
     from specjax.errors import SpecjaxError
-    from specjax.jsonl_io import read_outputs
+    from specjax.jobs import read_outputs
 
     try:
         if not FLAGS.input_jsonl:

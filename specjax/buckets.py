@@ -51,3 +51,20 @@ def proposal_bucket(k_options, longest: int) -> int:
         if k >= longest:
             return k
     raise SpecjaxError(f"a proposal of {longest} tokens exceeds the largest compiled size {max(k_options)}")
+
+
+def token_buckets(batch: int, k: int, k_options) -> tuple[int, ...]:
+    """Packed-token sizes compiled for a verify step of batch bucket ``batch`` and K = ``k``
+    (per-request draft counts, llama.forward's ``pack``): the token count of a batch-level step
+    at each smaller compiled K, ``batch * (j + 1)`` for 0 <= j < k (j = 0: as many tokens as
+    rows, enough when some rows are free or idle). The unpacked block, ``batch * (k + 1)``, is
+    the step itself. A batch of 1 has none (its one row's tokens are its K)."""
+    if batch <= 1 or k <= 0:
+        return ()
+    return tuple(batch * (j + 1) for j in sorted(k_options) if 0 <= j < k)
+
+
+def token_bucket(batch: int, k: int, k_options, n_tokens: int) -> int:
+    """The smallest packed size for ``n_tokens`` real tokens in a (batch, k) step, or 0 when only
+    the unpacked block holds them (the one rule of the backend and the selector)."""
+    return next((t for t in token_buckets(batch, k, k_options) if t >= n_tokens), 0)

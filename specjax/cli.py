@@ -69,14 +69,12 @@ def drafter_kwargs(model, drafter: str, k: int, draft=None) -> dict:
     return kw
 
 
-def sampling_from_flags(overrides=None):
-    """SamplingParams from the flags, with per-record overrides (a JSONL record's fields)."""
+def sampling_from_flags(fields=None):
+    """SamplingParams from the flags, or from a JSONL record's checked request fields."""
     from specjax.sampling import SamplingParams
 
-    o = overrides or {}
-    return SamplingParams(temperature=float(o.get("temperature", FLAGS.temperature)),
-                          top_k=int(o.get("top_k", FLAGS.top_k)), top_p=float(o.get("top_p", FLAGS.top_p)),
-                          seed=int(o.get("seed", FLAGS.seed)))
+    f = fields if fields is not None else request_defaults()
+    return SamplingParams(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], seed=f["seed"])
 
 
 def validate_spec_flags(drafters) -> tuple[int, ...] | None:
@@ -96,6 +94,10 @@ def validate_spec_flags(drafters) -> tuple[int, ...] | None:
     suffix = set(drafters) & set(registry.SUFFIX_DRAFTERS)
     if FLAGS.suffix_history_jsonl and not suffix:
         raise SpecjaxError("--suffix_history_jsonl is only used with --drafter suffix, suffix_path or hybrid")
+    if FLAGS.suffix_history_jsonl:  # a bad history file is an error before the model load, not after
+        from specjax.jobs import read_outputs
+
+        read_outputs(FLAGS.suffix_history_jsonl, flag="--suffix_history_jsonl")
     if not drafters:
         return None
     k_buckets = registry.parse_k_buckets(FLAGS.k_buckets)
@@ -132,6 +134,21 @@ def define_policy_flags() -> None:
                         "model for this model, drafter and hardware, else fixed K = --num_spec_tokens.")
     flags.DEFINE_string("perf_models", None, "Performance models from launch/profile.py (default: the ones "
                         "shipped in configs/perf/).")
+    define_confidence_flag()
+
+
+def define_confidence_flag() -> None:
+    flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
+                       "draft's probability under the draft model exceeds this, in [0, 1).")
+
+
+def check_policy_flags() -> None:
+    """Range checks of the policy flags (before the model load)."""
+    from specjax.errors import SpecjaxError
+
+    t = FLAGS.confidence_threshold
+    if not 0.0 <= t < 1.0:  # (NaN fails too)
+        raise SpecjaxError(f"--confidence_threshold must be in [0, 1), got {t}")
 
 
 def policy_from_flags(model, drafter: str, policy: str | None = None):
@@ -140,8 +157,8 @@ def policy_from_flags(model, drafter: str, policy: str | None = None):
     import sys
 
     pol, label, note = registry.make_policy(policy if policy is not None else FLAGS.policy, model.cfg.name, drafter,
-                                            draft_layers=FLAGS.draft_layers,
-                                            fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models)
+                                            draft_layers=FLAGS.draft_layers, fallback_k=FLAGS.num_spec_tokens,
+                                            perf_models=FLAGS.perf_models, threshold=FLAGS.confidence_threshold)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return pol, label
@@ -161,9 +178,10 @@ def define_request_flags(chat: bool = False) -> None:
 
 
 def run_job(job, argv) -> None:
-    """A launch script's main: quiet absl logging, the persistent XLA cache, and a user mistake
-    (SpecjaxError) printed as one ``error:`` line with exit status 2. ``job()`` returns the exit
-    status (None = 0)."""
+    """A launch script's main: quiet absl logging, the persistent XLA cache, the checks every
+    script shares (``check_common_flags``), and a user mistake (SpecjaxError) printed as one
+    ``error:`` line with exit status 2; Ctrl-C outside a job's serving loop (which handles it
+    itself, specjax.jobs) is one line and status 130. ``job()`` returns the exit status (None = 0)."""
     import sys
 
     from absl import logging
@@ -176,10 +194,87 @@ def run_job(job, argv) -> None:
         sys.exit(2)
     logging.set_verbosity(logging.WARNING)
     try:
+        check_common_flags()
         enable_compilation_cache()
         code = job()
     except SpecjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C) before anything was generated", file=sys.stderr)
+        sys.exit(130)
     sys.exit(code or 0)
+
+
+# ---------------------------------------------------------------- JSONL jobs and shared checks
+
+TEXT_FLAGS = ("prompt", "system")  # flags that reach the model as text: must be valid UTF-8
+
+
+def check_common_flags() -> None:
+    """Checks every script gets before anything slow: no float flag is NaN or infinite (a NaN
+    passes every comparison a range check makes, e.g. a NaN request rate hung serve_sim), and
+    text flags are valid UTF-8 (undecodable command-line bytes arrive as lone surrogates)."""
+    import math
+
+    from specjax.errors import SpecjaxError
+
+    for name in list(FLAGS):
+        value = FLAGS[name].value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecjaxError(f"--{name} must be a finite number, got {value}")
+    for name in TEXT_FLAGS:
+        if name in FLAGS and FLAGS[name].value is not None:
+            try:
+                FLAGS[name].value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise SpecjaxError(f"--{name} is not valid UTF-8 text") from None
+
+
+def check_range(name: str, lo=None, hi=None, *, lo_open: bool = False) -> None:
+    """--name within [lo, hi] ((lo, hi] with lo_open); SpecjaxError otherwise."""
+    from specjax.errors import SpecjaxError
+
+    v = FLAGS[name].value
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        if hi is None:
+            rule = f"{'>' if lo_open else '>='} {lo}"
+        elif lo is None:
+            rule = f"<= {hi}"
+        else:
+            rule = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise SpecjaxError(f"--{name} must be {rule}, got {v}")
+
+
+def define_job_flags() -> None:
+    """The files of a JSONL job (specjax.jobs)."""
+    flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
+    flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; ids already in it are skipped on resume; "
+                        "locked while the job runs).")
+
+
+def request_defaults() -> dict:
+    """The checked request fields from the flags (--max_new_tokens and the sampling flags): what
+    a JSONL record does not set. A bad flag is an error naming it."""
+    from specjax.errors import SpecjaxError
+    from specjax.results import REQUEST_FIELDS, request_fields
+
+    raw = {k: FLAGS[k].value for k in REQUEST_FIELDS}
+    try:
+        return request_fields(raw, raw)
+    except SpecjaxError as e:
+        raise SpecjaxError(f"--{e}") from None  # every schema message starts with the field name
+
+
+def open_job(**kw):
+    """The job of --input_jsonl / --output_jsonl, opened before the model is loaded: the input read
+    and checked, the output locked, repaired and scanned (specjax.jobs.Job)."""
+    from specjax.errors import SpecjaxError
+    from specjax.jobs import Job
+
+    if not FLAGS.input_jsonl:
+        raise SpecjaxError("--input_jsonl is required")
+    if not FLAGS.output_jsonl:
+        raise SpecjaxError("--output_jsonl is required")
+    return Job(FLAGS.input_jsonl, FLAGS.output_jsonl, request_defaults(), **kw)
 

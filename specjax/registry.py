@@ -29,6 +29,8 @@ def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = F
         raise SpecjaxError(f"--{name} must be a comma list of {what}, got {text!r}") from None
     if not xs:
         raise SpecjaxError(f"--{name} is empty")
+    if any(x != x or x in (float("inf"), float("-inf")) for x in xs):  # a NaN passes every range check below
+        raise SpecjaxError(f"--{name} must be finite {what}, got {text!r}")
     if minimum is not None and xs[0] < minimum:
         raise SpecjaxError(f"--{name} must be {what} >= {minimum}, got {text!r}")
     if positive and xs[0] <= 0:
@@ -78,7 +80,7 @@ def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, c
 
 def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
     """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
-    from specjax.jsonl_io import read_outputs
+    from specjax.jobs import read_outputs
 
     return [tokenizer.encode(x) if isinstance(x, str) else x
             for x in read_outputs(path, flag="--suffix_history_jsonl")]
@@ -136,8 +138,10 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
 
 
-def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, **kw):
-    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts."""
+def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
+                         packed: bool = False, **kw):
+    """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts
+    (``draft_first`` / ``packed``: see backend_options)."""
     from specjax import buckets as bk
     from specjax.errors import SpecjaxError
     from specjax.spec_generate import SpecGenerator
@@ -147,7 +151,7 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, **
     parts = drafter_parts(model, drafter, k=k, **kw)
     return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
-                         fwd=fwd or ForwardOptions(), **parts)
+                         fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed, **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
@@ -185,9 +189,11 @@ def format_spec_stats(stats) -> str:
 
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
-                 **drafter_kw):
+                 draft_first: bool = False, packed: bool = False, **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
-    (``profiling``: prompt lookup replaced by host drafts of exactly K tokens)."""
+    (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
+    also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
+    verify blocks, for per-request draft counts; see backend_options)."""
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
@@ -196,7 +202,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     else:
         parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
     return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
-                      fwd=fwd or ForwardOptions(), **parts)
+                      fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed, **parts)
 
 
 def drafter_label(drafter: str, draft_layers: int) -> str:
@@ -210,7 +216,19 @@ def perf_model_label(drafter: str, draft_layers: int) -> str:
     return drafter_label(drafter, draft_layers) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
 
 
-POLICY_HELP = "auto, smartspec, none or an integer K"
+POLICY_HELP = ("auto, smartspec, smartspec-req (per-request draft counts), smartspec-conf (confidence-based "
+               "proposal, device drafters), none or an integer K")
+GOODPUT_POLICIES = ("smartspec", "smartspec-req", "smartspec-conf", "oracle")  # need a performance model
+_GOODPUT_LABELS = {"smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req", "smartspec-conf": "SmartSpec-conf"}
+
+
+def backend_options(policies) -> dict:
+    """What a backend must compile for these policy names, as make_backend / build_spec_generator
+    arguments: ``draft_first`` for a confidence policy (SmartSpec Algorithm 3: a device drafter
+    drafts ahead of the choice), ``packed`` for per-request draft counts (verify blocks that
+    cost their real tokens)."""
+    names = {p.strip().lower() for p in policies}
+    return {"draft_first": "smartspec-conf" in names, "packed": "smartspec-req" in names}
 
 
 def check_policy(policy: str, k_buckets, drafter: str, fallback_k: int) -> str:
@@ -220,7 +238,10 @@ def check_policy(policy: str, k_buckets, drafter: str, fallback_k: int) -> str:
     from specjax.errors import SpecjaxError
 
     pol = policy.strip().lower()
-    if pol not in ("auto", "smartspec", "none"):
+    if pol == "smartspec-conf" and drafter not in DEVICE_DRAFTERS:
+        raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
+                           f"({', '.join(DEVICE_DRAFTERS)}), not {drafter}")
+    if pol not in ("auto", "none") + GOODPUT_POLICIES[:-1]:
         try:
             k = int(pol)
         except ValueError:
@@ -244,27 +265,30 @@ def default_perf_models() -> str:
     return str(resources.files("specjax.configs").joinpath("perf", "perf_models.json"))
 
 
-def policy_for(name: str, cost=None, k_buckets=None, window: int = 16):
+def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold: float = 0.5):
     """The policy object of an explicit name: 'none' (K = 0), 'smartspec' (goodput, moving
-    average), 'oracle' (goodput with the simulator's true acceptance) or an integer K."""
+    average), 'smartspec-conf' (goodput, confidence-based proposal with cut ``threshold``),
+    'oracle' (goodput with the simulator's true acceptance) or an integer K."""
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, GoodputPolicy
 
     if name in ("none", "0"):
         return FixedK(0)
-    if name in ("smartspec", "oracle"):
-        return GoodputPolicy(cost, "moving_average" if name == "smartspec" else "oracle", window=window)
+    if name in GOODPUT_POLICIES:
+        estimator = {"smartspec-conf": "confidence", "oracle": "oracle"}.get(name, "moving_average")
+        req = name == "smartspec-req"  # per-request alphas and draft counts
+        return GoodputPolicy(cost, estimator, window=window, threshold=threshold, per_request=req, per_request_k=req)
     try:
         k = int(name)
     except ValueError:
-        raise SpecjaxError(f"unknown policy {name!r} (none, smartspec, oracle or an integer K)") from None
+        raise SpecjaxError(f"unknown policy {name!r} (none, {', '.join(GOODPUT_POLICIES)} or an integer K)") from None
     if k_buckets is not None and k not in k_buckets:
         raise SpecjaxError(f"policy K={k} is not in --k_buckets {list(k_buckets)}")
     return FixedK(k)
 
 
 def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int = 8, fallback_k: int = 4,
-                perf_models: str | None = None):
+                perf_models: str | None = None, threshold: float = 0.5):
     """(policy object, label, note or None) for ``policy`` (see check_policy). ``note`` says when
     ``auto`` fell back to a fixed K because no performance model matches this model, drafter and
     hardware (make one with launch/profile.py)."""
@@ -274,16 +298,19 @@ def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int
     pol = policy.strip().lower()
     if drafter == "none" or pol in ("none", "0"):
         return policy_for("none"), "no-SD", None
-    if pol not in ("auto", "smartspec"):
+    if pol not in ("auto",) + GOODPUT_POLICIES[:-1]:
         return policy_for(pol), f"K={int(pol)}", None
     path = perf_models or default_perf_models()
     key = model_key(model_name, perf_model_label(drafter, draft_layers), hardware_key())
     try:
         cost = load_perf(path, key)
     except SpecjaxError:
-        if pol == "smartspec":
+        if pol != "auto":
             raise
         return (policy_for(str(fallback_k)), f"K={fallback_k} (auto)",
                 f"no performance model for {key!r} in {path}; using fixed K={fallback_k} instead of SmartSpec "
                 "(make one with launch/profile.py)")
-    return policy_for("smartspec", cost), "SmartSpec", None
+    if pol == "smartspec-conf":
+        return policy_for(pol, cost, threshold=threshold), f"SmartSpec-conf (T={threshold:g})", None
+    pol = "smartspec" if pol == "auto" else pol
+    return policy_for(pol, cost), _GOODPUT_LABELS[pol], None

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import require
+from specjax.results import check_sampling
 
 _NEG_INF = -jnp.inf
 
@@ -31,11 +31,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        require(np.isfinite(self.temperature) and self.temperature >= 0,
-                f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        require(int(self.top_k) == self.top_k and self.top_k >= 0, f"top_k must be a non-negative integer, got {self.top_k}")
-        require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        require(0 <= int(self.seed) < 2**32, f"seed must be in [0, 2**32), got {self.seed}")
+        # The strict schema (specjax.results): a value that passes fits the device arrays.
+        values = check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        for name, v in zip(("temperature", "top_k", "top_p", "seed"), values):
+            object.__setattr__(self, name, v)
 
     @property
     def greedy(self) -> bool:

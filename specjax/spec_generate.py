@@ -28,7 +28,7 @@ from specjax.engine.scheduler import Request, RequestOutput
 from specjax.engine.table import StepTable
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
-from specjax.results import GenerationResult, validate_request
+from specjax.results import GenerationResult, check_max_new_tokens, validate_request
 from specjax.goodput.selector import DraftPrefillGate, FixedK, GoodputPolicy, Policy
 from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
@@ -106,7 +106,8 @@ class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
                  draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
                  batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
-                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True):
+                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True, draft_first: bool = False,
+                 packed: bool = False):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         check_pair(cfg, draft, draft_params)
         self.cfg = cfg
@@ -120,6 +121,8 @@ class SpecGenerator:
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
         self.fwd = fwd
         self.shrink_to_proposal = shrink_to_proposal
+        self.draft_first = draft_first  # device drafter: compile the draft-ahead path (confidence policies)
+        self.packed = packed  # packed verify blocks (per-request draft counts)
         self._backends: dict[int, JaxBackend] = {}
         self._compiled = _Compiled()
         # Prefill gates created for GoodputPolicy objects (see generate), one per policy object.
@@ -137,7 +140,7 @@ class SpecGenerator:
                 self.cfg, self.params, drafter=self.drafter, draft=self.draft,
                 draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
                 batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
-                shrink_patience=1 << 30)
+                shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed)
             # (the backend's own fresh table is dropped when this slot bucket already has one)
             be.table = self._compiled.tables.setdefault(slots, be.table)
             be.table.warm = self._compiled.warm
@@ -226,6 +229,9 @@ class SpecGenerator:
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         require(len(sampling) == len(prompts), "one SamplingParams per prompt")
+        require(all(isinstance(s, SamplingParams) for s in sampling),
+                "sampling must be a SamplingParams or one SamplingParams per prompt")
+        check_max_new_tokens(max_new_tokens)
         require(num_spec_tokens in self.k_buckets,
                 f"num_spec_tokens={num_spec_tokens} is not a precompiled K bucket {list(self.k_buckets)}"
                 if num_spec_tokens <= max(self.k_buckets) else

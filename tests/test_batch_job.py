@@ -1,8 +1,10 @@
-"""launch/batch.py end to end on the tiny model: SIGKILL mid-job then resume (no lost or duplicated
+"""launch/batch.py end to end on the tiny model: SIGKILL at a random point of a job over a file of
+valid and broken lines, then resume (one line per non-blank input line, no lost or duplicated
 ids, resumed greedy outputs equal an uninterrupted run's), error records, one-line flag errors."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -41,18 +43,25 @@ def _served(path) -> int:
 
 
 def _write_input(path):
+    """Valid rows among malformed, mistyped, duplicate, oversized, non-UTF-8, blank and id-less
+    lines. Returns (ids served, {id: error fragment}) as JSON texts of the ids."""
     valid = {f"r{i}": f"row {i} {'ab' * (i % 3)}" for i in range(10)}  # <= 16 bytes: one prompt bucket
-    lines = [json.dumps({"id": k, "prompt": v}) for k, v in valid.items()]
-    lines.insert(2, "{not json")  # line 3
-    lines.insert(5, json.dumps(["not", "an", "object"]))  # line 6
-    lines.append(json.dumps({"id": "long", "prompt": "x" * 200}))  # 200 + 150 + 3 > 256 slots
-    lines.append(json.dumps({"id": "short", "prompt": "tiny one", "max_new_tokens": 5}))
-    lines.append(json.dumps({"id": "badtemp", "prompt": "hello", "temperature": -1}))
-    lines.append(json.dumps({"id": "r0", "prompt": "a duplicate id"}))
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    served = sorted(valid) + ["short"]
-    errors = {"3": "malformed JSON", "6": "JSON object", "long": "KV slots", "badtemp": "temperature"}
+    lines = [json.dumps({"id": k, "prompt": v}).encode() for k, v in valid.items()]
+    lines.insert(2, b"{not json")  # line 3
+    lines.insert(5, json.dumps(["not", "an", "object"]).encode())  # line 6
+    lines += [json.dumps({"id": "long", "prompt": "x" * 200}).encode(),  # 200 + 150 + 3 > 256 slots
+              json.dumps({"id": "short", "prompt": "tiny one", "max_new_tokens": 5}).encode(),
+              json.dumps({"id": "badtemp", "prompt": "hello", "temperature": -1}).encode(),
+              json.dumps({"id": "r0", "prompt": "a duplicate id"}).encode(),  # line 16
+              b"   ",  # line 17: blank, no output line
+              b'{"id": "latin1", "prompt": "caf\xe9"}',  # line 18: not UTF-8
+              json.dumps({"id": 7, "prompt": "an integer id", "top_k": True}).encode(),
+              json.dumps({"prompt": "no id", "max_new_tokens": 3}).encode()]  # line 20
+    with open(path, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    served = [json.dumps(k) for k in sorted(valid) + ["short", "#20"]]
+    errors = {'"#3"': "malformed JSON", '"#6"': "JSON object", '"long"': "KV slots", '"badtemp"': "temperature",
+              '"#16"': 'duplicate id "r0" (already on line 1)', '"#18"': "not valid UTF-8", "7": "top_k must be"}
     return served, errors
 
 
@@ -63,15 +72,17 @@ def test_kill_and_resume(tmp_path):
 
     r = run(*args, "--output_jsonl", ref)  # uninterrupted reference (compiles into the persistent cache)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "compiled" in r.stderr and "repeat an earlier id" in r.stderr
-    want = {x["id"]: x for x in _read(ref)}
-    assert sorted(want) == sorted(served + list(errors))
+    assert "compiled" in r.stderr
+    want = {json.dumps(x["id"]): x for x in _read(ref)}
+    assert sorted(want) == sorted(served + list(errors)) and len(_read(ref)) == len(want)
 
+    seed = random.randrange(2**32)
+    threshold = random.Random(seed).randint(1, 6)  # a random point of the job to kill it at
     log = open(tmp_path / "killed.log", "w")
     p = subprocess.Popen([sys.executable, SCRIPT, *args, "--output_jsonl", out], stdout=log, stderr=log, env=_env())
     try:
         deadline = time.time() + 240
-        while _served(out) < 2 and p.poll() is None and time.time() < deadline:
+        while _served(out) < threshold and p.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         assert p.poll() is None, "the job ended before it could be killed; give it more work"
         p.send_signal(signal.SIGKILL)
@@ -82,22 +93,24 @@ def test_kill_and_resume(tmp_path):
             p.wait()
         log.close()
     at_kill = _served(out)
-    assert 2 <= at_kill < len(served), f"kill did not interrupt the job ({at_kill} of {len(served)} served)"
+    assert threshold <= at_kill < len(served), f"kill did not interrupt the job ({at_kill} of {len(served)} served)"
 
     r = run(*args, "--output_jsonl", out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"{len(served) - at_kill} to do" in r.stderr, r.stderr[-2000:]
+    assert f"written now: {len(served) - at_kill} results" in r.stderr and "0 errors; 0 left" in r.stderr, \
+        (seed, r.stderr[-2000:])
     recs = _read(out)
-    ids = [x["id"] for x in recs]
+    ids = [json.dumps(x["id"]) for x in recs]
     assert len(ids) == len(set(ids)), f"duplicated ids: {ids}"
     assert sorted(ids) == sorted(served + list(errors))
-    got = {x["id"]: x for x in recs}
+    got = {json.dumps(x["id"]): x for x in recs}
     for rid, msg in errors.items():
         assert set(got[rid]) == {"id", "error"} and msg in got[rid]["error"], got[rid]
-    assert got["short"]["num_tokens"] == 5 and got["r1"]["num_tokens"] == 150
-    assert got["r0"]["prompt"] == "row 0 "  # the first record of a duplicated id is the one served
+    assert got['"short"']["num_tokens"] == 5 and got['"r1"']["num_tokens"] == 150
+    assert got['"r0"']["prompt"] == "row 0 "  # the first record of a duplicated id is the one served
+    assert got['"#20"']["prompt"] == "no id"
     # Greedy decoding is deterministic whatever the batch composition: resumed == uninterrupted.
-    assert got == want
+    assert got == want, f"seed {seed}"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -109,7 +122,8 @@ def test_kill_and_resume(tmp_path):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--k_buckets", "1,x"], "--k_buckets must be a comma list"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--k_buckets", "1,2"], "must be non-negative and include 0"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--drafter", "none", "--policy", "2"], "needs a drafter"),
-    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--temperature", "-1"], "--temperature must be 0 (greedy) or"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--top_k", "1000000000000"], "--top_k must be an integer in"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--model", "tiny-random", "--policy", "smartspec",
       "--perf_models", "/nonexistent/perf.json"], "does not exist"),
 ])

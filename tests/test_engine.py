@@ -61,8 +61,8 @@ def backends(tiny):
                      shrink_patience=2)
     pld.warmup(prompt_lens=[16], greedy_modes=(True, False))
     ls = JaxBackend(cfg, params, **_ls(cfg, params, 2), k_buckets=KS, batch_buckets=ROWS,
-                    slots=SLOTS, shrink_patience=2)
-    ls.warmup(prompt_lens=[16])
+                    slots=SLOTS, shrink_patience=2, draft_first=True)
+    ls.warmup(prompt_lens=[16], greedy_modes=(True, False))
     return {"prompt_lookup": pld, "layer_skip": ls}
 
 
@@ -75,12 +75,21 @@ def _reqs(arrival_gap, prompts=PROMPTS, **kw):
     return [Request(f"q{i}", p, MAX_NEW, arrival=i * arrival_gap, **kw) for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "layer_skip"])
-@pytest.mark.parametrize("policy", ["K=2", "smartspec"])
+class _DraftAhead(FixedK):
+    """Fixed K with the draft made ahead of the choice (the confidence path's draft call)."""
+
+    def __init__(self, k, threshold):
+        super().__init__(k)
+        self.draft_threshold = threshold
+
+
+@pytest.mark.parametrize("drafter,policy", [(d, p) for d in ("prompt_lookup", "layer_skip") for p in ("K=2", "smartspec")]
+                         + [("layer_skip", "confidence")])
 def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, policy):
     be = backends[drafter]
     be.reset()
-    pol = FixedK(2) if policy == "K=2" else GoodputPolicy(_cheap_spec())
+    pol = {"K=2": lambda: FixedK(2), "smartspec": lambda: GoodputPolicy(_cheap_spec()),
+           "confidence": lambda: GoodputPolicy(_cheap_spec(), "confidence", threshold=0.05)}[policy]()
     # Event clock on measured durations: arrivals interleave with steps deterministically enough
     # that requests join a running batch, and leave it, at different steps.
     # A late request, after the others left, runs alone in the 4-row state until it is compacted.
@@ -107,6 +116,34 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
         assert sum(o.accepted for o in outs) > 0
     if drafter == "layer_skip":
         assert all(o.drafted == 2 * o.steps for o in outs if eng.steps and all(s.k == 2 for s in eng.steps))
+    if policy == "confidence":  # every step drafted ahead, and the policy verified some of it
+        assert sum(o.accepted for o in outs) > 0 and any(s.k == 2 for s in eng.steps)
+
+
+def test_confidence_draft_call_matches_the_fused_step(tiny, backends):
+    """The draft call + verify step (Algorithm 3's path) draws the same drafts from the same
+    random streams as the fused step: with a threshold no draft misses, mixed greedy / sampled
+    requests get identical tokens, so the fused step's lossless sampling carries over. With a
+    threshold every draft misses, each row drafts exactly one token per step (the loop exits
+    after one draft forward), still the target's greedy tokens."""
+    be = backends["layer_skip"]
+    samp = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.9, top_p=0.9, seed=i)
+            for i in range(len(PROMPTS))]
+    reqs = lambda: [Request(f"q{i}", p, MAX_NEW, s, arrival=i * 0.004) for i, (p, s) in enumerate(zip(PROMPTS, samp))]
+    runs = {}
+    for name, pol in (("fused", FixedK(2)), ("ahead", _DraftAhead(2, -1.0))):
+        be.reset()
+        runs[name] = ServingEngine(be, pol, clock=EventClock()).run(reqs())
+    assert [o.tokens for o in runs["ahead"]] == [o.tokens for o in runs["fused"]]
+    assert [o.drafted for o in runs["ahead"]] == [o.drafted for o in runs["fused"]]
+    be.reset()
+    greedy = [Request(f"q{i}", p, MAX_NEW, arrival=0.0) for i, p in enumerate(PROMPTS[:4])]
+    eng = ServingEngine(be, _DraftAhead(2, 1.0), clock=EventClock())
+    outs = eng.run(greedy)
+    cfg, params = tiny
+    ref = reference_generate(cfg, params, PROMPTS[:4], max_new_tokens=MAX_NEW, batch_buckets=(1,))
+    assert [o.tokens for o in outs] == [r.tokens for r in ref]
+    assert all(o.drafted == o.steps for o in outs)
 
 
 def test_burst_of_four_times_capacity(backends, reference):

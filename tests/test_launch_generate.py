@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ def run(*args, timeout=300):
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "empty prompt"),
     (["--prompt", "   "], "empty prompt"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature must be 0 (greedy) or in [0.0001, 10000]"),
     (["--prompt", "hi", "--top_p", "1.5"], "top_p must be in (0, 1]"),
     (["--prompt", "hi", "--top_p", "0"], "top_p must be in (0, 1]"),
     (["--prompt", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
@@ -76,26 +77,29 @@ def test_jsonl_records_errors_and_resumes(tmp_path):
     ids = [x["id"] for x in recs]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == n
     by_id = {x["id"]: x for x in recs}
-    assert "malformed JSON" in by_id["2"]["error"]
-    assert "prompt" in by_id["c"]["error"]
+    assert "malformed JSON" in by_id["#2"]["error"]
+    assert by_id["c"]["error"] == "line 3: missing 'prompt' (the text to continue)"
     assert "empty prompt" in by_id["d"]["error"]
     assert "context" in by_id["e"]["error"]
     assert "temperature" in by_id["g"]["error"]
-    assert "JSON object" in by_id["8"]["error"]
+    assert "JSON object" in by_id["#8"]["error"]
     assert by_id["f"]["num_tokens"] == 4 and by_id["a"]["num_tokens"] == 6
     first = {k: v for k, v in by_id.items()}
 
-    # Simulate a kill: drop the last 4 records and leave a torn half-line.
-    with open(out) as f:
+    # Simulate a kill at a random point: drop some records and leave a torn part of the next.
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    with open(out, "rb") as f:
         lines = f.readlines()
-    with open(out, "w") as f:
-        f.writelines(lines[:-4])
-        f.write(lines[-4][: len(lines[-4]) // 2])
+    k = rng.randint(1, len(lines) - 1)
+    with open(out, "wb") as f:
+        f.writelines(lines[:k])
+        f.write(lines[k][: rng.randrange(len(lines[k]) - 1)])
     r = run(*args)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "already done" in r.stderr
+    assert f"{k} already done" in r.stderr, (seed, r.stderr[-2000:])
     recs = _read(out)
     ids = [x["id"] for x in recs]
-    assert len(ids) == n and len(set(ids)) == n, ids
+    assert len(ids) == n and len(set(ids)) == n, (seed, ids)
     # Deterministic generation: resumed records equal the first run's.
-    assert {x["id"]: x for x in recs} == first
+    assert {x["id"]: x for x in recs} == first, seed

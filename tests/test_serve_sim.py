@@ -43,6 +43,8 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--policies", "none,7"], "not in --k_buckets"),
     (["--replay_json", "x.json"], "use it with --mode sim (no --scale)"),
     (["--speed_probe"], "use it with --mode real or both"),
+    (["--sim_alpha", "1.5"], "--sim_alpha must be in [0, 1]"),
+    (["--prefill_disable", "nan"], "--prefill_disable must be a finite number"),
 ])
 def test_flag_errors_are_one_line(args, msg):
     p = run("--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args)

@@ -45,4 +45,4 @@ def test_entropy_cli(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"output_ids": [1, 2]}\nnot json\n')
     r = subprocess.run(cmd[:-1] + [str(bad)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "bad.jsonl:2: not JSON" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "bad.jsonl:2: malformed JSON" in r.stderr and "Traceback" not in r.stderr

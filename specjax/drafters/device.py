@@ -7,6 +7,9 @@ its compile key) with two pure functions the step calls with the draft's *own* p
       (holding the first n_valid - 1 prompt tokens: the step re-feeds [prev, pending] first)
   draft(dparams, dcache, prev, pending, target_lengths, K, samp, greedy_only)
       -> (drafts [B, K], draft probabilities [B, K, V] or None when greedy_only, dcache)
+  propose(..., P, samp, greedy_only, active, threshold)
+      -> the same drafts for a proposal cut by confidence (SmartSpec Algorithm 3), run as its
+         own call before the policy chooses K: (drafts, q, confidences, proposed, dcache)
 
 ``ModelDraft`` runs a Llama-family model: an independent draft model sharing the target's
 tokenizer, or layer skip (``layer_skip``: the target's first n layers). A layer-skip draft's
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from specjax import cache as kv
@@ -50,33 +54,90 @@ class ModelDraft:
                                   logits_at=last)
         return kv.set_lengths(dcache, n_valid - 1)
 
-    def draft(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths, K: int, samp: SamplingArrays,
-              greedy_only: bool):
-        """K autoregressive draft tokens per row (greedy, or sampled from the warped draft
-        distribution with the (seed, position) draft stream)."""
+    def _refeed(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths):
+        """Re-feed [prev, pending] at positions L_t - 1, L_t: logits for the first draft."""
         B = pending.shape[0]
         dc = kv.set_lengths(dcache, target_lengths - 1)
         blk = jnp.stack([prev, pending], axis=1)
         pos = dc.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, dc = llama.forward(dparams, blk, pos, dc, llama.causal_mask(B, 2), cfg=self.cfg,
                                    logits_at=jnp.ones((B, 1), jnp.int32))
-        dc = kv.advance(dc, jnp.full((B,), 2, jnp.int32))
+        return logits[:, 0], kv.advance(dc, jnp.full((B,), 2, jnp.int32))
+
+    def _next(self, dparams, dc: kv.KVCache, d):
+        """Feed one drafted token per row: logits for the next draft."""
+        B = d.shape[0]
+        logits, dc = llama.forward(dparams, d[:, None], dc.lengths[:, None], dc, llama.causal_mask(B, 1),
+                                   cfg=self.cfg)
+        return logits[:, 0], kv.advance(dc, jnp.ones((B,), jnp.int32))
+
+    @staticmethod
+    def _pick(lg, j, target_lengths, samp: SamplingArrays, greedy_only: bool):
+        """Draft j of every row from the draft logits: (token, its warped distribution or None,
+        confidence = the draft's probability of the token it proposes, Algorithm 3)."""
+        if greedy_only:
+            d = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+            conf = jnp.max(jax.nn.softmax(lg.astype(jnp.float32), axis=-1), axis=-1)
+            return d, None, conf
+        q = probs_from_logits(lg, samp)
+        keys = stream_keys(samp.seed, (target_lengths + 1 + j)[:, None], SALT_DRAFT)[:, 0]
+        d = _sample_rows(keys, q)
+        # Greedy rows have a one-hot q: their confidence is the model's own top probability.
+        p1 = jax.nn.softmax(lg.astype(jnp.float32), axis=-1)
+        conf = jnp.where(samp.temperature > 0, jnp.take_along_axis(q, d[:, None], axis=1)[:, 0],
+                         jnp.max(p1, axis=-1))
+        return d, q, conf
+
+    def draft(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths, K: int, samp: SamplingArrays,
+              greedy_only: bool):
+        """K autoregressive draft tokens per row (greedy, or sampled from the warped draft
+        distribution with the (seed, position) draft stream), unrolled: the fused step's drafter."""
+        lg, dc = self._refeed(dparams, dcache, prev, pending, target_lengths)
         toks, qs = [], []
         for j in range(K):
-            lg = logits[:, 0]
-            if greedy_only:
-                d = jnp.argmax(lg, axis=-1).astype(jnp.int32)
-            else:
-                q = probs_from_logits(lg, samp)
-                keys = stream_keys(samp.seed, (target_lengths + 1 + j)[:, None], SALT_DRAFT)[:, 0]
-                d = _sample_rows(keys, q)
-                qs.append(q)
+            d, q, _ = self._pick(lg, j, target_lengths, samp, greedy_only)
             toks.append(d)
+            qs.append(q)
             if j < K - 1:
-                logits, dc = llama.forward(dparams, d[:, None], dc.lengths[:, None], dc, llama.causal_mask(B, 1),
-                                           cfg=self.cfg)
-                dc = kv.advance(dc, jnp.ones((B,), jnp.int32))
+                lg, dc = self._next(dparams, dc, d)
         return jnp.stack(toks, axis=1), (None if greedy_only else jnp.stack(qs, axis=1)), dc
+
+    def propose(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths, P: int, samp: SamplingArrays,
+                greedy_only: bool, active, threshold):
+        """Confidence-based proposal (SmartSpec Algorithm 3): every ``active`` row drafts its
+        first token; a row drafts token j + 1 only while draft j's confidence exceeds
+        ``threshold``, and the loop ends (no more draft forwards) once no row goes on or P
+        drafts are made. Same tokens and draft distributions as ``draft`` for the positions a
+        row proposes. Returns (drafts [B, P], q [B, P, V] or None, confidences [B, P] (0 past a
+        row's proposal), proposed [B], dcache)."""
+        B = pending.shape[0]
+        lg, dc = self._refeed(dparams, dcache, prev, pending, target_lengths)
+        d, q, c = self._pick(lg, 0, target_lengths, samp, greedy_only)
+        toks = jnp.zeros((B, P), jnp.int32).at[:, 0].set(d)
+        conf = jnp.zeros((B, P), jnp.float32).at[:, 0].set(jnp.where(active, c, 0.0))
+        qs = None if greedy_only else jnp.zeros((B, P) + q.shape[1:], q.dtype).at[:, 0].set(q)
+        n = active.astype(jnp.int32)
+        going = active & (c > threshold) & (P > 1)
+
+        def cond(carry):
+            j, _, _, _, _, _, _, going = carry
+            return (j < P) & jnp.any(going)
+
+        def body(carry):
+            j, d, dc, toks, qs, conf, n, going = carry
+            lg, dc = self._next(dparams, dc, d)
+            d, q, c = self._pick(lg, j, target_lengths, samp, greedy_only)
+            toks = jax.lax.dynamic_update_slice_in_dim(toks, jnp.where(going, d, 0)[:, None], j, axis=1)
+            conf = jax.lax.dynamic_update_slice_in_dim(conf, jnp.where(going, c, 0.0)[:, None], j, axis=1)
+            if qs is not None:
+                qs = jax.lax.dynamic_update_slice_in_dim(qs, jnp.where(going[:, None], q, 0.0)[:, None], j, axis=1)
+            n = n + going.astype(jnp.int32)
+            going = going & (c > threshold) & (j + 1 < P)
+            return j + 1, d, dc, toks, qs, conf, n, going
+
+        _, _, dc, toks, qs, conf, n, _ = jax.lax.while_loop(
+            cond, body, (jnp.int32(1), d, dc, toks, qs, conf, n, going))
+        return toks, qs, conf, n, dc
 
 
 def layer_skip(cfg: ModelConfig, params, num_layers: int) -> tuple[ModelDraft, dict]:

@@ -19,7 +19,10 @@ from specjax.models.options import ForwardOptions
 
 @dataclasses.dataclass(frozen=True)
 class CompileKey:
-    op: str  # "prefill" | "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes)
+    # "prefill" | "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes) |
+    # "draft" (a device drafter's confidence-cut proposal of up to k drafts, Algorithm 3) |
+    # "verify" (a chain step over k of the ``width`` drafts a "draft" call left on the device)
+    op: str
     cfg: ModelConfig
     batch: int
     slots: int
@@ -28,12 +31,16 @@ class CompileKey:
     fwd: ForwardOptions = ForwardOptions()
     k: int = 0  # drafts per row (step) or draft nodes (tree); 0 = plain decoding
     prompt: int = 0  # prompt bucket (prefill)
+    width: int = 0  # verify: drafts per row the draft call produced (its k)
+    tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
 
     def __post_init__(self):
-        if self.op not in ("prefill", "step", "tree"):
+        if self.op not in ("prefill", "step", "tree", "draft", "verify"):
             raise ValueError(f"unknown compiled operation {self.op!r}")
 
     def describe(self) -> str:
         what = {"prefill": f"prefill of prompt bucket {self.prompt}", "step": f"spec step with K {self.k}",
-                "tree": f"tree step with {self.k} draft nodes"}[self.op]
-        return f"{what} for batch {self.batch}, slots {self.slots}"
+                "tree": f"tree step with {self.k} draft nodes", "draft": f"draft call of up to {self.k} drafts",
+                "verify": f"verify step with K {self.k} of {self.width} device drafts"}[self.op]
+        packed = f", {self.tokens} packed tokens" if self.tokens else ""
+        return f"{what} for batch {self.batch}, slots {self.slots}{packed}"

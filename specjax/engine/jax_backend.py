@@ -17,7 +17,12 @@ mode, hybrid) propose token trees instead: K is then the node budget, a tree is 
 K nodes (nodes are topologically ordered, so any prefix is a tree) and verified by the tree step.
 K = 0 always runs the chain step: plain decoding is one executable whatever the drafter.
 Device drafters (draft model, layer skip) draft K inside the step; a request admitted with the
-draft disabled gets num_draft = 0.
+draft disabled gets num_draft = 0. Under a confidence-based policy (SmartSpec Algorithm 3,
+``propose(threshold=...)``) a device drafter instead drafts first, in a call of its own: up to
+the largest K per row, a row going on while its last draft's confidence exceeds the threshold,
+the loop ending when no row goes on. The policy then sees every row's confidences and proposal
+length, and the verify step checks K of those drafts straight from the device
+(``draft_first``: compile that path in ``warmup``).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class JaxBackend:
     def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: ModelDraft | None = None, draft_params=None,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
-                 shrink_to_proposal: bool = True):
+                 shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
@@ -87,6 +92,11 @@ class JaxBackend:
         # Host drafts: run the smallest compiled block holding the longest proposal (False: always
         # the chosen K, for measuring a fixed block's cost).
         self.shrink_to_proposal = shrink_to_proposal
+        # Device drafter under a confidence policy: a draft call before the choice (Algorithm 3).
+        self.draft_first = bool(draft_first) and self.device_draft
+        # Verify blocks of per-row draft counts run their real tokens only (buckets.token_buckets):
+        # per-request K then costs what it verifies.
+        self.packed = bool(packed)
         self.tree_mode = not self.device_draft and bool(
             getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
         self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
@@ -110,7 +120,10 @@ class JaxBackend:
         self._to_clear: set[int] = set()
         self._samp = None
         self._drafts: dict[int, np.ndarray] = {}
+        self._ahead = None  # this step's device drafts from a draft call: (tokens, q, width, proposed per row)
+        self._prepared = False  # the live state was resized / cleared for the coming step
         self.last_k_step = 0
+        self.last_tokens = 0  # the last step's verify rows (packed size, or bucket x (k_step + 1))
         self.resizes = 0
         self.live.reset()
         self._inputs: dict = {}  # step inputs already on the device, by value (see _to_device)
@@ -240,8 +253,26 @@ class JaxBackend:
         self._samp = None
         return [first[r.uid] for r in rs], time.perf_counter() - t0
 
-    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal:
+    def _prepare(self, rs: Sequence[Running]) -> None:
+        """Resize / clear the live state for the coming step (once per step, before any call
+        that reads row indices)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        self._maybe_shrink(len(rs))
+        if self._to_clear:
+            free = np.zeros(self.B, bool)
+            free[list(self._to_clear)] = True
+            self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
+            self._to_clear.clear()
+            self.row_ops.append(("clear", self.B, self.B))
+
+    def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal:
+        """``threshold``: a confidence policy's cut (Algorithm 3); a device drafter then drafts
+        ahead of the choice, and the proposal carries every row's confidences."""
         if self.device_draft:
+            if threshold is not None and k_max > 0:
+                return self._draft_ahead(rs, k_max, float(threshold))
             # A request admitted with the draft disabled never drafts: the policy must know.
             return Proposal(draft_lens=[k_max if r.speculate else 0 for r in rs])
         self._drafts = {}
@@ -264,43 +295,101 @@ class JaxBackend:
         return Proposal(draft_lens=lens, drafts=drafts,
                         draft_scores=scores if any(x is not None for x in scores) else None)
 
-    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
+    def _draft_ahead(self, rs: Sequence[Running], P: int, threshold: float) -> Proposal:
         t0 = time.perf_counter()
-        self._maybe_shrink(len(rs))
-        if self._to_clear:
-            free = np.zeros(self.B, bool)
-            free[list(self._to_clear)] = True
-            self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
-            self._to_clear.clear()
-            self.row_ops.append(("clear", self.B, self.B))
+        self._prepare(rs)
+        B = self.B
+        drafting = np.zeros(B, bool)
+        for r in rs:
+            drafting[self.row_of[r.uid]] = r.speculate
+        exe = self.table.draft_call(B, P, self.slots, self._greedy())
+        self.state, o = exe(self.params, self.dparams, self.state, self._to_device(drafting), self._sampling(),
+                            np.float32(threshold))
+        host = np.asarray(o.host)  # tokens | confidences | proposed, in one transfer
+        toks, conf, n = host[:, :P].astype(np.int32), host[:, P:2 * P], host[:, 2 * P].astype(np.int32)
+        rows = [self.row_of[r.uid] for r in rs]
+        self._ahead = (o.tokens, o.q, P, n)
+        self._ahead_s = time.perf_counter() - t0
+        return Proposal(draft_lens=[int(n[j]) for j in rows], confidences=conf[rows],
+                        drafts=[toks[j, :n[j]] for j in rows], drafted_ahead=int(n.max(initial=0)))
+
+    def token_options(self, bucket: int, k: int) -> tuple[int, ...]:
+        """Packed-token sizes compiled for a (bucket, k) step (``packed`` backends; buckets.token_buckets)."""
+        return bk.token_buckets(bucket, k, self.k_buckets) if self.packed else ()
+
+    def step(self, rs: Sequence[Running], k: int, row_k: Sequence[int] | None = None
+             ) -> tuple[list[RowResult], float]:
+        """One step of K drafts per row; ``row_k`` (aligned with ``rs``): per-request draft counts
+        <= K (the policy's per-request choice). A ``packed`` backend runs the block's real tokens
+        only, in the smallest compiled packed size that holds them."""
+        t0 = time.perf_counter()
+        self._prepare(rs)
+        self._prepared = False  # the next step prepares again
         B = self.B
         active = np.zeros(B, bool)
         num_draft = np.zeros(B, np.int32)
-        for r in rs:
+        cap = {}
+        for i, r in enumerate(rs):
             active[self.row_of[r.uid]] = True
-        if self.device_draft:
-            k_step = k
+            cap[r.uid] = k if row_k is None else min(k, int(row_k[i]))
+        ahead, self._ahead = self._ahead, None
+        op = "step"
+        if ahead is not None:  # the drafts were made by a draft call (confidence policy)
+            t0 -= self._ahead_s  # which belongs to this step's time
+            d_tok, d_q, width, n = ahead
             for r in rs:
-                num_draft[self.row_of[r.uid]] = k if r.speculate else 0
-            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
+                row = self.row_of[r.uid]
+                num_draft[row] = min(cap[r.uid], int(n[row]))
+            k_step = bk.proposal_bucket(self.k_buckets, int(num_draft.max(initial=0)))
+            if k_step > 0:
+                op, inputs = "verify", (d_tok, num_draft)
+        elif self.device_draft:
+            for r in rs:
+                num_draft[self.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
+            k_step = bk.proposal_bucket(self.k_buckets, int(num_draft.max(initial=0)))
+            inputs = (np.zeros((B, max(k_step, 1)), np.int32), num_draft)
         else:
-            cut = {u: d[:k] for u, d in self._drafts.items()}
+            cut = {u: d[:cap[u]] for u, d in self._drafts.items() if u in cap}
             longest = max((len(d) for d in cut.values()), default=0)
             k_step = bk.proposal_bucket(self.k_buckets, longest) if self.shrink_to_proposal else k
-            if self.tree_mode and k_step > 0:
-                inputs = self._tree_inputs(B, k_step, cut)
-        if not (self.tree_mode and k_step > 0):
-            draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-            if not (self.device_draft or self.tree_mode):  # (a tree step of 0 nodes has no drafts)
+            if self.tree_mode:  # (a tree cut to 0 nodes is the plain step below)
+                if k_step > 0:
+                    op, inputs = "tree", self._tree_inputs(B, k_step, cut)
+                    num_draft = inputs[2][:, 1:].sum(axis=1).astype(np.int32)
+            else:
+                draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
                 for u, d in cut.items():
                     row = self.row_of[u]
                     draft_tokens[row, : len(d)] = d
                     num_draft[row] = len(d)
-            inputs = (draft_tokens, num_draft)
+                inputs = (draft_tokens, num_draft)
+        if k_step == 0:
+            op, num_draft[:] = "step", 0
+            inputs = (np.zeros((B, 1), np.int32), num_draft)
         self.last_k_step = k_step
-        exe = self._step_exe(B, k_step, self._greedy())
-        self.state, o = exe(self.params, self.dparams, self.state, *(self._to_device(a) for a in inputs),
-                            self._to_device(active), self._sampling())
+        real = np.where(active, num_draft + 1, 0)  # each active row's pending token and its drafts
+        P = bk.token_bucket(B, k_step, self.k_buckets, int(real.sum())) if (self.packed and k_step > 0) else 0
+        self.last_tokens = P or B * (k_step + 1)
+        pack = None
+        if P:
+            idx = np.concatenate([row * (k_step + 1) + np.arange(real[row]) for row in range(B)]).astype(np.int32)
+            pack = np.full(P, B * (k_step + 1), np.int32)  # out of range: padding
+            pack[:len(idx)] = idx
+            pack = self._to_device(pack)
+        greedy = self._greedy()
+        if op == "verify":
+            exe = self.table.verify(B, k_step, width, self.slots, greedy, tokens=P)
+            args = (d_tok, self._to_device(num_draft), self._to_device(active), self._sampling(), d_q, pack)
+        elif op == "tree":
+            exe = self.table.tree_step(B, k_step, self.slots, greedy, tokens=P)
+            args = (*(self._to_device(a) for a in inputs), self._to_device(active), self._sampling(), pack)
+        else:
+            exe = self.table.step(B, k_step, self.slots, greedy, tokens=P)
+            args = (*(self._to_device(a) for a in inputs), self._to_device(active), self._sampling(), None, pack)
+        self.state, o = exe(self.params, self.dparams, self.state, *args)
+        return self._results(rs, o), time.perf_counter() - t0
+
+    def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
         toks, n_acc, nd = host[:, :-2], host[:, -2], host[:, -1]
         out = []
@@ -310,7 +399,7 @@ class JaxBackend:
             out.append(RowResult(new, int(nd[row]), int(n_acc[row])))
             if not self.device_draft:
                 self.drafter.extend(r.uid, new)
-        return out, time.perf_counter() - t0
+        return out
 
     def _to_device(self, a: np.ndarray):
         """A step input on the device. Inputs repeat from step to step (no drafts, the same rows
@@ -341,11 +430,11 @@ class JaxBackend:
             tree.validate_parents(parents[row])  # a drafter bug must fail loudly here, not corrupt the cache
         return tokens, parents, valid
 
-    def _step_exe(self, B: int, k: int, greedy: bool):
+    def _step_exe(self, B: int, k: int, greedy: bool, tokens: int = 0):
         """The compiled step for k drafts (tree mode: k draft nodes); k = 0 is the chain step."""
         if self.tree_mode and k > 0:
-            return self.table.tree_step(B, k, self.slots, greedy)
-        return self.table.step(B, k, self.slots, greedy)
+            return self.table.tree_step(B, k, self.slots, greedy, tokens)
+        return self.table.step(B, k, self.slots, greedy, tokens)
 
     def release(self, r: Running) -> None:
         row = self.row_of.pop(r.uid)
@@ -378,11 +467,14 @@ class JaxBackend:
         for B in bbs:
             for g in greedy_modes:
                 jobs += [("prefill", B, tp, g, rd) for tp in tps for rd in draft_modes]
-                jobs += [("step", B, K, g) for K in kbs]
+                jobs += [("step", B, K, g, t) for K in kbs for t in (0,) + self.token_options(B, K)]
+                if self.draft_first and self.k_max > 0:
+                    jobs.append(("draft", B, self.k_max, g))
+                    jobs += [("verify", B, K, g, t) for K in kbs if K > 0 for t in (0,) + self.token_options(B, K)]
             jobs += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]
             jobs += [("take", B, B2) for B2 in bbs if B2 != B]
             jobs.append(("clear", B))
-        check_map_budget(sum(j[0] in ("prefill", "step") for j in jobs), self.cfg.num_layers)
+        check_map_budget(sum(j[0] in ("prefill", "step", "draft", "verify") for j in jobs), self.cfg.num_layers)
         it = jobs
         if progress:
             from tqdm import tqdm
@@ -392,7 +484,11 @@ class JaxBackend:
             if j[0] == "prefill":
                 self.table.prefill(j[1], j[2], S, j[3], j[4])
             elif j[0] == "step":
-                self._step_exe(j[1], j[2], j[3])
+                self._step_exe(j[1], j[2], j[3], j[4])
+            elif j[0] == "draft":
+                self.table.draft_call(j[1], j[2], S, j[3])
+            elif j[0] == "verify":
+                self.table.verify(j[1], j[2], self.k_max, S, j[3], j[4])
             elif j[0] == "insert":
                 self.table.insert(j[1], j[2], S, j[3])
             elif j[0] == "take":
@@ -420,16 +516,29 @@ class JaxBackend:
             samp = SamplingArrays.build([], B)
             for j in jobs:
                 if j[0] == "step" and j[1] == B:
-                    K = j[2]
+                    K, P = j[2], j[4]
+                    pack = jax.device_put(np.arange(P, dtype=np.int32)) if P else None
                     if self.tree_mode and K > 0:  # a chain tree of K nodes on every row
                         inputs = self._tree_inputs(B, K, {})
                         inputs[1][:, 1:] = np.arange(K)
+                        tail = (pack,)
                     else:
                         inputs = (np.zeros((B, max(K, 1)), np.int32), np.full(B, K, np.int32))
-                    state, o = self._step_exe(B, K, j[3])(self.params, self.dparams, state,
-                                                          *(jax.device_put(a) for a in inputs),
-                                                          jax.device_put(np.ones(B, bool)), samp)
+                        tail = (None, pack)
+                    state, o = self._step_exe(B, K, j[3], P)(self.params, self.dparams, state,
+                                                             *(jax.device_put(a) for a in inputs),
+                                                             jax.device_put(np.ones(B, bool)), samp, *tail)
                     jax.block_until_ready(o)
+                elif j[0] == "draft" and j[1] == B:
+                    act = jax.device_put(np.ones(B, bool))
+                    state, d = self.table.draft_call(B, j[2], S, j[3])(self.params, self.dparams, state, act, samp,
+                                                                      np.float32(0.0))
+                    for v in (v for v in jobs if v[0] == "verify" and v[1] == B and v[3] == j[3]):
+                        pack = jax.device_put(np.arange(v[4], dtype=np.int32)) if v[4] else None
+                        state, o = self.table.verify(B, v[2], j[2], S, j[3], v[4])(
+                            self.params, self.dparams, state, d.tokens, jax.device_put(np.zeros(B, np.int32)), act,
+                            samp, d.q, pack)
+                    jax.block_until_ready(state)
             # The row operations too: their first run would otherwise land on a served request.
             for j in jobs:
                 if j[0] == "insert" and j[1] == B and (j[2], j[3]) in fresh:

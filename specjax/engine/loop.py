@@ -73,6 +73,7 @@ class Proposal:
     confidences: object = None
     true_accept: list[int] | None = None
     draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
+    drafted_ahead: int = 0  # device draft forwards already run for this step (a draft call, Algorithm 3)
 
 
 @dataclasses.dataclass
@@ -98,9 +99,14 @@ class Backend(Protocol):
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]: ...
 
-    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal: ...
+    # threshold: a confidence policy's cut (Algorithm 3): a device drafter drafts before the choice
+    def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal: ...
 
-    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]: ...
+    # row_k: per-request draft counts <= k (the policy's per-request choice), aligned with rs
+    def step(self, rs: Sequence[Running], k: int, row_k: Sequence[int] | None = None
+             ) -> tuple[list[RowResult], float]: ...
+
+    def token_options(self, bucket: int, k: int) -> Sequence[int]: ...  # packed verify sizes (may be empty)
 
     def release(self, r: Running) -> None: ...
 
@@ -121,12 +127,14 @@ class StepRecord:
     drafted: int
     accepted: int
     row_ops: tuple = ()  # (op, bucket from, bucket to): cache resizes / clears the step also ran
+    tokens: int = 0  # verify rows the step ran (a packed size, or bucket x (k_step + 1))
 
 
 class ServingEngine:
     def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None):
+                 on_finish: Callable[[RequestOutput], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
@@ -134,6 +142,7 @@ class ServingEngine:
         self.gate = prefill_gate if (prefill_gate is not None and backend.device_draft) else None
         self.max_prefill_batch = max_prefill_batch
         self.on_finish = on_finish
+        self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
@@ -186,12 +195,15 @@ class ServingEngine:
 
     def run(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Serve ``requests`` (arrival times in seconds from now) to completion; returns one
-        output per request in input order (rejected requests carry ``error``)."""
+        output per request in input order (rejected requests carry ``error``; after a
+        ``should_stop``, only the finished ones)."""
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
         finished: list[RequestOutput] = []
         nxt = 0
         self._t0 = self.clock.now()
         while nxt < len(order) or not self.sched.idle:
+            if self.should_stop is not None and self.should_stop():
+                break  # unfinished requests get no output
             now = self._now()
             while nxt < len(order) and requests[order[nxt]].arrival <= now:
                 req = requests[order[nxt]]
@@ -216,7 +228,7 @@ class ServingEngine:
         by_id: dict = {}
         for o in finished:
             by_id.setdefault(o.id, []).append(o)
-        return [by_id[r.id].pop(0) for r in requests]
+        return [by_id[r.id].pop(0) for r in requests if by_id.get(r.id)]
 
     def _admit(self) -> None:
         if not self.sched.waiting or not self.sched.free_rows:
@@ -237,17 +249,18 @@ class ServingEngine:
         be.take_row_ops()  # (the admissions' ops belong to the prefill)
         bucket = be.step_bucket(len(rs))
         opts = be.k_options(bucket)
-        prop = be.propose(rs, max(opts))
+        prop = be.propose(rs, max(opts), self.policy.draft_threshold)
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept,
-                         draft_scores=prop.draft_scores)
+                         draft_scores=prop.draft_scores, drafted_ahead=prop.drafted_ahead,
+                         token_options={k: tuple(be.token_options(bucket, k)) for k in opts})
         if prop.drafts is not None and prop.draft_lens is not None:
             self._count_draft_lens(prop.draft_lens)
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
-        results, elapsed = be.step(rs, k)
+        results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
         if self.gate:
             self.gate.record(k)
@@ -269,7 +282,8 @@ class ServingEngine:
         k_step = getattr(be, "last_k_step", k)
         self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed,
                                      time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed,
-                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops())))
+                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops()),
+                                     getattr(be, "last_tokens", bucket * (k_step + 1))))
 
 
     def _shadow_verify(self, rs, prop: Proposal, results) -> None:

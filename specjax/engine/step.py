@@ -55,12 +55,17 @@ class StepOutput:
         return StepOutput(tokens=tokens, n_accepted=n_accepted, num_draft=num_draft, host=host)
 
 
-def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, *,
-              key: CompileKey):
-    """``key.draft``: the device drafter (None: the drafts are the host's ``draft_tokens``)."""
+def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, q=None,
+              pack=None, *, key: CompileKey):
+    """``key.draft``: the device drafter (None: the drafts are ``draft_tokens``, from the host or,
+    for op "verify", from a draft call with their draft distributions ``q`` [B, width, V] when
+    sampling). ``pack`` [key.tokens]: the block positions of the real tokens (each active row's
+    pending token and its num_draft drafts), when rows carry different draft counts: the
+    target's dense layers then run on those rows only (llama.forward)."""
     cfg, K, draft, greedy_only, fwd = key.cfg, key.k, key.draft, key.greedy_only, key.fwd
     B = state.pending.shape[0]
-    q = None
+    if q is not None:
+        q = q[:, :K]
     dcache = state.dcache
     if K > 0 and draft is not None:
         draft_tokens, q, dcache = draft.draft(dparams, state.dcache, state.prev, state.pending, state.cache.lengths,
@@ -72,13 +77,33 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     block = jnp.concatenate([state.pending[:, None], draft_tokens[:, :K]], axis=1)  # [B, K+1]
     pos = cache.lengths[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
     logits, cache = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
-                                  fwd=fwd)
+                                  fwd=fwd, pack=pack)
     tokens, n, _ = verify_chain(logits, draft_tokens[:, :K], num_draft, samp, cache.lengths + 1, q, greedy_only)
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
     new_state = StepState(cache=cache, dcache=dcache, prev=prev, pending=pending)
     return new_state, StepOutput.of(tokens, n, num_draft)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftOutput:
+    tokens: jax.Array  # [B, P] drafts (0 past a row's proposal)
+    q: Any  # [B, P, V] draft distributions, or None when greedy-only
+    host: jax.Array  # [B, 2P + 1] float32: tokens | confidences | proposed, read in one transfer
+
+
+def spec_draft(params, dparams, state: StepState, active, samp: SamplingArrays, threshold, *, key: CompileKey):
+    """A device drafter's confidence-cut proposal (Algorithm 3) as its own call, before the policy
+    chooses K: up to ``key.k`` drafts per active row into the draft cache; the target is untouched
+    (the verify step that follows reads the drafts from the device)."""
+    del params
+    P = key.k
+    toks, q, conf, n, dcache = key.draft.propose(dparams, state.dcache, state.prev, state.pending,
+                                                 state.cache.lengths, P, samp, key.greedy_only, active, threshold)
+    host = jnp.concatenate([toks.astype(jnp.float32), conf, n[:, None].astype(jnp.float32)], axis=1)
+    return dataclasses.replace(state, dcache=dcache), DraftOutput(tokens=toks, q=q, host=host)
 
 
 def tree_mask_and_depth(parents):
@@ -101,12 +126,13 @@ def tree_mask_and_depth(parents):
 
 
 def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node_valid, active, samp: SamplingArrays,
-                   *, key: CompileKey):
+                   pack=None, *, key: CompileKey):
     """One step with a host-proposed token tree of N nodes per row (node 0 = the pending token;
     tree_tokens[:, 0] is ignored). The tree runs at positions ``lengths + depth`` under its
     ancestor mask, is verified (verify_tree), and the accepted path's K/V entries are moved
     to contiguous slots before the length advances. Returns (state, StepOutput) with
-    ``tokens[B, N]`` = accepted drafts then the correction/bonus."""
+    ``tokens[B, N]`` = accepted drafts then the correction/bonus. ``pack``: as for spec_step
+    (the valid nodes of every active row)."""
     del dparams  # host drafters only
     cfg, N, greedy_only, fwd = key.cfg, key.k + 1, key.greedy_only, key.fwd
     cache = state.cache
@@ -115,7 +141,7 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     node_valid = node_valid & active[:, None]
     mask, depth = tree_mask_and_depth(parents)
     pos = cache.lengths[:, None] + depth
-    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd)
+    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack)
     path, out, n, valid = verify_tree(logits, tokens, parents, node_valid, samp, cache.lengths + 1, None, greedy_only)
     # Accepted node path[i] was written at slot lengths + path[i]; it belongs at lengths + i.
     cache = kv.gather_block(cache, path, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
@@ -150,3 +176,4 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, key:
 spec_step_jit = jax.jit(spec_step, static_argnames=("key",), donate_argnames=("state",))
 spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("key",), donate_argnames=("state",))
 spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("key",))
+spec_draft_jit = jax.jit(spec_draft, static_argnames=("key",), donate_argnames=("state",))

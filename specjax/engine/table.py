@@ -25,7 +25,8 @@ from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import StepState, spec_prefill, spec_prefill_jit, spec_step_jit, spec_tree_step_jit
+from specjax.engine.step import (StepState, spec_draft_jit, spec_prefill, spec_prefill_jit, spec_step_jit,
+                                 spec_tree_step_jit)
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
@@ -94,10 +95,11 @@ class StepTable:
         self.warm = False
 
     def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
-            prompt: int = 0) -> CompileKey:
-        """The compile key of one of this table's model executables."""
-        draft = self.draft if (run_draft and op != "tree") else None
-        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt)
+            prompt: int = 0, width: int = 0, tokens: int = 0) -> CompileKey:
+        """The compile key of one of this table's model executables (a verify step's drafts come
+        from a draft call, so its key has no drafter)."""
+        draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
+        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens)
 
     def _get(self, key, build, what: str, compile_if_missing: bool = False):
         exe = self._exe.get(key)
@@ -137,26 +139,57 @@ class StepTable:
                                              _abstract_samp(B))
         return self._info[key]
 
-    def step(self, B: int, K: int, S: int, greedy_only: bool):
-        key = self.key("step", B, S, greedy_only, k=K)
+    def step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0):
+        """The chain step with K drafts per row; ``tokens`` > 0: its real tokens packed into that
+        many rows (per-row draft counts, see llama.forward)."""
+        key = self.key("step", B, S, greedy_only, k=K, tokens=tokens)
 
         def build():
             dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
             nd = jax.ShapeDtypeStruct((B,), jnp.int32)
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
+            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
             return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                       _abstract_samp(B), key=key).compile()
+                                       _abstract_samp(B), None, pack, key=key).compile()
 
         return self._get(key, build, key.describe())
 
-    def tree_step(self, B: int, K: int, S: int, greedy_only: bool):
-        key = self.key("tree", B, S, greedy_only, k=K)
+    def draft_call(self, B: int, P: int, S: int, greedy_only: bool):
+        """A device drafter's confidence-cut proposal of up to P drafts (Algorithm 3)."""
+        key = self.key("draft", B, S, greedy_only, k=P)
+
+        def build():
+            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
+            thr = jax.ShapeDtypeStruct((), jnp.float32)
+            return spec_draft_jit.lower(self.params, self.dparams, self.state_info(B, S), act, _abstract_samp(B), thr,
+                                        key=key).compile()
+
+        return self._get(key, build, key.describe())
+
+    def verify(self, B: int, K: int, P: int, S: int, greedy_only: bool, tokens: int = 0):
+        """The chain step verifying K of the P drafts a draft call left on the device."""
+        key = self.key("verify", B, S, greedy_only, k=K, width=P, tokens=tokens)
+
+        def build():
+            dt = jax.ShapeDtypeStruct((B, P), jnp.int32)
+            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
+            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
+            q = None if greedy_only else jax.ShapeDtypeStruct((B, P, self.cfg.vocab_size), jnp.float32)
+            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
+            return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                       _abstract_samp(B), q, pack, key=key).compile()
+
+        return self._get(key, build, key.describe())
+
+    def tree_step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0):
+        key = self.key("tree", B, S, greedy_only, k=K, tokens=tokens)
 
         def build():
             ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
+            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
             return spec_tree_step_jit.lower(
                 self.params, self.dparams, self.state_info(B, S), ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
-                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), key=key).compile()
+                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), pack, key=key).compile()
 
         return self._get(key, build, key.describe())
 

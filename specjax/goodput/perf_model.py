@@ -69,9 +69,12 @@ class StepCostModel:
     context_mode: str = "sum"
     chunk: int = 256
 
-    def target_time(self, bucket: int, k: int, ctx_lens: Sequence[int], tokens_per_row: int | None = None) -> float:
+    def target_time(self, bucket: int, k: int, ctx_lens: Sequence[int], tokens_per_row: int | None = None,
+                    batched: int | None = None) -> float:
+        """``batched``: the block's tokens when packed (per-row draft counts), else bucket x (k + 1)."""
         n = tokens_per_row if tokens_per_row is not None else k + 1
-        return self.target(context_tokens(ctx_lens, bucket, self.context_mode, self.chunk), bucket * n)
+        return self.target(context_tokens(ctx_lens, bucket, self.context_mode, self.chunk),
+                           batched if batched else bucket * n)
 
     def draft_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
         if k <= 0:
@@ -85,10 +88,10 @@ class StepCostModel:
         return t
 
     def step_time(self, bucket: int, k: int, ctx_lens: Sequence[int], n_rows: int | None = None,
-                  tokens_per_row: int | None = None) -> float:
+                  tokens_per_row: int | None = None, batched: int | None = None) -> float:
         """Predicted wall time of one engine step (device + host overhead)."""
         n = len(ctx_lens) if n_rows is None else n_rows
-        return (self.draft_time(bucket, k, ctx_lens) + self.target_time(bucket, k, ctx_lens, tokens_per_row)
+        return (self.draft_time(bucket, k, ctx_lens) + self.target_time(bucket, k, ctx_lens, tokens_per_row, batched)
                 + self.host_step + self.host_row * n)
 
     def device_time(self, bucket: int, k: int, ctx_lens: Sequence[int]) -> float:
@@ -255,9 +258,10 @@ class ProfiledCost:
         return t * self._speed(bucket)
 
     def step_time(self, bucket: int, k: int, ctx_lens: Sequence[int], n_rows: int | None = None,
-                  tokens_per_row: int | None = None) -> float:
-        if tokens_per_row is not None and tokens_per_row != k + 1:
-            return self.linear.step_time(bucket, k, ctx_lens, n_rows, tokens_per_row)  # trees: not tabled
+                  tokens_per_row: int | None = None, batched: int | None = None) -> float:
+        if (tokens_per_row is not None and tokens_per_row != k + 1) or batched:
+            # trees, packed blocks: not tabled
+            return self.linear.step_time(bucket, k, ctx_lens, n_rows, tokens_per_row, batched)
         n = len(ctx_lens) if n_rows is None else n_rows
         return self.device_time(bucket, k, ctx_lens) + self.linear.host_step + self.linear.host_row * n
 

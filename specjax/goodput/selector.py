@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -42,6 +43,10 @@ class BatchView:
       probability that each proposed node is accepted (node order, the order a tree is cut in),
       or None for a request without such estimates. The expected accepted drafts of the first
       m nodes is their sum.
+    drafted_ahead: draft forwards a device drafter already ran for this step before the choice
+      (confidence-based proposal): their cost is spent whatever K is chosen.
+    token_options: K -> the packed verify sizes the backend compiled for (bucket, K) (empty: the
+      block always costs bucket x (K + 1) rows); a packed step costs its real tokens.
     """
 
     ctx_lens: Sequence[int]
@@ -52,6 +57,8 @@ class BatchView:
     confidences: np.ndarray | None = None
     true_accept: Sequence[int] | None = None
     draft_scores: Sequence[np.ndarray | None] | None = None
+    drafted_ahead: int = 0
+    token_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -61,12 +68,20 @@ class BatchView:
 class Policy:
     name = "policy"
     may_speculate = True  # False: never drafts, so a request needs no draft-model prefill either
+    # Confidence-based proposal (Algorithm 3): device drafters draft ahead of the choice, each row
+    # going on while its last draft's confidence exceeds this; None: draft inside the step.
+    draft_threshold: float | None = None
 
     def choose(self, view: BatchView) -> int:
         raise NotImplementedError
 
     def observe(self, k: int, drafted: Sequence[int], accepted: Sequence[int], request_ids=()) -> None:
         """Feedback after the verify step (Algorithm 2 line 13-14)."""
+
+    def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
+        """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
+        chosen, or None: every request gets up to k."""
+        return None
 
     def finish(self, rid: Hashable) -> None:
         pass
@@ -98,34 +113,43 @@ class GoodputPolicy(Policy):
 
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
-                 name: str | None = None, reprobe_after: int | None = None):
+                 name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
         self.cost = cost
         self.estimator = estimator
         self.acc = AcceptanceEstimator(window, prior_alpha, per_request)
         self.threshold = threshold
+        if estimator == "confidence":
+            self.draft_threshold = float(threshold)
         self.reprobe_after = reprobe_after if reprobe_after is not None else 4 * window
         self.name = name or {"moving_average": "SmartSpec", "confidence": "SmartSpec-conf",
                              "oracle": "oracle"}[estimator]
         self.last_goodputs: dict[int, float] = {}
+        # Per-request draft counts (SmartSpec's request-level K): each step also tries token
+        # budgets with the drafts allocated where their expected gain is largest; it pays when
+        # the backend runs packed blocks (a step then costs the tokens it verifies).
+        self.per_request_k = per_request_k
+        if per_request_k and name is None:
+            self.name += "-req"
+        self._row_k: dict | None = None
         self._stale = 0
         # Drafter scores (tree drafters' node probabilities) are calibrated online like alpha:
         # the moving average of accepted / predicted accepted drafts scales every prediction.
         self.score_calibration = MovingAverage(window, 1.0)
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
 
-    def expected_tokens(self, view: BatchView, k: int) -> float:
-        """Expected generated tokens of the batch with K drafts (bonus tokens included)."""
+    def row_expected(self, view: BatchView, kmax: int) -> list[np.ndarray]:
+        """Per request, its expected generated tokens (bonus included) with m = 0 .. cap drafts,
+        cap = min(its proposal, kmax): the one estimate behind batch-level and per-request K."""
         n = view.n
-        if k == 0 or n == 0:
-            return float(n)
-        lens = np.minimum(np.asarray(view.draft_lens), k) if view.draft_lens is not None else np.full(n, k)
+        caps = np.minimum(np.asarray(view.draft_lens), kmax) if view.draft_lens is not None else np.full(n, kmax)
+        ms = [np.arange(int(c) + 1) for c in caps]
         if self.estimator == "oracle":
-            return float(np.sum(1 + np.minimum(np.asarray(view.true_accept), lens)))
+            return [1.0 + np.minimum(int(a), m) for a, m in zip(view.true_accept, ms)]
         if self.estimator == "confidence" and view.confidences is not None:
             pred = confidence_lengths(view.confidences, self.threshold)
-            return float(np.sum(1 + np.minimum(pred, lens)))
+            return [1.0 + np.minimum(int(p), m) for p, m in zip(pred, ms)]
         if self.acc.per_request and len(view.request_ids):
             alphas = [self.acc.request_alpha(r) for r in view.request_ids]
         else:
@@ -133,26 +157,79 @@ class GoodputPolicy(Policy):
         if view.draft_lens is not None:
             scores = view.draft_scores if view.draft_scores is not None else [None] * n
             c = self.score_calibration.value
-            return float(sum(1.0 + min(c * float(np.sum(sc[:int(m)])), float(m)) if sc is not None
-                             else expected_len(a, int(m)) for a, m, sc in zip(alphas, lens, scores)))
+            out = []
+            for a, m, sc in zip(alphas, ms, scores):
+                if sc is not None:  # the expected accepted drafts of the first m nodes: their scores' sum
+                    cum = np.concatenate([[0.0], np.cumsum(np.asarray(sc, np.float64)[:len(m) - 1])])
+                    out.append(1.0 + np.minimum(c * cum, m))
+                else:
+                    out.append(np.array([expected_len(a, int(j)) for j in m]))
+            return out
         rho = self.acc.rho.value  # device drafters always propose (rho = 1 once observed)
-        return float(sum(1.0 + rho * (expected_len(a, k) - 1.0) for a in alphas))
+        return [np.array([1.0 + rho * (expected_len(a, int(j)) - 1.0) for j in m]) for a, m in zip(alphas, ms)]
+
+    def expected_tokens(self, view: BatchView, k: int) -> float:
+        """Expected generated tokens of the batch with K drafts (bonus tokens included)."""
+        if k == 0 or view.n == 0:
+            return float(view.n)
+        return float(sum(e[-1] for e in self.row_expected(view, k)))
+
+    def step_cost(self, view: BatchView, k_step: int, n_tokens: int | None = None) -> float:
+        """Predicted time of a step that runs block k_step with ``n_tokens`` real tokens (packed
+        into the smallest compiled size holding them, where the backend has one)."""
+        P = 0
+        if n_tokens is not None and k_step > 0:
+            P = next((t for t in view.token_options.get(k_step, ()) if t >= n_tokens), 0)
+        if view.drafted_ahead:
+            # The drafts are made (Algorithm 3): their cost is spent whatever K, only the verify varies.
+            return (self.cost.draft_time(view.bucket, view.drafted_ahead, view.ctx_lens)
+                    + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=P or None))
+        return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=P or None)
 
     def goodput(self, view: BatchView, k: int) -> float:
         """Algorithm 1: generated length / batch execution time."""
-        k_step = k
-        if view.draft_lens is not None and k > 0:
-            # Host drafts shrink the block to the smallest compiled K holding the longest one.
-            longest = int(min(max(view.draft_lens, default=0), k))
-            k_step = proposal_bucket(view.k_options, longest)
-        t = self.cost.step_time(view.bucket, k_step, view.ctx_lens)
+        if k == 0 or view.n == 0:
+            return view.n / max(self.step_cost(view, 0), 1e-12)
+        drafts = np.minimum(np.asarray(view.draft_lens), k) if view.draft_lens is not None else np.full(view.n, k)
+        # The block shrinks to the smallest compiled K holding the longest draft.
+        k_step = proposal_bucket(view.k_options, int(drafts.max(initial=0)))
+        t = self.step_cost(view, k_step, int(view.n + drafts.sum()))
         return self.expected_tokens(view, k) / max(t, 1e-12)
 
     def choose(self, view: BatchView) -> int:
         if view.draft_scores is not None and len(view.request_ids):
             self._scores = {r: sc for r, sc in zip(view.request_ids, view.draft_scores) if sc is not None}
         self.last_goodputs = {k: self.goodput(view, k) for k in view.k_options}
-        return max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
+        best_k = max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
+        self._row_k = None
+        if self.per_request_k and view.n > 1 and len(view.request_ids) == view.n:
+            best_k = self._choose_per_request(view, best_k)
+        return best_k
+
+    def _choose_per_request(self, view: BatchView, best_k: int) -> int:
+        """Request-level K: for each token budget (a packed size or a full block), give the
+        drafts to the requests whose next draft adds the most expected tokens (greedy over the
+        marginal gains, each request's drafts in order), and keep the allocation whose goodput
+        beats the batch-level choice."""
+        best = self.last_goodputs[best_k]
+        kmax = max(view.k_options)
+        rows = self.row_expected(view, kmax)
+        budgets = sorted({t for k in view.k_options for t in view.token_options.get(k, ())}
+                         | {view.bucket * (k + 1) for k in view.k_options if k > 0})
+        for budget in budgets:
+            m = _allocate(rows, budget - view.n)
+            k_step = proposal_bucket(view.k_options, max(m, default=0))
+            if k_step == 0:
+                continue
+            gp = sum(float(e[j]) for e, j in zip(rows, m)) / max(self.step_cost(view, k_step, view.n + sum(m)), 1e-12)
+            if gp > best * (1.0 + 1e-9):
+                best, best_k, self._row_k = gp, k_step, dict(zip(view.request_ids, m))
+        return best_k
+
+    def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
+        if self._row_k is None:
+            return None
+        return [min(k, self._row_k.get(r, k)) for r in view.request_ids]
 
     def observe(self, k, drafted, accepted, request_ids=()):
         """Record a verify step. Steps with K = 0 teach nothing about acceptance (unless the
@@ -186,6 +263,24 @@ class GoodputPolicy(Policy):
     def finish(self, rid):
         self.acc.forget(rid)
         self._scores.pop(rid, None)
+
+
+def _allocate(rows: Sequence[np.ndarray], budget: int) -> list[int]:
+    """Draft counts per request maximising the summed expected tokens within ``budget`` drafts:
+    repeatedly the request whose next draft has the largest positive marginal gain (rows[i][m]:
+    request i's expectation with m drafts)."""
+    m = [0] * len(rows)
+    heap = [(-(e[1] - e[0]), i) for i, e in enumerate(rows) if len(e) > 1]
+    heapq.heapify(heap)
+    while budget > 0 and heap:
+        g, i = heapq.heappop(heap)
+        if -g <= 0:
+            break
+        m[i] += 1
+        budget -= 1
+        if m[i] + 1 < len(rows[i]):
+            heapq.heappush(heap, (-(rows[i][m[i] + 1] - rows[i][m[i]]), i))
+    return m
 
 
 class DraftPrefillGate:

@@ -107,13 +107,28 @@ def dense(x: jax.Array, w: jax.Array, small_rows: int = 0) -> jax.Array:
     return x @ w
 
 
+def pack_rows(a: jax.Array, pack: jax.Array) -> jax.Array:
+    """[B, T, ...] block -> [P, ...] rows of the packed tokens (index B*T: padding, zeros)."""
+    flat = a.reshape((-1,) + a.shape[2:])
+    return jnp.take(flat, pack, axis=0, mode="fill", fill_value=0)
+
+
+def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
+    """[P, ...] packed rows -> the [B, T, ...] block (zeros where no token; padding dropped)."""
+    out = jnp.zeros((B * T,) + a.shape[1:], a.dtype).at[pack].set(a, mode="drop")
+    return out.reshape((B, T) + a.shape[1:])
+
+
 def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask):
+           positions, block_mask, pack=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
-    the old buffer is pending (reading first measured two full-cache copies per step)."""
-    B, T, D = x.shape
+    the old buffer is pending (reading first measured two full-cache copies per step).
+    ``pack``: x holds only the block's real tokens ([P, D], see ``forward``); the projections
+    and the MLP run on those rows, attention on the [B, T] block."""
+    B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q = dense(h, lp["wq"], fwd.small_rows)
     k = dense(h, lp["wk"], fwd.small_rows)
@@ -122,14 +137,15 @@ def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x,
         q = q + lp["bq"]
         k = k + lp["bk"]
         v = v + lp["bv"]
-    q = apply_rope(q.reshape(B, T, H, hd), positions, inv_freq)
-    k = apply_rope(k.reshape(B, T, Hkv, hd), positions, inv_freq)
-    v = v.reshape(B, T, Hkv, hd)
+    q = apply_rope(block(q).reshape(B, T, H, hd), positions, inv_freq)
+    k = apply_rope(block(k).reshape(B, T, Hkv, hd), positions, inv_freq)
+    v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
     o = attn_lib.block_attention(
         q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix
     )
-    x = x + dense(o.reshape(B, T, H * hd), lp["wo"], fwd.small_rows)
+    o = o.reshape(B, T, H * hd)
+    x = x + dense(o if pack is None else pack_rows(o, pack), lp["wo"], fwd.small_rows)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
     g = dense(h, lp["w_gate"], fwd.small_rows)
     u = dense(h, lp["w_up"], fwd.small_rows)
@@ -150,6 +166,7 @@ def forward(
     use_prefix: bool = True,
     logits_at: jax.Array | None = None,
     return_hidden: bool = False,
+    pack: jax.Array | None = None,
 ):
     """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden])``.
 
@@ -160,6 +177,11 @@ def forward(
       which skips reading the cache.
     logits_at: optional [B, M] indices into the block; only those positions get
       logits (saves the vocab projection for long prefills).
+    pack: optional [P] indices into the flattened [B*T] block of the tokens that matter (index
+      B*T pads). Embedding, projections, MLP and the vocab head then run on P rows instead of
+      B*T (a verify block whose rows carry different draft counts costs its real tokens); only
+      attention and the cache write see the [B, T] block. Logits come back as [B, T, V] with
+      zeros at the positions not packed, whose cache entries are written but meaningless.
     """
     layers = params["layers"]
     if num_layers is not None:
@@ -168,14 +190,17 @@ def forward(
     if cache.k.shape[0] != n_layers:
         raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
     inv_freq = rope_inv_freq(cfg)
-    x = params["embed"][tokens]
+    B, T = tokens.shape
+    if pack is not None and (logits_at is not None or return_hidden):
+        raise ValueError("pack does not combine with logits_at / return_hidden")
+    x = params["embed"][tokens if pack is None else pack_rows(tokens[..., None], pack)[:, 0]]
     # Layers are unrolled over a Python list of per-layer dicts: on XLA:CPU both
     # lax.scan over stacked weights and static slices of a stacked array copy the
     # weights every step (measured 1.6x-10x slower for decode).
     k_all, v_all = cache.k, cache.v
     for i, lp in enumerate(layers):
         x, k_all, v_all = _layer(cfg, inv_freq, fwd, use_prefix, x, lp, k_all, v_all, i,
-                                 cache.lengths, positions, block_mask)
+                                 cache.lengths, positions, block_mask, pack)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     hidden = x
@@ -183,6 +208,8 @@ def forward(
         x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if pack is not None:
+        logits = unpack_rows(logits, pack, B, T)
     if return_hidden:
         return logits, new_cache, hidden
     return logits, new_cache

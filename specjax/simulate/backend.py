@@ -71,8 +71,9 @@ class AcceptanceProfile:
 class SimBackend:
     def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, seed: int = 0, shrink_patience: int = 8):
+                 slots: int = 512, seed: int = 0, shrink_patience: int = 8, packed: bool = False):
         self.cost = cost
+        self.packed = packed  # charge packed verify blocks (per-row draft counts) by their real tokens
         self.accept = accept
         self.device_draft = device_draft
         self.k_buckets = tuple(sorted(set(k_buckets)))
@@ -129,7 +130,9 @@ class SimBackend:
             n += 1
         return n
 
-    def propose(self, rs: Sequence[Running], k_max: int) -> Proposal:
+    def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal:
+        """``threshold`` is ignored: the simulator has no model of draft confidences, so a
+        confidence policy estimates from its moving average here."""
         self._would = {r.uid: self._draw_would_accept(k_max) for r in rs}
         if self.device_draft:
             self._lens = {r.uid: (k_max if r.speculate else 0) for r in rs}
@@ -142,14 +145,22 @@ class SimBackend:
             self._lens = {r.uid: (cap if self.rng.random() < self.accept.propose_prob else 0) for r in rs}
         return Proposal(draft_lens=[self._lens[r.uid] for r in rs], true_accept=[self._would[r.uid] for r in rs])
 
-    def step(self, rs: Sequence[Running], k: int) -> tuple[list[RowResult], float]:
-        drafted = {r.uid: min(self._lens.get(r.uid, 0), k) for r in rs}
-        if self.device_draft:
-            k_step = k
-        else:
-            longest = max(drafted.values(), default=0)
-            k_step = bk.proposal_bucket(self.k_buckets, longest)
+    def token_options(self, bucket: int, k: int) -> tuple[int, ...]:
+        return bk.token_buckets(bucket, k, self.k_buckets) if self.packed else ()
+
+    def step(self, rs: Sequence[Running], k: int, row_k: Sequence[int] | None = None
+             ) -> tuple[list[RowResult], float]:
+        """As JaxBackend.step: the block shrinks to the longest (per-request cut) draft, and a
+        packed block is charged its real tokens (the linear model; the profiled table has no
+        packed cells)."""
+        drafted = {r.uid: min(self._lens.get(r.uid, 0), k if row_k is None else min(k, int(row_k[i])))
+                   for i, r in enumerate(rs)}
+        k_step = bk.proposal_bucket(self.k_buckets, max(drafted.values(), default=0))
         self.last_k_step = k_step
+        n_tok = sum(d + 1 for d in drafted.values())
+        B = self.live.peek(len(rs))
+        P = bk.token_bucket(B, k_step, self.k_buckets, n_tok) if (self.packed and k_step) else 0
+        self.last_tokens = P or B * (k_step + 1)
         out = []
         for r in rs:
             d = drafted[r.uid]
@@ -163,7 +174,7 @@ class SimBackend:
             self._to_clear = False
             self.row_ops.append(("clear", self.live.B, self.live.B))
             t += self.cost.row_op_time("clear", self.live.B, self.live.B)
-        t += self.cost.step_time(self.live.B, k_step, [r.ctx_len for r in rs], len(rs))
+        t += self.cost.step_time(self.live.B, k_step, [r.ctx_len for r in rs], len(rs), batched=P or None)
         return out, t
 
     def release(self, r: Running) -> None:
@@ -175,10 +186,11 @@ class SimBackend:
 
 def simulate(requests: Sequence[Request], policy: Policy, cost: StepCostModel, accept: AcceptanceProfile, *,
              device_draft: bool, k_buckets=(0, 1, 2, 3, 4, 5), batch_buckets=(1, 2, 4, 8), slots: int = 512,
-             seed: int = 0, prefill_gate: DraftPrefillGate | None = None) -> tuple[list[RequestOutput], ServingEngine]:
+             seed: int = 0, prefill_gate: DraftPrefillGate | None = None, packed: bool = False
+             ) -> tuple[list[RequestOutput], ServingEngine]:
     """Serve ``requests`` on the event clock. Simulated requests never hit EOS: give each the
     output length it should have (``max_new_tokens``, ``ignore_eos=True``)."""
     be = SimBackend(cost, accept, device_draft=device_draft, k_buckets=k_buckets, batch_buckets=batch_buckets,
-                    slots=slots, seed=seed)
+                    slots=slots, seed=seed, packed=packed)
     eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate)
     return eng.run(requests), eng
