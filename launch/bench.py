@@ -12,15 +12,26 @@ Protocol (Spec-Bench conventions where they apply; differences are stated):
   prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
   (per category in the table, listed in the JSON), never dropped silently.
 - Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
-  (``Generator``, the engine's K = 0 step) and each drafter in ``--drafters`` (``SpecGenerator``
-  under ``--policy``: SmartSpec when a performance model exists, else fixed K =
-  ``--num_spec_tokens``; an integer forces that K). For each prompt the AR baseline runs first, then each drafter in
-  order (interleaving per prompt keeps slow machine drift out of the ratios).
+  (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
+  ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
+  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
+  policy (``smartspec``, ``smartspec-req``, ``smartspec-conf``: device drafters only), ``none``
+  or an integer K; every goodput policy is checked against the best fixed K. For each prompt the AR baseline runs first, then every pair, in an
+  order rotated by one pair per prompt (interleaving per prompt keeps slow machine drift out of
+  the ratios; rotating keeps any pair from always running right after AR).
+- Each pair has its own generator and drafter (a suffix tree learns only from the outputs of
+  its own pair), whose proposals are capped at the largest K the policy may run (a fixed K,
+  or the largest K bucket for a goodput policy), and ONE policy object for the whole timed run: SmartSpec learns acceptance
+  across prompts, as a server would; with a device drafter its prefill gate persists too, so
+  once drafts are learnt not to pay, later prompts skip the draft prefill. Generators that
+  differ only in their host drafter share compiled executables (AR included).
 - Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
-  compiled ahead of time (shape-exact, from the same bucket rules the generators use), then
-  each method generates the first prompt once untimed (Spec-Bench warms up on its first
-  question too). **Compilation is excluded from every timing.** The script counts JAX
-  trace/compile events during the timed runs and reports the number (expected 0).
+  compiled ahead of time (shape-exact, from the same bucket rules the generators use; every K
+  bucket for a goodput policy, K buckets <= K for a fixed K), then each method generates the
+  first prompt once untimed (Spec-Bench warms up on its first question too), under a copy of
+  its policy: the timed policies start from their prior. **Compilation is excluded from every
+  timing.** The script counts JAX trace/compile events during the timed runs and reports the
+  number (expected 0).
 - Wall time per prompt is measured around the whole ``generate`` call, **prefill included**
   (as Spec-Bench does).
 - Losslessness check: every drafter's output token ids must equal the AR baseline's; each
@@ -35,6 +46,12 @@ Metrics per category and overall:
 - mean accepted tokens per step = tokens committed per verify step, bonus included
   (Spec-Bench's "#Mean accepted tokens"; 1.0 = no gain possible);
 - tok/s = total new tokens / total wall time.
+
+With a goodput (SmartSpec) policy and at least one fixed K per drafter (``--policies
+auto,2,4,8``), the notes end with the issue's checks: PASS/FAIL per drafter for "no category
+below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a verdict over all
+drafters; with several policies a compact table of every pair's speedup per category precedes
+them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
 
 Peer column (``--hf_python``): before the specjax runs (never concurrently) a subprocess runs
 ``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
@@ -90,6 +107,8 @@ flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
 cli.define_spec_flags()
 cli.define_forward_flags()
 cli.define_policy_flags()
+flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
+                  f"{registry.POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
 # ---------------------------------------------------------------- inputs
@@ -163,8 +182,19 @@ def validate_flags():
     if "none" in drafters:
         raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
     k_buckets = cli.validate_spec_flags(drafters)
-    for d in drafters:
-        registry.check_policy(FLAGS.policy, k_buckets, d, FLAGS.num_spec_tokens)
+    cli.check_policy_flags()
+    if FLAGS.policies is not None and FLAGS["policy"].present:
+        raise SpecjaxError("give --policy or --policies, not both")
+    raw = FLAGS.policies if FLAGS.policies is not None else [FLAGS.policy]
+    if not [p for p in raw if p.strip()]:
+        raise SpecjaxError("--policies is empty; give e.g. auto,2,4,8")
+    policies = []
+    for p in (p for p in raw if p.strip()):
+        for d in drafters:
+            name = registry.check_policy(p, k_buckets, d, FLAGS.num_spec_tokens)
+        policies.append(name)
+    if len(set(policies)) != len(policies):
+        raise SpecjaxError(f"--policies lists a policy twice: {policies}")
     if FLAGS.hf_python:
         if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
             raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
@@ -172,19 +202,22 @@ def validate_flags():
             raise SpecjaxError("--hf_prompt_lookup_num_tokens must be >= 1")
         if FLAGS.hf_threads < 1:
             raise SpecjaxError("--hf_threads must be >= 1")
-    return drafters, k_buckets
+    return drafters, k_buckets, policies
 
 
 def bench() -> int:
+    import copy
+
     import jax
     from tqdm import tqdm
 
     from specjax.errors import SpecjaxError
     from specjax.generate import Generator
+    from specjax.goodput import GoodputPolicy
     from specjax.models.loader import load_model
     from specjax.spec_generate import SpecStats
 
-    drafters, k_buckets = validate_flags()
+    drafters, k_buckets, policy_names = validate_flags()
     K = FLAGS.num_spec_tokens
     qfile = resolve_question_file(FLAGS.question_file)
     questions, cat_order = specbench.load_questions(qfile, FLAGS.categories, FLAGS.per_category)
@@ -227,30 +260,51 @@ def bench() -> int:
     # HF peer first, in its own process, before any specjax work (never concurrently).
     hf = run_hf(prompts, tok.eos_ids, gguf) if FLAGS.hf_python else None
 
-    # Generators and shape-exact warm-up (compilation excluded from every timing).
+    # One generator and one policy object per (drafter, policy) pair; generators whose steps
+    # compile to the same code (same device draft or none) share their executables.
     fwd = cli.forward_options_from_flags()
     ar = Generator(cfg, model.params, eos_ids=tok.eos_ids, fwd=fwd)
-    specs = {d: registry.build_spec_generator(model, d, k=K, k_buckets=k_buckets, fwd=fwd,
-                                              **cli.drafter_kwargs(model, d, K, draft=draft))
-             for d in drafters}
-    # One policy per drafter, kept across prompts (SmartSpec learns acceptance online).
-    policies = {d: cli.policy_from_flags(model, d) for d in drafters}
+    several = len(policy_names) > 1
+    methods, gens, pols = [], {}, {}
+    compiled_by = {"host": ar}  # the AR baseline is the host drafters' K = 0 step
+    for d in drafters:
+        for pn in policy_names:
+            name = specbench.method_name(d, pn, several)
+            pol, label = cli.policy_from_flags(model, d, pn)
+            goodput = isinstance(pol, GoodputPolicy)
+            # The drafter proposes up to the largest K its policy may choose (every compiled K
+            # for a goodput policy), as the serving engine's drafters do.
+            kd = max(k_buckets) if goodput else (getattr(pol, "k", 0) or max(k_buckets))
+            g = registry.build_spec_generator(model, d, k=kd, k_buckets=k_buckets, fwd=fwd,
+                                              **registry.backend_options([pn]),
+                                              **cli.drafter_kwargs(model, d, kd, draft=draft))
+            group = d if d in registry.DEVICE_DRAFTERS else "host"  # (compile keys tell packed etc. apart)
+            if group in compiled_by:
+                g.share_compiled(compiled_by[group])
+            else:
+                compiled_by[group] = g
+            methods.append({"name": name, "drafter": d, "policy": pn, "label": label, "goodput": goodput,
+                            "k": None if goodput else getattr(pol, "k", None)})
+            gens[name], pols[name] = g, pol
+    names = [m["name"] for m in methods]
     counter = specbench.CompileCounter()
     mnt = FLAGS.max_new_tokens
     # The AR baseline is the engine's K = 0 step (Generator is a SpecGenerator with no drafter).
     warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0)}
-    for d, g in specs.items():
-        print(f"[compiling {d} variants]", file=sys.stderr)
-        k_warm = getattr(policies[d][0], "k", max(k_buckets))  # a fixed K runs buckets <= K; SmartSpec any
-        warm[f"{d}_compile_s"] = registry.warm_spec(g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts},
-                                                    k_warm)
+    for m in methods:
+        g = gens[m["name"]]
+        print(f"[compiling {m['name']} variants]", file=sys.stderr)
+        k_warm = max(k_buckets) if m["k"] is None else m["k"]  # a goodput policy may choose any compiled K
+        warm[f"{m['name']}_compile_s"] = registry.warm_spec(
+            g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, k_warm)
     t0 = time.perf_counter()
     first = prompts[0]["ids"]
     ar.generate([first], max_new_tokens=mnt)
-    for d, g in specs.items():
-        g.generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats(), policy=policies[d][0])
+    for m in methods:  # a copy of the policy: the timed one starts from its prior
+        gens[m["name"]].generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats(),
+                                 policy=copy.deepcopy(pols[m["name"]]))
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
-    for g in specs.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
+    for g in gens.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
         for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
             if hasattr(dr, "clear_cache"):
                 dr.clear_cache()
@@ -258,57 +312,66 @@ def bench() -> int:
           file=sys.stderr)
 
     rows, mismatches = [], []
-    methods = ["ar"] + drafters
-    bar = tqdm(total=len(prompts) * len(methods), unit="run", desc="specjax", disable=None, file=sys.stderr)
+    bar = tqdm(total=len(prompts) * (1 + len(methods)), unit="run", desc="specjax", disable=None, file=sys.stderr)
     counter.active = True
     try:
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            order = specbench.rotated(methods, i)
             row = {"key": p["key"], "question_id": p["question_id"], "category": p["category"],
-                   "prompt_tokens": len(p["ids"])}
+                   "prompt_tokens": len(p["ids"]), "order": ["ar"] + [m["name"] for m in order]}
             t = time.perf_counter()
             r = ar.generate([p["ids"]], max_new_tokens=mnt)[0]
             wall = time.perf_counter() - t
             row["ar"] = {"wall_s": wall, "new_tokens": len(r.tokens), "prefill_s": r.prefill_s,
-                         "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens}
+                         "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens,
+                         "step_records": specbench.step_records(ar.last_engine)}
             bar.update(1)
-            for d in drafters:
+            for m in order:
+                name, g = m["name"], gens[m["name"]]
                 st = SpecStats()
                 t = time.perf_counter()
-                s = specs[d].generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st,
-                                      policy=policies[d][0])[0]
+                s = g.generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st, policy=pols[name])[0]
                 wall = time.perf_counter() - t
                 eq = s.tokens == r.tokens
-                row[d] = {"wall_s": wall, "new_tokens": len(s.tokens), "prefill_s": s.prefill_s,
-                          "decode_s": s.decode_s, "finish_reason": s.finish_reason, "equal_to_ar": eq,
-                          "_stats": st, **st.summary()}
+                row[name] = {"wall_s": wall, "new_tokens": len(s.tokens), "prefill_s": s.prefill_s,
+                             "decode_s": s.decode_s, "finish_reason": s.finish_reason, "equal_to_ar": eq,
+                             "draft_prefill": g.last_draft_prefill, "step_records": specbench.step_records(g.last_engine),
+                             "_stats": st, **st.summary()}
                 if not eq:
-                    i = _first_diff(s.tokens, r.tokens)
-                    msg = (f"MISMATCH {d} {p['key']}: output differs from the AR baseline at token {i} "
-                           f"(AR {len(r.tokens)} tokens, {d} {len(s.tokens)} tokens)")
+                    j = _first_diff(s.tokens, r.tokens)
+                    msg = (f"MISMATCH {name} {p['key']}: output differs from the AR baseline at token {j} "
+                           f"(AR {len(r.tokens)} tokens, {name} {len(s.tokens)} tokens)")
                     tqdm.write(msg, file=sys.stderr)
-                    mismatches.append({"drafter": d, "key": p["key"], "first_diff": i, "ar_tokens": len(r.tokens),
-                                       "drafter_tokens": len(s.tokens), "drafter_output_ids": s.tokens})
+                    mismatches.append({"drafter": m["drafter"], "policy": m["policy"], "method": name, "key": p["key"],
+                                       "first_diff": j, "ar_tokens": len(r.tokens), "drafter_tokens": len(s.tokens),
+                                       "drafter_output_ids": s.tokens})
                 bar.update(1)
             rows.append(row)
     finally:
         counter.active = False
         bar.close()
 
-    summary = specbench.summarize(rows, cat_order, drafters, skipped, hf["rows"] if hf else None)
-    table = specbench.markdown_table(summary, drafters, hf is not None)
+    summary = specbench.summarize(rows, cat_order, names, skipped, hf["rows"] if hf else None)
+    table = specbench.markdown_table(summary, names, hf is not None)
     over = summary[-1]
-    pols = ", ".join(f"{d}: {lab}" for d, (_, lab) in policies.items())
-    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, policy ({pols}), "
+    checks = specbench.goodput_checks(summary, methods)
+    pols_txt = ", ".join(f"{m['name']}: {m['label']}" for m in methods) if not several else (
+        f"policies {','.join(policy_names)} per drafter")
+    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, policy ({pols_txt}), "
             f"max_new_tokens={mnt}, first turn, {'chat template' if FLAGS.chat else 'raw text'}, "
             f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
             f"(shape-exact warm-up + one untimed run; {counter.count} compile events during timing).")
     notes = ["Speedup = total specjax AR wall time / total drafter wall time per category; "
              "acc. tok/step = mean accepted tokens per verify step, bonus included."]
-    for d in drafters:
-        x = over["drafters"][d]
+    for m in methods:
+        x, d = over["drafters"][m["name"]], m["drafter"]
         pos = ", ".join(f"{v:.2f}" for v in x["per_position_acceptance"])
-        notes.append(f"{d}: acceptance rate {x['acceptance_rate']:.3f}, per-position acceptance [{pos}]"
+        spec_steps = sum(n for k, n in x["k_step_counts"].items() if k != "0")
+        notes.append(f"{m['name']} ({m['label']}): acceptance rate {x['acceptance_rate']:.3f}, per-position "
+                     f"acceptance [{pos}], {spec_steps}/{sum(x['k_step_counts'].values())} steps verified drafts"
+                     + (f", draft prefill on {x['draft_prefills']}/{over['prompts']} prompts"
+                        if d in registry.DEVICE_DRAFTERS else "")
                      + (f" (draft_layers={FLAGS.draft_layers})" if d == "layer_skip" else "")
                      + (f" (draft_model={FLAGS.draft_model})" if d == "draft_model" else "")
                      + (f" (ngram {FLAGS.pld_min_ngram}..{FLAGS.pld_max_ngram})" if d == "prompt_lookup" else ""))
@@ -320,11 +383,16 @@ def bench() -> int:
                      f"prompt_lookup_num_tokens={he['prompt_lookup_num_tokens']}; HF PLD speedup = HF greedy wall / "
                      f"HF PLD wall; HF greedy output equals specjax AR on "
                      f"{over['hf']['greedy_equals_specjax_ar']}/{over['hf']['prompts']} prompts (informational).")
-    md = "\n".join([head, "", table, ""] + [f"- {n}" for n in notes]) + "\n"
+    notes += specbench.check_lines(checks, drafters)
+    parts = [head, "", table, ""]
+    if several:
+        parts += ["Speedup over AR per category, every (drafter, policy) pair:", "",
+                  specbench.ratio_table(summary, methods), ""]
+    md = "\n".join(parts + [f"- {n}" for n in notes]) + "\n"
     print(md)
     if mismatches:
         print(f"!!! {len(mismatches)} DRAFTER OUTPUT(S) DIFFER FROM THE AR BASELINE (greedy must be lossless): "
-              + ", ".join(f"{m['drafter']}:{m['key']}" for m in mismatches), file=sys.stderr)
+              + ", ".join(f"{m['method']}:{m['key']}" for m in mismatches), file=sys.stderr)
     if counter.count:
         print(f"warning: {counter.count} JAX compile events during timed runs: {counter.events[:5]}",
               file=sys.stderr)
@@ -333,26 +401,26 @@ def bench() -> int:
             f.write(md)
     if FLAGS.benchmarks_md:
         specbench.update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}",
-                             FLAGS.benchmarks_md_section)
+                                       FLAGS.benchmarks_md_section)
     if FLAGS.json_out:
         for r in rows:
-            for d in drafters:
-                r[d].pop("_stats", None)
+            for n in names:
+                r[n].pop("_stats", None)
         res = {"config": {"model": cfg.name, "dtype": FLAGS.dtype, "question_file": qfile,
                           "categories": cat_order, "per_category": FLAGS.per_category, "max_new_tokens": mnt,
                           "drafters": drafters, "num_spec_tokens": K, "k_buckets": list(k_buckets),
-                         "policies": {d: lab for d, (_, lab) in policies.items()},
+                          "policies": policy_names, "methods": methods,
                           "draft_layers": FLAGS.draft_layers, "draft_model": FLAGS.draft_model,
                           "pld_min_ngram": FLAGS.pld_min_ngram, "pld_max_ngram": FLAGS.pld_max_ngram,
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
-                          "greedy": True, "batch_size": 1},
+                          "greedy": True, "batch_size": 1, "command": command_line()},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},
                "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
                           "compile_events_during_timing": counter.count},
-               "summary": summary, "num_mismatches": len(mismatches), "mismatches": mismatches,
-               "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
+               "summary": summary, "goodput_checks": checks, "num_mismatches": len(mismatches),
+               "mismatches": mismatches, "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
                "hf": hf, "markdown": md}
         with open(FLAGS.json_out, "w") as f:
             json.dump(res, f, indent=1)

@@ -151,13 +151,14 @@ def check_policy_flags() -> None:
         raise SpecjaxError(f"--confidence_threshold must be in [0, 1), got {t}")
 
 
-def policy_from_flags(model, drafter: str):
-    """(policy, label) from --policy; an auto fallback to fixed K is said on stderr."""
+def policy_from_flags(model, drafter: str, policy: str | None = None):
+    """(policy, label) from --policy (or ``policy``, one entry of a script's policy list); an auto
+    fallback to fixed K is said on stderr."""
     import sys
 
-    pol, label, note = registry.make_policy(FLAGS.policy, model.cfg.name, drafter, draft_layers=FLAGS.draft_layers,
-                                            fallback_k=FLAGS.num_spec_tokens, perf_models=FLAGS.perf_models,
-                                            threshold=FLAGS.confidence_threshold)
+    pol, label, note = registry.make_policy(policy if policy is not None else FLAGS.policy, model.cfg.name, drafter,
+                                            draft_layers=FLAGS.draft_layers, fallback_k=FLAGS.num_spec_tokens,
+                                            perf_models=FLAGS.perf_models, threshold=FLAGS.confidence_threshold)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return pol, label

@@ -2,18 +2,22 @@
 
 ``SpecGenerator.generate`` submits every prompt at t = 0 to a ``ServingEngine`` over a
 ``JaxBackend`` under a fixed policy (K drafts per step; host drafts shrink the block to the
-longest proposal), so one loop serves the Python API, the launch scripts and serving. One
-backend (one ``StepTable`` of compiled executables) is kept per cache-slot bucket; ``warmup``
-compiles every variant the configured buckets allow, after which generation only calls
-compiled executables (and raises instead of compiling for a shape that was not warmed up).
+longest proposal) or a given one, so one loop serves the Python API, the launch scripts and
+serving. One backend is kept per cache-slot bucket, each calling one ``StepTable`` of compiled
+executables; ``warmup`` compiles every variant the configured buckets allow, after which
+generation only calls compiled executables (and raises instead of compiling for a shape that
+was not warmed up). Generators that differ only in their host drafter can share one set of
+tables (``share_compiled``), so a benchmark of several drafters or policies compiles once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+import weakref
+from typing import Literal, Sequence
 
+import jax
 import numpy as np
 
 from specjax.config import ModelConfig
@@ -21,10 +25,11 @@ from specjax.drafters.base import NoDrafter
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput
+from specjax.engine.table import StepTable
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
 from specjax.results import GenerationResult, check_max_new_tokens, validate_request
-from specjax.goodput.selector import FixedK, Policy
+from specjax.goodput.selector import DraftPrefillGate, FixedK, GoodputPolicy, Policy
 from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
@@ -84,6 +89,19 @@ class SpecStats:
                 "per_position_acceptance": self.per_position_acceptance}
 
 
+class _Compiled:
+    """Compiled executables of one (model, device draft, forward options): a StepTable per
+    cache-slot bucket and whether they are frozen (warm: a missing shape raises)."""
+
+    def __init__(self):
+        self.tables: dict[int, StepTable] = {}
+        self.warm = False
+
+
+def _avals(tree):
+    return jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), tree)
+
+
 class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
                  draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
@@ -106,7 +124,11 @@ class SpecGenerator:
         self.draft_first = draft_first  # device drafter: compile the draft-ahead path (confidence policies)
         self.packed = packed  # packed verify blocks (per-request draft counts)
         self._backends: dict[int, JaxBackend] = {}
-        self._warm = False
+        self._compiled = _Compiled()
+        # Prefill gates created for GoodputPolicy objects (see generate), one per policy object.
+        self._gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.last_engine: ServingEngine | None = None  # the engine of the last generate call (steps, stats)
+        self.last_draft_prefill: bool | None = None  # device drafters: did its admission run the draft prefill
 
     def backend(self, slots: int) -> JaxBackend:
         """The engine backend of one cache-slot bucket (created on first use)."""
@@ -119,22 +141,43 @@ class SpecGenerator:
                 draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
                 batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
                 shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed)
-            be.table.warm = self._warm
+            # (the backend's own fresh table is dropped when this slot bucket already has one)
+            be.table = self._compiled.tables.setdefault(slots, be.table)
+            be.table.warm = self._compiled.warm
         be.shrink_to_proposal = self.shrink_to_proposal
         return be
+
+    def _compile_signature(self):
+        return (self.cfg, self.draft, self.fwd, _avals(self.params),
+                _avals(self.dparams) if self.draft is not None else None)
+
+    def share_compiled(self, other: "SpecGenerator") -> None:
+        """Call ``other``'s compiled executables from now on (and compile into them). A step's code
+        depends on the model, the device draft and the forward options, never on a host drafter
+        or a policy, so generators that differ only in those can share it: fewer compilations
+        and fewer memory maps (each XLA:CPU executable holds hundreds). Raises SpecjaxError if
+        the two would not compile the same code."""
+        if other._compiled is self._compiled:
+            return
+        if self._compile_signature() != other._compile_signature():
+            raise SpecjaxError("share_compiled: the generators differ in model, device draft, parameter shapes "
+                               "or forward options, so their executables differ")
+        self._compiled = other._compiled
+        self._backends.clear()
 
     # ------------------------------------------------------------ compilation
 
     @property
     def warm(self) -> bool:
-        return self._warm
+        return self._compiled.warm
 
     @warm.setter
     def warm(self, value: bool) -> None:
-        """True: every backend refuses to compile (a missing shape raises)."""
-        self._warm = bool(value)
-        for be in self._backends.values():
-            be.table.warm = self._warm
+        """True: every backend refuses to compile (a missing shape raises); shared with the
+        generators of share_compiled."""
+        self._compiled.warm = bool(value)
+        for t in self._compiled.tables.values():
+            t.warm = self._compiled.warm
 
     def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
@@ -158,12 +201,31 @@ class SpecGenerator:
         need = max(prompt_lens) + max_new_tokens + max(self.k_buckets) + 1
         return next((s for s in self.slot_buckets if s >= need), self.slot_buckets[-1])
 
+    def prefill_gate_for(self, policy: Policy, prefill_gate=None) -> DraftPrefillGate | None:
+        """The gate ``generate`` uses (see there): None without a device drafter or when off."""
+        if self.draft is None or prefill_gate is False:
+            return None
+        if prefill_gate is not None:
+            return prefill_gate
+        if not isinstance(policy, GoodputPolicy):
+            return None  # a fixed K has nothing to learn; K = 0 skips the draft prefill anyway
+        gate = self._gates.get(policy)
+        if gate is None:
+            gate = self._gates[policy] = DraftPrefillGate()
+        return gate
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling=SamplingParams(), max_new_tokens: int = 128,
                  num_spec_tokens: int = 4, ignore_eos: bool = False, stats: SpecStats | None = None,
-                 policy: Policy | None = None) -> list[GenerationResult]:
+                 policy: Policy | None = None,
+                 prefill_gate: DraftPrefillGate | None | Literal[False] = None) -> list[GenerationResult]:
         """``policy``: how many drafts each step verifies (default: fixed K = ``num_spec_tokens``;
         a ``GoodputPolicy`` chooses among every compiled K, learning acceptance across calls).
-        Whatever the policy, greedy outputs are the target's own."""
+        ``prefill_gate`` (device drafters only): requests are admitted without the draft prefill,
+        and then never draft, when the gate has seen mostly K = 0 steps. None: a GoodputPolicy
+        gets a gate of its own that persists across calls with that policy object (once the
+        policy has learnt that drafts do not pay, later prompts skip the draft prefill, as a
+        server's would); False: never skip it; or a given DraftPrefillGate.
+        Whatever the policy and the gate, greedy outputs are the target's own."""
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         require(len(sampling) == len(prompts), "one SamplingParams per prompt")
@@ -187,7 +249,14 @@ class SpecGenerator:
             reqs.append(Request(str(i), list(p), budget, s, 0.0, ignore_eos))
         be = self.backend(S)
         be.reset()
-        engine = ServingEngine(be, policy if policy is not None else FixedK(num_spec_tokens), eos_ids=self.eos_ids)
+        pol = policy if policy is not None else FixedK(num_spec_tokens)
+        gate = self.prefill_gate_for(pol, prefill_gate)
+        # Every prompt of a static batch is admitted at once (up to the batch rows), so this is
+        # the engine's admission decision (ServingEngine._admit).
+        self.last_draft_prefill = (None if self.draft is None else
+                                   bool(pol.may_speculate and (gate is None or gate.speculate())))
+        engine = ServingEngine(be, pol, eos_ids=self.eos_ids, prefill_gate=gate)
+        self.last_engine = engine
         outs = engine.run(reqs)
         for o in outs:
             if o.error is not None:

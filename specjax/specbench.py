@@ -1,6 +1,7 @@
 """Spec-Bench-style benchmarking: the question file, per-category summaries and their markdown
-table, the BENCHMARKS.md section writer, and the guard that no compilation happens while timing.
-``launch/bench.py`` is the command-line leaf over this module."""
+tables, the goodput policy's pass/fail checks against AR and the best fixed K, the BENCHMARKS.md
+section writer, and the guard that no compilation happens while timing. ``launch/bench.py`` is
+the command-line leaf over this module."""
 
 from __future__ import annotations
 
@@ -84,8 +85,37 @@ def _ratio(a, b):
     return a / b if b else float("nan")
 
 
-def summarize(rows, cat_order, drafters, skipped, hf_rows) -> list[dict]:
-    """One summary dict per category plus 'overall' (last)."""
+MIN_CATEGORY_RATIO = 0.97  # the goodput policy's floor per category, as a fraction of AR speed
+
+
+def method_name(drafter: str, policy: str, several_policies: bool) -> str:
+    """A (drafter, policy) pair's key in rows, summaries and table headers: the drafter alone
+    when the run has one policy (the key earlier runs used), else ``drafter@policy``."""
+    return f"{drafter}@{policy}" if several_policies else drafter
+
+
+def rotated(items: list, i: int) -> list:
+    """``items`` started at position ``i`` (mod its length): prompt i runs the pairs in this order,
+    so no pair always runs right after AR (or after a particular other pair)."""
+    if not items:
+        return []
+    j = i % len(items)
+    return items[j:] + items[:j]
+
+
+def step_records(engine) -> dict:
+    """An engine run's steps as columns (k chosen, k_step run, backend and loop milliseconds,
+    drafts and acceptances): what it takes to see where a policy spends its time."""
+    st = engine.steps
+    return {"k": [s.k for s in st], "k_step": [s.k_step for s in st],
+            "elapsed_ms": [round(s.elapsed * 1e3, 3) for s in st], "wall_ms": [round(s.wall * 1e3, 3) for s in st],
+            "drafted": [s.drafted for s in st], "accepted": [s.accepted for s in st]}
+
+
+def summarize(rows, cat_order, methods, skipped, hf_rows) -> list[dict]:
+    """One summary dict per category plus 'overall' (last). ``methods``: the row keys of the
+    speculative runs (method_name); their entries go under 'drafters' (the name earlier JSON
+    used)."""
     out = []
     hf_by_key = {r["key"]: r for r in hf_rows} if hf_rows is not None else None
     for cat in list(cat_order) + ["overall"]:
@@ -96,13 +126,19 @@ def summarize(rows, cat_order, drafters, skipped, hf_rows) -> list[dict]:
         e = {"category": cat, "prompts": len(rs), "skipped": len(sk), "ar": {
             "wall_s": ar_wall, "new_tokens": ar_tok, "tok_s": _ratio(ar_tok, ar_wall)}, "drafters": {}}
         mism = 0
-        for d in drafters:
+        for d in methods:
             w = sum(r[d]["wall_s"] for r in rs)
             t = sum(r[d]["new_tokens"] for r in rs)
             m = sum(not r[d]["equal_to_ar"] for r in rs)
             mism += m
+            ks: dict = {}
+            for r in rs:
+                for k in r[d].get("step_records", {}).get("k_step", []):
+                    ks[k] = ks.get(k, 0) + 1
             e["drafters"][d] = {"wall_s": w, "new_tokens": t, "tok_s": _ratio(t, w), "speedup": _ratio(ar_wall, w),
-                                "mismatches": m, **SpecStats.merged([r[d]["_stats"] for r in rs]).summary()}
+                                "mismatches": m, "k_step_counts": {str(k): ks[k] for k in sorted(ks)},
+                                "draft_prefills": sum(bool(r[d].get("draft_prefill")) for r in rs),
+                                **SpecStats.merged([r[d]["_stats"] for r in rs]).summary()}
         e["mismatches"] = mism
         if hf_by_key is not None:
             pairs = [(hf_by_key[r["key"]], r) for r in rs if r["key"] in hf_by_key]
@@ -120,9 +156,9 @@ def summarize(rows, cat_order, drafters, skipped, hf_rows) -> list[dict]:
     return out
 
 
-def markdown_table(summary, drafters, hf: bool) -> str:
+def markdown_table(summary, methods, hf: bool) -> str:
     hdr = ["category", "prompts", "skipped", "AR tok/s"]
-    for d in drafters:
+    for d in methods:
         hdr += [f"{d} speedup", f"{d} acc. tok/step", f"{d} tok/s"]
     hdr += ["mismatches"]
     if hf:
@@ -132,7 +168,7 @@ def markdown_table(summary, drafters, hf: bool) -> str:
         bold = e["category"] == "overall"
         cells = [f"**{e['category']}**" if bold else e["category"], str(e["prompts"]), str(e["skipped"]),
                  f"{e['ar']['tok_s']:.1f}"]
-        for d in drafters:
+        for d in methods:
             x = e["drafters"][d]
             sp = f"{x['speedup']:.2f}x"
             cells += [f"**{sp}**" if bold else sp, f"{x['mean_accepted_tokens']:.2f}", f"{x['tok_s']:.1f}"]
@@ -142,6 +178,77 @@ def markdown_table(summary, drafters, hf: bool) -> str:
             cells += [f"{h['greedy_tok_s']:.1f}", f"{h['pld_speedup']:.2f}x", str(h["pld_differs_from_greedy"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def ratio_table(summary, methods: list[dict]) -> str:
+    """Speedup over AR per category (columns) for every (drafter, policy) pair (rows): the
+    compact view of a several-policy run. ``methods``: dicts with name, drafter, label."""
+    cats = [e for e in summary if e["prompts"]]
+    hdr = ["drafter", "policy"] + [e["category"] for e in cats]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for m in methods:
+        cells = [m["drafter"], m["label"]]
+        for e in cats:
+            r = f"{e['drafters'][m['name']]['speedup']:.2f}"
+            cells.append(f"**{r}**" if e["category"] == "overall" else r)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def goodput_checks(summary, methods: list[dict], min_ratio: float = MIN_CATEGORY_RATIO) -> list[dict]:
+    """For every goodput-policy pair: its lowest category ratio to AR (the issue's floor:
+    ``min_ratio``) and its overall speedup against the best fixed K > 0 of the same drafter in
+    the same run. ``methods``: dicts with name, drafter, label, goodput (bool) and k (the
+    fixed K, None for a goodput policy). ``overall_pass`` is None when the run has no fixed K
+    for that drafter."""
+    over = summary[-1]["drafters"]
+    out = []
+    for m in methods:
+        if not m["goodput"]:
+            continue
+        cats = [(e["category"], e["drafters"][m["name"]]["speedup"]) for e in summary[:-1] if e["prompts"]]
+        low_cat, low = min(cats, key=lambda c: c[1])
+        fixed = [f for f in methods if f["drafter"] == m["drafter"] and not f["goodput"] and (f["k"] or 0) > 0]
+        best = max(fixed, key=lambda f: over[f["name"]]["speedup"], default=None)
+        sp = over[m["name"]]["speedup"]
+        bsp = over[best["name"]]["speedup"] if best else None
+        out.append({"drafter": m["drafter"], "method": m["name"], "label": m["label"], "min_ratio": min_ratio,
+                    "lowest_category": low_cat, "lowest_ratio": low, "categories_pass": low >= min_ratio,
+                    "below_floor": {c: r for c, r in cats if r < min_ratio}, "overall_speedup": sp,
+                    "best_fixed": best["name"] if best else None, "best_fixed_label": best["label"] if best else None,
+                    "best_fixed_speedup": bsp, "overall_pass": None if best is None else sp >= bsp})
+    return out
+
+
+def check_lines(checks: list[dict], drafters) -> list[str]:
+    """PASS/FAIL lines of goodput_checks, then the verdict over every drafter of the run."""
+    lines = []
+    for c in checks:
+        who = f"{c['drafter']} under {c['label']}"
+        lines.append(f"{'PASS' if c['categories_pass'] else 'FAIL'}: {who}: no category below {c['min_ratio']:.2f}x AR "
+                     f"(lowest {c['lowest_ratio']:.3f}x, {c['lowest_category']}"
+                     + (f"; below: {', '.join(f'{k} {v:.3f}x' for k, v in c['below_floor'].items())}"
+                        if len(c["below_floor"]) > 1 else "") + ")")
+        if c["overall_pass"] is None:
+            lines.append(f"N/A: {who}: overall {c['overall_speedup']:.3f}x; no fixed K for {c['drafter']} in this run "
+                         "to compare with (add integers to --policies)")
+        else:
+            lines.append(f"{'PASS' if c['overall_pass'] else 'FAIL'}: {who}: overall {c['overall_speedup']:.3f}x "
+                         f"{'>=' if c['overall_pass'] else '<'} best fixed {c['best_fixed_label']} "
+                         f"{c['best_fixed_speedup']:.3f}x")
+    if not checks:
+        return lines
+    missing = [d for d in drafters if not any(c["drafter"] == d for c in checks)]
+    if any(not c["categories_pass"] or c["overall_pass"] is False for c in checks):
+        verdict = "FAIL"
+    elif missing or any(c["overall_pass"] is None for c in checks):
+        verdict = "INCOMPLETE"
+    else:
+        verdict = "PASS"
+    lines.append(f"Goodput check over every drafter (each category >= {checks[0]['min_ratio']:.2f}x AR and overall >= "
+                 f"the best fixed K): {verdict}"
+                 + (f" (no goodput policy for: {', '.join(missing)})" if missing else ""))
+    return lines
 
 
 def update_benchmarks_md(path: str, section: str, name: str = "spec-bench", writer: str = "launch/bench.py") -> None:

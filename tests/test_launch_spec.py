@@ -156,12 +156,54 @@ def test_bench_on_tiny_model(tmp_path):
     assert doc.count("spec-bench:begin") == 1
 
 
+def test_bench_several_policies_per_drafter(tmp_path):
+    """--policies: every (drafter, policy) pair on every prompt, rotated per prompt; the goodput
+    policy's checks against AR and the best fixed K; one policy (and one prefill gate) per pair
+    for the whole run. The performance models make a layer-skip draft forward cost 100 target
+    steps, so SmartSpec never speculates with it and later prompts skip the draft prefill."""
+    from specjax.goodput import LinearCost, StepCostModel
+    from specjax.goodput.perf_model import hardware_key, save_model
+
+    perf = str(tmp_path / "perf.json")
+    target = LinearCost(0.0, 1e-6, 1e-2)
+    save_model(perf, f"tiny-random|prompt_lookup|{hardware_key()}", StepCostModel(target=target))
+    save_model(perf, f"tiny-random|layer_skip2|{hardware_key()}",
+               StepCostModel(target=target, draft=LinearCost(0.0, 1e-6, 1.0)))
+    js = tmp_path / "b.json"
+    r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",
+            "--max_new_tokens", "16", "--draft_layers", "2", "--max_prompt_tokens", "60",
+            "--drafters", "prompt_lookup,layer_skip", "--policies", "auto,1,4", "--perf_models", perf,
+            "--json_out", str(js))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(js.read_text())
+    names = [f"{d}@{p}" for d in ("prompt_lookup", "layer_skip") for p in ("auto", "1", "4")]
+    assert [m["name"] for m in res["config"]["methods"]] == names and res["config"]["policies"] == ["auto", "1", "4"]
+    assert [m["label"] for m in res["config"]["methods"]][:3] == ["SmartSpec", "K=1", "K=4"]
+    assert res["num_mismatches"] == 0 and res["timing"]["compile_events_during_timing"] == 0
+    for i, row in enumerate(res["prompts"]):
+        assert row["order"][0] == "ar" and row["order"][1:] == names[i % 6:] + names[:i % 6]
+        for n in names:
+            assert row[n]["equal_to_ar"] and len(row[n]["step_records"]["k_step"]) == row[n]["steps"]
+    # SmartSpec with layer skip: drafts never pay, so only the first timed prompt ran the draft prefill
+    assert [row["layer_skip@auto"]["draft_prefill"] for row in res["prompts"]] == [True, False, False, False]
+    assert all(row["layer_skip@4"]["draft_prefill"] for row in res["prompts"])
+    assert [c["method"] for c in res["goodput_checks"]] == ["prompt_lookup@auto", "layer_skip@auto"]
+    assert res["goodput_checks"][1]["best_fixed"] in ("layer_skip@1", "layer_skip@4")
+    assert "| layer_skip | SmartSpec |" in r.stdout and "layer_skip@4 speedup" in r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.startswith(("- PASS: ", "- FAIL: "))]) == 4
+    assert "- Goodput check over every drafter" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--question_file", "/nonexistent/question.jsonl"], "question file not found"),
     (["--categories", "nosuch"], "unknown categories"),
     (["--drafters", "prompt_lookup,medusa"], "unknown drafters"),
     (["--num_spec_tokens", "16"], "larger than the largest bucket"),
     (["--hf_python", "/nonexistent/python"], "is not an executable file"),
+    (["--policies", "auto,3"], "--policy K=3 is not in --k_buckets"),
+    (["--policies", "4,2,4"], "lists a policy twice"),
+    (["--policies", ""], "--policies is empty"),
+    (["--policy", "4", "--policies", "2,4"], "not both"),
 ])
 def test_bench_bad_input_gives_one_line_error(args, message, tmp_path):
     base = ["--question_file", _questions(tmp_path / "q.jsonl"), "--nochat"]

@@ -202,6 +202,77 @@ def test_goodput_policy_through_the_static_api(spec_gens, ar_greedy):
     assert st.drafted > 0
 
 
+def _dear_draft_policy():
+    """A goodput policy whose cost model makes a draft forward 100x a target step: it never
+    speculates, so its prefill gate learns that drafts do not pay."""
+    from specjax.goodput import GoodputPolicy, LinearCost, StepCostModel
+
+    return GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, 1.0)))
+
+
+def test_prefill_gate_skips_the_draft_prefill_once_drafts_do_not_pay(spec_gens, ar_greedy):
+    """With a device drafter, a GoodputPolicy gets a prefill gate that persists across generate
+    calls: once its steps were K = 0, the next prompts are admitted without the draft prefill
+    (and never draft). Greedy outputs stay AR's whatever the gate does."""
+    from specjax.goodput import DraftPrefillGate, FixedK
+
+    gen = spec_gens["layer_skip"]
+    table = gen.backend(gen.slots_for([len(PROMPTS[1][0])], MAX_NEW)).table
+    runs = []  # run_draft of every prefill the backend calls
+    real = table.prefill
+
+    def spy(B, Tp, S, greedy_only, run_draft=True, compile_if_missing=False):
+        runs.append(bool(run_draft))
+        return real(B, Tp, S, greedy_only, run_draft, compile_if_missing)
+
+    table.prefill = spy
+    try:
+        pol = _dear_draft_policy()
+        for _ in range(3):
+            st = SpecStats()
+            out = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4, stats=st, policy=pol)
+            assert out[0].tokens == ar_greedy[1][0] and st.drafted == 0
+            assert gen.last_draft_prefill == runs[-1]
+        assert runs == [True, False, False]  # the gate closed after the first prompt's K = 0 steps
+        assert gen.prefill_gate_for(pol) is gen.prefill_gate_for(pol)  # one gate per policy object
+        assert gen.prefill_gate_for(_dear_draft_policy()) is not gen.prefill_gate_for(pol)
+        assert gen.prefill_gate_for(FixedK(4)) is None  # a fixed K learns nothing
+        assert spec_gens["prompt_lookup"].prefill_gate_for(pol) is None  # host drafters have no draft prefill
+
+        runs.clear()
+        gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4, policy=pol, prefill_gate=False)
+        assert runs == [True] and gen.last_draft_prefill
+
+        # A closed gate given with a fixed K: the step is K = 4, yet the request drafts nothing.
+        closed = DraftPrefillGate(threshold=0.5, window=4)
+        for _ in range(4):
+            closed.record(0)
+        runs.clear()
+        st = SpecStats()
+        out = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4, stats=st, prefill_gate=closed)
+        assert runs == [False] and out[0].tokens == ar_greedy[1][0] and st.drafted == 0 and st.steps > 0
+    finally:
+        del table.prefill
+
+
+def test_generators_share_compiled_executables(tiny, ar_greedy):
+    """Generators that differ only in their host drafter call one set of compiled executables:
+    the second compiles nothing, and a device-draft generator cannot join them."""
+    cfg, params = tiny
+    kw = dict(batch_buckets=(1,), k_buckets=(0, 1, 4), slot_buckets=SLOTS)
+    a = SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), **kw)
+    b = SpecGenerator(cfg, params, drafter=ScriptedDrafter(), **kw)
+    b.share_compiled(a)
+    a.warmup(prompt_buckets=(16,), greedy_modes=(True,))
+    n = len(a.backend(SLOTS[0]).table)
+    assert b.warm and b.backend(SLOTS[0]).table is a.backend(SLOTS[0]).table
+    # warm: a shape a did not compile would raise instead of compiling
+    assert b.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)[0].tokens == ar_greedy[1][0]
+    assert len(a.backend(SLOTS[0]).table) == n
+    with pytest.raises(SpecjaxError, match="share_compiled"):
+        SpecGenerator(cfg, params, **_ls(cfg, params, 2), **kw).share_compiled(a)
+
+
 def test_layer_skip_draft_owns_its_params(tiny):
     """A layer-skip draft has a params tree of its own: it shares the target's arrays (no copy)
     until trained, and replacing the draft's arrays (what a distiller does) leaves the target
