@@ -13,7 +13,7 @@ from specjax.errors import SpecjaxError
 from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
                                         expected_len_from_positions, tree_batched_tokens, tree_expected_len)
 from specjax.engine.profiling import row_op_cells
-from specjax.goodput.perf_model import (LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
+from specjax.goodput.perf_model import (CostCalibration, LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
                                         fit_step_model, load_profiled, prefill_table_cells, save_table,
                                         table_cells,
                                         least_squares, load_model, r_squared, save_model)
@@ -597,15 +597,47 @@ def test_draft_prefill_gate():
     for _ in range(3):
         gate.record(2)  # 5/10
     assert gate.speculate()
-    short = DraftPrefillGate(threshold=0.7)
+    short = DraftPrefillGate(threshold=0.7, reopen_after=2)
     for k in (0, 0, 0, 1):
         short.record(k)
+    for _ in range(5):
+        short.record(0, could_draft=False)  # no running request could draft: not evidence
     assert short.speculate() is False  # 3/4 of the recorded steps, however few
+    # A closed gate reopens for one probe after reopen_after refusals in a row.
+    assert [short.speculate() for _ in range(4)] == [False, True, False, False]
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError):
             DraftPrefillGate(threshold=bad)
     DraftPrefillGate(threshold=0.0)
     DraftPrefillGate(threshold=1.0)
+
+
+def test_cost_calibration_corrects_an_underestimating_model():
+    """The fitted line says drafting pays at batch 1; the measured steps say K = 4 costs twice
+    its prediction: after observing them the selector falls back to K = 0. Unmeasured shapes
+    borrow the nearest measured one of their bucket."""
+    cost = _cost(a=0.0, g=1e-3, d=1e-2)
+    pol = GoodputPolicy(cost)
+    _feed(pol, [4], [1], k=4)  # alpha 0.5: l(0.5, 4) = 1.94 tokens for 1.5x the K = 0 time
+    view = BatchView(ctx_lens=[100], bucket=1, k_options=(0, 4))
+    assert pol.choose(view) == 4
+    for _ in range(3):
+        pol.observe_time(view, 0, 1, pol._model_cost(view, 0, 1))  # K = 0 as predicted
+        pol.observe_time(view, 4, 5, 2.0 * pol._model_cost(view, 4, 5))  # K = 4 costs 2x
+    assert pol.calibration.factors() == {(1, 0, 1): pytest.approx(1.0), (1, 4, 5): pytest.approx(2.0)}
+    assert pol.choose(view) == 0
+    cal = CostCalibration(window=3)
+    assert cal.factor((1, 2, 3)) == 1.0  # nothing measured
+    cal.observe((1, 4, 5), 1.0, 2.0)
+    cal.observe((1, 0, 1), 1.0, 1.1)
+    cal.observe((8, 2, 24), 1.0, 0.5)
+    assert cal.factor((1, 2, 3)) == pytest.approx(1.1)  # nearest by tokens in bucket 1: (1, 0, 1) ties (1, 4, 5); smaller K
+    assert cal.factor((1, 8, 9)) == pytest.approx(2.0)
+    assert cal.factor((4, 1, 8)) == 1.0  # no shape of bucket 4 measured
+    for r in (3.0, 100.0, 3.0):
+        cal.observe((1, 4, 5), 1.0, r)
+    assert cal.factor((1, 4, 5)) == pytest.approx(3.0)  # the median of the last 3: one outlier is ignored
+    assert GoodputPolicy(cost, calibrate=False).calibration is None
 
 
 def test_selector_reprobes_after_stale_k0_steps():

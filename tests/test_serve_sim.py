@@ -23,7 +23,7 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     p = run("--mode", "sim", "--scale", "7b", "--rates", "2,16", "--num_requests", "20", "--repeats", "2",
             "--policies", "none,3,smartspec,oracle", "--out_json", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "SmartSpec vs best baseline" in p.stdout and "mean over 2 independent request streams" in p.stdout
+    assert "SmartSpec vs best fixed" in p.stdout and "mean over 2 independent request streams" in p.stdout
     data = json.loads(out.read_text())
     assert len(data["runs"]) == 2 * 2 * 4 and len(data["pooled"]) == 2 * 4
     for row in data["pooled"]:

@@ -263,7 +263,7 @@ class ServingEngine:
         results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
         if self.gate:
-            self.gate.record(k)
+            self.gate.record(k, prop.draft_lens is None or any(d > 0 for d in prop.draft_lens))
         drafted = [res.drafted for res in results]
         accepted = [res.accepted for res in results]
         self.policy.observe(k, drafted, accepted, [r.uid for r in rs])
@@ -280,10 +280,11 @@ class ServingEngine:
             r.out.drafted += res.drafted
             r.out.accepted += res.accepted
         k_step = getattr(be, "last_k_step", k)
-        self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed,
-                                     time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed,
-                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops()),
-                                     getattr(be, "last_tokens", bucket * (k_step + 1))))
+        tokens = getattr(be, "last_tokens", bucket * (k_step + 1))
+        wall = time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed
+        self.policy.observe_time(view, k_step, tokens, wall)
+        self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed, wall,
+                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops()), tokens))
 
 
     def _shadow_verify(self, rs, prop: Proposal, results) -> None:

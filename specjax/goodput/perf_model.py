@@ -14,6 +14,7 @@ The JSON file holds one entry per (model, hardware) key so one file serves sever
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -141,6 +142,42 @@ class StepCostModel:
         d["prefill"] = LinearCost(**d.get("prefill", {}))
         known = {f.name for f in dataclasses.fields(StepCostModel)}
         return StepCostModel(**{k: v for k, v in d.items() if k in known})
+
+
+class CostCalibration:
+    """Online correction of a step-cost model (the way alpha is learnt online): per compiled step
+    shape (batch bucket, K, verified tokens), the median of the last ``window`` ratios of the
+    measured iteration time to the model's prediction. The fitted line is one line through every
+    batch size; measured, the batch-1 verify steps cost 1.2-1.5x what it predicts while the
+    batch-8 ones match, which made the selector draft where drafting does not pay.
+
+    A shape not measured yet borrows the ratio of the nearest measured shape of its bucket (by
+    verified tokens, then K), else 1: an underestimated shape gets tried, measured and corrected;
+    an overestimated one is the cautious error."""
+
+    def __init__(self, window: int = 16):
+        if window < 1:
+            raise ValueError(f"calibration window must be >= 1, got {window}")
+        self.window = window
+        self._ratios: dict[tuple[int, int, int], collections.deque] = {}
+
+    def observe(self, key: tuple[int, int, int], predicted: float, measured: float) -> None:
+        if predicted > 0 and measured > 0 and math.isfinite(measured):
+            self._ratios.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(measured / predicted)
+
+    def factor(self, key: tuple[int, int, int]) -> float:
+        key = tuple(key)
+        xs = self._ratios.get(key)
+        if xs is None:
+            same = [k for k in self._ratios if k[0] == key[0]]
+            if not same:
+                return 1.0
+            xs = self._ratios[min(same, key=lambda k: (abs(k[2] - key[2]), abs(k[1] - key[1]), k))]
+        return float(np.median(xs))
+
+    def factors(self) -> dict[tuple[int, int, int], float]:
+        """Every measured shape's current factor (for reports)."""
+        return {k: float(np.median(v)) for k, v in sorted(self._ratios.items())}
 
 
 def least_squares(X: np.ndarray, y: np.ndarray, nonneg: bool = True) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax.buckets import proposal_bucket
 from specjax.goodput.acceptance import AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len
-from specjax.goodput.perf_model import StepCostModel
+from specjax.goodput.perf_model import CostCalibration, StepCostModel
 
 
 @dataclasses.dataclass
@@ -78,6 +78,10 @@ class Policy:
     def observe(self, k: int, drafted: Sequence[int], accepted: Sequence[int], request_ids=()) -> None:
         """Feedback after the verify step (Algorithm 2 line 13-14)."""
 
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
+        """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
+        and the seconds the whole iteration took, what the policy's cost estimate predicts."""
+
     def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
         """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
         chosen, or None: every request gets up to k."""
@@ -113,7 +117,8 @@ class GoodputPolicy(Policy):
 
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
-                 name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False):
+                 name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False,
+                 calibrate: bool = True):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
         self.cost = cost
@@ -138,6 +143,8 @@ class GoodputPolicy(Policy):
         # the moving average of accepted / predicted accepted drafts scales every prediction.
         self.score_calibration = MovingAverage(window, 1.0)
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
+        # The cost model is calibrated online too: measured / predicted per compiled step shape.
+        self.calibration = CostCalibration(window) if calibrate else None
 
     def row_expected(self, view: BatchView, kmax: int) -> list[np.ndarray]:
         """Per request, its expected generated tokens (bonus included) with m = 0 .. cap drafts,
@@ -176,15 +183,36 @@ class GoodputPolicy(Policy):
 
     def step_cost(self, view: BatchView, k_step: int, n_tokens: int | None = None) -> float:
         """Predicted time of a step that runs block k_step with ``n_tokens`` real tokens (packed
-        into the smallest compiled size holding them, where the backend has one)."""
-        P = 0
+        into the smallest compiled size holding them, where the backend has one), calibrated by
+        what this shape measured so far."""
+        tokens = self._step_tokens(view, k_step, n_tokens)
+        t = self._model_cost(view, k_step, tokens)
+        if self.calibration is not None:
+            t *= self.calibration.factor((view.bucket, k_step, tokens))
+        return t
+
+    @staticmethod
+    def _step_tokens(view: BatchView, k_step: int, n_tokens: int | None) -> int:
+        """The verify rows a step of block k_step runs: the smallest packed size holding
+        ``n_tokens``, else the whole bucket x (k_step + 1) block."""
         if n_tokens is not None and k_step > 0:
             P = next((t for t in view.token_options.get(k_step, ()) if t >= n_tokens), 0)
+            if P:
+                return P
+        return view.bucket * (k_step + 1)
+
+    def _model_cost(self, view: BatchView, k_step: int, tokens: int) -> float:
+        """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated."""
+        packed = tokens if tokens != view.bucket * (k_step + 1) else None
         if view.drafted_ahead:
             # The drafts are made (Algorithm 3): their cost is spent whatever K, only the verify varies.
             return (self.cost.draft_time(view.bucket, view.drafted_ahead, view.ctx_lens)
-                    + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=P or None))
-        return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=P or None)
+                    + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
+        return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
+
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
+        if self.calibration is not None:
+            self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
     def goodput(self, view: BatchView, k: int) -> float:
         """Algorithm 1: generated length / batch execution time."""
@@ -286,18 +314,33 @@ def _allocate(rows: Sequence[np.ndarray], budget: int) -> list[int]:
 class DraftPrefillGate:
     """Prefill disabling (seed 000 §5): a new request skips the draft model's prefill, and is
     served without speculation for its whole life, when more than ``threshold`` of the last
-    ``window`` steps proposed nothing."""
+    ``window`` steps in which some request could draft proposed nothing.
 
-    def __init__(self, threshold: float = 0.7, window: int = 32):
+    Steps where no running request could draft (all admitted without their draft) are not
+    counted: they say nothing about whether drafting pays, and counting them kept a closed gate
+    closed for good. After ``reopen_after`` refusals in a row one request is admitted with its
+    draft anyway, a probe whose steps tell the policy (and the gate) whether drafting pays now."""
+
+    def __init__(self, threshold: float = 0.7, window: int = 32, reopen_after: int = 8):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"prefill-disable threshold must be in [0, 1], got {threshold}")
+        if reopen_after < 1:
+            raise ValueError(f"reopen_after must be >= 1, got {reopen_after}")
         self.threshold = threshold
+        self.reopen_after = reopen_after
         self._ks: collections.deque = collections.deque(maxlen=window)
+        self._refused = 0
 
-    def record(self, k: int) -> None:
-        self._ks.append(int(k))
+    def record(self, k: int, could_draft: bool = True) -> None:
+        if could_draft:
+            self._ks.append(int(k))
 
     def speculate(self) -> bool:
-        if not self._ks:
+        if not self._ks or sum(k == 0 for k in self._ks) / len(self._ks) <= self.threshold:
+            self._refused = 0
             return True
-        return sum(k == 0 for k in self._ks) / len(self._ks) <= self.threshold
+        self._refused += 1
+        if self._refused > self.reopen_after:
+            self._refused = 0
+            return True
+        return False
