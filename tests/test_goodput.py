@@ -571,6 +571,33 @@ def test_selector_confidence_estimator():
     assert pol.expected_tokens(view, 5) == 3 + 2 + 0 + 5
 
 
+def test_confidence_policy_gates_its_draft_call():
+    """The draft call's first forward is spent whatever K: no draft call while the moving
+    average says no K pays, and none for reprobe_after steps after window/4 draft calls in a row
+    that all chose K = 0; the stale-estimate re-probe opens it again."""
+    cost = StepCostModel(target=LinearCost(0.0, 1e-4, 1e-2), draft=LinearCost(0.0, 1e-4, 1e-3), context_mode="sum")
+    pol = GoodputPolicy(cost, estimator="confidence", threshold=0.5, window=8, reprobe_after=6)
+    assert pol.draft_threshold == 0.5  # prior alpha 0.5: drafting may pay
+    sure = np.full((2, 4), 0.9)
+    view = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1, 2, 4), confidences=sure, drafted_ahead=4)
+    assert pol.choose(view) > 0 and pol.draft_threshold == 0.5
+    pol.observe(4, [4, 4], [0, 0])  # nothing accepted: the moving average says K = 0
+    pol.choose(view)
+    assert pol.draft_threshold is None
+    plain = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1, 2, 4), draft_lens=[4, 4])
+    for _ in range(6):  # K = 0 steps without a draft call, until the stale estimate is reset
+        assert pol.choose(plain) == 0 and pol.draft_threshold is None
+        pol.observe(0, [0, 0], [0, 0])
+    pol.choose(plain)
+    assert pol.draft_threshold == 0.5  # prior again: the next step drafts ahead (a probe)
+    # Draft calls whose confidences never pass the threshold: closed after window / 4 = 2 of them.
+    unsure = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1, 2, 4), confidences=np.full((2, 4), 0.1),
+                       drafted_ahead=1)
+    assert pol.choose(unsure) == 0 and pol.draft_threshold == 0.5
+    assert pol.choose(unsure) == 0 and pol.draft_threshold is None
+    assert GoodputPolicy(cost).draft_threshold is None  # moving average: drafts inside the step
+
+
 def test_fixed_k_and_bad_estimator():
     view = BatchView(ctx_lens=[1, 2], bucket=2, k_options=(0, 1, 3, 5))
     assert FixedK(3).choose(view) == 3

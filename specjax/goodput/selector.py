@@ -125,8 +125,11 @@ class GoodputPolicy(Policy):
         self.estimator = estimator
         self.acc = AcceptanceEstimator(window, prior_alpha, per_request)
         self.threshold = threshold
-        if estimator == "confidence":
-            self.draft_threshold = float(threshold)
+        # Confidence policy: whether the next step drafts ahead (see draft_threshold); draft
+        # calls in a row that ended in K = 0 (their first forward wasted), and the step count
+        # before which no draft call is made after too many of them.
+        self._draft_ahead = True
+        self._steps = self._ahead_wasted = self._closed_until = 0
         self.reprobe_after = reprobe_after if reprobe_after is not None else 4 * window
         self.name = name or {"moving_average": "SmartSpec", "confidence": "SmartSpec-conf",
                              "oracle": "oracle"}[estimator]
@@ -145,6 +148,18 @@ class GoodputPolicy(Policy):
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
+
+    @property
+    def draft_threshold(self) -> float | None:
+        """Confidence policy (Algorithm 3): the cut for the next step's draft call, or None when
+        the moving-average estimate says no K > 0 pays on the last batch: the draft call's first
+        forward is spent whatever K is then chosen, so with a draft that is rarely accepted every
+        step would pay it for nothing. Such steps choose K from the moving average (the fused
+        step drafts inside, if any K pays); the stale-estimate re-probe (``observe``) reopens
+        the draft call about once per ``reprobe_after`` steps."""
+        if self.estimator == "confidence" and self._draft_ahead:
+            return float(self.threshold)
+        return None
 
     def row_expected(self, view: BatchView, kmax: int) -> list[np.ndarray]:
         """Per request, its expected generated tokens (bonus included) with m = 0 .. cap drafts,
@@ -232,7 +247,23 @@ class GoodputPolicy(Policy):
         self._row_k = None
         if self.per_request_k and view.n > 1 and len(view.request_ids) == view.n:
             best_k = self._choose_per_request(view, best_k)
+        if self.estimator == "confidence":
+            self._gate_draft_call(view, best_k)
         return best_k
+
+    def _gate_draft_call(self, view: BatchView, best_k: int) -> None:
+        """Draft ahead next step only where a moving-average choice with the drafts made inside
+        the step (nothing sunk yet) would speculate, and not for ``reprobe_after`` steps after
+        ``window / 4`` draft calls in a row whose confidences all said K = 0 (a draft that is
+        confident too rarely: alpha is never observed then, so the moving average cannot say)."""
+        self._steps += 1
+        if view.confidences is not None:
+            self._ahead_wasted = self._ahead_wasted + 1 if best_k == 0 else 0
+            if self._ahead_wasted >= max(2, self.acc.window // 4):
+                self._closed_until, self._ahead_wasted = self._steps + self.reprobe_after, 0
+        ma = dataclasses.replace(view, confidences=None, drafted_ahead=0)
+        ma_best = max(ma.k_options, key=lambda k: (self.goodput(ma, k), -k))
+        self._draft_ahead = self._steps >= self._closed_until and ma_best > 0
 
     def _choose_per_request(self, view: BatchView, best_k: int) -> int:
         """Request-level K: for each token budget (a packed size or a full block), give the
