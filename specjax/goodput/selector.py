@@ -261,8 +261,12 @@ class GoodputPolicy(Policy):
             self._ahead_wasted = self._ahead_wasted + 1 if best_k == 0 else 0
             if self._ahead_wasted >= max(2, self.acc.window // 4):
                 self._closed_until, self._ahead_wasted = self._steps + self.reprobe_after, 0
-        ma = dataclasses.replace(view, confidences=None, drafted_ahead=0)
-        ma_best = max(ma.k_options, key=lambda k: (self.goodput(ma, k), -k))
+        if view.confidences is None and not view.drafted_ahead:
+            gps = self.last_goodputs  # this step already chose from the moving average
+        else:
+            ma = dataclasses.replace(view, confidences=None, drafted_ahead=0)
+            gps = {k: self.goodput(ma, k) for k in view.k_options}
+        ma_best = max(gps, key=lambda k: (gps[k], -k))
         self._draft_ahead = self._steps >= self._closed_until and ma_best > 0
 
     def _choose_per_request(self, view: BatchView, best_k: int) -> int:
