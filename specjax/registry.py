@@ -276,8 +276,11 @@ def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold
         return FixedK(0)
     if name in GOODPUT_POLICIES:
         estimator = {"smartspec-conf": "confidence", "oracle": "oracle"}.get(name, "moving_average")
-        req = name == "smartspec-req"  # per-request alphas and draft counts
-        return GoodputPolicy(cost, estimator, window=window, threshold=threshold, per_request=req, per_request_k=req)
+        # Alphas per request (each falls back to the global one until it has its own observations):
+        # one average over every request follows a batch-1 stream's prompt-to-prompt swings too
+        # slowly. smartspec-req also sets draft counts per request.
+        return GoodputPolicy(cost, estimator, window=window, threshold=threshold, per_request=name != "oracle",
+                             per_request_k=name == "smartspec-req")
     try:
         k = int(name)
     except ValueError:

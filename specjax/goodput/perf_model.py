@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import statistics
 from typing import Sequence
 
 import numpy as np
@@ -160,20 +161,25 @@ class CostCalibration:
             raise ValueError(f"calibration window must be >= 1, got {window}")
         self.window = window
         self._ratios: dict[tuple[int, int, int], collections.deque] = {}
+        # Factors looked up since the last observation (the selector asks for every compiled K
+        # each step; a median per lookup was most of its host time).
+        self._cache: dict[tuple[int, int, int], float] = {}
 
     def observe(self, key: tuple[int, int, int], predicted: float, measured: float) -> None:
         if predicted > 0 and measured > 0 and math.isfinite(measured):
             self._ratios.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(measured / predicted)
+            self._cache.clear()
 
     def factor(self, key: tuple[int, int, int]) -> float:
         key = tuple(key)
-        xs = self._ratios.get(key)
-        if xs is None:
-            same = [k for k in self._ratios if k[0] == key[0]]
-            if not same:
-                return 1.0
-            xs = self._ratios[min(same, key=lambda k: (abs(k[2] - key[2]), abs(k[1] - key[1]), k))]
-        return float(np.median(xs))
+        f = self._cache.get(key)
+        if f is None:
+            xs = self._ratios.get(key)
+            if xs is None:
+                same = [k for k in self._ratios if k[0] == key[0]]
+                xs = self._ratios[min(same, key=lambda k: (abs(k[2] - key[2]), abs(k[1] - key[1]), k))] if same else [1.0]
+            f = self._cache[key] = float(statistics.median(xs))
+        return f
 
     def factors(self) -> dict[tuple[int, int, int], float]:
         """Every measured shape's current factor (for reports)."""

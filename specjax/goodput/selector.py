@@ -190,11 +190,14 @@ class GoodputPolicy(Policy):
         rho = self.acc.rho.value  # device drafters always propose (rho = 1 once observed)
         return [np.array([1.0 + rho * (expected_len(a, int(j)) - 1.0) for j in m]) for a, m in zip(alphas, ms)]
 
-    def expected_tokens(self, view: BatchView, k: int) -> float:
-        """Expected generated tokens of the batch with K drafts (bonus tokens included)."""
+    def expected_tokens(self, view: BatchView, k: int, rows: list[np.ndarray] | None = None) -> float:
+        """Expected generated tokens of the batch with K drafts (bonus tokens included); ``rows``:
+        row_expected(view, kmax) for some kmax >= k, computed once for every K of a step."""
         if k == 0 or view.n == 0:
             return float(view.n)
-        return float(sum(e[-1] for e in self.row_expected(view, k)))
+        if rows is None:
+            rows = self.row_expected(view, k)
+        return float(sum(e[min(k, len(e) - 1)] for e in rows))
 
     def step_cost(self, view: BatchView, k_step: int, n_tokens: int | None = None) -> float:
         """Predicted time of a step that runs block k_step with ``n_tokens`` real tokens (packed
@@ -229,20 +232,21 @@ class GoodputPolicy(Policy):
         if self.calibration is not None:
             self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
-    def goodput(self, view: BatchView, k: int) -> float:
-        """Algorithm 1: generated length / batch execution time."""
+    def goodput(self, view: BatchView, k: int, rows: list[np.ndarray] | None = None) -> float:
+        """Algorithm 1: generated length / batch execution time (``rows``: see expected_tokens)."""
         if k == 0 or view.n == 0:
             return view.n / max(self.step_cost(view, 0), 1e-12)
         drafts = np.minimum(np.asarray(view.draft_lens), k) if view.draft_lens is not None else np.full(view.n, k)
         # The block shrinks to the smallest compiled K holding the longest draft.
         k_step = proposal_bucket(view.k_options, int(drafts.max(initial=0)))
         t = self.step_cost(view, k_step, int(view.n + drafts.sum()))
-        return self.expected_tokens(view, k) / max(t, 1e-12)
+        return self.expected_tokens(view, k, rows) / max(t, 1e-12)
 
     def choose(self, view: BatchView) -> int:
         if view.draft_scores is not None and len(view.request_ids):
             self._scores = {r: sc for r, sc in zip(view.request_ids, view.draft_scores) if sc is not None}
-        self.last_goodputs = {k: self.goodput(view, k) for k in view.k_options}
+        rows = self.row_expected(view, max(view.k_options)) if view.n else None
+        self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
         best_k = max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
         self._row_k = None
         if self.per_request_k and view.n > 1 and len(view.request_ids) == view.n:
