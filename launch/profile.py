@@ -2,9 +2,14 @@
 
   python launch/profile.py --out perf_models.json                        # SmolLM2, prompt lookup + layer skip
   python launch/profile.py --drafters prompt_lookup --batch_buckets 1,2,4 --plot docs/perf_fit.png
+  python launch/profile.py --model target.gguf --drafters draft_model --draft_model draft.gguf
+
+Host drafters (prompt lookup, suffix, hybrid) are costed with the target-only model, profiled
+under the name prompt_lookup; a device drafter (layer_skip, draft_model) adds its draft's
+forwards, profiled under its own name (the layer count, the draft model's name).
 
 For every batch bucket x context length x compiled K it times real engine steps (the target's
-verify of a K + 1 block; with ``layer_skip`` also the draft's K forwards), fits
+verify of a K + 1 block; with a device drafter also the draft's K forwards), fits
 
     T_fwd = a * N_context + g * N_batched + d     (per model: target and draft)
 
@@ -29,7 +34,7 @@ from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry  # noqa: E402
 
-from specjax.registry import drafter_label, make_backend  # noqa: E402
+from specjax.registry import make_backend  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -47,9 +52,10 @@ CALIBRATION_PROMPTS = [
 
 def define_flags() -> None:
     flags.DEFINE_string("model", "smollm2-135m", "Target model (name in configs/, .gguf file or HF dir).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup (target-only model; "
-                        "host drafting) and/or layer_skip (adds the draft model's coefficients).")
-    flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the target's first N layers.")
+    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup (the target-only model "
+                        "every host drafter uses; its uncalibrated fit is always saved) and device drafters (layer_skip, draft_model: add "
+                        "the draft's coefficients).")
+    cli.define_device_draft_flags()
     flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets (the engine's KV rows = the largest).")
     flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
     flags.DEFINE_integer("slots", 512, "KV slots per request row.")
@@ -99,8 +105,12 @@ def run():
 
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
     for d in drafters:
-        if d not in ("prompt_lookup", "layer_skip"):
-            raise SpecjaxError(f"--drafters: {d!r} is not profiled here (use prompt_lookup and/or layer_skip)")
+        if d not in ("prompt_lookup",) + registry.DEVICE_DRAFTERS:
+            hint = " (host drafters use the prompt_lookup model)" if d in registry.SPEC_DRAFTERS else ""
+            raise SpecjaxError(f"--drafters: {d!r} is not profiled here{hint}; use prompt_lookup, "
+                               + ", ".join(registry.DEVICE_DRAFTERS))
+    cli.check_device_draft_flags(drafters)
+    devs = [d for d in drafters if d in registry.DEVICE_DRAFTERS]
     ks, bbs = registry.number_list("k_buckets", FLAGS.k_buckets, minimum=0), registry.number_list("batch_buckets", FLAGS.batch_buckets, minimum=0)
     if 0 not in ks:
         raise SpecjaxError("--k_buckets must include 0")
@@ -112,8 +122,7 @@ def run():
         raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
     if min(bbs) < 1:
         raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
-    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("draft_layers", 1),
-                     ("slots", 16), ("seed", 0)):
+    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("slots", 16), ("seed", 0)):
         cli.check_range(name, lo)
     model = load_model(FLAGS.model)
     hw = hardware_key()
@@ -133,22 +142,24 @@ def run():
     row_ops = {"prompt_lookup": profile_row_ops(tgt_be)}
     fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
     _save(model, hw, "prompt_lookup", fits["prompt_lookup"], bbs, ks, contexts)  # before the (long) rest
-    ls_be = None
-    if "layer_skip" in drafters:
-        ls_be = make_backend(model, "layer_skip", draft_layers=FLAGS.draft_layers, **geom)
-        ls_be.warmup(prompt_lens=warm_lens, progress=True)
-        with tqdm(total=cells, desc="layer-skip steps", disable=None) as bar:
-            dr = profile_steps(ls_be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
-        pre_ls = profile_prefills(ls_be, bbs, plens)
-        row_ops["layer_skip"] = profile_row_ops(ls_be)  # its state holds the draft's cache too
-        fits["layer_skip"] = fit_profile(tgt, dr, pre_ls, base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
-        _save(model, hw, "layer_skip", fits["layer_skip"], bbs, ks, contexts)
+    dev_be, dev_pre = {}, {}
+    for d in devs:
+        be = dev_be[d] = make_backend(model, d, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model,
+                                      **geom)
+        be.warmup(prompt_lens=warm_lens, progress=True)
+        with tqdm(total=cells, desc=f"{d} steps", disable=None) as bar:
+            dr = profile_steps(be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
+        dev_pre[d] = profile_prefills(be, bbs, plens)
+        row_ops[d] = profile_row_ops(be)  # its state holds the draft's cache too
+        fits[d] = fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
+        _save(model, hw, d, fits[d], bbs, ks, contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
+        recs = {"target": tgt, "prefill": pre, "row_ops": row_ops}
+        for d in devs:
+            recs[d], recs[f"prefill_{d}"] = fits[d][3], dev_pre[d]
         with open(FLAGS.records_out, "w") as f:
-            json.dump({"target": tgt, "layer_skip": fits.get("layer_skip", (None, None, None, []))[3],
-                       "prefill": pre, "prefill_layer_skip": pre_ls if ls_be is not None else [],
-                       "row_ops": row_ops}, f)
+            json.dump(recs, f)
 
     for d in drafters:
         m, rep, tg, dr = fits[d]
@@ -157,7 +168,7 @@ def run():
                 be = make_backend(model, d, **geom)
                 be.table = tgt_be.table  # same compiled executables; only the drafter differs
             else:
-                be = ls_be
+                be = dev_be[d]
             steps = []
             for k in sorted({0, min(2, max(ks)), max(ks)}):
                 be.reset()
@@ -171,15 +182,15 @@ def run():
         table = ProfiledCost(m, table_cells([r for r in tg if d == "prompt_lookup" or r["K"] == 0] + dr,
                                             m.chunk), row_op_cells(row_ops[d]),
                              # a device drafter's request admitted without its draft prefills the target only
-                             prefill_plain=fits["prompt_lookup"][0].prefill if d == "layer_skip" else None,
+                             prefill_plain=fits["prompt_lookup"][0].prefill if d in dev_be else None,
                              prefill_cells=prefill_table_cells(pre, False)
-                             + (prefill_table_cells(pre_ls, True) if d == "layer_skip" else ()))
+                             + (prefill_table_cells(dev_pre[d], True) if d in dev_be else ()))
         if cal_reqs:
             table, tcal = calibrate_host(steps, table, FLAGS.seed)
             rep.update({f"table_{k}": v for k, v in tcal.items() if k != "calibration_steps"})
         key = _save(model, hw, d, (m, rep), bbs, ks, contexts)
         save_table(FLAGS.out, key, table)
-        label = drafter_label(d, FLAGS.draft_layers)
+        label = cli.perf_model_label_from_flags(d)
         print(f"\n{key}")
         print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")
         if m.draft:
@@ -198,7 +209,7 @@ def _save(model, hw, drafter, fit, bbs, ks, contexts) -> str:
     from specjax.goodput.perf_model import model_key, save_model
 
     m, rep = fit[0], fit[1]
-    key = model_key(model.cfg.name, drafter_label(drafter, FLAGS.draft_layers), hw)
+    key = model_key(model.cfg.name, cli.perf_model_label_from_flags(drafter), hw)
     meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     save_model(FLAGS.out, key, m, meta)
@@ -212,7 +223,7 @@ def _plot(path, m, tgt, dr, label):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    for recs, dev, color, name in ((tgt, False, "tab:blue", "target verify"), (dr, True, "tab:orange", "layer-skip")):
+    for recs, dev, color, name in ((tgt, False, "tab:blue", "target verify"), (dr, True, "tab:orange", label)):
         if not recs:
             continue
         meas = [r["t"] * 1e3 for r in recs]

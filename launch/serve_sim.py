@@ -65,7 +65,7 @@ def define_flags() -> None:
     flags.DEFINE_string("model", "smollm2-135m", "Target model (real mode).")
     flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list of drafters (every drafter of "
                         "launch/generate.py; suffix/hybrid run token trees, K = the node budget).")
-    flags.DEFINE_integer("draft_layers", 8, "layer_skip: draft with the first N layers.")
+    cli.define_device_draft_flags()
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
                        "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
     cli.define_confidence_flag()
@@ -173,7 +173,7 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
     from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
 
-    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, **geom,
+    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model, **geom,
                       **registry.backend_options(policies))
     t0 = time.perf_counter()
     be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
@@ -319,13 +319,14 @@ def run():
 
     from specjax.models.loader import load_model
 
-    model = load_model(FLAGS.model)
-    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
-    hw = hardware_key()
     drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
     for d in drafters:
         if d not in registry.SPEC_DRAFTERS:
             raise SpecjaxError(f"--drafters: unknown {d!r} ({', '.join(registry.SPEC_DRAFTERS)})")
+    cli.check_device_draft_flags(drafters)
+    model = load_model(FLAGS.model)
+    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
+    hw = hardware_key()
     for p in policies:
         if registry.backend_options([p])["draft_first"] and set(drafters) - set(registry.DEVICE_DRAFTERS):
             raise SpecjaxError("policy smartspec-conf (confidence-based proposal) needs device drafters "
@@ -334,7 +335,7 @@ def run():
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
     perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
     for d in drafters:
-        key = model_key(model.cfg.name, registry.perf_model_label(d, FLAGS.draft_layers), hw)
+        key = model_key(model.cfg.name, cli.perf_model_label_from_flags(d), hw)
         cost = load_perf(perf_path, key)
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
         if FLAGS.sim_cost == "table" and not sim_cost.cells:

@@ -20,10 +20,7 @@ def define_spec_flags(num_spec_tokens: int = 4, k_buckets: str = "0,1,2,4,8") ->
     flags.DEFINE_integer("num_spec_tokens", num_spec_tokens, "K: draft tokens per speculative step (one of "
                          "--k_buckets; the fixed K of a fixed-K policy).")
     flags.DEFINE_string("k_buckets", k_buckets, "Comma list of precompiled K values (must include 0).")
-    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
-                        "(must share the target's vocabulary).")
-    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
-                         "(1..num_layers-1).")
+    define_device_draft_flags()
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
@@ -38,6 +35,30 @@ def define_spec_flags(num_spec_tokens: int = 4, k_buckets: str = "0,1,2,4,8") ->
     flags.DEFINE_float("suffix_cache_mb", 1024.0, "suffix/hybrid: memory bound of the global tree (MiB).")
     flags.DEFINE_string("suffix_history_jsonl", None, "suffix/hybrid: JSONL of past outputs to preload the global "
                         "tree (each line has 'output_ids' (token ids) or 'output' (text)).")
+
+
+def define_device_draft_flags() -> None:
+    """What a device drafter drafts with (every script that can run one)."""
+    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
+                        "(must share the target's vocabulary).")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
+                         "(1..num_layers-1).")
+
+
+def check_device_draft_flags(drafters) -> None:
+    """--draft_model is given exactly when a draft_model drafter runs (before the slow load)."""
+    from specjax.errors import SpecjaxError
+
+    if FLAGS.draft_model and "draft_model" not in drafters:
+        raise SpecjaxError("--draft_model is only used with --drafter draft_model")
+    if "draft_model" in drafters and not FLAGS.draft_model:
+        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    if "layer_skip" in drafters and FLAGS.draft_layers < 1:
+        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+
+
+def perf_model_label_from_flags(drafter: str) -> str:
+    return registry.perf_model_label(drafter, FLAGS.draft_layers, FLAGS.draft_model)
 
 
 def suffix_config_from_flags(k: int):
@@ -87,10 +108,7 @@ def validate_spec_flags(drafters) -> tuple[int, ...] | None:
     bad = [d for d in drafters if d not in registry.SPEC_DRAFTERS]
     if bad:
         raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(registry.SPEC_DRAFTERS)}")
-    if FLAGS.draft_model and "draft_model" not in drafters:
-        raise SpecjaxError("--draft_model is only used with --drafter draft_model")
-    if "draft_model" in drafters and not FLAGS.draft_model:
-        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    check_device_draft_flags(drafters)
     suffix = set(drafters) & set(registry.SUFFIX_DRAFTERS)
     if FLAGS.suffix_history_jsonl and not suffix:
         raise SpecjaxError("--suffix_history_jsonl is only used with --drafter suffix, suffix_path or hybrid")
@@ -108,8 +126,6 @@ def validate_spec_flags(drafters) -> tuple[int, ...] | None:
         suffix_config_from_flags(FLAGS.num_spec_tokens)
         if FLAGS.suffix_tau < 0:
             raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
-    if "layer_skip" in drafters and FLAGS.draft_layers < 1:
-        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
     return k_buckets
 
 
@@ -157,7 +173,8 @@ def policy_from_flags(model, drafter: str, policy: str | None = None):
     import sys
 
     pol, label, note = registry.make_policy(policy if policy is not None else FLAGS.policy, model.cfg.name, drafter,
-                                            draft_layers=FLAGS.draft_layers, fallback_k=FLAGS.num_spec_tokens,
+                                            draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model,
+                                            fallback_k=FLAGS.num_spec_tokens,
                                             perf_models=FLAGS.perf_models, threshold=FLAGS.confidence_threshold)
     if note:
         print(f"note: {note}", file=sys.stderr)

@@ -205,15 +205,29 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
                       fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed, **parts)
 
 
-def drafter_label(drafter: str, draft_layers: int) -> str:
-    return f"layer_skip{draft_layers}" if drafter == "layer_skip" else drafter
+def model_name(spec: str) -> str:
+    """The name a model spec loads under (LoadedModel.cfg.name): a config name as is, a .gguf
+    file or HF directory by its base name."""
+    import os
+
+    return os.path.basename(os.path.normpath(spec)) if (spec.endswith(".gguf") or os.path.isdir(spec)) else spec
 
 
-def perf_model_label(drafter: str, draft_layers: int) -> str:
+def drafter_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
+    """A drafter with what tells its device drafts apart: the layer count of a layer-skip draft,
+    the model of an independent draft model."""
+    if drafter == "layer_skip":
+        return f"layer_skip{draft_layers}"
+    if drafter == "draft_model" and draft_model:
+        return f"draft_model:{model_name(draft_model)}"
+    return drafter
+
+
+def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
     """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
     suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
     which launch/profile.py fits under the name prompt_lookup."""
-    return drafter_label(drafter, draft_layers) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
+    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
 
 
 POLICY_HELP = ("auto, smartspec, smartspec-req (per-request draft counts), smartspec-conf (confidence-based "
@@ -290,8 +304,8 @@ def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold
     return FixedK(k)
 
 
-def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int = 8, fallback_k: int = 4,
-                perf_models: str | None = None, threshold: float = 0.5):
+def make_policy(policy: str, target_name: str, drafter: str, *, draft_layers: int = 8, draft_model: str | None = None,
+                fallback_k: int = 4, perf_models: str | None = None, threshold: float = 0.5):
     """(policy object, label, note or None) for ``policy`` (see check_policy). ``note`` says when
     ``auto`` fell back to a fixed K because no performance model matches this model, drafter and
     hardware (make one with launch/profile.py)."""
@@ -304,7 +318,7 @@ def make_policy(policy: str, model_name: str, drafter: str, *, draft_layers: int
     if pol not in ("auto",) + GOODPUT_POLICIES[:-1]:
         return policy_for(pol), f"K={int(pol)}", None
     path = perf_models or default_perf_models()
-    key = model_key(model_name, perf_model_label(drafter, draft_layers), hardware_key())
+    key = model_key(target_name, perf_model_label(drafter, draft_layers, draft_model), hardware_key())
     try:
         cost = load_perf(path, key)
     except SpecjaxError:

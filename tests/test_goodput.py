@@ -320,6 +320,28 @@ def test_save_load_round_trip(tmp_path):
     assert load_model(path, "tiny|pld|cpu:cpu") == m2
 
 
+def test_registry_policies_are_keyed_by_their_device_draft(tmp_path):
+    """Each device draft gets its own performance model (the layer count, the draft model's
+    name); host drafters share the target-only one. Every named SmartSpec policy keeps alphas
+    per request; only smartspec-req also sets per-request draft counts."""
+    from specjax import registry
+    from specjax.goodput.perf_model import hardware_key, model_key
+
+    assert registry.perf_model_label("hybrid") == registry.perf_model_label("suffix") == "prompt_lookup"
+    assert registry.perf_model_label("layer_skip", 12) == "layer_skip12"
+    assert registry.perf_model_label("draft_model", draft_model="/w/coder-0.5b.gguf") == "draft_model:coder-0.5b.gguf"
+    assert registry.model_name("smollm2-135m") == "smollm2-135m"
+    path = str(tmp_path / "perf.json")
+    save_model(path, "other", StepCostModel(target=LinearCost()))
+    pol, label, note = registry.make_policy("auto", "t.gguf", "draft_model", draft_model="/w/d.gguf", perf_models=path)
+    assert isinstance(pol, FixedK) and "t.gguf|draft_model:d.gguf|" in note
+    save_model(path, model_key("t.gguf", "draft_model:d.gguf", hardware_key()), StepCostModel(target=LinearCost()))
+    for name, req_k in (("auto", False), ("smartspec", False), ("smartspec-req", True)):
+        pol, label, note = registry.make_policy(name, "t.gguf", "draft_model", draft_model="/w/d.gguf",
+                                                perf_models=path)
+        assert note is None and pol.acc.per_request and pol.per_request_k == req_k
+
+
 def test_load_model_errors(tmp_path):
     missing = str(tmp_path / "nope.json")
     with pytest.raises(SpecjaxError, match="does not exist"):

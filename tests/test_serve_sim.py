@@ -45,6 +45,8 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--speed_probe"], "use it with --mode real or both"),
     (["--sim_alpha", "1.5"], "--sim_alpha must be in [0, 1]"),
     (["--prefill_disable", "nan"], "--prefill_disable must be a finite number"),
+    (["--mode", "real", "--scale", "", "--drafters", "draft_model"], "needs --draft_model"),
+    (["--mode", "real", "--scale", "", "--drafters", "layer_skip", "--draft_model", "x.gguf"], "only used with"),
 ])
 def test_flag_errors_are_one_line(args, msg):
     p = run("--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args)
