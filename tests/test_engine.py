@@ -125,6 +125,8 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
         assert calls and any(s.k > 0 for s in eng.steps)
     else:
         assert not calls
+    if (drafter, policy) == ("prompt_lookup", "smartspec"):  # acceptance learnt per n-gram length
+        assert pol.acc._cls and set(pol.acc._cls) <= {1, 2, 3}
 
 
 def test_confidence_draft_call_matches_the_fused_step(tiny, backends):

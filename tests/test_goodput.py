@@ -180,6 +180,27 @@ def test_acceptance_estimator_per_request():
     assert est.request_alpha("a") == est.alpha.value
 
 
+def test_acceptance_per_draft_class_outranks_the_request():
+    """Prompt lookup's n-gram length (a draft class) predicts acceptance better than the
+    request: a class with its own observations decides; an unseen class falls back."""
+    est = AcceptanceEstimator(window=8, prior_alpha=0.5, per_request=True, min_request_obs=2)
+    for _ in range(2):
+        est.observe([2, 2], [2, 0], offered=2, request_ids=["a", "a"], classes=[3, 1])
+    assert est.request_alpha("a", 3) == pytest.approx(1.0) and est.request_alpha("a", 1) == pytest.approx(0.0)
+    assert est.request_alpha("a", 2) == est.request_alpha("a") == pytest.approx(0.5)  # unseen class: the request
+    # The policy verifies the 3-gram match's drafts and not the 1-gram one's, on the same request.
+    pol = GoodputPolicy(_cost(g=1e-3, d=3e-3), per_request=True)
+    for _ in range(4):
+        pol.choose(BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 2), request_ids=["x", "y"],
+                             draft_lens=[2, 2], draft_classes=[3, 1]))
+        pol.observe(2, [2, 2], [2, 0], ["x", "y"])  # classes: those of the choice
+    view = lambda c: BatchView(ctx_lens=[10], bucket=1, k_options=(0, 2), request_ids=["z"], draft_lens=[2],
+                               draft_classes=[c])
+    assert pol.choose(view(3)) == 2 and pol.choose(view(1)) == 0
+    pol.observe(2, [2], [0], ["z"], classes=[3])  # a shadow-verified older proposal names its own class
+    assert len(pol.acc._cls[3]) == 5
+
+
 def test_confidence_lengths():
     nan = np.nan
     conf = np.array([[0.9, 0.8, 0.1, 0.9],

@@ -28,6 +28,17 @@ def ref_propose(history, k, cfg):
     return []
 
 
+def ref_class(history, k, cfg):
+    """The n-gram length ref_propose matched (None: no proposal)."""
+    if min(k, cfg.max_draft) <= 0:
+        return None
+    L = len(history)
+    for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
+        if L >= n and any(history[end - n : end] == history[L - n :] for end in range(L - 1, n - 1, -1)):
+            return n
+    return None
+
+
 def _propose(d, row, k):
     out = d.propose(row, k)
     assert out.dtype == np.int32 and out.ndim == 1
@@ -54,7 +65,7 @@ def test_matches_bruteforce(min_n, max_n, max_draft, alphabet):
             k = int(rng.integers(0, max_draft + 4))
             got, want = _propose(d, row, k), ref_propose(history, k, cfg)
             calls += 1
-            mismatches += got != want
+            mismatches += got != want or d.draft_class(row) != ref_class(history, k, cfg)
             nonempty += bool(got)
             chunk = rng.integers(0, alphabet, size=int(rng.integers(0, 6))).tolist()
             d.extend(row, chunk)

@@ -293,8 +293,11 @@ class JaxBackend:
             lens.append(len(d))
         drafts = [self._drafts[r.uid] for r in rs]
         scores = [d.probs if isinstance(d, tree.DraftTree) else None for d in drafts]
+        cls_of = getattr(self.drafter, "draft_class", None)
+        classes = [cls_of(r.uid) if n else None for r, n in zip(rs, lens)] if cls_of and k_max > 0 else []
         return Proposal(draft_lens=lens, drafts=drafts,
-                        draft_scores=scores if any(x is not None for x in scores) else None)
+                        draft_scores=scores if any(x is not None for x in scores) else None,
+                        draft_classes=classes if any(c is not None for c in classes) else None)
 
     def _draft_ahead(self, rs: Sequence[Running], P: int, threshold: float) -> Proposal:
         t0 = time.perf_counter()

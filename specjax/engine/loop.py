@@ -73,6 +73,7 @@ class Proposal:
     confidences: object = None
     true_accept: list[int] | None = None
     draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
+    draft_classes: list | None = None  # host drafters: the kind of match behind each proposal (BatchView)
     drafted_ahead: int = 0  # device draft forwards already run for this step (a draft call, Algorithm 3)
 
 
@@ -253,7 +254,8 @@ class ServingEngine:
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept,
-                         draft_scores=prop.draft_scores, drafted_ahead=prop.drafted_ahead,
+                         draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
+                         drafted_ahead=prop.drafted_ahead,
                          token_options={k: tuple(be.token_options(bucket, k)) for k in opts})
         if prop.drafts is not None and prop.draft_lens is not None:
             self._count_draft_lens(prop.draft_lens)
@@ -297,14 +299,16 @@ class ServingEngine:
         is the acceptance of a greedy-matching verifier."""
         if prop.drafts is None:
             return
-        for r, d, res in zip(rs, prop.drafts, results):
+        classes = prop.draft_classes or [None] * len(rs)
+        for r, d, res, cls in zip(rs, prop.drafts, results, classes):
             sh = self._shadow.get(r.uid)
             if sh is None:
                 if res.drafted > 0 or not len(d):
                     continue  # verified for real (observed above), or nothing was drafted
                 d = d if isinstance(d, DraftTree) else DraftTree.chain(d)
-                sh = self._shadow[r.uid] = [d, -1, 0]  # tree, node reached (-1: root), depth matched
-            draft, node, m = sh
+                # tree, node reached (-1: root), depth matched, the proposal's class
+                sh = self._shadow[r.uid] = [d, -1, 0, cls]
+            draft, node, m, cls = sh
             for t in res.tokens:
                 nxt = draft.child(node, int(t))
                 if nxt is None:
@@ -315,7 +319,7 @@ class ServingEngine:
                     sh[1], sh[2] = node, m
                     continue
             del self._shadow[r.uid]
-            self.policy.observe(len(draft), [len(draft)], [m], [r.uid])
+            self.policy.observe(len(draft), [len(draft)], [m], [r.uid], [cls])
 
     def _count_draft_lens(self, lens) -> None:
         m = max(lens, default=0) + 1

@@ -107,7 +107,9 @@ class AcceptanceEstimator:
       accepted / drafted is not: positions after the first rejection are never examined, so
       it reads 0.54 when the true alpha is 0.8 at K = 5 and would make the selector too timid.
       Per request, its own moving average once it has ``min_request_obs`` observations, else
-      the global one.
+      the global one. Per draft class (what kind of match a host drafter's proposal came from,
+      e.g. prompt lookup's n-gram length): its own moving average, which outranks the request's
+      once it has ``min_request_obs`` observations (the match says more than the request).
     rho: the fraction of rows a drafter actually proposed for (1 for draft models; prompt lookup
       and suffix trees often find nothing). A row that proposes nothing generates 1 token, so a
       step-level estimate of the generated length of K drafts is 1 + rho (l(alpha, K) - 1).
@@ -121,11 +123,13 @@ class AcceptanceEstimator:
         self.per_request = per_request
         self.min_request_obs = min_request_obs
         self._req: dict[Hashable, MovingAverage] = {}
+        self._cls: dict[Hashable, MovingAverage] = {}
 
     def observe(self, drafted: Sequence[int], accepted: Sequence[int], offered: int,
-                request_ids: Iterable[Hashable] = ()) -> None:
+                request_ids: Iterable[Hashable] = (), classes: Sequence[Hashable] | None = None) -> None:
         """Record one verify step: per row, drafts verified and drafts accepted; ``offered``: K of
-        the step (0 = nothing to learn about acceptance)."""
+        the step (0 = nothing to learn about acceptance); ``classes``: per row, the draft class
+        of its proposal (None: none)."""
         drafted = np.asarray(drafted)
         accepted = np.asarray(accepted)
         if offered <= 0 or drafted.size == 0:
@@ -139,9 +143,19 @@ class AcceptanceEstimator:
                 if d > 0:
                     self._req.setdefault(rid, MovingAverage(self.window, self.alpha.value)).add(
                         examined_rate([d], [a]))
+        if classes is not None:
+            for c, d, a in zip(classes, drafted, accepted):
+                if d > 0 and c is not None:
+                    self._cls.setdefault(c, MovingAverage(self.window, self.alpha.value)).add(examined_rate([d], [a]))
 
-    def request_alpha(self, rid: Hashable) -> float:
-        m = self._req.get(rid)
+    def request_alpha(self, rid: Hashable, cls: Hashable | None = None) -> float:
+        """The request's alpha for a proposal of class ``cls``: the class's own estimate, else
+        the request's (``per_request``), else the global one."""
+        if cls is not None:
+            m = self._cls.get(cls)
+            if m is not None and len(m) >= self.min_request_obs:
+                return m.value
+        m = self._req.get(rid) if self.per_request else None
         if m is None or len(m) < self.min_request_obs:
             return self.alpha.value
         return m.value

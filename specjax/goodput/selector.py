@@ -43,6 +43,8 @@ class BatchView:
       probability that each proposed node is accepted (node order, the order a tree is cut in),
       or None for a request without such estimates. The expected accepted drafts of the first
       m nodes is their sum.
+    draft_classes: host drafters without scores (prompt lookup): per request, the kind of match
+      its proposal came from (the n-gram length), or None; acceptance is learnt per class.
     drafted_ahead: draft forwards a device drafter already ran for this step before the choice
       (confidence-based proposal): their cost is spent whatever K is chosen.
     token_options: K -> the packed verify sizes the backend compiled for (bucket, K) (empty: the
@@ -57,6 +59,7 @@ class BatchView:
     confidences: np.ndarray | None = None
     true_accept: Sequence[int] | None = None
     draft_scores: Sequence[np.ndarray | None] | None = None
+    draft_classes: Sequence[Hashable | None] | None = None
     drafted_ahead: int = 0
     token_options: dict = dataclasses.field(default_factory=dict)
 
@@ -75,8 +78,10 @@ class Policy:
     def choose(self, view: BatchView) -> int:
         raise NotImplementedError
 
-    def observe(self, k: int, drafted: Sequence[int], accepted: Sequence[int], request_ids=()) -> None:
-        """Feedback after the verify step (Algorithm 2 line 13-14)."""
+    def observe(self, k: int, drafted: Sequence[int], accepted: Sequence[int], request_ids=(),
+                classes=None) -> None:
+        """Feedback after the verify step (Algorithm 2 line 13-14); ``classes``: the rows' draft
+        classes when not those of the last choice (shadow-verified older proposals)."""
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
@@ -146,6 +151,7 @@ class GoodputPolicy(Policy):
         # the moving average of accepted / predicted accepted drafts scales every prediction.
         self.score_calibration = MovingAverage(window, 1.0)
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
+        self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
 
@@ -172,8 +178,9 @@ class GoodputPolicy(Policy):
         if self.estimator == "confidence" and view.confidences is not None:
             pred = confidence_lengths(view.confidences, self.threshold)
             return [1.0 + np.minimum(int(p), m) for p, m in zip(pred, ms)]
-        if self.acc.per_request and len(view.request_ids):
-            alphas = [self.acc.request_alpha(r) for r in view.request_ids]
+        if (self.acc.per_request or view.draft_classes is not None) and len(view.request_ids):
+            classes = view.draft_classes if view.draft_classes is not None else [None] * n
+            alphas = [self.acc.request_alpha(r, c) for r, c in zip(view.request_ids, classes)]
         else:
             alphas = [self.acc.alpha.value] * n
         if view.draft_lens is not None:
@@ -245,6 +252,8 @@ class GoodputPolicy(Policy):
     def choose(self, view: BatchView) -> int:
         if view.draft_scores is not None and len(view.request_ids):
             self._scores = {r: sc for r, sc in zip(view.request_ids, view.draft_scores) if sc is not None}
+        self._classes = (dict(zip(view.request_ids, view.draft_classes))
+                         if view.draft_classes is not None and len(view.request_ids) else {})
         rows = self.row_expected(view, max(view.k_options)) if view.n else None
         self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
         best_k = max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
@@ -298,7 +307,7 @@ class GoodputPolicy(Policy):
             return None
         return [min(k, self._row_k.get(r, k)) for r in view.request_ids]
 
-    def observe(self, k, drafted, accepted, request_ids=()):
+    def observe(self, k, drafted, accepted, request_ids=(), classes=None):
         """Record a verify step. Steps with K = 0 teach nothing about acceptance (unless the
         engine shadow-verifies host drafts), so after ``reprobe_after`` of them in a row the
         acceptance window is emptied: the estimate is the prior again for one decision, the
@@ -307,7 +316,9 @@ class GoodputPolicy(Policy):
         (measured acceptance can change as requests change) instead of never again."""
         if k > 0 and np.sum(drafted) > 0:
             self._stale = 0
-            self.acc.observe(drafted, accepted, k, request_ids)
+            if classes is None and self._classes:
+                classes = [self._classes.get(r) for r in request_ids]
+            self.acc.observe(drafted, accepted, k, request_ids, classes)
             self._calibrate_scores(drafted, accepted, request_ids)
             return
         self._stale += 1
@@ -330,6 +341,7 @@ class GoodputPolicy(Policy):
     def finish(self, rid):
         self.acc.forget(rid)
         self._scores.pop(rid, None)
+        self._classes.pop(rid, None)
 
 
 def _allocate(rows: Sequence[np.ndarray], budget: int) -> list[int]:

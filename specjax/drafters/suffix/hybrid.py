@@ -21,6 +21,7 @@ class HybridDrafter:
         require(not getattr(fallback, "proposes_trees", False), "the hybrid fallback must propose chains")
         self.suffix, self.fallback, self.tau = suffix, fallback, float(tau)
         self.used = {"suffix": 0, "fallback": 0}  # steps that drafted from each source
+        self._from_fallback: dict = {}  # row -> whether its last proposal was the fallback's
 
     @property
     def proposes_trees(self) -> bool:
@@ -37,12 +38,15 @@ class HybridDrafter:
     def finish(self, row):
         self.suffix.finish(row)
         self.fallback.finish(row)
+        self._from_fallback.pop(row, None)
 
     def _pick(self, row, k, tree):
         d = self.suffix.draft(row, k, tree=tree)
+        self._from_fallback[row] = False
         if len(d) and d.score > self.tau:
             self.used["suffix"] += 1
             return d.parents, d.tokens, d.probs
+        self._from_fallback[row] = True
         toks = np.asarray(self.fallback.propose(row, k), np.int32)
         if len(toks):
             self.used["fallback"] += 1
@@ -50,6 +54,12 @@ class HybridDrafter:
 
     def propose(self, row, k):
         return self._pick(row, k, tree=False)[1]
+
+    def draft_class(self, row):
+        """The fallback's class of a fallback proposal (a suffix draft carries its own scores)."""
+        if self._from_fallback.get(row) and hasattr(self.fallback, "draft_class"):
+            return self.fallback.draft_class(row)
+        return None
 
     def propose_tree(self, row, max_nodes):
         return self._pick(row, max_nodes, tree=None)
