@@ -359,7 +359,7 @@ class _Recorder(Policy):
     def choose(self, view):
         return 0
 
-    def observe(self, k, drafted, accepted, request_ids=()):
+    def observe(self, k, drafted, accepted, request_ids=(), classes=None):
         self.seen.append((k, list(drafted), list(accepted)))
 
 
