@@ -290,13 +290,14 @@ def bench() -> int:
     counter = specbench.CompileCounter()
     mnt = FLAGS.max_new_tokens
     # The AR baseline is the engine's K = 0 step (Generator is a SpecGenerator with no drafter).
-    warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0)}
+    warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0,
+                                                execute=True)}
     for m in methods:
         g = gens[m["name"]]
         print(f"[compiling {m['name']} variants]", file=sys.stderr)
         k_warm = max(k_buckets) if m["k"] is None else m["k"]  # a goodput policy may choose any compiled K
         warm[f"{m['name']}_compile_s"] = registry.warm_spec(
-            g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, k_warm)
+            g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, k_warm, execute=True)
     t0 = time.perf_counter()
     first = prompts[0]["ids"]
     ar.generate([first], max_new_tokens=mnt)

@@ -164,11 +164,13 @@ def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tu
     return B, bk.prompt_bucket(prompt_len, S), S
 
 
-def warm_spec(gen, shapes, k: int, greedy: bool = True) -> float:
+def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False) -> float:
     """Compile the (batch, prompt bucket, slots) prefills and the (batch, k, slots) steps for
     every bucket k <= K (a host drafter's step shrinks to the proposal) in ``shapes``
     (from spec_shapes) and nothing else; afterwards the generator refuses to compile (a missed
-    shape raises instead of silently timing a compilation). Returns seconds."""
+    shape raises instead of silently timing a compilation). ``execute``: also run each once, for
+    benchmarks (a first execution is slow: fresh buffers, cold code pages; timing it would
+    charge whichever run met it first). Returns seconds."""
     t0 = time.perf_counter()
     by_bs: dict = {}
     for B, Tp, S in shapes:
@@ -176,7 +178,7 @@ def warm_spec(gen, shapes, k: int, greedy: bool = True) -> float:
     for (B, S), tps in sorted(by_bs.items()):
         gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
         gen.warmup(prompt_buckets=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
-                   k_buckets=[b for b in gen.k_buckets if b <= k])
+                   k_buckets=[b for b in gen.k_buckets if b <= k], execute=execute)
     gen.warm = True
     return time.perf_counter() - t0
 

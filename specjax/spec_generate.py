@@ -181,15 +181,16 @@ class SpecGenerator:
 
     def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
-               k_buckets: Sequence[int] | None = None) -> float:
+               k_buckets: Sequence[int] | None = None, execute: bool = False) -> float:
         """Compile every (batch, K, slots, mode) step and (batch, prompt, slots, mode) prefill (and
-        the row operations a static batch uses). Returns seconds."""
+        the row operations a static batch uses); ``execute``: also run each once (JaxBackend.warmup).
+        Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)
             be.table.warm = False
             be.warmup(prompt_lens=[p for p in prompt_buckets if p <= S], greedy_modes=greedy_modes,
-                      batch_buckets=batch_buckets, k_buckets=k_buckets)
+                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute)
         self.warm = True
         return time.perf_counter() - t0
 
