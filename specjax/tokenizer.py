@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specjax.errors import SpecjaxError
+
+if TYPE_CHECKING:
+    from specjax.models.gguf_file import GGUFFile
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _SPECIAL_TYPES = (3, 4)
@@ -72,7 +76,7 @@ class Tokenizer:
     # ------------------------------------------------------------ constructors
 
     @classmethod
-    def from_gguf(cls, reader) -> "Tokenizer":
+    def from_gguf(cls, reader: GGUFFile) -> "Tokenizer":
         from specjax.models.weights import gguf_field
 
         model = gguf_field(reader, "tokenizer.ggml.model")

@@ -230,6 +230,145 @@ def test_permute_qk_is_llama_cpp_permutation():
     assert p.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
+
+@pytest.mark.parametrize("qtype_name,block_bytes", [("Q4_1", 20), ("Q8_0", 34)])
+def test_fast_dequantize_bit_identical_to_gguf(qtype_name, block_bytes):
+    """weights.dequantize's numpy Q4_1 / Q8_0 paths vs gguf.quants.dequantize on random raw blocks,
+    with nan / inf / subnormal / signed-zero f16 scales (and Q4_1 mins) mixed in."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[qtype_name]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (300, block_bytes), dtype=np.uint8)  # random bytes: f16 scales of every kind
+    edge = np.array([0x7E00, 0x7C01, 0xFC00, 0x7C00, 0x0001, 0x83FF, 0x8000, 0x0000, 0x7BFF], np.uint16)
+    n = len(edge) ** 2
+    raw[:n, 0:2] = edge.repeat(len(edge)).view(np.uint8).reshape(-1, 2)  # d
+    if qtype_name == "Q4_1":
+        raw[:n, 2:4] = np.tile(edge, len(edge)).view(np.uint8).reshape(-1, 2)  # m
+    raw = raw.reshape(30, -1)  # GGUF layout: rows of whole blocks
+    with np.errstate(invalid="ignore"):  # inf * 0 and inf - inf, in both implementations
+        got, want = weights.dequantize(raw, qtype), dequantize(raw, qtype)
+    assert got.dtype == np.float32 and got.size == want.size == 300 * 32
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint32), want.reshape(-1).view(np.uint32))
+
+
+# ---------------------------------------------------------------- GGUFFile (our reader) vs gguf.GGUFReader
+
+# (GGUF value type, scalar, array) for every fixed-size type; floats are float32-exact where stored as float32.
+_KV_CASES = {
+    "uint8": (0, 200, [0, 7, 255]), "int8": (1, -100, [-128, 0, 127]),
+    "uint16": (2, 60000, [1, 65535]), "int16": (3, -30000, [-32768, 32767]),
+    "uint32": (4, 4_000_000_000, [0, 2**32 - 1]), "int32": (5, -2_000_000_000, [-(2**31), 3]),
+    "float32": (6, 0.25, [1.5, -2.0, 1e-5]), "bool": (7, True, [True, False, True]),
+    "uint64": (10, 2**63 + 5, [2**64 - 1, 0]), "int64": (11, -(2**62), [-(2**63), 2**63 - 1]),
+    "float64": (12, 0.1, [0.1, -1e300]),
+}
+_STRINGS = ["", "a b", "héllo 🙂", "<|im_end|>"]
+_NESTED = [[1, 2, 3], [4]]
+
+
+def write_kitchen_sink_gguf(path):
+    """Every KV value type (scalars, arrays, string arrays, a nested array), a non-default alignment,
+    and tensors of several ggml types (element types and block-quantized ones)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q, GGUFValueType as V
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    for name, (vtype, scalar, array) in _KV_CASES.items():
+        w.add_key_value(f"test.{name}", scalar, V(vtype))
+        w.add_key_value(f"test.{name}_array", array, V.ARRAY, sub_type=V(vtype))
+    w.add_string("test.string", "héllo 🙂")
+    w.add_array("test.strings", _STRINGS)
+    w.add_array("test.nested", _NESTED)
+    tensors = {
+        "f32": (rng.standard_normal((3, 64)).astype(np.float32), None),
+        "f16": (rng.standard_normal((2, 3, 32)).astype(np.float16), None),
+        "i32": (np.arange(10, dtype=np.int32), None),
+        "bf16": (rng.standard_normal((2, 64)).astype(np.float32), Q.BF16),
+        "q8_0": (rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0),
+        "q4_1": (rng.standard_normal((4, 64)).astype(np.float32), Q.Q4_1),
+    }
+    for name, (a, qtype) in tensors.items():
+        if qtype is None:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def test_gguf_file_matches_gguf_reader(tmp_path):
+    import gguf
+    from gguf.quants import dequantize
+
+    from specjax.models.gguf_file import GGUFFile
+
+    path = tmp_path / "sink.gguf"
+    written = write_kitchen_sink_gguf(path)
+    old, new = gguf.GGUFReader(str(path)), GGUFFile(str(path))
+
+    assert new.version == 3
+    assert list(new.fields) == [k for k in old.fields if not k.startswith("GGUF.")]  # GGUF.*: reader's own
+    for key, value in new.fields.items():
+        if key != "test.nested":  # GGUFReader.contents() flattens nested arrays
+            got = value.tolist() if isinstance(value, np.ndarray) else value
+            assert got == old.fields[key].contents(), key
+    assert new.fields["general.alignment"] == 64
+    for name, (vtype, scalar, array) in _KV_CASES.items():
+        dtype = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+                 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}[vtype]
+        assert type(new.fields[f"test.{name}"]) is type(scalar) and new.fields[f"test.{name}"] == scalar, name
+        arr = new.fields[f"test.{name}_array"]
+        assert arr.dtype == dtype and np.array_equal(arr, np.array(array, dtype)), name
+    assert new.fields["test.string"] == "héllo 🙂" and new.fields["test.strings"] == _STRINGS
+    assert [a.tolist() for a in new.fields["test.nested"]] == _NESTED
+
+    assert [t.name for t in new.tensors] == [t.name for t in old.tensors] == list(written)
+    for t, o in zip(new.tensors, old.tensors):
+        assert t.tensor_type == int(o.tensor_type) and t.shape == tuple(int(d) for d in o.shape), t.name
+        assert t.data.dtype == o.data.dtype and t.data.shape == o.data.shape, t.name
+        np.testing.assert_array_equal(t.data, o.data, err_msg=t.name)
+        if t.name == "i32":  # integer tensors are not dequantizable
+            np.testing.assert_array_equal(t.data, written["i32"][0])
+            continue
+        deq = dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        np.testing.assert_array_equal(deq, dequantize(o.data, o.tensor_type), err_msg=t.name)
+        a, qtype = written[t.name]
+        assert deq.shape == a.shape, t.name
+        if qtype is None:
+            np.testing.assert_array_equal(deq, a, err_msg=t.name)
+
+
+def test_gguf_file_rejects_corrupt_files(tmp_path):
+    """Truncation anywhere (header, string arrays, tensor infos, tensor data) and bad headers
+    give a one-line SpecjaxError naming the file, never a traceback or a hang."""
+    import struct
+
+    from specjax.models.gguf_file import GGUFFile
+
+    good = tmp_path / "good.gguf"
+    write_kitchen_sink_gguf(good)
+    data = good.read_bytes()
+    GGUFFile(str(good))
+    bad = {f"cut{n}": data[:n] for n in range(0, len(data) - 64, 23)}  # the last 64 bytes may be padding
+    bad["magic"] = b"GGML" + data[4:]
+    bad["version1"] = data[:4] + struct.pack("<I", 1) + data[8:]
+    bad["big_endian"] = data[:4] + struct.pack(">I", 3) + data[8:]
+    bad["kv_count"] = data[:16] + struct.pack("<Q", 2**60) + data[24:]
+    for name, content in bad.items():
+        p = tmp_path / f"{name}.gguf"
+        p.write_bytes(content)
+        with pytest.raises(SpecjaxError, match="cannot read .*" + name) as e:
+            GGUFFile(str(p))
+        assert "\n" not in str(e.value), name
+
+
 # ---------------------------------------------------------------- bad inputs
 
 

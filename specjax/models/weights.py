@@ -1,9 +1,11 @@
 """Weight loading: GGUF (llama.cpp) and Hugging Face safetensors into the params pytree.
 
-GGUF tensors are dequantized with the ``gguf`` package. llama.cpp's converter
-permutes the rows of attn_q / attn_k of *llama*-arch models so that GGML's
-interleaved RoPE works; we use rotate-half RoPE (like Hugging Face), so those
-rows are un-permuted here. qwen2-arch GGUFs are not permuted.
+GGUF files are parsed by :mod:`specjax.models.gguf_file`. Q4_1 / Q8_0 tensors are
+dequantized by the numpy code below (bit-identical to the ``gguf`` package, but faster);
+the ``gguf`` package dequantizes every other type. llama.cpp's converter permutes the rows
+of attn_q / attn_k of *llama*-arch models so that GGML's interleaved RoPE works; we use
+rotate-half RoPE (like Hugging Face), so those rows are un-permuted here. qwen2-arch GGUFs
+are not permuted.
 """
 
 from __future__ import annotations
@@ -17,54 +19,29 @@ import numpy as np
 
 from specjax.config import ModelConfig, RopeScaling, WeightsSource
 from specjax.errors import SpecjaxError
+from specjax.models.gguf_file import GGUFFile
 
 # ---------------------------------------------------------------- GGUF
 
 
-def _field_value(field) -> Any:
-    from gguf import GGUFValueType
-
-    types = list(field.types)
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        sub = types[1] if len(types) > 1 else None
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data]) if field.data else np.array([])
-    if types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    val = field.parts[field.data[0]]
-    return val.reshape(-1)[0].item()
-
-
-def open_gguf(path: str):
-    from gguf import GGUFReader
-
+def open_gguf(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise SpecjaxError(f"GGUF file not found: {path}")
-    try:
-        return GGUFReader(path, "r")
-    except Exception as e:  # corrupt / not a GGUF file
-        raise SpecjaxError(f"cannot read {path} as GGUF: {e}") from None
+    return GGUFFile(path)
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
-    """All key/value fields except the (large) tokenizer arrays, which are read lazily."""
-    out = {}
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
-            continue
-        out[name] = _field_value(field)
-    return out
+def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
+    """All key/value fields except the (large) tokenizer arrays."""
+    return {name: value for name, value in reader.fields.items()
+            if not (name.startswith("tokenizer.ggml.")
+                    and name.split(".")[-1] in ("tokens", "merges", "token_type", "scores"))}
 
 
-def gguf_field(reader, name: str, default=None):
-    f = reader.fields.get(name)
-    return default if f is None else _field_value(f)
+def gguf_field(reader: GGUFFile, name: str, default=None):
+    return reader.fields.get(name, default)
 
 
-def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, name: str | None = None) -> ModelConfig:
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
@@ -78,7 +55,10 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     vocab = g("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+        if tokens is None:
+            raise SpecjaxError(f"{reader.path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens)
     scaling = None
     stype = g("rope.scaling.type")
     if stype not in (None, "none"):
@@ -103,7 +83,7 @@ def config_from_gguf(reader, name: str | None = None) -> ModelConfig:
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        weights=WeightsSource(kind="gguf_file", file=reader.data.filename if hasattr(reader.data, "filename") else ""),
+        weights=WeightsSource(kind="gguf_file", file=os.path.abspath(reader.path)),
     )
 
 
@@ -160,8 +140,51 @@ _GGUF_NAMES = {
 }
 
 
-def load_gguf_params(reader, cfg: ModelConfig, dtype=jnp.float32) -> dict:
-    from gguf.quants import dequantize
+# GGML block layouts (little-endian, packed), 32 values per block.
+_Q4_1_BLOCK = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])  # byte j: value j low, j+16 high nibble
+_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+# Q4_1 runs four passes over its output; chunks of this many blocks (256 KiB of fp32) keep them in cache.
+_Q4_1_CHUNK = 2048
+
+
+def _blocks(raw: np.ndarray, block: np.dtype) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(block)
+
+
+def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, _Q4_1_BLOCK)
+    # q * d + m with fp32 rounding after each op, exactly as gguf.quants does (bit-identical results).
+    d = b["d"].astype(np.float32)[:, None, None]
+    m = b["m"].astype(np.float32)[:, None, None]
+    qs = b["qs"]
+    out = np.empty((len(b), 2, 16), np.float32)
+    for s in range(0, len(b), _Q4_1_CHUNK):
+        o, q = out[s:s + _Q4_1_CHUNK], qs[s:s + _Q4_1_CHUNK]
+        np.bitwise_and(q, 15, out=o[:, 0], casting="unsafe")  # uint8 nibbles written straight as fp32
+        np.right_shift(q, 4, out=o[:, 1], casting="unsafe")
+        o *= d[s:s + _Q4_1_CHUNK]
+        o += m[s:s + _Q4_1_CHUNK]
+    return out
+
+
+def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, _Q8_0_BLOCK)
+    out = np.empty((len(b), 32), np.float32)
+    np.multiply(b["qs"], b["d"].astype(np.float32)[:, None], out=out)  # int8 -> fp32 is exact
+    return out
+
+
+def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
+    """A GGUF tensor's raw data as fp32 values in storage order (the shape is the caller's to set)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    fast = {GGMLQuantizationType.Q4_1: _dequantize_q4_1, GGMLQuantizationType.Q8_0: _dequantize_q8_0}.get(qtype)
+    return fast(raw) if fast else gguf_dequantize(raw, qtype)
+
+
+def load_gguf_params(reader: GGUFFile, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    from gguf import GGMLQuantizationType
 
     tensors = {t.name: t for t in reader.tensors}
 
@@ -169,7 +192,12 @@ def load_gguf_params(reader, cfg: ModelConfig, dtype=jnp.float32) -> dict:
         if name not in tensors:
             raise SpecjaxError(f"GGUF file lacks tensor {name!r}; is it a {cfg.arch} model?")
         t = tensors[name]
-        a = dequantize(t.data, t.tensor_type)
+        qtype = GGMLQuantizationType(t.tensor_type)
+        try:
+            a = dequantize(t.data, qtype)
+        except NotImplementedError:
+            raise SpecjaxError(f"{reader.path}: tensor {name!r} has type {qtype.name}, "
+                               "which the gguf package cannot dequantize") from None
         shape = tuple(int(s) for s in reversed(t.shape))
         return np.asarray(a, np.float32).reshape(shape)
 
