@@ -223,6 +223,51 @@ def run_hf_greedy(
     }
 
 
+def run_hf_lengths(gguf_path: str, prefill_lens: list[int], decode_contexts: list[int], decode_tokens: int = 32,
+                   reps: int = 3, num_threads: int = 2, seed: int = 0) -> dict:
+    """Prefill and decode speed by length on random-token prompts (token ids 100..vocab-1):
+    ``prefill``: {length: best-of-``reps`` seconds of one forward over the prompt}; ``decode``:
+    {context: seconds per decode step, from generate(max_new_tokens=decode_tokens + 1, EOS
+    suppressed) minus the prefill, over decode_tokens steps, best of ``reps``}."""
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(num_threads)
+    d, name = os.path.split(os.path.abspath(gguf_path or default_gguf_path()))
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+
+    def ids(n):
+        return torch.tensor(rng.integers(100, vocab, (1, n)), dtype=torch.long)
+
+    def best(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    out = {"prefill": {}, "decode": {}}
+    with torch.inference_mode():
+        model(input_ids=ids(16), use_cache=True)  # warm-up
+        for n in prefill_lens:
+            x = ids(n)
+            out["prefill"][n] = best(lambda: model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=True))
+        for c in decode_contexts:
+            x = ids(c)
+            pre = best(lambda: model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=True))
+            tot = best(lambda: model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                              max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1,
+                                              pad_token_id=0))
+            out["decode"][c] = max(tot - pre, 1e-9) / decode_tokens
+    out["env"] = {"torch": torch.__version__, "transformers": transformers.__version__, "num_threads": num_threads}
+    return out
+
+
 def format_table(res: dict) -> str:
     hdr = f"{'#':>2} {'prompt':<34} {'p_tok':>5} {'new':>4} {'prefill tok/s':>13} {'decode tok/s':>12} {'total tok/s':>11} {'total s':>7}"
     lines = [hdr, "-" * len(hdr)]
@@ -256,7 +301,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no_warmup", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the full result dict here")
+    ap.add_argument("--prefill_lens", default=None,
+                    help="comma-separated prompt lengths: time prefill (and --decode_contexts) on random tokens instead")
+    ap.add_argument("--decode_contexts", default="", help="with --prefill_lens: contexts to time decode steps at")
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.prefill_lens is not None:
+        ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+        res = run_hf_lengths(args.gguf, ints(args.prefill_lens), ints(args.decode_contexts), reps=args.reps,
+                             num_threads=args.threads)
+        print(json.dumps({k: v for k, v in res.items()}, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     res = run_hf_greedy(
         args.gguf or default_gguf_path(),
         args.prompt or DEFAULT_PROMPTS,

@@ -7,6 +7,11 @@ from specjax.errors import SpecjaxError
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_PROMPT_BUCKET = 16
 MIN_SLOT_BUCKET = 256
+# Prompts are prefilled in chunks of at most this many tokens: one chunk's attention sees the
+# cached prefix plus itself, so the cost grows with the prompt, never with a power-of-two pad
+# of it (measured in benchmarks/prefill_speed.py).
+DEFAULT_PREFILL_CHUNK = 512
+SPLIT_MIN = 128  # prefill_chunks: the smallest chunk a padded tail is split into
 
 
 def pick(buckets, n: int, what: str) -> int:
@@ -27,6 +32,45 @@ def pow2_bucket(n: int, minimum: int, maximum: int | None = None) -> int:
 
 def prompt_bucket(n: int, max_len: int) -> int:
     return pow2_bucket(max(n, 1), MIN_PROMPT_BUCKET, max_len)
+
+
+def prefill_chunks(n: int, max_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """How a prompt of ``n`` tokens is prefilled: ``(start, size)`` chunks, sizes among the
+    powers of two from MIN_PROMPT_BUCKET to ``max_chunk``. Full chunks first; the tail takes the
+    smallest size that holds it when that wastes at most a quarter of the chunk, else half of it
+    and goes on. Chunks under SPLIT_MIN are never split: every chunk re-reads all the weights, so
+    a small one costs about a weight read whatever its padding. Only the last chunk is padded."""
+    if max_chunk < MIN_PROMPT_BUCKET or max_chunk & (max_chunk - 1):
+        raise SpecjaxError(f"the prefill chunk must be a power of two >= {MIN_PROMPT_BUCKET}, got {max_chunk}")
+    out, start = [], 0
+    n = max(int(n), 1)
+    while n - start >= max_chunk:
+        out.append((start, max_chunk))
+        start += max_chunk
+    while start < n:
+        r = n - start
+        c = pow2_bucket(r, MIN_PROMPT_BUCKET, max_chunk)
+        if c - r > c // 4 and c // 2 >= SPLIT_MIN:
+            c //= 2
+        out.append((start, c))
+        start += c
+    return out
+
+
+def largest_chunk(prefill_chunk: int, slots: int) -> int:
+    """The largest prefill chunk a cache of ``slots`` runs: ``prefill_chunk``, never more than the
+    cache holds."""
+    return min(int(prefill_chunk), 1 << (int(slots).bit_length() - 1))
+
+
+def prefill_tokens(n: int, max_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Tokens a prefill of ``n`` prompt tokens runs, padding included (what it costs)."""
+    return sum(c for _, c in prefill_chunks(n, max_chunk))
+
+
+def chunk_sizes(prompt_lens, max_chunk: int = DEFAULT_PREFILL_CHUNK) -> set[tuple[int, bool]]:
+    """The (chunk size, first chunk?) pairs the prefills of these prompt lengths run."""
+    return {(c, s == 0) for n in prompt_lens for s, c in prefill_chunks(n, max_chunk)}
 
 
 def slot_bucket(n: int, max_len: int) -> int:

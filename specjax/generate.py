@@ -25,9 +25,10 @@ class Generator(SpecGenerator):
     engine runs whenever it does not speculate."""
 
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (),
-                 batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, fwd: ForwardOptions = ForwardOptions()):
+                 batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, fwd: ForwardOptions = ForwardOptions(),
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
         super().__init__(cfg, params, eos_ids=eos_ids, k_buckets=(0,), batch_buckets=batch_buckets,
-                         slot_buckets=bk.context_slot_buckets(cfg.max_position), fwd=fwd)
+                         slot_buckets=bk.context_slot_buckets(cfg.max_position), fwd=fwd, prefill_chunk=prefill_chunk)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  max_new_tokens: int = 128, ignore_eos: bool = False, num_spec_tokens: int = 0,

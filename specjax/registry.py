@@ -155,17 +155,17 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, dr
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
-    """(batch bucket, prompt bucket, cache slots) a SpecGenerator runs these prompts at (used to
-    compile exactly what a run needs ahead of time)."""
+    """(batch bucket, prompt length, cache slots) a SpecGenerator runs these prompts at (used to
+    compile exactly what a run needs ahead of time; the prefill chunks follow from the length)."""
     from specjax import buckets as bk
 
     B = bk.pick(gen.batch_buckets, batch, "batch size")
     S = gen.slots_for([prompt_len], max_new_tokens)
-    return B, bk.prompt_bucket(prompt_len, S), S
+    return B, prompt_len, S
 
 
 def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False) -> float:
-    """Compile the (batch, prompt bucket, slots) prefills and the (batch, k, slots) steps for
+    """Compile the (batch, slots) prefill chunks of these prompt lengths and the (batch, k, slots) steps for
     every bucket k <= K (a host drafter's step shrinks to the proposal) in ``shapes``
     (from spec_shapes) and nothing else; afterwards the generator refuses to compile (a missed
     shape raises instead of silently timing a compilation). ``execute``: also run each once, for
@@ -173,11 +173,11 @@ def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False) -
     charge whichever run met it first). Returns seconds."""
     t0 = time.perf_counter()
     by_bs: dict = {}
-    for B, Tp, S in shapes:
-        by_bs.setdefault((B, S), set()).add(Tp)
+    for B, n, S in shapes:
+        by_bs.setdefault((B, S), set()).add(n)
     for (B, S), tps in sorted(by_bs.items()):
         gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
-        gen.warmup(prompt_buckets=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
+        gen.warmup(prompt_lens=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
                    k_buckets=[b for b in gen.k_buckets if b <= k], execute=execute)
     gen.warm = True
     return time.perf_counter() - t0

@@ -20,6 +20,7 @@ from typing import Literal, Sequence
 import jax
 import numpy as np
 
+from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
 from specjax.engine.jax_backend import JaxBackend
@@ -107,7 +108,7 @@ class SpecGenerator:
                  draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
                  batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
                  fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True, draft_first: bool = False,
-                 packed: bool = False):
+                 packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         check_pair(cfg, draft, draft_params)
         self.cfg = cfg
@@ -123,6 +124,7 @@ class SpecGenerator:
         self.shrink_to_proposal = shrink_to_proposal
         self.draft_first = draft_first  # device drafter: compile the draft-ahead path (confidence policies)
         self.packed = packed  # packed verify blocks (per-request draft counts)
+        self.prefill_chunk = prefill_chunk  # the largest prefill chunk (buckets.prefill_chunks)
         self._backends: dict[int, JaxBackend] = {}
         self._compiled = _Compiled()
         # Prefill gates created for GoodputPolicy objects (see generate), one per policy object.
@@ -140,7 +142,8 @@ class SpecGenerator:
                 self.cfg, self.params, drafter=self.drafter, draft=self.draft,
                 draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
                 batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
-                shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed)
+                shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed,
+                prefill_chunk=self.prefill_chunk)
             # (the backend's own fresh table is dropped when this slot bucket already has one)
             be.table = self._compiled.tables.setdefault(slots, be.table)
             be.table.warm = self._compiled.warm
@@ -179,17 +182,17 @@ class SpecGenerator:
         for t in self._compiled.tables.values():
             t.warm = self._compiled.warm
 
-    def warmup(self, prompt_buckets: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
+    def warmup(self, prompt_lens: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, execute: bool = False) -> float:
-        """Compile every (batch, K, slots, mode) step and (batch, prompt, slots, mode) prefill (and
-        the row operations a static batch uses); ``execute``: also run each once (JaxBackend.warmup).
+        """Compile every (batch, K, slots, mode) step and the (batch, chunk, slots, mode) prefill
+        chunks of prompts of these lengths (and the row operations a static batch uses); ``execute``: also run each once (JaxBackend.warmup).
         Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)
             be.table.warm = False
-            be.warmup(prompt_lens=[p for p in prompt_buckets if p <= S], greedy_modes=greedy_modes,
+            be.warmup(prompt_lens=[p for p in prompt_lens if p <= S], greedy_modes=greedy_modes,
                       batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute)
         self.warm = True
         return time.perf_counter() - t0

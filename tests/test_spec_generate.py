@@ -221,9 +221,10 @@ def test_prefill_gate_skips_the_draft_prefill_once_drafts_do_not_pay(spec_gens, 
     runs = []  # run_draft of every prefill the backend calls
     real = table.prefill
 
-    def spy(B, Tp, S, greedy_only, run_draft=True, compile_if_missing=False):
-        runs.append(bool(run_draft))
-        return real(B, Tp, S, greedy_only, run_draft, compile_if_missing)
+    def spy(B, C, S, greedy_only, run_draft=True, compile_if_missing=False, first=True):
+        if first:
+            runs.append(bool(run_draft))
+        return real(B, C, S, greedy_only, run_draft, compile_if_missing, first)
 
     table.prefill = spy
     try:
@@ -263,7 +264,7 @@ def test_generators_share_compiled_executables(tiny, ar_greedy):
     a = SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), **kw)
     b = SpecGenerator(cfg, params, drafter=ScriptedDrafter(), **kw)
     b.share_compiled(a)
-    a.warmup(prompt_buckets=(16,), greedy_modes=(True,))
+    a.warmup(prompt_lens=(16,), greedy_modes=(True,))
     n = len(a.backend(SLOTS[0]).table)
     assert b.warm and b.backend(SLOTS[0]).table is a.backend(SLOTS[0]).table
     # warm: a shape a did not compile would raise instead of compiling
@@ -360,7 +361,7 @@ def test_no_compilation_after_warmup(tiny, draft_model):
         jax.jit(lambda x: x * 3 + 1)(jnp.ones((11,)))  # the capture must see a deliberate compile
         assert log, "compile capture does not work: it missed a deliberate new jit compile"
         log.clear()
-        gen.warmup(prompt_buckets=(16,), greedy_modes=(True, False), k_buckets=(0, 2))
+        gen.warmup(prompt_lens=(16,), greedy_modes=(True, False), k_buckets=(0, 2))
         assert len(log) >= 12, f"warm-up compiled only {len(log)} things: {log[:3]}"  # 8 steps + 4 prefills
         log.clear()
         sampled = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.1, top_k=30, seed=6),

@@ -41,7 +41,7 @@ def test_suffix_greedy_equals_ar_and_learns_from_outputs(tiny, ar, kind, caplog)
     cfg, params = tiny
     drafter = _drafter(kind)
     gen = SpecGenerator(cfg, params, drafter=drafter, **KW)
-    gen.warmup(prompt_buckets=(16,), greedy_modes=(True,), batch_buckets=(1, 4))
+    gen.warmup(prompt_lens=(16,), greedy_modes=(True,), batch_buckets=(1, 4))
     first = gen.generate(PROMPTS[:1], max_new_tokens=MAX_NEW, num_spec_tokens=8)
     assert [r.tokens for r in first] == ar[:1]
     stats = SpecStats()

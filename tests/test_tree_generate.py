@@ -88,7 +88,7 @@ def test_tree_speculation_greedy_equals_ar(tiny, ar, batch, caplog):
     truth = {b: list(prompts[b]) + ar[b] for b in range(batch)}
     drafter = OracleTreeDrafter(truth, cfg.vocab_size)
     gen = SpecGenerator(cfg, params, drafter=drafter, **KW)
-    gen.warmup(prompt_buckets=(16,), greedy_modes=(True,), batch_buckets=(1, 4))
+    gen.warmup(prompt_lens=(16,), greedy_modes=(True,), batch_buckets=(1, 4))
     stats = SpecStats()
     with caplog.at_level(logging.WARNING, logger="jax"):
         import jax

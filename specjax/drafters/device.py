@@ -3,8 +3,8 @@
 A device drafter is a frozen, hashable description (a static argument of the step, so part of
 its compile key) with two pure functions the step calls with the draft's *own* params:
 
-  prefill(dparams, tokens, positions, mask, last, n_valid, slots) -> draft cache
-      (holding the first n_valid - 1 prompt tokens: the step re-feeds [prev, pending] first)
+  prefill(dparams, dcache, tokens, positions, mask, n_valid, first) -> draft cache
+      (one prefill chunk; the step re-feeds [prev, pending] before drafting anyway)
   draft(dparams, dcache, prev, pending, target_lengths, K, samp, greedy_only)
       -> (drafts [B, K], draft probabilities [B, K, V] or None when greedy_only, dcache)
   propose(..., P, samp, greedy_only, active, threshold)
@@ -47,12 +47,13 @@ class ModelDraft:
     cfg: ModelConfig
     label: str = "draft_model"
 
-    def prefill(self, dparams, tokens, positions, mask, last, n_valid, slots: int) -> kv.KVCache:
+    def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool) -> kv.KVCache:
+        """One prefill chunk into the draft cache (``first``: ``dcache`` is fresh, nothing to
+        attend to before the chunk); the step's own prefill chunk, for the draft."""
         B = tokens.shape[0]
-        dcache = llama.init_cache_for(self.cfg, B, slots, dparams["embed"].dtype)
-        _, dcache = llama.forward(dparams, tokens, positions, dcache, mask, cfg=self.cfg, use_prefix=False,
-                                  logits_at=last)
-        return kv.set_lengths(dcache, n_valid - 1)
+        _, dcache = llama.forward(dparams, tokens, positions, dcache, mask, cfg=self.cfg, use_prefix=not first,
+                                  logits_at=jnp.zeros((B, 1), jnp.int32))
+        return kv.advance(dcache, n_valid)
 
     def _refeed(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths):
         """Re-feed [prev, pending] at positions L_t - 1, L_t: logits for the first draft."""

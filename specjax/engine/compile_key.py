@@ -19,7 +19,8 @@ from specjax.models.options import ForwardOptions
 
 @dataclasses.dataclass(frozen=True)
 class CompileKey:
-    # "prefill" | "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes) |
+    # "prefill" (a prompt's first chunk, into fresh caches) | "chunk" (a later prefill chunk) |
+    # "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes) |
     # "draft" (a device drafter's confidence-cut proposal of up to k drafts, Algorithm 3) |
     # "verify" (a chain step over k of the ``width`` drafts a "draft" call left on the device)
     op: str
@@ -30,16 +31,17 @@ class CompileKey:
     draft: ModelDraft | None = None
     fwd: ForwardOptions = ForwardOptions()
     k: int = 0  # drafts per row (step) or draft nodes (tree); 0 = plain decoding
-    prompt: int = 0  # prompt bucket (prefill)
+    prompt: int = 0  # prefill chunk size (prefill / chunk)
     width: int = 0  # verify: drafts per row the draft call produced (its k)
     tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
 
     def __post_init__(self):
-        if self.op not in ("prefill", "step", "tree", "draft", "verify"):
+        if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify"):
             raise ValueError(f"unknown compiled operation {self.op!r}")
 
     def describe(self) -> str:
-        what = {"prefill": f"prefill of prompt bucket {self.prompt}", "step": f"spec step with K {self.k}",
+        what = {"prefill": f"prefill of a {self.prompt}-token first chunk",
+                "chunk": f"prefill of a {self.prompt}-token later chunk", "step": f"spec step with K {self.k}",
                 "tree": f"tree step with {self.k} draft nodes", "draft": f"draft call of up to {self.k} drafts",
                 "verify": f"verify step with K {self.k} of {self.width} device drafts"}[self.op]
         packed = f", {self.tokens} packed tokens" if self.tokens else ""

@@ -77,7 +77,8 @@ class JaxBackend:
     def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: ModelDraft | None = None, draft_params=None,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
-                 shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False):
+                 shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False,
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
@@ -105,6 +106,7 @@ class JaxBackend:
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
         self.live = LiveBucket(self.batch_buckets, shrink_patience)
+        self.max_chunk = bk.largest_chunk(prefill_chunk, slots)  # prompts run in chunks of at most this
         self.table = StepTable(cfg, params, self.dparams, draft, fwd)
         self.reset()
 
@@ -227,14 +229,10 @@ class JaxBackend:
                 chunk = grp[i:i + max_b]
                 Bp = self.bucket(len(chunk))
                 lens = np.array([len(r.req.prompt) for r in chunk] + [1] * (Bp - len(chunk)), np.int32)
-                Tp = bk.prompt_bucket(int(lens.max()), self.slots)
-                toks = np.zeros((Bp, Tp), np.int32)
-                for b, r in enumerate(chunk):
-                    toks[b, : len(r.req.prompt)] = r.req.prompt
                 greedy = all(r.req.sampling.greedy for r in chunk)
                 samp = SamplingArrays.build([r.req.sampling for r in chunk], Bp)
-                exe = self.table.prefill(Bp, Tp, self.slots, greedy, run_draft and self.device_draft)
-                new = exe(self.params, self.dparams, jax.device_put(toks), jax.device_put(lens), samp)
+                new = self._prefill_rows([r.req.prompt for r in chunk], lens, greedy, samp,
+                                         run_draft and self.device_draft)
                 dst = np.full(Bp, self.B, np.int32)  # out of range: padding rows are dropped
                 for b, r in enumerate(chunk):
                     row = free.pop(0)
@@ -253,6 +251,21 @@ class JaxBackend:
                         self.drafter.extend(r.uid, [first[r.uid]])
         self._samp = None
         return [first[r.uid] for r in rs], time.perf_counter() - t0
+
+    def _prefill_rows(self, prompts, lens, greedy: bool, samp, run_draft: bool):
+        """A fresh [Bp]-row state holding these prompts (``lens``: per row, padding rows 1), run
+        chunk by chunk (buckets.prefill_chunks of the longest)."""
+        Bp = len(lens)
+        state = None
+        for start, C in bk.prefill_chunks(int(lens.max()), self.max_chunk):
+            n = np.clip(lens - start, 0, C).astype(np.int32)
+            toks = np.zeros((Bp, C), np.int32)
+            for b, p in enumerate(prompts):
+                toks[b, :n[b]] = p[start:start + n[b]]
+            exe = self.table.prefill(Bp, C, self.slots, greedy, run_draft, first=state is None)
+            args = (self.params, self.dparams, jax.device_put(toks), jax.device_put(n), samp)
+            state = exe(*args) if state is None else exe(*args, state)
+        return state
 
     def _prepare(self, rs: Sequence[Running]) -> None:
         """Resize / clear the live state for the coming step (once per step, before any call
@@ -463,14 +476,14 @@ class JaxBackend:
         these (a static batch that never resizes needs no other). Returns seconds."""
         t0 = time.perf_counter()
         S = self.slots
-        tps = sorted({bk.prompt_bucket(int(n), S) for n in prompt_lens})
+        chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
         draft_modes = (True, False) if self.device_draft else (False,)
         bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
         kbs = sorted(k_buckets) if k_buckets is not None else self.k_buckets
         jobs = []
         for B in bbs:
             for g in greedy_modes:
-                jobs += [("prefill", B, tp, g, rd) for tp in tps for rd in draft_modes]
+                jobs += [("prefill", B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
                 jobs += [("step", B, K, g, t) for K in kbs for t in (0,) + self.token_options(B, K)]
                 if self.draft_first and self.k_max > 0:
                     jobs.append(("draft", B, self.k_max, g))
@@ -486,7 +499,7 @@ class JaxBackend:
             it = tqdm(jobs, desc="compiling", unit="exe", disable=None)
         for j in it:
             if j[0] == "prefill":
-                self.table.prefill(j[1], j[2], S, j[3], j[4])
+                self.table.prefill(j[1], j[2], S, j[3], j[4], first=j[5])
             elif j[0] == "step":
                 self._step_exe(j[1], j[2], j[3], j[4])
             elif j[0] == "draft":
@@ -506,15 +519,18 @@ class JaxBackend:
 
     def _execute_once(self, jobs) -> None:
         S = self.slots
-        fresh = {}  # B -> a prefill output of that batch (for the inserts)
-        for j in jobs:
-            if j[0] == "prefill":
-                _, B, Tp, g, rd = j
-                exe = self.table.prefill(B, Tp, S, g, rd)
-                out = exe(self.params, self.dparams, jax.device_put(np.zeros((B, Tp), np.int32)),
-                          jax.device_put(np.ones(B, np.int32)), SamplingArrays.build([], B))
-                jax.block_until_ready(out)
-                fresh.setdefault((B, rd), out)
+        fresh = {}  # (B, run_draft) -> a prefill output of that batch (for the inserts)
+        for j in sorted((j for j in jobs if j[0] == "prefill"), key=lambda j: not j[5]):  # first chunks first
+            _, B, C, g, rd, first = j
+            exe = self.table.prefill(B, C, S, g, rd, first=first)
+            args = (self.params, self.dparams, jax.device_put(np.zeros((B, C), np.int32)),
+                    jax.device_put(np.ones(B, np.int32)), SamplingArrays.build([], B))
+            if first:
+                out = exe(*args)
+            else:  # a later chunk continues (and consumes) the state an earlier chunk left
+                out = exe(*args, fresh.pop((B, rd)))
+            jax.block_until_ready(out)
+            fresh[(B, rd)] = out
         for B in sorted({j[1] for j in jobs}):
             state = _zeros_like_info(self.table.state_info(B, S))
             samp = SamplingArrays.build([], B)

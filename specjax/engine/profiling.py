@@ -107,7 +107,7 @@ def profile_prefills(backend, batch_sizes: Sequence[int], prompt_lens: Sequence[
                 rs = _running(backend, B, c, backend.cfg.vocab_size, rng)
                 _, t = backend.prefill(rs)
                 if rep:
-                    recs.append({"B": backend.bucket(B), "Tp": bk.prompt_bucket(c, backend.slots), "t": t})
+                    recs.append({"B": backend.bucket(B), "Tp": bk.prefill_tokens(c, backend.max_chunk), "t": t})
     backend.reset()
     return recs
 

@@ -154,26 +154,41 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput.of(out, n, num_draft)
 
 
-def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, *, key: CompileKey) -> StepState:
-    """Prompts [B, Tp] (row b valid up to n_valid[b] >= 1) into fresh target (and draft) caches
-    (the draft's when ``key.draft`` is set)."""
+def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: StepState | None = None, *,
+                 key: CompileKey) -> StepState:
+    """One prefill chunk: row b's next ``n_valid[b]`` prompt tokens (``tokens`` [B, C], padded) at
+    positions from its cache length on; they attend to the row's cached prefix and to one another
+    (causal). ``state`` None (op "prefill"): the first chunk, into fresh target (and, with
+    ``key.draft``, draft) caches; otherwise (op "chunk") the state the earlier chunks left.
+    A prompt longer than the largest chunk runs as several calls (buckets.prefill_chunks), so its
+    cost follows its length and the attention scores of a call are [C, prefix + C], never the
+    whole prompt's square. ``pending`` / ``prev`` are each row's first sampled token and its last
+    prompt token once its prompt is done (rows with no token in a chunk keep theirs)."""
     cfg, slots, draft, greedy_only, fwd = key.cfg, key.slots, key.draft, key.greedy_only, key.fwd
-    B, T = tokens.shape
-    dtype = params["embed"].dtype
-    cache = llama.init_cache_for(cfg, B, slots, dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    mask = llama.causal_mask(B, T)
+    B, C = tokens.shape
+    first = state is None
+    if first:
+        cache = llama.init_cache_for(cfg, B, slots, params["embed"].dtype)
+        dcache = None if draft is None else llama.init_cache_for(draft.cfg, B, slots, dparams["embed"].dtype)
+        prev = pending = jnp.zeros((B,), jnp.int32)
+    else:
+        cache, dcache, prev, pending = state.cache, state.dcache, state.prev, state.pending
+    pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    mask = llama.causal_mask(B, C)
     last = jnp.maximum(n_valid - 1, 0)[:, None]
-    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=False, logits_at=last,
+    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first, logits_at=last,
                                   fwd=fwd)
-    cache = kv.set_lengths(cache, n_valid)
-    pending = sample(logits[:, 0], samp, n_valid, greedy_only)
-    prev = jnp.take_along_axis(tokens, last, axis=1)[:, 0]
-    dcache = None if draft is None else draft.prefill(dparams, tokens, pos, mask, last, n_valid, slots)
+    cache = kv.advance(cache, n_valid)
+    has = n_valid > 0
+    pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)
+    prev = jnp.where(has, jnp.take_along_axis(tokens, last, axis=1)[:, 0], prev)
+    if draft is not None:
+        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first)
     return StepState(cache=cache, dcache=dcache, prev=prev, pending=pending)
 
 
 spec_step_jit = jax.jit(spec_step, static_argnames=("key",), donate_argnames=("state",))
 spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("key",), donate_argnames=("state",))
 spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("key",))
+spec_chunk_jit = jax.jit(spec_prefill, static_argnames=("key",), donate_argnames=("state",))
 spec_draft_jit = jax.jit(spec_draft, static_argnames=("key",), donate_argnames=("state",))

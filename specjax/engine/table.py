@@ -25,8 +25,8 @@ from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, spec_draft_jit, spec_prefill, spec_prefill_jit, spec_step_jit,
-                                 spec_tree_step_jit)
+from specjax.engine.step import (StepState, spec_chunk_jit, spec_draft_jit, spec_prefill, spec_prefill_jit,
+                                 spec_step_jit, spec_tree_step_jit)
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
@@ -112,14 +112,20 @@ class StepTable:
     def __len__(self) -> int:
         return len(self._exe)
 
-    def prefill(self, B: int, Tp: int, S: int, greedy_only: bool, run_draft: bool = True,
-                compile_if_missing: bool = False):
-        key = self.key("prefill", B, S, greedy_only, run_draft, prompt=Tp)
+    def prefill(self, B: int, C: int, S: int, greedy_only: bool, run_draft: bool = True,
+                compile_if_missing: bool = False, first: bool = True):
+        """A prefill chunk of C tokens per row: a prompt's first (fresh caches) or a later one
+        (the state the earlier chunks left, donated); see step.spec_prefill."""
+        key = self.key("prefill" if first else "chunk", B, S, greedy_only, run_draft, prompt=C)
 
         def build():
-            toks = jax.ShapeDtypeStruct((B, Tp), jnp.int32)
+            toks = jax.ShapeDtypeStruct((B, C), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
-            return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B), key=key).compile()
+            if first:
+                return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B),
+                                              key=key).compile()
+            return spec_chunk_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B),
+                                        self.state_info(B, S, run_draft), key=key).compile()
 
         return self._get(key, build, key.describe(), compile_if_missing)
 

@@ -71,7 +71,8 @@ class AcceptanceProfile:
 class SimBackend:
     def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, seed: int = 0, shrink_patience: int = 8, packed: bool = False):
+                 slots: int = 512, seed: int = 0, shrink_patience: int = 8, packed: bool = False,
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
         self.cost = cost
         self.packed = packed  # charge packed verify blocks (per-row draft counts) by their real tokens
         self.accept = accept
@@ -81,6 +82,7 @@ class SimBackend:
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
+        self.max_chunk = bk.largest_chunk(prefill_chunk, slots)
         self.rng = np.random.default_rng(seed)
         self._would: dict[int, int] = {}
         self._lens: dict[int, int] = {}
@@ -120,7 +122,7 @@ class SimBackend:
         for run_draft, grp in groups.items():
             for i in range(0, len(grp), max_b):
                 chunk = grp[i:i + max_b]
-                Tp = bk.prompt_bucket(max(len(r.req.prompt) for r in chunk), self.slots)
+                Tp = bk.prefill_tokens(max(len(r.req.prompt) for r in chunk), self.max_chunk)
                 t += self.cost.prefill_time(self.bucket(len(chunk)), Tp, draft=run_draft and self.device_draft)
         return [0] * len(rs), t
 

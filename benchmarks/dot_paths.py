@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Which XLA:CPU dot path runs SmolLM2's steps fastest on this machine: each candidate setting of
+XLA_FLAGS in a fresh process (the flags are read once, when XLA starts), timing the engine's own
+compiled executables (StepTable): the K = 0 step and K-draft verify steps at a short and a long
+context, and a 512-token prefill chunk after 512 cached tokens. A candidate whose flags this jaxlib
+does not know is reported as such instead of aborting the run.
+
+  python benchmarks/dot_paths.py [--ks 0,1,2,4,8,16] [--contexts 128,1024]
+
+Per candidate and shape it prints ms per call (median of --reps) and, for steps, the GB/s of
+weight reads that implies (every step reads every weight once), and each K's cost over the same
+candidate's K = 0 step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("ks", ["0", "1", "2", "4", "8", "16"], "Drafts per verify step.")
+flags.DEFINE_list("contexts", ["128", "1024"], "Committed context lengths.")
+flags.DEFINE_integer("reps", 15, "Timed calls per point (median).")
+flags.DEFINE_list("candidates", None, "Names of CANDIDATES to run (default: all).")
+flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
+flags.DEFINE_string("child", None, "Internal: run one candidate's measurement with these settings (JSON).")
+
+# name -> XLA_FLAGS. The library fusions hand whole dot(+elementwise) clusters to XNNPACK / YNNPACK /
+# oneDNN instead of XLA's own (Eigen) dot emitter.
+CANDIDATES = {
+    "default": "",
+    "xnn_dot": "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "onednn_dot": "--xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
+    "use_xnnpack": "--xla_cpu_use_xnnpack=true",
+    "use_onednn": "--xla_cpu_use_onednn=true",
+}
+
+
+def child(settings: dict) -> dict:
+    import jax
+    import numpy as np
+
+    from benchmarks.timing import median_seconds
+    from specjax.engine.table import StepTable
+    from specjax.models.loader import load_model
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    m = load_model("smollm2-135m")
+    cfg, params = m.cfg, m.params
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params["layers"]))
+    weight_bytes += params["embed"].size * params["embed"].dtype.itemsize  # the (tied) head
+    S, reps = 2048, settings["reps"]
+    table = StepTable(cfg, params, params)
+    samp = SamplingArrays.build([SamplingParams()], 1)
+    rng = np.random.default_rng(0)
+    out = {"steps": {}, "chunk_ms": None}
+
+    def prefilled(n):
+        state = None
+        for start in range(0, n, 512):  # whole 512-token chunks
+            toks = jax.device_put(rng.integers(100, cfg.vocab_size, (1, 512), dtype=np.int32))
+            exe = table.prefill(1, 512, S, True, first=state is None)
+            args = (params, params, toks, jax.device_put(np.array([min(512, n - start)], np.int32)), samp)
+            state = exe(*args) if state is None else exe(*args, state)
+        return state
+
+    act = jax.device_put(np.ones(1, bool))
+    for ctx in settings["contexts"]:
+        for K in settings["ks"]:
+            exe = table.step(1, K, S, True)
+            dt = jax.device_put(rng.integers(100, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
+            nd = jax.device_put(np.full(1, K, np.int32))
+            holder = [prefilled(ctx)]
+            base_len = holder[0].cache.lengths
+
+            def run():
+                st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
+                jax.block_until_ready(o.host)
+                # back to the same context: the step advanced the lengths
+                holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=base_len),
+                                     dcache=st.dcache, prev=st.prev, pending=st.pending)
+
+            t = median_seconds(run, reps)
+            out["steps"][f"{ctx}:{K}"] = t * 1e3
+    chunk = table.prefill(1, 512, S, True, first=False)
+    holder = [prefilled(512)]
+    toks = jax.device_put(rng.integers(100, cfg.vocab_size, (1, 512), dtype=np.int32))
+    n = jax.device_put(np.array([512], np.int32))
+
+    def run_chunk():
+        st = chunk(params, params, toks, n, samp, holder[0])
+        jax.block_until_ready(st.pending)
+        holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=st.cache.lengths - 512),
+                             dcache=st.dcache, prev=st.prev, pending=st.pending)
+
+    out["chunk_ms"] = median_seconds(run_chunk, max(3, reps // 3)) * 1e3
+    out["weight_gb"] = weight_bytes / 1e9
+    return out
+
+
+def main(argv):
+    del argv
+    if FLAGS.child is not None:
+        print("RESULT " + json.dumps(child(json.loads(FLAGS.child))))
+        return
+    settings = {"ks": [int(k) for k in FLAGS.ks], "contexts": [int(c) for c in FLAGS.contexts], "reps": FLAGS.reps}
+    results = {}
+    for name in FLAGS.candidates or CANDIDATES:
+        env = dict(os.environ, XLA_FLAGS=CANDIDATES[name])
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(settings)],
+                           capture_output=True, text=True, env=env)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            err = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            results[name] = {"error": err[:200]}
+            print(f"{name}: not available here ({err[:160]})", file=sys.stderr)
+            continue
+        results[name] = json.loads(line[7:])
+        print(f"[{name} done]", file=sys.stderr)
+    ok = {n: r for n, r in results.items() if "error" not in r}
+    for ctx in settings["contexts"]:
+        print(f"\nstep ms at context {ctx} (x = over the same setting's K = 0 step; GB/s of weight reads)")
+        print("| setting | " + " | ".join(f"K={k}" for k in settings["ks"]) + " |")
+        print("|---|" + "---|" * len(settings["ks"]))
+        for n, r in ok.items():
+            base = r["steps"][f"{ctx}:0"]
+            cells = []
+            for k in settings["ks"]:
+                t = r["steps"][f"{ctx}:{k}"]
+                cells.append(f"{t:.1f} ({t / base:.2f}x, {r['weight_gb'] / (t / 1e3):.0f} GB/s)")
+            print(f"| {n} | " + " | ".join(cells) + " |")
+    print("\n| setting | 512-token prefill chunk after 512 cached (ms) | prefill tok/s |\n|---|---|---|")
+    for n, r in ok.items():
+        print(f"| {n} | {r['chunk_ms']:.0f} | {512 / (r['chunk_ms'] / 1e3):.0f} |")
+    for n, r in results.items():
+        if "error" in r:
+            print(f"| {n} | not available: {r['error'][:80]} | |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"settings": settings, "candidates": CANDIDATES, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Prefill and decode speed by prompt length: specjax against transformers + torch CPU, in one run.
+
+Random-token prompts (ids 100..vocab-1), SmolLM2-135M fp32, batch 1, greedy. specjax runs through
+``Generator`` (the engine's K = 0 path), so a prefill is what a user waits for: every chunk call,
+the insert into the live batch and the first token's trip to the host. Per length:
+
+- prefill tok/s, best of --reps, with chunked prefill (--prefill_chunk) and, up to
+  --whole_max tokens, with the whole prompt as one padded chunk (the path before chunking: its
+  [T, T] scores at 8k tokens would be 2.4 GB per layer);
+- decode tok/s at --decode_contexts: (new tokens - 1) / decode seconds over --decode_tokens tokens.
+
+transformers runs first, in a subprocess of --hf_python (a venv with torch CPU, transformers and
+gguf; see BENCHMARKS.md), one after the other, never concurrently:
+
+  python benchmarks/prefill_speed.py --hf_python /tmp/hfvenv/bin/python
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("lengths", ["128", "512", "1024", "2048", "4096", "8000"], "Prompt lengths to prefill.")
+flags.DEFINE_list("decode_contexts", ["64", "1024"], "Contexts to time decode at.")
+flags.DEFINE_integer("decode_tokens", 32, "Decode steps timed per context.")
+flags.DEFINE_integer("reps", 3, "Timed repeats (best taken) per length.")
+flags.DEFINE_integer("prefill_chunk", 512, "Largest prefill chunk of the chunked path.")
+flags.DEFINE_integer("whole_max", 2048, "Also time the one-chunk (whole prompt) path up to this length; 0: never.")
+flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers; omit to skip HF.")
+flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
+
+
+def run_hf(python, lengths, contexts, decode_tokens, reps):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "hf.json")
+        cmd = [python, os.path.join(here, "hf_baseline.py"), "--prefill_lens", ",".join(map(str, lengths)),
+               "--decode_contexts", ",".join(map(str, contexts)), "--reps", str(reps), "--json", out]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        with open(out) as f:
+            res = json.load(f)
+    res["decode"] = {int(k): v for k, v in res["decode"].items()}
+    res["prefill"] = {int(k): v for k, v in res["prefill"].items()}
+    return res
+
+
+def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max):
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from specjax.generate import Generator
+    from specjax.models.loader import load_model
+
+    m = load_model("smollm2-135m", "float32")
+    rng = np.random.default_rng(0)
+    prompt = {n: [int(x) for x in rng.integers(100, m.cfg.vocab_size, n)] for n in set(lengths) | set(contexts)}
+    gens = {"chunked": Generator(m.cfg, m.params, prefill_chunk=chunk)}
+    if whole_max:
+        gens["whole"] = Generator(m.cfg, m.params, prefill_chunk=8192)
+    out = {name: {} for name in gens}
+    out["decode"] = {}
+    jobs = [(name, n) for n in lengths for name in gens if name == "chunked" or n <= whole_max]
+    for name, n in tqdm(jobs, desc="specjax prefill", disable=None):
+        g = gens[name]
+        g.generate([prompt[n]], max_new_tokens=1)  # compiles this length's chunks
+        out[name][n] = min(g.generate([prompt[n]], max_new_tokens=1)[0].prefill_s for _ in range(reps))
+    g = gens["chunked"]
+    for c in contexts:
+        g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)
+        runs = [g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)[0] for _ in range(reps)]
+        out["decode"][c] = min(r.decode_s / (len(r.tokens) - 1) for r in runs)
+    out["env"] = {"jax": jax.__version__, "prefill_chunk": chunk}
+    return out
+
+
+def main(argv):
+    del argv
+    lengths = [int(x) for x in FLAGS.lengths]
+    contexts = [int(x) for x in FLAGS.decode_contexts]
+    hf = run_hf(FLAGS.hf_python, lengths, contexts, FLAGS.decode_tokens, FLAGS.reps) if FLAGS.hf_python else None
+    sj = run_specjax(lengths, contexts, FLAGS.decode_tokens, FLAGS.reps, FLAGS.prefill_chunk, FLAGS.whole_max)
+    print(f"\nSmolLM2-135M fp32, batch 1, random-token prompts; prefill tok/s, best of {FLAGS.reps}; "
+          f"chunked = chunks of <= {FLAGS.prefill_chunk}, whole = one padded chunk (the path before chunking)")
+    print("| prompt tokens | specjax chunked | specjax whole | transformers | chunked / transformers | chunked / whole |")
+    print("|---|---|---|---|---|---|")
+    for n in lengths:
+        c = n / sj["chunked"][n]
+        w = n / sj["whole"][n] if n in sj.get("whole", {}) else None
+        h = n / hf["prefill"][n] if hf else None
+        print(f"| {n} | {c:.0f} | {w:.0f} |" if w else f"| {n} | {c:.0f} | - |", end="")
+        print(f" {h:.0f} | {c / h:.2f}x |" if h else " - | - |", end="")
+        print(f" {c / w:.2f}x |" if w else " - |")
+    print("\n| decode context | specjax tok/s | transformers tok/s | ratio |\n|---|---|---|---|")
+    for c in contexts:
+        s = 1 / sj["decode"][c]
+        h = 1 / hf["decode"][c] if hf else None
+        print(f"| {c} | {s:.1f} | {h:.1f} | {s / h:.2f}x |" if h else f"| {c} | {s:.1f} | - | - |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"specjax": sj, "hf": hf}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

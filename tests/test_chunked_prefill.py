@@ -1,0 +1,107 @@
+"""Chunked prefill: a prompt runs as chunks of at most ``prefill_chunk`` tokens, each attending to
+the cached prefix and itself. The state it leaves must match the whole-prompt prefill within float
+tolerance, and generation through it must stay lossless (greedy: the reference AR's tokens)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import buckets as bk
+from specjax.drafters.device import ModelDraft
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.engine.table import StepTable
+from specjax.models import llama
+from specjax.reference_ar import reference_generate
+from specjax.sampling import SamplingArrays, SamplingParams
+from specjax.spec_generate import SpecGenerator
+
+
+@pytest.mark.parametrize("max_chunk", [16, 64, 512])
+def test_prefill_chunks_cover_the_prompt_in_bucket_sizes(max_chunk):
+    sizes = {16 << i for i in range(8) if 16 << i <= max_chunk}
+    for n in list(range(1, 300)) + [511, 512, 513, 1330, 2000, 4097, 8000]:
+        plan = bk.prefill_chunks(n, max_chunk)
+        starts = [s for s, _ in plan]
+        assert starts[0] == 0 and all(s + c == t for (s, c), t in zip(plan, starts[1:])), (n, plan)
+        assert all(c in sizes for _, c in plan), (n, plan)
+        end = plan[-1][0] + plan[-1][1]
+        assert plan[-1][0] < n <= end, (n, plan)  # only the last chunk is padded
+        assert all(c == max_chunk for _, c in plan if _ + max_chunk <= n - n % max_chunk), (n, plan)
+        # padding: under a quarter of the last chunk, or the last chunk is one that is never split
+        assert end - n <= max(plan[-1][1] // 4, bk.SPLIT_MIN - 1), (n, plan)
+        assert bk.prefill_tokens(n, max_chunk) == end
+    with pytest.raises(Exception, match="power of two"):
+        bk.prefill_chunks(100, 48)
+
+
+def _prefill(table, B, S, prompts, max_chunk, run_draft):
+    lens = np.array([len(p) for p in prompts] + [1] * (B - len(prompts)), np.int32)
+    samp = SamplingArrays.build([SamplingParams()] * B, B)
+    state = None
+    for start, C in bk.prefill_chunks(int(lens.max()), max_chunk):
+        n = np.clip(lens - start, 0, C).astype(np.int32)
+        toks = np.zeros((B, C), np.int32)
+        for b, p in enumerate(prompts):
+            toks[b, :n[b]] = p[start:start + n[b]]
+        exe = table.prefill(B, C, S, True, run_draft, first=state is None)
+        args = (table.params, table.dparams, jnp.asarray(toks), jnp.asarray(n), samp)
+        state = exe(*args) if state is None else exe(*args, state)
+    return state, lens
+
+
+def _next_logits(params, cfg, cache, tok):
+    B = tok.shape[0]
+    logits, _ = llama.forward(params, tok[:, None], cache.lengths[:, None], cache, llama.causal_mask(B, 1), cfg=cfg)
+    return np.asarray(logits[:, 0])
+
+
+def test_chunked_prefill_state_matches_the_whole_prompt(tiny):
+    cfg, params = tiny
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(1, cfg.vocab_size, n)) for n in (45, 7, 33)]  # 3 rows padded to 4
+    dcfg = cfg.replace(name="tiny-draft", num_layers=2)
+    table = StepTable(cfg, params, llama.init_random_params(dcfg, seed=1), ModelDraft(dcfg))
+    S = 256
+    whole, lens = _prefill(table, 4, S, prompts, 64, True)  # one 64-token first chunk
+    chunked, _ = _prefill(table, 4, S, prompts, 16, True)  # chunks 16, 16, 16
+    assert len(bk.prefill_chunks(45, 16)) == 3
+    np.testing.assert_array_equal(np.asarray(chunked.cache.lengths), lens)
+    np.testing.assert_array_equal(np.asarray(chunked.cache.lengths), np.asarray(whole.cache.lengths))
+    np.testing.assert_array_equal(np.asarray(chunked.prev), np.asarray(whole.prev))
+    np.testing.assert_array_equal(np.asarray(chunked.pending), np.asarray(whole.pending))
+    for c, w in ((chunked.cache, whole.cache), (chunked.dcache, whole.dcache)):
+        for b, n in enumerate(lens):
+            np.testing.assert_allclose(np.asarray(c.k[:, b, :, :n]), np.asarray(w.k[:, b, :, :n]), atol=2e-5)
+            np.testing.assert_allclose(np.asarray(c.v[:, b, :, :n]), np.asarray(w.v[:, b, :, :n]), atol=2e-5)
+    tok = jnp.asarray(whole.pending)
+    np.testing.assert_allclose(_next_logits(params, cfg, chunked.cache, tok), _next_logits(params, cfg, whole.cache, tok),
+                               rtol=1e-4, atol=1e-4)
+
+
+def _rep(seq, n):
+    return (list(seq) * n)[:n]
+
+
+def test_chunked_prefill_generation_is_lossless(tiny):
+    """Prompts of 17-70 tokens in chunks of 16 (rows of one batch end in different chunks): greedy
+    output is the whole-prompt reference AR's for a host and a device drafter, and sampled output
+    is the unchunked generator's for the same seeds."""
+    cfg, params = tiny
+    dcfg = cfg.replace(name="tiny-draft", num_layers=2)
+    dparams = llama.init_random_params(dcfg, seed=1)
+    prompts = [_rep([5, 6, 7, 8, 9], 70), list(range(100, 117)), _rep([11, 12, 13], 40)]
+    want = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=16, batch_buckets=(4,))]
+    kw = dict(batch_buckets=(4,), k_buckets=(0, 2), slot_buckets=(256,))
+    sp = [SamplingParams(temperature=0.9, seed=1), SamplingParams(), SamplingParams(temperature=1.1, top_k=20, seed=2)]
+    for make in (lambda c: SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), prefill_chunk=c, **kw),
+                 lambda c: SpecGenerator(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, prefill_chunk=c,
+                                         **kw)):
+        chunked, whole = make(16), make(128)
+        got = [r.tokens for r in chunked.generate(prompts, max_new_tokens=16, num_spec_tokens=2)]
+        assert got == want
+        a = [r.tokens for r in chunked.generate(prompts, sampling=sp, max_new_tokens=16, num_spec_tokens=2)]
+        b = [r.tokens for r in whole.generate(prompts, sampling=sp, max_new_tokens=16, num_spec_tokens=2)]
+        assert a == b and a[1] == want[1]
