@@ -28,6 +28,8 @@ flags.DEFINE_list("ks", ["0", "1", "2", "4", "8", "16"], "Drafts per verify step
 flags.DEFINE_list("contexts", ["128", "1024"], "Committed context lengths.")
 flags.DEFINE_integer("reps", 15, "Timed calls per point (median).")
 flags.DEFINE_list("candidates", None, "Names of CANDIDATES to run (default: all).")
+flags.DEFINE_list("attn_chunks", ["256"], "ForwardOptions.attn_chunk values (prefix-attention chunk) to run each "
+                  "candidate with; a candidate with a non-default chunk is named name@chunk.")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 flags.DEFINE_string("child", None, "Internal: run one candidate's measurement with these settings (JSON).")
 
@@ -50,6 +52,7 @@ def child(settings: dict) -> dict:
     from benchmarks.timing import median_seconds
     from specjax.engine.table import StepTable
     from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
     from specjax.sampling import SamplingArrays, SamplingParams
 
     m = load_model("smollm2-135m")
@@ -57,7 +60,7 @@ def child(settings: dict) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params["layers"]))
     weight_bytes += params["embed"].size * params["embed"].dtype.itemsize  # the (tied) head
     S, reps = 2048, settings["reps"]
-    table = StepTable(cfg, params, params)
+    table = StepTable(cfg, params, params, fwd=ForwardOptions(attn_chunk=settings["attn_chunk"]))
     samp = SamplingArrays.build([SamplingParams()], 1)
     rng = np.random.default_rng(0)
     out = {"steps": {}, "chunk_ms": None}
@@ -78,13 +81,13 @@ def child(settings: dict) -> dict:
             dt = jax.device_put(rng.integers(100, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
             nd = jax.device_put(np.full(1, K, np.int32))
             holder = [prefilled(ctx)]
-            base_len = holder[0].cache.lengths
+            base_len = np.array([ctx], np.int32)
 
             def run():
                 st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
                 jax.block_until_ready(o.host)
                 # back to the same context: the step advanced the lengths
-                holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=base_len),
+                holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=jax.device_put(base_len)),
                                      dcache=st.dcache, prev=st.prev, pending=st.pending)
 
             t = median_seconds(run, reps)
@@ -112,15 +115,18 @@ def main(argv):
         return
     settings = {"ks": [int(k) for k in FLAGS.ks], "contexts": [int(c) for c in FLAGS.contexts], "reps": FLAGS.reps}
     results = {}
-    for name in FLAGS.candidates or CANDIDATES:
-        env = dict(os.environ, XLA_FLAGS=CANDIDATES[name])
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(settings)],
+    runs = [(c, int(a)) for c in (FLAGS.candidates or CANDIDATES) for a in FLAGS.attn_chunks]
+    for cand, chunk in runs:
+        name = cand if chunk == 256 else f"{cand}@{chunk}"
+        env = dict(os.environ, XLA_FLAGS=CANDIDATES[cand])
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                            json.dumps(dict(settings, attn_chunk=chunk))],
                            capture_output=True, text=True, env=env)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             err = (r.stderr.strip().splitlines() or ["no output"])[-1]
             results[name] = {"error": err[:200]}
-            print(f"{name}: not available here ({err[:160]})", file=sys.stderr)
+            print(f"{name}: failed ({err[:160]})", file=sys.stderr)
             continue
         results[name] = json.loads(line[7:])
         print(f"[{name} done]", file=sys.stderr)
@@ -141,7 +147,7 @@ def main(argv):
         print(f"| {n} | {r['chunk_ms']:.0f} | {512 / (r['chunk_ms'] / 1e3):.0f} |")
     for n, r in results.items():
         if "error" in r:
-            print(f"| {n} | not available: {r['error'][:80]} | |")
+            print(f"| {n} | failed: {r['error'][:80]} | |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"settings": settings, "candidates": CANDIDATES, "results": results}, f, indent=1)

@@ -12,6 +12,15 @@ drafter's global tree has only seen the first task when the second begins):
 - ``code_tests``: HumanEval functions (../shared/data/humaneval), each with the same request
   to write pytest tests for it (code whose shape repeats from task to task).
 
+``--long N``: long prompts instead (1-4k SmolLM2 tokens, for prefill-bound end-to-end runs), N
+of each of three kinds built from the same data:
+
+- ``multi_turn``: a conversation transcript of GSM8K questions and their worked answers, then a
+  new question to solve the same way;
+- ``doc_qa``: a "document" of worked GSM8K solutions, then a question about one of them;
+- ``code_edit``: a module of HumanEval functions with their solutions, then a request to return
+  it with one function renamed everywhere (an edit that copies most of the prompt).
+
 ``--mix_specbench N``: the mixed stream instead: the repetitive prompts interleaved one for one
 with open-ended Spec-Bench questions (the first N of each category, as many as there are
 repetitive prompts), half repetitive, half not.
@@ -39,6 +48,52 @@ CODE_TEMPLATE = """Write three pytest test functions for the following Python fu
 {prompt}"""
 
 
+def _jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# Characters per prompt: SmolLM2's tokenizer averages ~3.5-4 characters per token on this text.
+LONG_CHARS = (4000, 7000, 10000, 14000)
+
+
+def long_prompts(data_dir: str, n: int) -> list[dict]:
+    """n prompts of each long kind (see the module docstring), their sizes cycling through
+    LONG_CHARS; deterministic (data order, no randomness)."""
+    gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
+    tests = _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))
+    code = _jsonl(os.path.join(data_dir, "humaneval", "HumanEval.jsonl"))
+    rows, g, c = [], 0, 0
+    for i in range(n):
+        size = LONG_CHARS[i % len(LONG_CHARS)]
+        turns = []
+        while sum(map(len, turns)) < size:
+            turns.append(f"User: {gsm[g]['question']}\nAssistant: {gsm[g]['answer']}\n")
+            g += 1
+        q = tests[i % len(tests)]["question"]
+        rows.append({"question_id": f"multi_turn-{i}", "category": "multi_turn",
+                     "turns": ["Here is our conversation so far.\n\n" + "".join(turns)
+                               + f"\nUser: {q}\nAnswer step by step, like before."]})
+        doc = []
+        while sum(map(len, doc)) < size:
+            doc.append(f"Problem {len(doc) + 1}. {gsm[g]['question']}\nSolution: {gsm[g]['answer']}\n")
+            g += 1
+        k = len(doc) // 2
+        rows.append({"question_id": f"doc_qa-{i}", "category": "doc_qa",
+                     "turns": ["Read these worked solutions.\n\n" + "\n".join(doc)
+                               + f"\nExplain the solution of problem {k + 1} again, step by step, and give its final answer."]})
+        mod, names = [], []
+        while sum(map(len, mod)) < size:
+            mod.append(code[c]["prompt"] + code[c]["canonical_solution"])
+            names.append(code[c]["entry_point"])
+            c = (c + 1) % len(code)
+        old = names[len(names) // 2]
+        rows.append({"question_id": f"code_edit-{i}", "category": "code_edit",
+                     "turns": ["\n\n".join(mod) + f"\n\nRename the function {old} to {old}_v2 everywhere in this "
+                               "module and return the whole module."]})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -46,7 +101,15 @@ def main():
     ap.add_argument("--n_code", type=int, default=8)
     ap.add_argument("--data_dir", default=DATA)
     ap.add_argument("--mix_specbench", type=int, default=0, help="interleave with N Spec-Bench questions per category")
+    ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
     a = ap.parse_args()
+    if a.long:
+        rows = long_prompts(a.data_dir, a.long)
+        with open(a.out, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {len(rows)} long prompts to {a.out}")
+        return
     rows = []
     with open(os.path.join(a.data_dir, "gsm8k", "test_shared_200.jsonl"), encoding="utf-8") as f:
         for i, line in zip(range(a.n_json), f):

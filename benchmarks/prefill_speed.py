@@ -40,10 +40,12 @@ flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 
 
 def run_hf(python, lengths, contexts, decode_tokens, reps):
+    from specjax.models.loader import default_gguf_path
+
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "hf.json")
-        cmd = [python, os.path.join(here, "hf_baseline.py"), "--prefill_lens", ",".join(map(str, lengths)),
+        cmd = [python, os.path.join(here, "hf_baseline.py"), "--gguf", default_gguf_path(), "--prefill_lens", ",".join(map(str, lengths)),
                "--decode_contexts", ",".join(map(str, contexts)), "--reps", str(reps), "--json", out]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         with open(out) as f:

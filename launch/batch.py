@@ -61,6 +61,7 @@ def define_flags() -> None:
     cli.define_request_flags()
     cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
     cli.define_forward_flags()
+    cli.define_prefill_flags()
     cli.define_policy_flags()
 
 
@@ -78,6 +79,7 @@ def validate_flags() -> dict:
     if FLAGS.system and not FLAGS.chat:
         raise SpecjaxError("--system needs --chat")
     cli.request_defaults()  # --max_new_tokens and the sampling flags
+    cli.prefill_options_from_flags()
     ks = registry.number_list("k_buckets", FLAGS.k_buckets)
     if min(ks) < 0 or 0 not in ks:
         raise SpecjaxError(f"--k_buckets must be non-negative and include 0 (plain decoding), got {FLAGS.k_buckets!r}")
@@ -131,7 +133,9 @@ def serve(job, geom) -> int:
     tok = model.tokenizer
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
+    prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
     backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(), **geom,
+                                    prefill_chunk=prefill_chunk,
                                     **registry.backend_options([FLAGS.policy]),
                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
@@ -180,6 +184,7 @@ def serve(job, geom) -> int:
 
         backend.reset()  # a fresh live state (also after a failed run)
         engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
+                               prefill_budget=prefill_budget,
                                should_stop=job.should_stop)
         t0 = time.perf_counter()
         try:

@@ -69,6 +69,7 @@ def define_flags() -> None:
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
                        "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
     cli.define_confidence_flag()
+    cli.define_prefill_flags()
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
@@ -173,7 +174,9 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
     from specjax.engine.loop import ServingEngine
     from specjax.goodput import DraftPrefillGate
 
+    prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
     be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model, **geom,
+                      prefill_chunk=prefill_chunk,
                       **registry.backend_options(policies))
     t0 = time.perf_counter()
     be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
@@ -192,7 +195,8 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
                 be.reset()
                 policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
                 gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
-                eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate)
+                eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate,
+                                    prefill_budget=prefill_budget)
                 outs = eng.run(reqs)
                 rows.append(dict(mode="real", drafter=drafter, rate=rate, policy=policy_label(pol), repeat=rep,
                                  out_lens=[len(o.tokens) for o in outs], **run_summary(eng, outs)))
@@ -231,7 +235,8 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
                 outs, eng = simulate(reqs, policy, charge, accept, device_draft=device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
                                      slots=geom["slots"], seed=seed + rep, prefill_gate=gate,
-                                     packed=registry.backend_options(policies)["packed"])
+                                     packed=registry.backend_options(policies)["packed"],
+                                     prefill_chunk=FLAGS.prefill_chunk, prefill_budget=FLAGS.prefill_budget or None)
                 rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
                                  policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
                 _log(rows[-1])
@@ -263,6 +268,7 @@ def run():
 
     policies = [p.strip().lower() for p in FLAGS.policies.split(",") if p.strip()]
     cli.check_policy_flags()
+    cli.prefill_options_from_flags()
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
     geom = dict(k_buckets=registry.number_list("k_buckets", FLAGS.k_buckets), batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets),
                 slots=FLAGS.slots)

@@ -144,6 +144,27 @@ def forward_options_from_flags():
     return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows)
 
 
+def define_prefill_flags() -> None:
+    """How the engine prefills prompts (buckets.prefill_chunks, ServingEngine's prefill_budget)."""
+    flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
+                         "of two >= 16); each chunk attends to the cached prefix and itself.")
+    flags.DEFINE_integer("prefill_budget", 0, "Chunked prefill: about this many prompt tokens prefilled per engine "
+                         "iteration while other requests decode (0: each prompt whole, at admission).")
+
+
+def prefill_options_from_flags() -> tuple[int, int | None]:
+    """(prefill_chunk, prefill_budget or None) from the flags, checked."""
+    from specjax import buckets as bk
+    from specjax.errors import SpecjaxError
+
+    c = FLAGS.prefill_chunk
+    if c < bk.MIN_PROMPT_BUCKET or c & (c - 1):
+        raise SpecjaxError(f"--prefill_chunk must be a power of two >= {bk.MIN_PROMPT_BUCKET}, got {c}")
+    if FLAGS.prefill_budget < 0:
+        raise SpecjaxError(f"--prefill_budget must be >= 0, got {FLAGS.prefill_budget}")
+    return c, FLAGS.prefill_budget or None
+
+
 def define_policy_flags() -> None:
     """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K."""
     flags.DEFINE_string("policy", "auto", registry.POLICY_HELP + ": auto = SmartSpec when --perf_models has a "

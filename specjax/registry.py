@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from specjax import buckets as bk
 from specjax.models.options import ForwardOptions
 
 DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip", "suffix", "suffix_path", "hybrid")
@@ -139,10 +140,9 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
-                         packed: bool = False, **kw):
+                         packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, **kw):
     """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts
     (``draft_first`` / ``packed``: see backend_options)."""
-    from specjax import buckets as bk
     from specjax.errors import SpecjaxError
     from specjax.spec_generate import SpecGenerator
 
@@ -151,14 +151,13 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, dr
     parts = drafter_parts(model, drafter, k=k, **kw)
     return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
-                         fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed, **parts)
+                         fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed,
+                         prefill_chunk=prefill_chunk, **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
     """(batch bucket, prompt length, cache slots) a SpecGenerator runs these prompts at (used to
     compile exactly what a run needs ahead of time; the prefill chunks follow from the length)."""
-    from specjax import buckets as bk
-
     B = bk.pick(gen.batch_buckets, batch, "batch size")
     S = gen.slots_for([prompt_len], max_new_tokens)
     return B, prompt_len, S
@@ -191,7 +190,8 @@ def format_spec_stats(stats) -> str:
 
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
-                 draft_first: bool = False, packed: bool = False, **drafter_kw):
+                 draft_first: bool = False, packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
+                 **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
@@ -204,7 +204,8 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     else:
         parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
     return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
-                      fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed, **parts)
+                      fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed,
+                      prefill_chunk=prefill_chunk, **parts)
 
 
 def model_name(spec: str) -> str:

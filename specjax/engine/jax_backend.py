@@ -39,6 +39,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.engine.live_bucket import LiveBucket
+from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.scheduler import Running
 from specjax.engine.table import StepTable
@@ -130,6 +131,7 @@ class JaxBackend:
         self.resizes = 0
         self.live.reset()
         self._inputs: dict = {}  # step inputs already on the device, by value (see _to_device)
+        self.prefills = PrefillQueue()  # admitted prompts not yet (fully) prefilled
         # Row operations (op, bucket from, bucket to) done since the loop last asked, so that
         # calibration can tell the loop's own overhead from the cache copies it triggered.
         self.row_ops: list[tuple[str, int, int]] = []
@@ -214,58 +216,62 @@ class JaxBackend:
 
     # ------------------------------------------------------------ backend protocol
 
-    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
-        t0 = time.perf_counter()
-        first: dict[int, int] = {}
-        n_before = len(self.row_of)
-        self._ensure_capacity(n_before + len(rs))
+    def start_prefill(self, rs: Sequence[Running]) -> None:
+        """Give each request a row now and queue its prefill (run by ``advance_prefill``). The row
+        is held, inactive, until the prompt is in; a resize keeps it."""
+        self._ensure_capacity(len(self.row_of) + len(rs))
         free = [j for j, u in enumerate(self.rows) if u is None]
-        max_b = self.batch_buckets[-1]
-        groups: dict[bool, list[Running]] = {}
         for r in rs:
-            groups.setdefault(r.speculate or not self.device_draft, []).append(r)
-        for run_draft, grp in groups.items():
-            for i in range(0, len(grp), max_b):
-                chunk = grp[i:i + max_b]
-                Bp = self.bucket(len(chunk))
-                lens = np.array([len(r.req.prompt) for r in chunk] + [1] * (Bp - len(chunk)), np.int32)
-                greedy = all(r.req.sampling.greedy for r in chunk)
-                samp = SamplingArrays.build([r.req.sampling for r in chunk], Bp)
-                new = self._prefill_rows([r.req.prompt for r in chunk], lens, greedy, samp,
-                                         run_draft and self.device_draft)
-                dst = np.full(Bp, self.B, np.int32)  # out of range: padding rows are dropped
-                for b, r in enumerate(chunk):
-                    row = free.pop(0)
-                    dst[b] = row
-                    self.rows[row] = r.uid
-                    self.row_of[r.uid] = row
-                    self.samp_of[r.uid] = r.req.sampling
-                    self._to_clear.discard(row)
-                ins = self.table.insert(self.B, Bp, self.slots, run_draft and self.device_draft)
-                self.state = ins(self.state, new, jax.device_put(dst))
-                pend = np.asarray(new.pending)
-                for b, r in enumerate(chunk):
-                    first[r.uid] = int(pend[b])
-                    if not self.device_draft:
-                        self.drafter.start(r.uid, list(r.req.prompt))
-                        self.drafter.extend(r.uid, [first[r.uid]])
+            row = free.pop(0)
+            self.rows[row] = r.uid
+            self.row_of[r.uid] = row
+            self.samp_of[r.uid] = r.req.sampling
         self._samp = None
-        return [first[r.uid] for r in rs], time.perf_counter() - t0
+        self.prefills.add(make_jobs(rs, self.device_draft, self.batch_buckets[-1], self.max_chunk))
 
-    def _prefill_rows(self, prompts, lens, greedy: bool, samp, run_draft: bool):
-        """A fresh [Bp]-row state holding these prompts (``lens``: per row, padding rows 1), run
-        chunk by chunk (buckets.prefill_chunks of the longest)."""
-        Bp = len(lens)
-        state = None
-        for start, C in bk.prefill_chunks(int(lens.max()), self.max_chunk):
-            n = np.clip(lens - start, 0, C).astype(np.int32)
-            toks = np.zeros((Bp, C), np.int32)
-            for b, p in enumerate(prompts):
-                toks[b, :n[b]] = p[start:start + n[b]]
-            exe = self.table.prefill(Bp, C, self.slots, greedy, run_draft, first=state is None)
-            args = (self.params, self.dparams, jax.device_put(toks), jax.device_put(n), samp)
-            state = exe(*args) if state is None else exe(*args, state)
-        return state
+    def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
+        """Run queued prefill chunks (PrefillQueue.run: ``budget`` tokens, at least one chunk;
+        None: all). Finished prompts are scattered into their rows of the live state. Returns
+        (request, its first token) of each finished request, and the seconds it took."""
+        t0 = time.perf_counter()
+        done = []
+        for job in self.prefills.run(budget, self._run_chunk, self.bucket):
+            Bp = job.state.pending.shape[0]
+            dst = np.full(Bp, self.B, np.int32)  # out of range: padding rows are dropped
+            for b, r in enumerate(job.rs):
+                dst[b] = self.row_of[r.uid]
+                self._to_clear.discard(int(dst[b]))  # (the insert overwrites the row's length)
+            ins = self.table.insert(self.B, Bp, self.slots, job.run_draft)
+            self.state = ins(self.state, job.state, jax.device_put(dst))
+            pend = np.asarray(job.state.pending)
+            job.state = None
+            for b, r in enumerate(job.rs):
+                done.append((r, int(pend[b])))
+                if not self.device_draft:
+                    self.drafter.start(r.uid, list(r.req.prompt))
+                    self.drafter.extend(r.uid, [int(pend[b])])
+        return done, time.perf_counter() - t0
+
+    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
+        """Prefill ``rs`` whole, now (with whatever else was queued): first tokens in order."""
+        self.start_prefill(rs)
+        done, t = self.advance_prefill(None)
+        first = {r.uid: tok for r, tok in done}
+        return [first[r.uid] for r in rs], t
+
+    def _run_chunk(self, job: PrefillJob, start: int, C: int) -> None:
+        """One prefill chunk of a job: its rows' prompt tokens [start, start + C)."""
+        Bp = self.bucket(len(job.rs))
+        lens = np.array([len(r.req.prompt) for r in job.rs] + [1] * (Bp - len(job.rs)), np.int32)
+        n = np.clip(lens - start, 0, C).astype(np.int32)
+        toks = np.zeros((Bp, C), np.int32)
+        for b, r in enumerate(job.rs):
+            toks[b, :n[b]] = r.req.prompt[start:start + n[b]]
+        greedy = all(r.req.sampling.greedy for r in job.rs)
+        samp = SamplingArrays.build([r.req.sampling for r in job.rs], Bp)
+        exe = self.table.prefill(Bp, C, self.slots, greedy, job.run_draft, first=job.state is None)
+        args = (self.params, self.dparams, jax.device_put(toks), jax.device_put(n), samp)
+        job.state = exe(*args) if job.state is None else exe(*args, job.state)
 
     def _prepare(self, rs: Sequence[Running]) -> None:
         """Resize / clear the live state for the coming step (once per step, before any call
@@ -273,7 +279,7 @@ class JaxBackend:
         if self._prepared:
             return
         self._prepared = True
-        self._maybe_shrink(len(rs))
+        self._maybe_shrink(len(self.row_of))  # rows being prefilled are held too
         if self._to_clear:
             free = np.zeros(self.B, bool)
             free[list(self._to_clear)] = True

@@ -2,9 +2,13 @@
 
 One iteration (Algorithm 2 around a vLLM-style scheduler):
   1. requests whose arrival time has come join the FCFS waiting queue;
-  2. the FCFS prefix that fits free KV rows is admitted and prefilled (prefill first, as in
-     vLLM without chunked prefill); with a draft model, the prefill gate may admit a request
-     without its draft prefill when recent steps proposed nothing (prefill disabling);
+  2. the FCFS prefix that fits free KV rows is admitted and its prefill queued; with a draft
+     model, the prefill gate may admit a request without its draft prefill when recent steps
+     proposed nothing (prefill disabling). Queued prefills run in chunks (prefill_jobs): all of
+     them at once by default (prefill first, as vLLM without chunked prefill), or, with a
+     ``prefill_budget``, about that many prompt tokens per iteration while other requests are
+     decoding (chunked prefill: a long prompt delays the running requests' next tokens by a
+     chunk at a time, not by its whole prefill); a request decodes once its prompt is in;
   3. host drafters propose for every running request (free next to a forward pass);
   4. the policy picks K among the K values compiled for the bucket the live state will run the
      step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
@@ -98,7 +102,10 @@ class Backend(Protocol):
 
     def k_options(self, bucket: int) -> Sequence[int]: ...
 
-    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]: ...
+    def start_prefill(self, rs: Sequence[Running]) -> None: ...  # hold rows, queue the prefill chunks
+
+    # run queued chunks (budget: prompt tokens, at least one chunk; None: all): (request, first token) done
+    def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]: ...
 
     # threshold: a confidence policy's cut (Algorithm 3): a device drafter drafts before the choice
     def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal: ...
@@ -135,13 +142,16 @@ class ServingEngine:
     def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None, prefill_budget: int | None = None):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
         self.clock = clock if clock is not None else WallClock()
         self.gate = prefill_gate if (prefill_gate is not None and backend.device_draft) else None
         self.max_prefill_batch = max_prefill_batch
+        if prefill_budget is not None and prefill_budget < 1:
+            raise SpecjaxError(f"prefill_budget must be >= 1 token, got {prefill_budget}")
+        self.prefill_budget = prefill_budget  # None: whole prompts at admission; else chunked prefill
         self.on_finish = on_finish
         self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
@@ -222,8 +232,9 @@ class ServingEngine:
                     self.clock.wait_until(self._t0 + requests[order[nxt]].arrival)
                 continue
             self._admit()
+            self._prefill()
             self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill
-            if self.sched.running:
+            if any(not r.prefilling for r in self.sched.running):
                 self._step()
                 self._retire(finished)
         by_id: dict = {}
@@ -237,18 +248,32 @@ class ServingEngine:
         # No-SD serves with no draft model at all: its requests skip the draft prefill too.
         speculate = self.policy.may_speculate and (self.gate.speculate() if self.gate else True)
         rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch)
-        first, elapsed = self.backend.prefill(rs)
-        self.clock.advance(elapsed)
-        self.prefill_s += elapsed
-        for r, tok in zip(rs, first):
-            self._emit(r, [tok])
+        for r in rs:
+            r.prefilling = True
+        self.backend.start_prefill(rs)
+
+    def _prefill(self) -> None:
+        """Run queued prefill chunks: all of them when nothing decodes or without a budget, else
+        about ``prefill_budget`` tokens' worth."""
+        if not any(r.prefilling for r in self.sched.running):
+            return
+        decoding = any(not r.prefilling for r in self.sched.running)
+        while True:  # with nothing decoding, on until one prompt is in
+            done, elapsed = self.backend.advance_prefill(self.prefill_budget)
+            self.clock.advance(elapsed)
+            self.prefill_s += elapsed
+            for r, tok in done:
+                r.prefilling = False
+                self._emit(r, [tok])
+            if done or decoding or self.prefill_budget is None:
+                return
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        rs = list(self.sched.running)
+        rs = [r for r in self.sched.running if not r.prefilling]
         be = self.backend
         be.take_row_ops()  # (the admissions' ops belong to the prefill)
-        bucket = be.step_bucket(len(rs))
+        bucket = be.step_bucket(len(self.sched.running))  # rows being prefilled are held too
         opts = be.k_options(bucket)
         prop = be.propose(rs, max(opts), self.policy.draft_threshold)
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
@@ -363,12 +388,21 @@ def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()
     drafted = sum(o.drafted for o in ok)
     accepted = sum(o.accepted for o in ok)
     span = (max(o.finished for o in ok) - min(o.arrival for o in ok)) if ok else 0.0
+    ttft = np.array([o.first_token - o.arrival for o in ok])
+    # time per output token after the first: what a streaming reader waits between tokens
+    tpot = np.array([(o.finished - o.first_token) / (len(o.tokens) - 1) for o in ok if len(o.tokens) > 1])
+
+    def pct(a, q):
+        return float(np.percentile(a, q)) if len(a) else float("nan")
+
     return {
         "requests": len(outputs), "errors": len(outputs) - len(ok),
         "mean_latency_s": float(lat.mean()) if ok else float("nan"),
         "p50_latency_s": float(np.median(lat)) if ok else float("nan"),
         "p90_latency_s": float(np.percentile(lat, 90)) if ok else float("nan"),
         "mean_queue_s": float(np.mean([o.admitted - o.arrival for o in ok])) if ok else float("nan"),
+        "p50_ttft_s": pct(ttft, 50), "p90_ttft_s": pct(ttft, 90),
+        "p50_tpot_s": pct(tpot, 50), "p90_tpot_s": pct(tpot, 90),
         "tokens": toks, "throughput_tok_s": toks / span if span > 0 else float("nan"),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_batch": float(np.mean([s.n for s in steps])) if steps else 0.0,

@@ -60,6 +60,7 @@ class Running:
     out: RequestOutput
     ctx_len: int = 0  # committed cache entries (the pending token is not in the cache yet)
     done: bool = False
+    prefilling: bool = False  # its prompt is still being prefilled (chunked prefill): no steps yet
 
 
 class Scheduler:

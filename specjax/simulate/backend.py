@@ -27,6 +27,7 @@ import numpy as np
 
 from specjax import buckets as bk
 from specjax.engine.live_bucket import LiveBucket
+from specjax.engine.prefill_jobs import PrefillQueue, make_jobs
 from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput, Running
 from specjax.goodput.perf_model import StepCostModel
@@ -88,8 +89,10 @@ class SimBackend:
         self._lens: dict[int, int] = {}
         self.last_k_step = 0
         self.live = LiveBucket(self.batch_buckets, shrink_patience)
-        self._running = 0
+        self._running = 0  # rows held: decoding or being prefilled
         self._to_clear = False
+        self.prefills = PrefillQueue()
+        self._pending_t = 0.0  # row-op time of admissions, charged with their first chunks
         self.row_ops: list[tuple[str, int, int]] = []
 
     def _row_op(self, t: tuple[int, int] | None) -> float:
@@ -112,19 +115,26 @@ class SimBackend:
     def k_options(self, bucket: int) -> Sequence[int]:
         return self.k_buckets
 
-    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
-        t = self._row_op(self.live.grow(self._running + len(rs)))
+    def start_prefill(self, rs: Sequence[Running]) -> None:
+        self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
-        max_b = self.batch_buckets[-1]
-        groups: dict[bool, list[Running]] = {}  # like the real backend: with / without the draft prefill
-        for r in rs:
-            groups.setdefault(bool(r.speculate) or not self.device_draft, []).append(r)
-        for run_draft, grp in groups.items():
-            for i in range(0, len(grp), max_b):
-                chunk = grp[i:i + max_b]
-                Tp = bk.prefill_tokens(max(len(r.req.prompt) for r in chunk), self.max_chunk)
-                t += self.cost.prefill_time(self.bucket(len(chunk)), Tp, draft=run_draft and self.device_draft)
-        return [0] * len(rs), t
+        self.prefills.add(make_jobs(rs, self.device_draft, self.batch_buckets[-1], self.max_chunk))
+
+    def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
+        """As JaxBackend.advance_prefill, each chunk charged as a prefill of its padded tokens."""
+        t, self._pending_t = self._pending_t, 0.0
+
+        def run_chunk(job, start, size):
+            nonlocal t
+            t += self.cost.prefill_time(self.bucket(len(job.rs)), size, draft=job.run_draft)
+
+        done = self.prefills.run(budget, run_chunk, self.bucket)
+        return [(r, 0) for job in done for r in job.rs], t
+
+    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
+        self.start_prefill(rs)
+        done, t = self.advance_prefill(None)
+        return [tok for _, tok in done], t
 
     def _draw_would_accept(self, cap: int) -> int:
         n = 0
@@ -160,7 +170,7 @@ class SimBackend:
         k_step = bk.proposal_bucket(self.k_buckets, max(drafted.values(), default=0))
         self.last_k_step = k_step
         n_tok = sum(d + 1 for d in drafted.values())
-        B = self.live.peek(len(rs))
+        B = self.live.peek(self._running)
         P = bk.token_bucket(B, k_step, self.k_buckets, n_tok) if (self.packed and k_step) else 0
         self.last_tokens = P or B * (k_step + 1)
         out = []
@@ -168,7 +178,7 @@ class SimBackend:
             d = drafted[r.uid]
             a = min(self._would.get(r.uid, 0), d)
             out.append(RowResult([0] * (a + 1), d, a))
-        shrink = self.live.before_step(len(rs))
+        shrink = self.live.before_step(self._running)
         t = self._row_op(shrink)
         if shrink:
             self._to_clear = False  # compacting keeps only the live rows
@@ -188,11 +198,13 @@ class SimBackend:
 
 def simulate(requests: Sequence[Request], policy: Policy, cost: StepCostModel, accept: AcceptanceProfile, *,
              device_draft: bool, k_buckets=(0, 1, 2, 3, 4, 5), batch_buckets=(1, 2, 4, 8), slots: int = 512,
-             seed: int = 0, prefill_gate: DraftPrefillGate | None = None, packed: bool = False
+             seed: int = 0, prefill_gate: DraftPrefillGate | None = None, packed: bool = False,
+             prefill_budget: int | None = None, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK
              ) -> tuple[list[RequestOutput], ServingEngine]:
     """Serve ``requests`` on the event clock. Simulated requests never hit EOS: give each the
-    output length it should have (``max_new_tokens``, ``ignore_eos=True``)."""
+    output length it should have (``max_new_tokens``, ``ignore_eos=True``). ``prefill_budget``:
+    chunked prefill, as ServingEngine."""
     be = SimBackend(cost, accept, device_draft=device_draft, k_buckets=k_buckets, batch_buckets=batch_buckets,
-                    slots=slots, seed=seed, packed=packed)
-    eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate)
+                    slots=slots, seed=seed, packed=packed, prefill_chunk=prefill_chunk)
+    eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate, prefill_budget=prefill_budget)
     return eng.run(requests), eng
