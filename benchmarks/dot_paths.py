@@ -6,6 +6,7 @@ context, and a 512-token prefill chunk after 512 cached tokens. A candidate whos
 does not know is reported as such instead of aborting the run.
 
   python benchmarks/dot_paths.py [--ks 0,1,2,4,8,16] [--contexts 128,1024]
+  python benchmarks/dot_paths.py --candidates default --attn_chunks 256,1024   # prefix-attention chunk
 
 Per candidate and shape it prints ms per call (median of --reps) and, for steps, the GB/s of
 weight reads that implies (every step reads every weight once), and each K's cost over the same

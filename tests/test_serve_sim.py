@@ -45,6 +45,8 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--speed_probe"], "use it with --mode real or both"),
     (["--sim_alpha", "1.5"], "--sim_alpha must be in [0, 1]"),
     (["--prefill_disable", "nan"], "--prefill_disable must be a finite number"),
+    (["--prefill_chunk", "100"], "--prefill_chunk must be a power of two"),
+    (["--prefill_budget", "-1"], "--prefill_budget must be >= 0"),
     (["--mode", "real", "--scale", "", "--drafters", "draft_model"], "needs --draft_model"),
     (["--mode", "real", "--scale", "", "--drafters", "layer_skip", "--draft_model", "x.gguf"], "only used with"),
 ])
