@@ -40,8 +40,7 @@ def prefill_chunks(n: int, max_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple
     smallest size that holds it when that wastes at most a quarter of the chunk, else half of it
     and goes on. Chunks under SPLIT_MIN are never split: every chunk re-reads all the weights, so
     a small one costs about a weight read whatever its padding. Only the last chunk is padded."""
-    if max_chunk < MIN_PROMPT_BUCKET or max_chunk & (max_chunk - 1):
-        raise SpecjaxError(f"the prefill chunk must be a power of two >= {MIN_PROMPT_BUCKET}, got {max_chunk}")
+    check_prefill_chunk(max_chunk)
     out, start = [], 0
     n = max(int(n), 1)
     while n - start >= max_chunk:
@@ -57,9 +56,15 @@ def prefill_chunks(n: int, max_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple
     return out
 
 
+def check_prefill_chunk(c: int, name: str = "the prefill chunk") -> None:
+    if c < MIN_PROMPT_BUCKET or c & (c - 1):
+        raise SpecjaxError(f"{name} must be a power of two >= {MIN_PROMPT_BUCKET}, got {c}")
+
+
 def largest_chunk(prefill_chunk: int, slots: int) -> int:
     """The largest prefill chunk a cache of ``slots`` runs: ``prefill_chunk``, never more than the
     cache holds."""
+    check_prefill_chunk(prefill_chunk)
     return min(int(prefill_chunk), 1 << (int(slots).bit_length() - 1))
 
 

@@ -157,12 +157,10 @@ def prefill_options_from_flags() -> tuple[int, int | None]:
     from specjax import buckets as bk
     from specjax.errors import SpecjaxError
 
-    c = FLAGS.prefill_chunk
-    if c < bk.MIN_PROMPT_BUCKET or c & (c - 1):
-        raise SpecjaxError(f"--prefill_chunk must be a power of two >= {bk.MIN_PROMPT_BUCKET}, got {c}")
+    bk.check_prefill_chunk(FLAGS.prefill_chunk, "--prefill_chunk")
     if FLAGS.prefill_budget < 0:
         raise SpecjaxError(f"--prefill_budget must be >= 0, got {FLAGS.prefill_budget}")
-    return c, FLAGS.prefill_budget or None
+    return FLAGS.prefill_chunk, FLAGS.prefill_budget or None
 
 
 def define_policy_flags() -> None:

@@ -174,9 +174,9 @@ def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False) -
     by_bs: dict = {}
     for B, n, S in shapes:
         by_bs.setdefault((B, S), set()).add(n)
-    for (B, S), tps in sorted(by_bs.items()):
+    for (B, S), lens in sorted(by_bs.items()):
         gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
-        gen.warmup(prompt_lens=sorted(tps), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
+        gen.warmup(prompt_lens=sorted(lens), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
                    k_buckets=[b for b in gen.k_buckets if b <= k], execute=execute)
     gen.warm = True
     return time.perf_counter() - t0

@@ -186,8 +186,8 @@ class SpecGenerator:
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, execute: bool = False) -> float:
         """Compile every (batch, K, slots, mode) step and the (batch, chunk, slots, mode) prefill
-        chunks of prompts of these lengths (and the row operations a static batch uses); ``execute``: also run each once (JaxBackend.warmup).
-        Returns seconds."""
+        chunks of prompts of these lengths (and the row operations a static batch uses);
+        ``execute``: also run each once (JaxBackend.warmup). Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)

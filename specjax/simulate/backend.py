@@ -131,11 +131,6 @@ class SimBackend:
         done = self.prefills.run(budget, run_chunk, self.bucket)
         return [(r, 0) for job in done for r in job.rs], t
 
-    def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
-        self.start_prefill(rs)
-        done, t = self.advance_prefill(None)
-        return [tok for _, tok in done], t
-
     def _draw_would_accept(self, cap: int) -> int:
         n = 0
         while n < cap and self.rng.random() < self.accept.rate(n):
