@@ -21,6 +21,9 @@ Sections (each is independent; a failing one is reported and the others still ru
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
                  every output compared token-for-token with the plain AR loop (specjax.reference_ar)
                  (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
+  probe          where the XLA path's time goes: one projection by activation rows, prefix
+                 attention alone by block size and attn_chunk, K = 0 / K = 2 steps on
+                 --probe_layers layers under each attn_chunk, chunked prefill by prompt length
 
 Each section writes <section>.json and the whole run a Markdown report (report.md) under --out.
 Random weights make acceptance meaningless: the engine section measures costs and losslessness,
@@ -54,6 +57,7 @@ flags.DEFINE_string("dtype", "bfloat16", "Weight dtype of the engine section's r
 flags.DEFINE_integer("num_layers", 0, "Override the model's layer count in the engine section (0 = as configured).")
 flags.DEFINE_string("matmul_precision", "", "jax_default_matmul_precision for the whole run ('' = jax's default; "
                     "'highest' rules out TF32 when checking fp32 token identity).")
+flags.DEFINE_integer("probe_layers", 4, "Layers of the model the probe section's whole-step timings use.")
 flags.DEFINE_list("engine_parts", ["step_cost", "e2e"], "Parts of the engine section to run.")
 flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip"],
                   "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; layer skip as K = 4).")
@@ -330,8 +334,144 @@ def section_engine(out):
     return result
 
 
+# ---------------------------------------------------------------------------- probe
+
+def section_probe(out):
+    """Where the XLA path's time goes on this device (the K = 0 step was 2.7-11x a K = 2 step on an
+    H100): one projection by activation rows, prefix attention alone by block size, whole steps
+    under each attention setting, and chunked prefill by prompt length."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import buckets as bk
+    from specjax import cache as kv
+    from specjax.config import get_model_config
+    from specjax.engine.table import StepTable
+    from specjax.models import llama
+    from specjax.models.attention import block_attention
+    from specjax.models.options import ForwardOptions
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    cfg = get_model_config("tiny-random" if FLAGS.tiny else FLAGS.model)
+    dtype = jnp.float32 if FLAGS.tiny else jnp.dtype(FLAGS.dtype)
+    rng = np.random.default_rng(0)
+    result = {}
+    reps = FLAGS.reps
+
+    # (a) one projection [M, d] @ [d, ffn] by activation rows M
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    w = jax.device_put(jnp.asarray(rng.standard_normal((d, f)) * 0.02, dtype))
+    dot = jax.jit(lambda x, w: x @ w)
+    rows = []
+    say(f"(a) one projection [M, {d}] @ [{d}, {f}] ({jnp.dtype(dtype).name}, {w.nbytes / 1e6:.0f} MB), median of {reps}")
+    say("| M | ms | GB/s of weights |")
+    say("|---|---|---|")
+    for M in (1, 2, 3, 4, 5, 8, 9, 16, 24, 32, 64):
+        x = jax.device_put(jnp.asarray(rng.standard_normal((M, d)), dtype))
+        ms = 1e3 * median_seconds(lambda: jax.block_until_ready(dot(x, w)), reps)
+        rows.append(dict(M=M, ms=ms, gbps=w.nbytes / ms / 1e6))
+        say(f"| {M} | {ms:.3f} | {w.nbytes / ms / 1e6:.0f} |")
+    result["dense"] = rows
+
+    # (b) prefix attention alone (one layer's cache), by block size T, batch and attn_chunk
+    S, ctx = (512, 200) if FLAGS.tiny else (2048, 1024)
+    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    att = []
+    say(f"(b) attention of a T-token block over a {ctx}-token prefix ({S} slots, {H}/{Hkv} heads, hd {hd})")
+    say("| batch | T | attn_chunk | ms |")
+    say("|---|---|---|---|")
+    for B in (1, 8):
+        kc = jax.device_put(jnp.asarray(rng.standard_normal((1, B, Hkv, S, hd)), dtype))
+        vc = jax.device_put(jnp.asarray(rng.standard_normal((1, B, Hkv, S, hd)), dtype))
+        lens = jax.device_put(np.full(B, ctx, np.int32))
+        for T in (1, 3, 5):
+            q = jax.device_put(jnp.asarray(rng.standard_normal((B, T, H, hd)), dtype))
+            kb = jax.device_put(jnp.asarray(rng.standard_normal((B, T, Hkv, hd)), dtype))
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+            for chunk in (256, 0):
+                fn = jax.jit(lambda q, kb, kc, vc, lens, mask, chunk=chunk: block_attention(
+                    q, kb, kb, kc, vc, 0, lens, mask, fwd=ForwardOptions(attn_chunk=chunk)))
+                ms = 1e3 * median_seconds(lambda: jax.block_until_ready(fn(q, kb, kc, vc, lens, mask)), reps)
+                att.append(dict(batch=B, T=T, attn_chunk=chunk, ms=ms))
+                say(f"| {B} | {T} | {chunk} | {ms:.3f} |")
+    result["attention"] = att
+
+    # (c) whole steps on a few layers of the model, K = 0 and 2, under each attention setting
+    pcfg = cfg if FLAGS.tiny else cfg.replace(num_layers=FLAGS.probe_layers, name=f"{cfg.name}-{FLAGS.probe_layers}L")
+    params = llama.init_random_params(pcfg, seed=0, dtype=dtype, on_device=True)
+    steps = []
+    say(f"(c) whole steps, {pcfg.name}, context {ctx}, {S} slots, greedy")
+    say("| options | batch | K=0 ms | K=2 ms | K=0 / K=2 |")
+    say("|---|---|---|---|---|")
+    for fwd in (ForwardOptions(), ForwardOptions(attn_chunk=0), ForwardOptions(attn_chunk=1024 if not FLAGS.tiny else 256)):
+        table = StepTable(pcfg, params, params, None, fwd)
+        for B in (1, 8):
+            samp = SamplingArrays.build([SamplingParams()], B)
+            toks = jax.device_put(rng.integers(0, pcfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
+            lens = np.full(B, ctx, np.int32)
+            act = jax.device_put(np.ones(B, bool))
+            ms = {}
+            for K in (0, 2):
+                state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
+                    params, params, toks, jax.device_put(lens), samp)
+                exe = table.step(B, K, S, True)
+                dt = jax.device_put(rng.integers(0, pcfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
+                nd = jax.device_put(np.full(B, K, np.int32))
+                holder = [state]
+
+                def run():
+                    st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
+                    jax.block_until_ready(o.tokens)
+                    holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
+                                             prev=st.prev, pending=st.pending)
+
+                ms[K] = 1e3 * median_seconds(run, reps)
+            tag = f"attn_chunk={fwd.attn_chunk}"
+            steps.append(dict(options=tag, batch=B, k0_ms=ms[0], k2_ms=ms[2]))
+            say(f"| {tag} | {B} | {ms[0]:.2f} | {ms[2]:.2f} | {ms[0] / ms[2]:.2f} |")
+        table = holder = state = None
+        gc.collect()
+    result["steps"] = steps
+    params = None
+    gc.collect()
+
+    # (d) chunked prefill by prompt length on the whole model (one row)
+    params = llama.init_random_params(cfg, seed=0, dtype=dtype, on_device=True)
+    flop_tok = 2 * sum(x.size for x in jax.tree_util.tree_leaves(params))
+    lengths = (128, 512) if FLAGS.tiny else (512, 2048, 8192)
+    S = 1024 if FLAGS.tiny else 8192
+    table = StepTable(cfg, params, params, None, ForwardOptions())
+    samp = SamplingArrays.build([SamplingParams()], 1)
+    pre = []
+    say(f"(d) chunked prefill (chunks of <= {bk.DEFAULT_PREFILL_CHUNK}), {cfg.name}, one row, {S} slots; "
+        "TFLOP/s counts the weight FLOPs only")
+    say("| prompt tokens | chunks | s | tok/s | TFLOP/s |")
+    say("|---|---|---|---|---|")
+    for n in lengths:
+        chunks = bk.prefill_chunks(n)
+        prompt = rng.integers(0, cfg.vocab_size, n + chunks[-1][1], dtype=np.int32)
+        calls = []
+        for i, (start, C) in enumerate(chunks):
+            exe = table.prefill(1, C, S, True, compile_if_missing=True, first=i == 0)
+            nv = jax.device_put(np.array([min(C, n - start)], np.int32))
+            calls.append((exe, jax.device_put(prompt[None, start:start + C]), nv, i == 0))
+
+        def run():
+            state = None
+            for exe, toks, nv, first in calls:
+                state = exe(params, params, toks, nv, samp) if first else exe(params, params, toks, nv, samp, state)
+            jax.block_until_ready(state.pending)
+
+        s = median_seconds(run, max(3, reps // 4))
+        pre.append(dict(tokens=n, chunks=len(chunks), s=s, tok_s=n / s, tflops=flop_tok * n / s / 1e12))
+        say(f"| {n} | {len(chunks)} | {s:.3f} | {n / s:.0f} | {flop_tok * n / s / 1e12:.0f} |")
+    result["prefill"] = pre
+    return result
+
+
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kernel_timing": section_kernel_timing,
-            "engine": section_engine}
+            "engine": section_engine, "probe": section_probe}
 
 
 def main(argv):
