@@ -6,15 +6,16 @@ import os
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
-    """Persist XLA executables across runs so a second launch skips compilation.
+    """Persist compiled executables across runs so a second launch neither compiles nor traces.
 
-    Location: $SPECJAX_CACHE_DIR, else ~/.cache/specjax/jax.
+    Location: $SPECJAX_CACHE_DIR, else ~/.cache/specjax/jax. The executables every generator and
+    the engine run (StepTable) are stored there by specjax's own cache (engine.exe_cache), keyed
+    without tracing the model. jax's persistent cache is left off on purpose: an executable jax
+    reloads from it cannot be serialized again (jaxlib 0.10), and the small jits outside the
+    table compile in milliseconds.
     """
-    import jax
+    from specjax.engine import exe_cache
 
     path = path or os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax", "jax")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    exe_cache.set_directory(os.path.join(path, "specjax-executables"))
     return path

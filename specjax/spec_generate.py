@@ -184,18 +184,30 @@ class SpecGenerator:
 
     def warmup(self, prompt_lens: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
-               k_buckets: Sequence[int] | None = None, execute: bool = False) -> float:
+               k_buckets: Sequence[int] | None = None, execute: bool = False, later_ks: Sequence[int] = ()) -> float:
         """Compile every (batch, K, slots, mode) step and the (batch, chunk, slots, mode) prefill
         chunks of prompts of these lengths (and the row operations a static batch uses);
-        ``execute``: also run each once (JaxBackend.warmup). Returns seconds."""
+        ``execute``: also run each once; ``later_ks``: these K buckets compile in the background
+        and join the policy's options when ready (JaxBackend.warmup; ``stop_later`` ends it).
+        Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)
             be.table.warm = False
             be.warmup(prompt_lens=[p for p in prompt_lens if p <= S], greedy_modes=greedy_modes,
-                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute)
+                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute, later_ks=later_ks)
         self.warm = True
         return time.perf_counter() - t0
+
+    def k_options(self) -> list[int]:
+        """The K buckets every slot bucket's backend can run now (see JaxBackend.k_options)."""
+        ready = [set(be.k_options(be.B or 1)) for be in self._backends.values()]
+        return sorted(set.intersection(*ready)) if ready else list(self.k_buckets)
+
+    def stop_later(self) -> list[int]:
+        """End background compilation (warmup's ``later_ks``) after the executable in progress;
+        returns the K buckets left uncompiled."""
+        return sorted({k for be in self._backends.values() for k in be.stop_later()})
 
     # ------------------------------------------------------------ generation
 

@@ -474,3 +474,64 @@ def test_smollm2_greedy_spec_grid(smol, B):
     assert acc[("layer_skip_24", 4)] > 1.0, acc
     if B > 1:
         assert acc[("prompt_lookup", 4)] > 1.0, acc
+
+
+# ---------------------------------------------------------------- executables on disk, compiled in the background
+
+
+def test_executables_on_disk_and_in_the_background(tiny, ar_greedy, tmp_path, monkeypatch):
+    """A second generator loads every executable from the on-disk cache (keyed without tracing)
+    and generates the same tokens; K buckets compiled in the background join the policy's options
+    only once compiled, and K = 0 runs losslessly meanwhile."""
+    import threading
+
+    from specjax.engine import exe_cache
+    from specjax.engine.jax_backend import JaxBackend
+
+    cfg, params = tiny
+    disk = exe_cache.ExecutableCache(str(tmp_path))
+    loads = []
+    orig_load = exe_cache.ExecutableCache.load
+    monkeypatch.setattr(exe_cache.ExecutableCache, "load", lambda self, name: loads.append(
+        r := orig_load(self, name)) or r)
+    S = 224  # a slot bucket no other test uses
+
+    def make(cache):
+        gen = SpecGenerator(cfg, params, drafter=PromptLookupDrafter(), batch_buckets=(1,), k_buckets=(0, 1, 4),
+                            slot_buckets=(S,))
+        gen.backend(S).table.disk_cache = cache
+        return gen
+
+    first = make(disk)
+    first.warmup(prompt_lens=(16,), greedy_modes=(True,))
+    n_exe = len(first.backend(S).table)
+    assert len(list(tmp_path.glob("*.exe"))) == n_exe and not any(loads)  # all compiled, all stored
+    loads.clear()
+    second = make(disk)
+    second.warmup(prompt_lens=(16,), greedy_modes=(True,))
+    assert len(loads) == n_exe and all(e is not None for e in loads)  # every one from disk
+    res = second.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
+    assert [r.tokens for r in res] == ar_greedy[1]
+    # the key covers the arguments and the code: another shape or another source is another entry
+    a = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    name = disk.entry("x", (a,))
+    assert name != disk.entry("x", (jax.ShapeDtypeStruct((2, 4), jnp.float32),)) != disk.entry("y", (a,))
+    monkeypatch.setattr(exe_cache, "code_digest", lambda: "other source")
+    assert disk.entry("x", (a,)) != name
+
+    gate = threading.Event()
+    orig_later = JaxBackend._compile_later
+    monkeypatch.setattr(JaxBackend, "_compile_later", lambda self, jobs, ks: (gate.wait(), orig_later(self, jobs, ks)))
+    bg = make(None)
+    bg.warmup(prompt_lens=(16,), greedy_modes=(True,), later_ks=(1, 4))
+    be = bg.backend(S)
+    assert be.k_options(1) == (0,)
+    with pytest.raises(SpecjaxError, match="no precompiled spec step"):
+        be.table.step(1, 4, S, True)  # not compiled yet, and nothing compiles it in the foreground
+    res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)
+    assert [r.tokens for r in res] == ar_greedy[1]
+    gate.set()
+    be._later.join()
+    assert be.k_options(1) == (0, 1, 4) and bg.stop_later() == []
+    res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
+    assert [r.tokens for r in res] == ar_greedy[1]

@@ -27,6 +27,7 @@ length, and the verify step checks K of those drafts straight from the device
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Sequence
 
@@ -103,6 +104,9 @@ class JaxBackend:
             getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
         self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
         self.k_max = self.k_buckets[-1]
+        self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
+        self._later: threading.Thread | None = None
+        self._stop_later = threading.Event()
         self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
@@ -150,7 +154,10 @@ class JaxBackend:
         return self.live.peek(n)
 
     def k_options(self, bucket: int) -> Sequence[int]:
-        return self.k_buckets
+        """The K buckets a step can run now: all of them, except while a warm-up's ``later_ks``
+        are still compiling in the background (each joins once compiled)."""
+        ready = self._ready_k
+        return self.k_buckets if ready is None else tuple(k for k in self.k_buckets if k in ready)
 
     def _resize(self, B_new: int, keep_order: list[int]) -> None:
         """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
@@ -363,18 +370,18 @@ class JaxBackend:
             for r in rs:
                 row = self.row_of[r.uid]
                 num_draft[row] = min(cap[r.uid], int(n[row]))
-            k_step = bk.proposal_bucket(self.k_buckets, int(num_draft.max(initial=0)))
+            k_step = bk.proposal_bucket(self.k_options(B), int(num_draft.max(initial=0)))
             if k_step > 0:
                 op, inputs = "verify", (d_tok, num_draft)
         elif self.device_draft:
             for r in rs:
                 num_draft[self.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
-            k_step = bk.proposal_bucket(self.k_buckets, int(num_draft.max(initial=0)))
+            k_step = bk.proposal_bucket(self.k_options(B), int(num_draft.max(initial=0)))
             inputs = (np.zeros((B, max(k_step, 1)), np.int32), num_draft)
         else:
             cut = {u: d[:cap[u]] for u, d in self._drafts.items() if u in cap}
             longest = max((len(d) for d in cut.values()), default=0)
-            k_step = bk.proposal_bucket(self.k_buckets, longest) if self.shrink_to_proposal else k
+            k_step = bk.proposal_bucket(self.k_options(B), longest) if self.shrink_to_proposal else k
             if self.tree_mode:  # (a tree cut to 0 nodes is the plain step below)
                 if k_step > 0:
                     op, inputs = "tree", self._tree_inputs(B, k_step, cut)
@@ -453,11 +460,11 @@ class JaxBackend:
             tree.validate_parents(parents[row])  # a drafter bug must fail loudly here, not corrupt the cache
         return tokens, parents, valid
 
-    def _step_exe(self, B: int, k: int, greedy: bool, tokens: int = 0):
+    def _step_exe(self, B: int, k: int, greedy: bool, tokens: int = 0, compile_if_missing: bool = False):
         """The compiled step for k drafts (tree mode: k draft nodes); k = 0 is the chain step."""
         if self.tree_mode and k > 0:
-            return self.table.tree_step(B, k, self.slots, greedy, tokens)
-        return self.table.step(B, k, self.slots, greedy, tokens)
+            return self.table.tree_step(B, k, self.slots, greedy, tokens, compile_if_missing)
+        return self.table.step(B, k, self.slots, greedy, tokens, compile_if_missing)
 
     def release(self, r: Running) -> None:
         row = self.row_of.pop(r.uid)
@@ -473,13 +480,16 @@ class JaxBackend:
 
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
-               k_buckets: Sequence[int] | None = None) -> float:
+               k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = ()) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
         charged to the first requests served (the earlier sweeps, with a compile-only warm-up,
         found their first run consistently slow). ``batch_buckets`` / ``k_buckets``: compile only
-        these (a static batch that never resizes needs no other). Returns seconds."""
+        these (a static batch that never resizes needs no other). ``later_ks``: K buckets (> 0)
+        whose steps compile in a background thread after this returns, smallest first; until one
+        is in, ``k_options`` leaves it out, so a first answer waits only for the prefill, the
+        K = 0 step and the rest of ``k_buckets`` (``stop_later`` ends the thread). Returns seconds."""
         t0 = time.perf_counter()
         S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
@@ -498,6 +508,11 @@ class JaxBackend:
             jobs += [("take", B, B2) for B2 in bbs if B2 != B]
             jobs.append(("clear", B))
         check_map_budget(sum(j[0] in ("prefill", "step", "draft", "verify") for j in jobs), self.cfg.num_layers)
+        later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
+        if later:
+            require(not execute and not self.draft_first, "later_ks cannot be combined with execute or draft_first")
+            jobs, deferred = [j for j in jobs if not (j[0] == "step" and j[2] in later)], \
+                [j for j in jobs if j[0] == "step" and j[2] in later]
         it = jobs
         if progress:
             from tqdm import tqdm
@@ -519,9 +534,35 @@ class JaxBackend:
             else:
                 self.table.clear(j[1], S)
         self.table.warm = True
+        if later:
+            self._ready_k = set(kbs) - set(later)
+            self._stop_later.clear()
+            self._later = threading.Thread(target=self._compile_later, args=(deferred, later),
+                                           name="specjax-compile-later")
+            self._later.start()
         if execute:
             self._execute_once(jobs)
         return time.perf_counter() - t0
+
+    def _compile_later(self, jobs, ks) -> None:
+        """The background half of warmup(later_ks): each K's steps, then K joins k_options."""
+        for k in ks:
+            for j in (j for j in jobs if j[2] == k):
+                if self._stop_later.is_set():
+                    return
+                self._step_exe(j[1], j[2], j[3], j[4], compile_if_missing=True)
+            self._ready_k = self._ready_k | {k}  # (a new set: readers never see one mid-update)
+        self._ready_k = None  # everything is in
+
+    def stop_later(self) -> list[int]:
+        """End a warm-up's background compilation after the executable in progress; returns the
+        K buckets it did not finish (they stay out of ``k_options``)."""
+        if self._later is not None:
+            self._stop_later.set()
+            self._later.join()
+            self._later = None
+        ready = self._ready_k
+        return [] if ready is None else [k for k in self.k_buckets if k not in ready]
 
     def _execute_once(self, jobs) -> None:
         S = self.slots

@@ -154,6 +154,16 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     return StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending), StepOutput.of(out, n, num_draft)
 
 
+def fresh_state(params, dparams, B: int, key: CompileKey) -> StepState:
+    """Empty caches (target, and the draft's when ``key.draft``) of ``key.slots`` slots for B rows:
+    what a first prefill chunk writes into, and, under ``jax.eval_shape``, the abstract state every
+    step is compiled for (without tracing the model)."""
+    cache = llama.init_cache_for(key.cfg, B, key.slots, params["embed"].dtype)
+    dcache = None if key.draft is None else llama.init_cache_for(key.draft.cfg, B, key.slots, dparams["embed"].dtype)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return StepState(cache=cache, dcache=dcache, prev=zeros, pending=zeros)
+
+
 def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: StepState | None = None, *,
                  key: CompileKey) -> StepState:
     """One prefill chunk: row b's next ``n_valid[b]`` prompt tokens (``tokens`` [B, C], padded) at
@@ -168,11 +178,8 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     B, C = tokens.shape
     first = state is None
     if first:
-        cache = llama.init_cache_for(cfg, B, slots, params["embed"].dtype)
-        dcache = None if draft is None else llama.init_cache_for(draft.cfg, B, slots, dparams["embed"].dtype)
-        prev = pending = jnp.zeros((B,), jnp.int32)
-    else:
-        cache, dcache, prev, pending = state.cache, state.dcache, state.prev, state.pending
+        state = fresh_state(params, dparams, B, key)
+    cache, dcache, prev, pending = state.cache, state.dcache, state.prev, state.pending
     pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     mask = llama.causal_mask(B, C)
     last = jnp.maximum(n_valid - 1, 0)[:, None]

@@ -23,9 +23,10 @@ from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
+from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, spec_chunk_jit, spec_draft_jit, spec_prefill, spec_prefill_jit,
+from specjax.engine.step import (StepState, fresh_state, spec_chunk_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
@@ -93,6 +94,8 @@ class StepTable:
         self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
+        # compiled executables on disk (beside jax's cache, when that is on); single-device only
+        self.disk_cache = exe_cache.default() if self._one_device else None
 
     def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
             prompt: int = 0, width: int = 0, tokens: int = 0) -> CompileKey:
@@ -100,6 +103,13 @@ class StepTable:
         from a draft call, so its key has no drafter)."""
         draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens)
+
+    def _compile(self, key, fn, *args):
+        """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
+        (exe_cache: a warm run skips tracing the model). Model executables take ``key`` as their
+        static argument; the row operations have none."""
+        static = {"key": key} if isinstance(key, CompileKey) else {}
+        return exe_cache.compile_cached(self.disk_cache, key, fn, args, **static)
 
     def _get(self, key, build, what: str, compile_if_missing: bool = False):
         exe = self._exe.get(key)
@@ -122,15 +132,15 @@ class StepTable:
             toks = jax.ShapeDtypeStruct((B, C), jnp.int32)
             nv = jax.ShapeDtypeStruct((B,), jnp.int32)
             if first:
-                return spec_prefill_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B),
-                                              key=key).compile()
-            return spec_chunk_jit.lower(self.params, self.dparams, toks, nv, _abstract_samp(B),
-                                        self.state_info(B, S, run_draft), key=key).compile()
+                return self._compile(key, spec_prefill_jit, self.params, self.dparams, toks, nv, _abstract_samp(B))
+            return self._compile(key, spec_chunk_jit, self.params, self.dparams, toks, nv, _abstract_samp(B),
+                                 self.state_info(B, S, run_draft))
 
         return self._get(key, build, key.describe(), compile_if_missing)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
-        """Abstract StepState of a [B]-row state with S slots (traced, never compiled)."""
+        """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is
+        not traced)."""
         key = ("state_info", B, S, bool(run_draft) and self.draft is not None)
         if key not in self._info and not self._one_device:
             # Sharded params: the state's shardings are what the compiled prefill produces (an
@@ -138,14 +148,11 @@ class StepTable:
             # state layout (cache sharding rules in the compile key) replaces this.
             self._info[key] = self.prefill(B, bk.MIN_PROMPT_BUCKET, S, True, run_draft, compile_if_missing=True).out_info
         if key not in self._info:
-            toks = jax.ShapeDtypeStruct((B, bk.MIN_PROMPT_BUCKET), jnp.int32)
-            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
             ck = self.key("prefill", B, S, True, key[3], prompt=bk.MIN_PROMPT_BUCKET)
-            self._info[key] = jax.eval_shape(partial(spec_prefill, key=ck), self.params, self.dparams, toks, nv,
-                                             _abstract_samp(B))
+            self._info[key] = jax.eval_shape(partial(fresh_state, B=B, key=ck), self.params, self.dparams)
         return self._info[key]
 
-    def step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0):
+    def step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0, compile_if_missing: bool = False):
         """The chain step with K drafts per row; ``tokens`` > 0: its real tokens packed into that
         many rows (per-row draft counts, see llama.forward)."""
         key = self.key("step", B, S, greedy_only, k=K, tokens=tokens)
@@ -155,10 +162,10 @@ class StepTable:
             nd = jax.ShapeDtypeStruct((B,), jnp.int32)
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
             pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
-            return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                       _abstract_samp(B), None, pack, key=key).compile()
+            return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                 _abstract_samp(B), None, pack)
 
-        return self._get(key, build, key.describe())
+        return self._get(key, build, key.describe(), compile_if_missing)
 
     def draft_call(self, B: int, P: int, S: int, greedy_only: bool):
         """A device drafter's confidence-cut proposal of up to P drafts (Algorithm 3)."""
@@ -167,8 +174,8 @@ class StepTable:
         def build():
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
             thr = jax.ShapeDtypeStruct((), jnp.float32)
-            return spec_draft_jit.lower(self.params, self.dparams, self.state_info(B, S), act, _abstract_samp(B), thr,
-                                        key=key).compile()
+            return self._compile(key, spec_draft_jit, self.params, self.dparams, self.state_info(B, S), act,
+                                 _abstract_samp(B), thr)
 
         return self._get(key, build, key.describe())
 
@@ -182,40 +189,46 @@ class StepTable:
             act = jax.ShapeDtypeStruct((B,), jnp.bool_)
             q = None if greedy_only else jax.ShapeDtypeStruct((B, P, self.cfg.vocab_size), jnp.float32)
             pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
-            return spec_step_jit.lower(self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                       _abstract_samp(B), q, pack, key=key).compile()
+            return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                 _abstract_samp(B), q, pack)
 
         return self._get(key, build, key.describe())
 
-    def tree_step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0):
+    def tree_step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0, compile_if_missing: bool = False):
         key = self.key("tree", B, S, greedy_only, k=K, tokens=tokens)
 
         def build():
             ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
             pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
-            return spec_tree_step_jit.lower(
-                self.params, self.dparams, self.state_info(B, S), ints, ints, jax.ShapeDtypeStruct((B, K + 1), jnp.bool_),
-                jax.ShapeDtypeStruct((B,), jnp.bool_), _abstract_samp(B), pack, key=key).compile()
+            return self._compile(key, spec_tree_step_jit, self.params, self.dparams, self.state_info(B, S), ints, ints,
+                                 jax.ShapeDtypeStruct((B, K + 1), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.bool_),
+                                 _abstract_samp(B), pack)
 
-        return self._get(key, build, key.describe())
+        return self._get(key, build, key.describe(), compile_if_missing)
 
     def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
         run_draft = bool(run_draft) and self.draft is not None
 
+        key = ("insert", B, Bp, S, run_draft)
+
         def build():
             rows = jax.ShapeDtypeStruct((Bp,), jnp.int32)
-            return insert_rows.lower(self.state_info(B, S), self.state_info(Bp, S, run_draft), rows).compile()
+            return self._compile(key, insert_rows, self.state_info(B, S), self.state_info(Bp, S, run_draft), rows)
 
-        return self._get(("insert", B, Bp, S, run_draft), build, f"row insert of {Bp} into batch {B}")
+        return self._get(key, build, f"row insert of {Bp} into batch {B}")
 
     def take(self, B_from: int, B_to: int, S: int):
-        def build():
-            return take_rows.lower(self.state_info(B_from, S), jax.ShapeDtypeStruct((B_to,), jnp.int32)).compile()
+        key = ("take", B_from, B_to, S)
 
-        return self._get(("take", B_from, B_to, S), build, f"batch resize {B_from} -> {B_to}")
+        def build():
+            return self._compile(key, take_rows, self.state_info(B_from, S), jax.ShapeDtypeStruct((B_to,), jnp.int32))
+
+        return self._get(key, build, f"batch resize {B_from} -> {B_to}")
 
     def clear(self, B: int, S: int):
-        def build():
-            return clear_rows.lower(self.state_info(B, S), jax.ShapeDtypeStruct((B,), jnp.bool_)).compile()
+        key = ("clear", B, S)
 
-        return self._get(("clear", B, S), build, f"row clear for batch {B}")
+        def build():
+            return self._compile(key, clear_rows, self.state_info(B, S), jax.ShapeDtypeStruct((B,), jnp.bool_))
+
+        return self._get(key, build, f"row clear for batch {B}")

@@ -1,0 +1,139 @@
+"""Compiled executables on disk, found without tracing the model.
+
+jax's persistent compilation cache is keyed by the lowered module, so a warm run still traces
+and lowers every executable before it can look one up: for SmolLM2's 30 layers that is about
+half a second per prefill or step, most of a warm first answer. This cache is keyed by what
+determines that module instead, so a hit skips tracing, lowering and compiling:
+
+  - the executable's static description (its ``CompileKey``, or a row operation's tuple),
+  - the arguments' tree structure, shapes and dtypes,
+  - jax and jaxlib versions, the backend and its device kind, ``XLA_FLAGS`` and the jax settings
+    that change lowering (default matmul precision, x64),
+  - a digest of specjax's own source (any code change makes every old entry unreachable).
+
+Launch scripts turn it on through ``runtime.enable_compilation_cache``, which leaves jax's own
+persistent cache off (see ``default``).
+Only single-device executables are stored: a sharded one's placement is not in its key. An
+entry that cannot be written (an executable holding a host callback, say) or read (a truncated
+file) is simply compiled again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+
+import jax
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+_ROOTS = ("specjax", "kernels_pallas")  # the packages whose code is compiled into executables
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest() -> str:
+    """SHA-256 over every .py file of the packages whose code ends up in an executable."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for root in _ROOTS:
+        base = os.path.join(here, root)
+        for dirpath, dirnames, files in os.walk(base):
+            dirnames.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    h.update(os.path.relpath(path, here).encode())
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()
+
+
+def _aval(x) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None:  # a Python scalar argument
+        return type(x).__name__
+    return f"{tuple(shape)}:{jax.numpy.dtype(dtype).name}:{getattr(x, 'weak_type', False)}"
+
+
+class ExecutableCache:
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+
+    def entry(self, what, args) -> str:
+        """The file name of an executable described by ``what`` (hashable, a stable repr) compiled
+        for ``args``."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        dev = jax.devices()[0]
+        parts = [repr(what), str(tree), ";".join(_aval(x) for x in leaves), jax.__version__, jaxlib.__version__,
+                 jax.default_backend(), dev.device_kind, os.environ.get("XLA_FLAGS", ""),
+                 str(jax.config.jax_default_matmul_precision), str(jax.config.jax_enable_x64), code_digest()]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest() + ".exe"
+
+    def load(self, name: str):
+        path = os.path.join(self.path, name)
+        if not os.path.exists(path):
+            return None
+        try:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a partial or foreign file: compile again (and overwrite it)
+            log.warning("ignoring unreadable cached executable %s (%s: %s)", path, type(e).__name__, e)
+            return None
+
+    def save(self, name: str, exe) -> None:
+        try:
+            from jax.experimental.serialize_executable import serialize
+
+            blob = pickle.dumps(serialize(exe))
+        except Exception as e:  # not serializable (e.g. a host callback inside): just not cached
+            log.info("executable not cached (%s: %s)", type(e).__name__, e)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.path, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, os.path.join(self.path, name))  # atomic: readers never see half a file
+        except OSError as e:
+            log.warning("could not write cached executable (%s)", e)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+_DIRECTORY: str | None = None
+
+
+def set_directory(path: str | None) -> None:
+    """Where StepTables created from now on keep their executables (None: nowhere)."""
+    global _DIRECTORY
+    _DIRECTORY = path
+
+
+def default() -> ExecutableCache | None:
+    """The cache runtime.enable_compilation_cache set up, or None. Also None when jax's own
+    persistent cache is on (a user's setting): executables jax reloads from it are broken once
+    serialized again (jaxlib 0.10: "Function ... not found" when run), and a compile here may be
+    such a reload."""
+    if _DIRECTORY is None or jax.config.jax_compilation_cache_dir:
+        return None
+    return ExecutableCache(_DIRECTORY)
+
+
+def compile_cached(cache: ExecutableCache | None, what, fn, args, **static):
+    """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one."""
+    if cache is None:
+        return fn.lower(*args, **static).compile()
+    name = cache.entry(what, args)
+    exe = cache.load(name)
+    if exe is None:
+        exe = fn.lower(*args, **static).compile()
+        cache.save(name, exe)
+    return exe
