@@ -112,7 +112,7 @@ def test_engine_interleaves_prefill_chunks_with_decode_steps(tiny):
     per iteration between decode steps; outputs stay the reference AR's, and the same requests
     served with whole-prompt prefill give the same tokens. The simulator runs the same rule."""
     from specjax.engine.jax_backend import JaxBackend
-    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.loop import EventClock, ServingEngine, summarize
     from specjax.engine.scheduler import Request
     from specjax.goodput import FixedK
     from specjax.goodput.perf_model import LinearCost, StepCostModel
@@ -145,11 +145,14 @@ def test_engine_interleaves_prefill_chunks_with_decode_steps(tiny):
     # steps go on meanwhile (with whole-prompt prefill they wait for the whole of it).
     cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), prefill=LinearCost(0.0, 0.001, 0.0))
     reqs = [Request("s", [1] * 8, 40, ignore_eos=True), Request("l", [1] * 1000, 4, arrival=0.05, ignore_eos=True)]
-    gaps = {}
+    gaps, stalls = {}, {}
     for budget in (None, 128):
         outs, sim = simulate(reqs, FixedK(0), cost, AcceptanceProfile((0.0,)), device_draft=False,
                              batch_buckets=(1, 2), slots=2048, prefill_budget=budget, prefill_chunk=128)
         ts = [s.t for s in sim.steps if s.n >= 1]
         gaps[budget] = max(b - a for a, b in zip(ts, ts[1:]))
         assert outs[1].first_token > outs[1].admitted
+        stalls[budget] = outs[0].max_gap  # the short request's longest wait between two tokens
+        assert summarize(outs)["max_gap_s"] == max(o.max_gap for o in outs)
     assert gaps[128] < gaps[None] / 3, gaps  # no step waits for the whole 1000-token prefill
+    assert stalls[None] >= 1.0 > 0.2 > stalls[128], stalls  # (1000 prompt tokens cost 1 s whole)

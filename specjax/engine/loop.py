@@ -180,10 +180,15 @@ class ServingEngine:
 
     def _emit(self, r: Running, tokens: Sequence[int]) -> None:
         out = r.out
+        if tokens:
+            now = self._now()
+            if out.tokens:
+                out.max_gap = max(out.max_gap, now - out.last_token)
+            out.last_token = now
         for t in tokens:
             out.tokens.append(int(t))
             if len(out.tokens) == 1:
-                out.first_token = self._now()
+                out.first_token = now
             if not r.req.ignore_eos and int(t) in self.eos:
                 out.finish_reason, r.done = "eos", True
                 return
@@ -381,7 +386,8 @@ class ServingEngine:
 
 
 def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()) -> dict:
-    """Average latency and friends over served (non-error) requests."""
+    """Average latency and friends over served (non-error) requests: latency, time to first token,
+    time per output token, each request's longest gap between tokens, throughput, acceptance."""
     ok = [o for o in outputs if o.error is None]
     lat = np.array([o.latency for o in ok]) if ok else np.zeros(0)
     toks = sum(len(o.tokens) for o in ok)
@@ -403,6 +409,9 @@ def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()
         "mean_queue_s": float(np.mean([o.admitted - o.arrival for o in ok])) if ok else float("nan"),
         "p50_ttft_s": pct(ttft, 50), "p90_ttft_s": pct(ttft, 90),
         "p50_tpot_s": pct(tpot, 50), "p90_tpot_s": pct(tpot, 90),
+        # per request, its longest wait between two tokens: p90 over requests, and the worst
+        "p90_max_gap_s": pct(np.array([o.max_gap for o in ok]), 90),
+        "max_gap_s": max((o.max_gap for o in ok), default=float("nan")),
         "tokens": toks, "throughput_tok_s": toks / span if span > 0 else float("nan"),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_batch": float(np.mean([s.n for s in steps])) if steps else 0.0,

@@ -44,6 +44,8 @@ class RequestOutput:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None
+    last_token: float = float("nan")
+    max_gap: float = 0.0  # the longest wait between two consecutive tokens (a streaming reader's worst stall)
 
     @property
     def latency(self) -> float:
