@@ -7,6 +7,7 @@ does not know is reported as such instead of aborting the run.
 
   python benchmarks/dot_paths.py [--ks 0,1,2,4,8,16] [--contexts 128,1024]
   python benchmarks/dot_paths.py --candidates default --attn_chunks 256,1024   # prefix-attention chunk
+  python benchmarks/dot_paths.py --candidates default --rows_kernels 0,32      # the CPU rows kernel
 
 Per candidate and shape it prints ms per call (median of --reps) and, for steps, the GB/s of
 weight reads that implies (every step reads every weight once), and each K's cost over the same
@@ -31,6 +32,8 @@ flags.DEFINE_integer("reps", 15, "Timed calls per point (median).")
 flags.DEFINE_list("candidates", None, "Names of CANDIDATES to run (default: all).")
 flags.DEFINE_list("attn_chunks", ["256"], "ForwardOptions.attn_chunk values (prefix-attention chunk) to run each "
                   "candidate with; a candidate with a non-default chunk is named name@chunk.")
+flags.DEFINE_list("rows_kernels", ["0"], "ForwardOptions.rows_kernel values (the CPU rows kernel up to this many "
+                  "activation rows; 0 = XLA's dot) to run each candidate with.")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 flags.DEFINE_string("child", None, "Internal: run one candidate's measurement with these settings (JSON).")
 
@@ -61,7 +64,12 @@ def child(settings: dict) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params["layers"]))
     weight_bytes += params["embed"].size * params["embed"].dtype.itemsize  # the (tied) head
     S, reps = 2048, settings["reps"]
-    table = StepTable(cfg, params, params, fwd=ForwardOptions(attn_chunk=settings["attn_chunk"]))
+    fwd = ForwardOptions(attn_chunk=settings["attn_chunk"], rows_kernel=settings["rows_kernel"])
+    if fwd.rows_kernel:
+        from specjax.models import llama
+
+        params = llama.pack_for_rows(params, cfg)
+    table = StepTable(cfg, params, params, fwd=fwd)
     samp = SamplingArrays.build([SamplingParams()], 1)
     rng = np.random.default_rng(0)
     out = {"steps": {}, "chunk_ms": None}
@@ -116,12 +124,13 @@ def main(argv):
         return
     settings = {"ks": [int(k) for k in FLAGS.ks], "contexts": [int(c) for c in FLAGS.contexts], "reps": FLAGS.reps}
     results = {}
-    runs = [(c, int(a)) for c in (FLAGS.candidates or CANDIDATES) for a in FLAGS.attn_chunks]
-    for cand, chunk in runs:
-        name = cand if chunk == 256 else f"{cand}@{chunk}"
+    runs = [(c, int(a), int(rk)) for c in (FLAGS.candidates or CANDIDATES) for a in FLAGS.attn_chunks
+            for rk in FLAGS.rows_kernels]
+    for cand, chunk, rk in runs:
+        name = (cand if chunk == 256 else f"{cand}@{chunk}") + (f"+rows{rk}" if rk else "")
         env = dict(os.environ, XLA_FLAGS=CANDIDATES[cand])
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                            json.dumps(dict(settings, attn_chunk=chunk))],
+                            json.dumps(dict(settings, attn_chunk=chunk, rows_kernel=rk))],
                            capture_output=True, text=True, env=env)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

@@ -136,12 +136,15 @@ def define_forward_flags() -> None:
                       "interpret mode on CPU, slow; prefill always uses XLA).")
     flags.DEFINE_integer("small_rows", 0, "Project 2..N activation rows as per-row matrix-vector products "
                          "instead of one GEMM (a CPU-specific setting; see benchmarks/projection_rows.py; 0 = off).")
+    flags.DEFINE_integer("rows_kernel", 0, "Run decode and verify blocks of up to N activation rows on the CPU rows "
+                         "kernel (float32 weights packed once more, read once for all rows; built with g++ on "
+                         "first use; see benchmarks/dot_paths.py --rows_kernels; 0 = XLA's dot).")
 
 
 def forward_options_from_flags():
     from specjax.models.options import ForwardOptions
 
-    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows)
+    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=FLAGS.rows_kernel)
 
 
 def define_prefill_flags() -> None:

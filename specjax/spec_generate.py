@@ -31,6 +31,7 @@ from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
 from specjax.results import GenerationResult, check_max_new_tokens, validate_request
 from specjax.goodput.selector import DraftPrefillGate, FixedK, GoodputPolicy, Policy
+from specjax.models import llama
 from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
@@ -112,7 +113,8 @@ class SpecGenerator:
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         check_pair(cfg, draft, draft_params)
         self.cfg = cfg
-        self.params = params
+        # the rows kernel reads packed copies of the weights (packed once here; idempotent)
+        self.params = llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params
         self.dparams = draft_params if draft_params is not None else params
         self.draft = draft
         self.drafter = drafter if drafter is not None else (None if draft is not None else NoDrafter())

@@ -44,6 +44,7 @@ from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.scheduler import Running
 from specjax.engine.table import StepTable
+from specjax.models import llama
 from specjax.models.options import ForwardOptions
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
@@ -84,7 +85,8 @@ class JaxBackend:
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
-        self.params = params
+        # the rows kernel reads packed copies of the weights (packed once here; idempotent)
+        self.params = llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params
         self.draft = draft
         check_pair(cfg, draft, draft_params)
         self.device_draft = draft is not None

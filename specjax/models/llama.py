@@ -98,11 +98,39 @@ def _rowwise_matvec(flat: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, flat.shape[0], body, init)
 
 
-def dense(x: jax.Array, w: jax.Array, small_rows: int = 0) -> jax.Array:
-    """``x @ w`` for x [..., K], w [K, N], in the faster form for the row count."""
+ROWS_SUFFIX = ":rows"  # a weight's copy packed for the CPU rows kernel (pack_for_rows)
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack_for_rows(params, cfg: ModelConfig):
+    """``params`` plus each projection and the vocab head packed for the CPU rows kernel
+    (models.cpu.rows_dot; keys ``<name>:rows``, the head ``head:rows``), which
+    ``ForwardOptions.rows_kernel`` uses for decode and verify blocks; prefill keeps the originals.
+    The original arrays are shared; the packed copies add the weights' size again."""
+    from specjax.models.cpu import rows_dot
+
+    if "head" + ROWS_SUFFIX in params:
+        return params
+    out = dict(params)
+    out["layers"] = [dict(lp, **{n + ROWS_SUFFIX: rows_dot.pack(lp[n]) for n in _PROJECTIONS}) for lp in params["layers"]]
+    out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
+    return out
+
+
+def dense(x: jax.Array, w: jax.Array, fwd: ForwardOptions = ForwardOptions(), packed: jax.Array | None = None
+          ) -> jax.Array:
+    """``x @ w`` for x [..., K], w [K, N], in the form ``fwd`` picks for the row count: the CPU
+    rows kernel on ``packed`` (pack_for_rows) up to ``fwd.rows_kernel`` rows, per-row matvecs
+    from 2 to ``fwd.small_rows``, else XLA's dot."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
-    if 1 < rows <= small_rows:
+    if rows <= fwd.rows_kernel:
+        if packed is None:
+            raise ValueError("ForwardOptions.rows_kernel needs params from llama.pack_for_rows")
+        from specjax.models.cpu import rows_dot
+
+        return rows_dot.rows_dot(x, packed, w.shape[-1])
+    if 1 < rows <= fwd.small_rows:
         return _rowwise_matvec(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[-1])
     return x @ w
 
@@ -129,10 +157,14 @@ def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x,
     B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
+
+    def proj(a, name):
+        return dense(a, lp[name], fwd, lp.get(name + ROWS_SUFFIX))
+
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q = dense(h, lp["wq"], fwd.small_rows)
-    k = dense(h, lp["wk"], fwd.small_rows)
-    v = dense(h, lp["wv"], fwd.small_rows)
+    q = proj(h, "wq")
+    k = proj(h, "wk")
+    v = proj(h, "wv")
     if cfg.qkv_bias:
         q = q + lp["bq"]
         k = k + lp["bk"]
@@ -145,11 +177,11 @@ def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x,
         q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix
     )
     o = o.reshape(B, T, H * hd)
-    x = x + dense(o if pack is None else pack_rows(o, pack), lp["wo"], fwd.small_rows)
+    x = x + proj(o if pack is None else pack_rows(o, pack), "wo")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
-    g = dense(h, lp["w_gate"], fwd.small_rows)
-    u = dense(h, lp["w_up"], fwd.small_rows)
-    x = x + dense(jax.nn.silu(g) * u, lp["w_down"], fwd.small_rows)
+    g = proj(h, "w_gate")
+    u = proj(h, "w_up")
+    x = x + proj(jax.nn.silu(g) * u, "w_down")
     return x, k_all, v_all
 
 
@@ -207,7 +239,10 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if int(np.prod(x.shape[:-1])) <= fwd.rows_kernel:
+        logits = dense(x, head, fwd, params.get("head" + ROWS_SUFFIX))
+    else:
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
     if pack is not None:
         logits = unpack_rows(logits, pack, B, T)
     if return_hidden:

@@ -18,14 +18,20 @@ class ForwardOptions:
     a trip count that follows the rows' real lengths (0: one pass over every slot).
     small_rows: project 2..small_rows activation rows (batch x block) as one matrix-vector product
     per row instead of one skinny GEMM (whether that pays depends on the CPU's GEMM kernels;
-    measured in benchmarks/projection_rows.py; 0 = always GEMM)."""
+    measured in benchmarks/projection_rows.py; 0 = always GEMM).
+    rows_kernel: up to this many activation rows (a decode or verify block), projections and
+    the vocab head run on the CPU rows kernel (models.cpu.rows_dot: packed weights read once for
+    all rows, a row's result the same at any row count; float32; the params need
+    llama.pack_for_rows, which the engine applies); 0 = XLA's dot."""
 
     attention: str = "xla"
     attn_chunk: int = 256
     small_rows: int = 0
+    rows_kernel: int = 0
 
     def __post_init__(self):
         require(self.attention in ("xla", "pallas"),
                 f"unknown attention implementation {self.attention!r} (expected 'xla' or 'pallas')")
         require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
+        require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")

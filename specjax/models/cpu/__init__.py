@@ -1,0 +1,1 @@
+"""CPU-only kernels (XLA FFI custom calls built on first use)."""
