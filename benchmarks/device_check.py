@@ -174,13 +174,41 @@ def section_kernel_timing(out):
 
 # ---------------------------------------------------------------------------- engine on a 7B shape
 
+def _step_ms(table, params, cfg, B, K, ctx, S, rng, reps) -> float:
+    """Median ms of the table's greedy K-draft step for B rows held at ``ctx`` committed tokens."""
+    import jax
+    import numpy as np
+
+    from specjax import buckets as bk
+    from specjax import cache as kv
+    from specjax.sampling import SamplingArrays, SamplingParams
+
+    samp = SamplingArrays.build([SamplingParams()], B)
+    toks = jax.device_put(rng.integers(0, cfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
+    lens = np.full(B, ctx, np.int32)
+    act = jax.device_put(np.ones(B, bool))
+    state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
+        params, params, toks, jax.device_put(lens), samp)
+    exe = table.step(B, K, S, True)
+    dt = jax.device_put(rng.integers(0, cfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
+    nd = jax.device_put(np.full(B, K, np.int32))
+    holder = [state]
+
+    def run():
+        st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
+        jax.block_until_ready(o.tokens)
+        # stay at the same context (set_lengths makes a new buffer; the old was donated)
+        holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
+                                 prev=st.prev, pending=st.pending)
+
+    return 1e3 * median_seconds(run, reps)
+
+
 def section_engine(out):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax import buckets as bk
-    from specjax import cache as kv
     from specjax.config import get_model_config
     from specjax.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupConfig
     from specjax.engine.jax_backend import JaxBackend
@@ -192,7 +220,6 @@ def section_engine(out):
     from specjax.goodput.selector import FixedK
     from specjax.models import llama
     from specjax.models.options import ForwardOptions
-    from specjax.sampling import SamplingArrays, SamplingParams
 
     from specjax.runtime import enable_compilation_cache
 
@@ -220,27 +247,9 @@ def section_engine(out):
     for impl in impls if "step_cost" in FLAGS.engine_parts else ():
         table = StepTable(cfg, params, params, None, ForwardOptions(attention=impl))
         for B in (1, 8):
-            samp = SamplingArrays.build([SamplingParams()], B)
-            toks = jax.device_put(rng.integers(0, cfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
-            lens = np.full(B, ctx, np.int32)
-            act = jax.device_put(np.ones(B, bool))
             base = None
             for K in ks:
-                state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
-                    params, params, toks, jax.device_put(lens), samp)
-                exe = table.step(B, K, S, True)
-                dt = jax.device_put(rng.integers(0, cfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
-                nd = jax.device_put(np.full(B, K, np.int32))
-                holder = [state]
-
-                def run():
-                    st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
-                    jax.block_until_ready(o.tokens)
-                    # stay at the same context (set_lengths makes a new buffer; the old was donated)
-                    holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
-                                             prev=st.prev, pending=st.pending)
-
-                ms = 1e3 * median_seconds(run, FLAGS.reps)
+                ms = _step_ms(table, params, cfg, B, K, ctx, S, rng, FLAGS.reps)
                 base = ms if K == 0 else base
                 cost.append(dict(attention=impl, batch=B, K=K, context=ctx, ms=ms, vs_k0=ms / base))
     result["step_cost"] = cost
@@ -254,7 +263,7 @@ def section_engine(out):
 
     if "e2e" not in FLAGS.engine_parts:
         return result
-    table = holder = None  # free the step-cost states before the engine allocates its own
+    table = None  # free the step-cost states before the engine allocates its own
     gc.collect()
 
     # --- the engine end to end, outputs checked against the plain AR reference loop
@@ -345,7 +354,6 @@ def section_probe(out):
     import numpy as np
 
     from specjax import buckets as bk
-    from specjax import cache as kv
     from specjax.config import get_model_config
     from specjax.engine.table import StepTable
     from specjax.models import llama
@@ -407,30 +415,11 @@ def section_probe(out):
     for fwd in (ForwardOptions(), ForwardOptions(attn_chunk=0), ForwardOptions(attn_chunk=1024 if not FLAGS.tiny else 256)):
         table = StepTable(pcfg, params, params, None, fwd)
         for B in (1, 8):
-            samp = SamplingArrays.build([SamplingParams()], B)
-            toks = jax.device_put(rng.integers(0, pcfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
-            lens = np.full(B, ctx, np.int32)
-            act = jax.device_put(np.ones(B, bool))
-            ms = {}
-            for K in (0, 2):
-                state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
-                    params, params, toks, jax.device_put(lens), samp)
-                exe = table.step(B, K, S, True)
-                dt = jax.device_put(rng.integers(0, pcfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
-                nd = jax.device_put(np.full(B, K, np.int32))
-                holder = [state]
-
-                def run():
-                    st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
-                    jax.block_until_ready(o.tokens)
-                    holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
-                                             prev=st.prev, pending=st.pending)
-
-                ms[K] = 1e3 * median_seconds(run, reps)
+            ms = {K: _step_ms(table, params, pcfg, B, K, ctx, S, rng, reps) for K in (0, 2)}
             tag = f"attn_chunk={fwd.attn_chunk}"
             steps.append(dict(options=tag, batch=B, k0_ms=ms[0], k2_ms=ms[2]))
             say(f"| {tag} | {B} | {ms[0]:.2f} | {ms[2]:.2f} | {ms[0] / ms[2]:.2f} |")
-        table = holder = state = None
+        table = None
         gc.collect()
     result["steps"] = steps
     params = None
