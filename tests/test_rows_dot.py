@@ -66,3 +66,9 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
     with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
         rd.ensure()
     assert not rd.available()
+    from specjax.config import get_model_config
+    from specjax.models import llama
+
+    # packing registers the kernel too (an executable loaded from the disk cache calls it untraced)
+    with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
+        llama.pack_for_rows({"layers": [], "embed": jnp.ones((4, 2))}, get_model_config("tiny-random"))

@@ -109,6 +109,9 @@ def pack_for_rows(params, cfg: ModelConfig):
     The original arrays are shared; the packed copies add the weights' size again."""
     from specjax.models.cpu import rows_dot
 
+    # Registered here, not only when a forward is traced: an executable loaded from the disk cache
+    # (engine.exe_cache) calls the kernel without any tracing in this process.
+    rows_dot.ensure()
     if "head" + ROWS_SUFFIX in params:
         return params
     out = dict(params)
