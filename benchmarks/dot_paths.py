@@ -8,6 +8,7 @@ does not know is reported as such instead of aborting the run.
   python benchmarks/dot_paths.py [--ks 0,1,2,4,8,16] [--contexts 128,1024]
   python benchmarks/dot_paths.py --candidates default --attn_chunks 256,1024   # prefix-attention chunk
   python benchmarks/dot_paths.py --candidates default --rows_kernels 0,32      # the CPU rows kernel
+  python benchmarks/dot_paths.py --candidates default --rows_kernels 0,32 --rows_weights f32,native
 
 Per candidate and shape it prints ms per call (median of --reps) and, for steps, the GB/s of
 weight reads that implies (every step reads every weight once), and each K's cost over the same
@@ -34,6 +35,8 @@ flags.DEFINE_list("attn_chunks", ["256"], "ForwardOptions.attn_chunk values (pre
                   "candidate with; a candidate with a non-default chunk is named name@chunk.")
 flags.DEFINE_list("rows_kernels", ["0"], "ForwardOptions.rows_kernel values (the CPU rows kernel up to this many "
                   "activation rows; 0 = XLA's dot) to run each candidate with.")
+flags.DEFINE_list("rows_weights", ["native"], "Weight formats the rows kernel reads: native (the GGUF's Q4_1/Q8_0 "
+                  "blocks, as the engine packs them), f32 (float32 copies).")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 flags.DEFINE_string("child", None, "Internal: run one candidate's measurement with these settings (JSON).")
 
@@ -59,16 +62,20 @@ def child(settings: dict) -> dict:
     from specjax.models.options import ForwardOptions
     from specjax.sampling import SamplingArrays, SamplingParams
 
+    from specjax.models import llama
+
     m = load_model("smollm2-135m")
     cfg, params = m.cfg, m.params
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params["layers"]))
-    weight_bytes += params["embed"].size * params["embed"].dtype.itemsize  # the (tied) head
     S, reps = 2048, settings["reps"]
     fwd = ForwardOptions(attn_chunk=settings["attn_chunk"], rows_kernel=settings["rows_kernel"])
     if fwd.rows_kernel:
-        from specjax.models import llama
-
-        params = llama.pack_for_rows(params, cfg)
+        params = m.params_for(fwd) if settings["rows_weights"] == "native" else llama.pack_for_rows(params, cfg)
+        # the bytes a step reads: the packed copies (the projections' and the head's)
+        read = [v for lp in params["layers"] for k, v in lp.items() if k.endswith(llama.ROWS_SUFFIX)]
+        read.append(params["head" + llama.ROWS_SUFFIX])
+    else:
+        read = [params["layers"], params["embed"]]  # the (tied) head
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(read))
     table = StepTable(cfg, params, params, fwd=fwd)
     samp = SamplingArrays.build([SamplingParams()], 1)
     rng = np.random.default_rng(0)
@@ -124,13 +131,13 @@ def main(argv):
         return
     settings = {"ks": [int(k) for k in FLAGS.ks], "contexts": [int(c) for c in FLAGS.contexts], "reps": FLAGS.reps}
     results = {}
-    runs = [(c, int(a), int(rk)) for c in (FLAGS.candidates or CANDIDATES) for a in FLAGS.attn_chunks
-            for rk in FLAGS.rows_kernels]
-    for cand, chunk, rk in runs:
-        name = (cand if chunk == 256 else f"{cand}@{chunk}") + (f"+rows{rk}" if rk else "")
+    runs = [(c, int(a), int(rk), rw) for c in (FLAGS.candidates or CANDIDATES) for a in FLAGS.attn_chunks
+            for rk in FLAGS.rows_kernels for rw in (FLAGS.rows_weights if int(rk) else ["-"])]
+    for cand, chunk, rk, rw in runs:
+        name = (cand if chunk == 256 else f"{cand}@{chunk}") + (f"+rows{rk}:{rw}" if rk else "")
         env = dict(os.environ, XLA_FLAGS=CANDIDATES[cand])
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                            json.dumps(dict(settings, attn_chunk=chunk, rows_kernel=rk))],
+                            json.dumps(dict(settings, attn_chunk=chunk, rows_kernel=rk, rows_weights=rw))],
                            capture_output=True, text=True, env=env)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
@@ -155,6 +162,9 @@ def main(argv):
     print("\n| setting | 512-token prefill chunk after 512 cached (ms) | prefill tok/s |\n|---|---|---|")
     for n, r in ok.items():
         print(f"| {n} | {r['chunk_ms']:.0f} | {512 / (r['chunk_ms'] / 1e3):.0f} |")
+    print("\n| setting | weights read per step (GB) |\n|---|---|")
+    for n, r in ok.items():
+        print(f"| {n} | {r['weight_gb']:.3f} |")
     for n, r in results.items():
         if "error" in r:
             print(f"| {n} | failed: {r['error'][:80]} | |")

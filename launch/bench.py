@@ -263,7 +263,7 @@ def bench() -> int:
     # One generator and one policy object per (drafter, policy) pair; generators whose steps
     # compile to the same code (same device draft or none) share their executables.
     fwd = cli.forward_options_from_flags()
-    ar = Generator(cfg, model.params, eos_ids=tok.eos_ids, fwd=fwd)
+    ar = Generator(cfg, model.params_for(fwd), eos_ids=tok.eos_ids, fwd=fwd)
     several = len(policy_names) > 1
     methods, gens, pols = [], {}, {}
     compiled_by = {"host": ar}  # the AR baseline is the host drafters' K = 0 step

@@ -188,8 +188,8 @@ def job() -> int:
         stats = policy = None
         label = ""
         if FLAGS.drafter == "none":
-            gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids,
-                            fwd=cli.forward_options_from_flags())
+            fwd = cli.forward_options_from_flags()
+            gen = Generator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, fwd=fwd)
         else:
             from specjax.spec_generate import SpecStats
 

@@ -150,10 +150,10 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, dr
     if drafter == "none":
         raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
     parts = drafter_parts(model, drafter, k=k, **kw)
-    return SpecGenerator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
+    fwd = fwd or ForwardOptions()
+    return SpecGenerator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
-                         fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed,
-                         prefill_chunk=prefill_chunk, **parts)
+                         fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk, **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
@@ -207,9 +207,9 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
         parts = {"drafter": FixedLengthDrafter()}
     else:
         parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
-    return JaxBackend(model.cfg, model.params, k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
-                      fwd=fwd or ForwardOptions(), draft_first=draft_first, packed=packed,
-                      prefill_chunk=prefill_chunk, **parts)
+    fwd = fwd or ForwardOptions()
+    return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
+                      fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk, **parts)
 
 
 def model_name(spec: str) -> str:

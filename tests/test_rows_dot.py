@@ -1,6 +1,8 @@
 """The CPU rows kernel (models.cpu.rows_dot): equal to XLA's dot within float32 rounding on
 ragged shapes, a row's result independent of how many rows share the call, and, inside the
-engine, the same greedy tokens from speculation as from plain decoding through it."""
+engine, the same greedy tokens from speculation as from plain decoding through it. GGUF Q4_1 /
+Q8_0 weights kept in their blocks stand for exactly the loader's float32 weights, and the
+portable (no AVX-512) build computes bit for bit what the AVX-512 one does."""
 
 from __future__ import annotations
 
@@ -15,23 +17,99 @@ from specjax.models.cpu import rows_dot as rd
 from specjax.models.options import ForwardOptions
 
 
+def _random_packs(rng, K, N):
+    """One weight [K, N] in each of the kernel's formats (the GGUF ones from random blocks, with
+    float16 scales of both signs and a subnormal), as (packed, its float32 values)."""
+    G = K // rd.GROUP
+    d = (rng.standard_normal((N, G)) * 0.05).astype(np.float16)
+    d[0, 0] = np.float16(3e-6)  # subnormal in float16
+    mins = (rng.standard_normal((N, G)) * 0.2).astype(np.float16)
+    q4 = rd.pack_q4_1(d, mins, rng.integers(0, 256, (N, G, 16), dtype=np.uint8))
+    q8 = rd.pack_q8_0(d, rng.integers(-128, 128, (N, G, 32), dtype=np.int8))
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    return {"f32": (rd.pack(w), np.asarray(w)), "q4_1": (q4, rd.dequantize_packed(q4, N)),
+            "q8_0": (q8, rd.dequantize_packed(q8, N))}
+
+
 def test_rows_kernel_matches_xla_and_rows_are_independent():
     rng = np.random.default_rng(0)
-    K, N = 83, 150  # N not a whole number of 16-column blocks
-    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
-    wp = rd.pack(w)
-    assert wp.shape == (10, K, 16)
+    K, N = 96, 150  # N not a whole number of 16-column blocks
+    packs = _random_packs(rng, K, N)
+    assert packs["f32"][0].shape == (10, K, 16)
     x = jnp.asarray(rng.standard_normal((40, K)), jnp.float32)
     f = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N))
-    for M in (1, 5, 12, 13, 40):  # one register tile, a tile and a row more, several tiles
-        got = np.asarray(f(x[:M], wp))
-        np.testing.assert_allclose(got, np.asarray(rd.rows_dot_reference(x[:M], w)), rtol=1e-5, atol=1e-4)
-        # bit-identical rows whatever else is in the call: a decode row == that row of a verify block
-        np.testing.assert_array_equal(got[M - 1:M], np.asarray(f(x[M - 1:M], wp)))
+    for fmt, (wp, w) in packs.items():
+        assert rd.packed_format(wp) == fmt
+        for M in (1, 5, 12, 13, 40):  # one register tile, a tile and a row more, several tiles
+            got = np.asarray(f(x[:M], wp))
+            np.testing.assert_allclose(got, np.asarray(x[:M]) @ w.astype(np.float64), rtol=1e-5, atol=1e-4,
+                                       err_msg=fmt)
+            # bit-identical rows whatever else is in the call: a decode row == that row of a verify block
+            np.testing.assert_array_equal(got[M - 1:M], np.asarray(f(x[M - 1:M], wp)))
+    wp = packs["f32"][0]
     y3 = rd.rows_dot(x[:6].reshape(2, 3, K), wp, N)  # leading dims are kept
     np.testing.assert_array_equal(np.asarray(y3).reshape(6, N), np.asarray(f(x[:6], wp)))
     with pytest.raises(SpecjaxError, match="float32 only"):
         rd.rows_dot(x.astype(jnp.bfloat16), wp, N)
+
+
+def test_portable_build_matches_the_avx512_build():
+    """The kernel without -march=native (the loops every other CPU runs) gives the AVX-512
+    build's results bit for bit, in every format: both sum each output in the same order."""
+    if "avx512f" not in rd._cpu_flags():
+        pytest.skip("this CPU has no AVX-512: the default build is already the portable one")
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(rd._build(rd._compiler(), portable=True))
+    for target, symbol in rd._TARGETS.items():
+        jax.ffi.register_ffi_target(target + "_portable", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    rng = np.random.default_rng(1)
+    K, N = 64, 40
+    x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
+    for fmt, (wp, _) in _random_packs(rng, K, N).items():
+        operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
+        target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt}"
+        portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
+        np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N)), err_msg=fmt)
+
+
+def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
+    """A GGUF with Q4_1 projections (q/k rows permuted, as llama.cpp writes them) and a Q8_0 tied
+    embedding: the packs the engine reads stand for exactly the float32 weights the loader gives,
+    and greedy decoding through them (plain and with prompt-lookup verify blocks) gives the
+    float32 path's tokens."""
+    from gguf import GGMLQuantizationType as Q
+    from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
+
+    from specjax import registry
+    from specjax.generate import Generator
+    from specjax.models import llama
+    from specjax.models.loader import load_model
+
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg("llama_tied", len(tokens))
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=3), tokens, merges, types, proj_type=Q.Q4_1,
+                    embed_type=Q.Q8_0)
+    m = load_model(str(path))
+    fwd = ForwardOptions(rows_kernel=32)
+    p = m.params_for(fwd)
+    assert m.params_for(fwd) is p  # packed once
+    for lp, lq in zip(m.params["layers"], p["layers"]):
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            packed = lq[name + llama.ROWS_SUFFIX]
+            assert rd.packed_format(packed) == "q4_1"
+            np.testing.assert_array_equal(rd.dequantize_packed(packed, lp[name].shape[1]), np.asarray(lp[name]))
+    assert rd.packed_format(p["head" + llama.ROWS_SUFFIX]) == "q8_0"
+    np.testing.assert_array_equal(rd.dequantize_packed(p["head" + llama.ROWS_SUFFIX], cfg.vocab_size),
+                                  np.asarray(m.params["embed"]).T)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
+    want = [r.tokens for r in Generator(m.cfg, m.params, batch_buckets=(2,)).generate(prompts, max_new_tokens=10)]
+    got = [r.tokens for r in Generator(m.cfg, p, batch_buckets=(2,), fwd=fwd).generate(prompts, max_new_tokens=10)]
+    assert got == want
+    spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=fwd)
+    assert spec.params is p
+    assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
 
 
 def test_rows_kernel_in_the_engine_is_lossless(tiny):

@@ -16,6 +16,7 @@ import pytest
 from specjax.generate import Generator
 from specjax.models import llama
 from specjax.models.loader import load_model
+from specjax.models.options import ForwardOptions
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_hf_reference.npz")
 
@@ -53,8 +54,11 @@ def test_logits_match_transformers(ref, model):
         np.testing.assert_array_equal(logits.argmax(-1), ref[f"argmax_{i}"])
 
 
-def test_greedy_64_tokens_identical(ref, model):
-    gen = Generator(model.cfg, model.params, eos_ids=model.tokenizer.eos_ids)
+@pytest.mark.parametrize("rows_kernel", [0, 32])
+def test_greedy_64_tokens_identical(ref, model, rows_kernel):
+    """Also through the CPU rows kernel on the file's own Q4_1/Q8_0 blocks (models.cpu.rows_dot)."""
+    fwd = ForwardOptions(rows_kernel=rows_kernel)
+    gen = Generator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, fwd=fwd)
     n = int(ref["num_prompts"])
     prompts = [ref[f"prompt_ids_{i}"].tolist() for i in range(n)]
     # Batched (mixed prompt lengths) and ignoring EOS, so all 64 tokens are compared.

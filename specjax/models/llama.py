@@ -102,11 +102,13 @@ ROWS_SUFFIX = ":rows"  # a weight's copy packed for the CPU rows kernel (pack_fo
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def pack_for_rows(params, cfg: ModelConfig):
+def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     """``params`` plus each projection and the vocab head packed for the CPU rows kernel
     (models.cpu.rows_dot; keys ``<name>:rows``, the head ``head:rows``), which
     ``ForwardOptions.rows_kernel`` uses for decode and verify blocks; prefill keeps the originals.
-    The original arrays are shared; the packed copies add the weights' size again."""
+    ``native``: weights already packed in their file's quantized blocks
+    (weights.gguf_row_packs; the same values in a fraction of the bytes), used where given; the
+    rest are packed from float32, which adds their size again (the originals are shared)."""
     from specjax.models.cpu import rows_dot
 
     # Registered here, not only when a forward is traced: an executable loaded from the disk cache
@@ -114,9 +116,13 @@ def pack_for_rows(params, cfg: ModelConfig):
     rows_dot.ensure()
     if "head" + ROWS_SUFFIX in params:
         return params
+    native = native or {"layers": [{} for _ in params["layers"]]}
     out = dict(params)
-    out["layers"] = [dict(lp, **{n + ROWS_SUFFIX: rows_dot.pack(lp[n]) for n in _PROJECTIONS}) for lp in params["layers"]]
-    out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
+    out["layers"] = [dict(lp, **{n + ROWS_SUFFIX: nat[n] if n in nat else rows_dot.pack(lp[n]) for n in _PROJECTIONS})
+                     for lp, nat in zip(params["layers"], native["layers"])]
+    out["head" + ROWS_SUFFIX] = native.get("head")
+    if out["head" + ROWS_SUFFIX] is None:
+        out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
     return out
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import jax.numpy as jnp
 
 from specjax.config import ModelConfig, available_models, get_model_config
 from specjax.errors import SpecjaxError
 from specjax.models import llama, weights
+from specjax.models.options import ForwardOptions
 from specjax.tokenizer import Tokenizer, build_bpe
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -21,10 +23,24 @@ _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16
 
 @dataclass
 class LoadedModel:
+    """``native_packs``: for a GGUF file, builds its quantized weights packed for the CPU rows
+    kernel (weights.gguf_row_packs); ``params_for`` uses it."""
+
     cfg: ModelConfig
     params: dict
     tokenizer: Tokenizer
     load_seconds: float = 0.0
+    native_packs: Callable[[], dict] | None = None
+    _packed: dict | None = field(default=None, repr=False)
+
+    def params_for(self, fwd: ForwardOptions) -> dict:
+        """The params a forward with ``fwd`` runs on: with the rows kernel, plus the packed
+        weights (built once; a GGUF's Q4_1/Q8_0 weights stay in their blocks)."""
+        if not fwd.rows_kernel:
+            return self.params
+        if self._packed is None:
+            self._packed = llama.pack_for_rows(self.params, self.cfg, self.native_packs() if self.native_packs else None)
+        return self._packed
 
 
 def parse_dtype(name: str):
@@ -96,7 +112,8 @@ def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedMo
         cfg = file_cfg
     params = weights.load_gguf_params(reader, cfg, dtype)
     tok = Tokenizer.from_gguf(reader)
-    return LoadedModel(cfg, params, tok, time.perf_counter() - t0)
+    return LoadedModel(cfg, params, tok, time.perf_counter() - t0,
+                       native_packs=lambda: weights.gguf_row_packs(reader, cfg))
 
 
 def _load_hf_dir(path: str, dtype, t0: float) -> LoadedModel:

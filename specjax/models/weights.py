@@ -204,6 +204,40 @@ def load_gguf_params(reader: GGUFFile, cfg: ModelConfig, dtype=jnp.float32) -> d
     return _assemble(cfg, get, _GGUF_NAMES, dtype)
 
 
+def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig) -> dict:
+    """The weights of the file that are stored as Q4_1 or Q8_0, packed in those blocks for the CPU
+    rows kernel (models.cpu.rows_dot): ``{"layers": [{name: packed}], "head": packed}``, the names
+    of ``llama.pack_for_rows``; weights of any other type are left out (the caller packs them from
+    float32). The same values as ``load_gguf_params`` gives, at 4.6-8.5 bits a weight."""
+    from gguf import GGMLQuantizationType as Q
+
+    from specjax.models.cpu import rows_dot
+
+    tensors = {t.name: t for t in reader.tensors}
+    permuted = cfg.arch == "llama"  # as in _assemble: llama.cpp permuted the rows of attn_q/attn_k
+    heads = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads}
+
+    def pack(name, key=None):
+        t = tensors.get(name)
+        if t is None or t.tensor_type not in (Q.Q4_1, Q.Q8_0) or int(t.shape[0]) % rows_dot.GROUP:
+            return None
+        block = _Q4_1_BLOCK if t.tensor_type == Q.Q4_1 else _Q8_0_BLOCK
+        b = _blocks(t.data, block).reshape(int(t.shape[1]), int(t.shape[0]) // rows_dot.GROUP)  # [out, groups]
+        if permuted and key in heads:
+            b = unpermute_qk(b, heads[key])
+        if t.tensor_type == Q.Q4_1:
+            return rows_dot.pack_q4_1(b["d"], b["m"], b["qs"])
+        return rows_dot.pack_q8_0(b["d"], b["qs"])
+
+    layers = []
+    for i in range(cfg.num_layers):
+        packs = {key: pack(_GGUF_NAMES[key].format(i=i), key) for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
+                                                                             "w_down")}
+        layers.append({k: v for k, v in packs.items() if v is not None})
+    head = pack(_GGUF_NAMES["embed"] if cfg.tie_embeddings else _GGUF_NAMES["lm_head"])
+    return {"layers": layers, **({"head": head} if head is not None else {})}
+
+
 # ---------------------------------------------------------------- safetensors (Hugging Face names)
 
 _HF_NAMES = {

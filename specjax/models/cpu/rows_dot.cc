@@ -1,5 +1,11 @@
 // y[M, N] = x[M, K] @ W[K, N] for a few activation rows (a decode or verify block), with W packed
-// as [N/16, K, 16]: each block of 16 output columns is one contiguous stream over k.
+// per block of 16 output columns, each block one contiguous stream over k. Three weight formats:
+//   f32:  [N/16, K, 16] float32;
+//   q4_1: GGUF Q4_1 kept as it is stored (32 k per group, w = q * d + m, q a 4-bit code, d and m
+//         float16 per column and group): codes [N/16, K/32, 16, 16] bytes (byte kk of a group holds
+//         k = kk in its low nibble and k = kk + 16 in its high one, for 16 columns), scales
+//         [N/16, K/32, 2, 16] float16 (d, then m);
+//   q8_0: GGUF Q8_0 (w = q * d, q int8): codes [N/16, K/32, 32, 16] int8, scales [N/16, K/32, 16].
 //
 // A decode step and a verify step are bound by reading the weights. XLA:CPU's dot streams them
 // at 19 GB/s for one row and 10-12 GB/s for 5-16 rows (benchmarks/roofline.py), which is what
@@ -7,7 +13,9 @@
 // for up to 12 rows held in registers (more rows re-read a block from L2, not from memory), the
 // column blocks are split between XLA's own intra-op threads, and each output is summed over k
 // in one order that does not depend on M: a row's result is bit-identical whether it is
-// computed alone or in a verify block.
+// computed alone or in a verify block. The GGUF formats read 4.6-8.5 bits a weight instead of 32
+// and decode in registers to exactly the float32 values the loader's dequantization gives
+// (q * d is exact in float32, so one fused q * d + m rounds as numpy's multiply-then-add does).
 
 #include <algorithm>
 #include <atomic>
@@ -105,6 +113,139 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
   }
 }
 
+// float16 bits -> float32 (the scalar path; the AVX-512 one converts 16 at once).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: value man * 2^-24, exact in float32
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// Stores the accumulators of one row tile for column blocks b (and b + 1 when `two`).
+#if defined(__AVX512F__)
+inline void store_tile(float* __restrict y, const __m512* a0, const __m512* a1, int64_t m0, int64_t mm, int64_t N,
+                       int64_t b, bool two) {
+  for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+    const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
+    const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+    for (int64_t i = 0; i < mm; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + col, keep, h ? a1[i] : a0[i]);
+  }
+}
+
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc{0,1}[i] += x[i, k] * v{0,1} for the tile's rows.
+#define SPECJAX_ROWS_FMA(k, v0, v1)                                   \
+  _Pragma("GCC unroll 12") for (int i = 0; i < kRowTile; ++i) {       \
+    if (i < mm) {                                                     \
+      const __m512 xb = _mm512_set1_ps(x[(m0 + i) * K + (k)]);        \
+      a0[i] = _mm512_fmadd_ps(xb, v0, a0[i]);                         \
+      a1[i] = _mm512_fmadd_ps(xb, v1, a1[i]);                         \
+    }                                                                 \
+  }
+#endif
+
+// Column blocks [b0, b1) of a q4_1 (Q8 = false) or q8_0 (Q8 = true) weight; sums over k in
+// increasing order of (group, kk), one FMA per k (q4_1: kk and kk + 16 in turn).
+template <bool Q8>
+void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const uint16_t* __restrict sc,
+                 float* __restrict y, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t ng = K / 32;
+  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;  // bytes of codes per group and block
+  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;       // float16 scales per group and block
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool two = b + 1 < b1;
+    const uint8_t* __restrict q0 = qs + b * ng * kCodes;
+    const uint8_t* __restrict q1 = q0 + ng * kCodes;
+    const uint16_t* __restrict s0 = sc + b * ng * kScales;
+    const uint16_t* __restrict s1 = s0 + ng * kScales;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+      const int64_t mm = std::min(kRowTile, M - m0);
+#if defined(__AVX512F__)
+      __m512 a0[kRowTile], a1[kRowTile];
+      for (int i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+      const __m512 zero = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* __restrict c0 = q0 + g * kCodes;
+        const uint8_t* __restrict c1 = q1 + g * kCodes;
+        const __m512 d0 = half16(s0 + g * kScales), d1 = two ? half16(s1 + g * kScales) : zero;
+        if constexpr (Q8) {
+          for (int64_t kk = 0; kk < 32; ++kk) {
+            const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c0 + kk * kLanes)))), d0);
+            const __m512 v1 = two ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + kk * kLanes)))), d1) : zero;
+            SPECJAX_ROWS_FMA(g * 32 + kk, v0, v1)
+          }
+        } else {
+          const __m512 mn0 = half16(s0 + g * kScales + kLanes), mn1 = two ? half16(s1 + g * kScales + kLanes) : zero;
+          const __m512i low = _mm512_set1_epi32(15);
+          for (int64_t kk = 0; kk < 16; ++kk) {
+            const __m512i u0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0 + kk * kLanes)));
+            const __m512i u1 = two ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + kk * kLanes)))
+                                   : _mm512_setzero_si512();
+            const __m512 lo0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(u0, low)), d0, mn0);
+            const __m512 lo1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(u1, low)), d1, mn1);
+            SPECJAX_ROWS_FMA(g * 32 + kk, lo0, lo1)
+            const __m512 hi0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u0, 4)), d0, mn0);
+            const __m512 hi1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u1, 4)), d1, mn1);
+            SPECJAX_ROWS_FMA(g * 32 + kk + 16, hi0, hi1)
+          }
+        }
+      }
+      store_tile(y, a0, a1, m0, mm, N, b, two);
+#else
+      float a[2][kRowTile][kLanes] = {};
+      float w[32][kLanes];  // one group's weights, in the AVX-512 path's k order
+      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+        const uint8_t* __restrict qb = h ? q1 : q0;
+        const uint16_t* __restrict sb = h ? s1 : s0;
+        for (int64_t g = 0; g < ng; ++g) {
+          const uint8_t* __restrict c = qb + g * kCodes;
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const float d = half_to_float(sb[g * kScales + l]);
+            if constexpr (Q8) {
+              for (int64_t kk = 0; kk < 32; ++kk) w[kk][l] = static_cast<float>(static_cast<int8_t>(c[kk * kLanes + l])) * d;
+            } else {
+              const float mn = half_to_float(sb[g * kScales + kLanes + l]);
+              for (int64_t kk = 0; kk < 16; ++kk) {  // q4_1 order: kk, kk + 16, kk + 1, kk + 17, ...
+                w[2 * kk][l] = __builtin_fmaf(static_cast<float>(c[kk * kLanes + l] & 15), d, mn);
+                w[2 * kk + 1][l] = __builtin_fmaf(static_cast<float>(c[kk * kLanes + l] >> 4), d, mn);
+              }
+            }
+          }
+          for (int64_t step = 0; step < 32; ++step) {
+            const int64_t k = g * 32 + (Q8 ? step : (step >> 1) + ((step & 1) << 4));
+            for (int64_t i = 0; i < mm; ++i) {
+              const float xi = x[(m0 + i) * K + k];
+              for (int64_t l = 0; l < kLanes; ++l) a[h][i][l] = __builtin_fmaf(xi, w[step][l], a[h][i][l]);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+        const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
+        for (int64_t i = 0; i < mm; ++i) std::memcpy(y + (m0 + i) * N + col, a[h][i], sizeof(float) * width);
+      }
+#endif
+    }
+  }
+}
+
 ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -122,7 +263,46 @@ ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+template <bool Q8>
+ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                    ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto cd = codes.dimensions();
+  auto sd = scales.dimensions();
+  auto yd = y->dimensions();
+  const int64_t per_group = Q8 ? 32 : 16;
+  const bool ok = xd.size() == 2 && yd.size() == 2 && cd.size() == 4 && yd[0] == xd[0] && xd[1] % 32 == 0 &&
+                  cd[0] == (yd[1] + kLanes - 1) / kLanes && cd[1] == xd[1] / 32 && cd[2] == per_group &&
+                  cd[3] == kLanes && codes.element_type() == (Q8 ? ffi::DataType::S8 : ffi::DataType::U8) &&
+                  (Q8 ? sd.size() == 3 && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == kLanes
+                      : sd.size() == 4 && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == 2 && sd[3] == kLanes);
+  if (!ok)
+    return ffi::Error::InvalidArgument(Q8 ? "rows_q8_0: expected x [M, K], codes int8 [ceil(N/16), K/32, 32, 16], "
+                                            "scales [ceil(N/16), K/32, 16], y [M, N]"
+                                          : "rows_q4_1: expected x [M, K], codes uint8 [ceil(N/16), K/32, 16, 16], "
+                                            "scales [ceil(N/16), K/32, 2, 16], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], nb = cd[0];
+  const float* xp = x.typed_data();
+  const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
+  const uint16_t* sp = scales.typed_data();
+  float* out = y->typed_data();
+  parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
+    blocks_gguf<Q8>(xp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+#define SPECJAX_GGUF_BINDING                \
+  ffi::Ffi::Bind()                          \
+      .Ctx<ffi::ThreadPool>()               \
+      .Arg<ffi::Buffer<ffi::F32>>()         \
+      .Arg<ffi::AnyBuffer>()                \
+      .Arg<ffi::Buffer<ffi::F16>>()         \
+      .Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ4_1, RowsGguf<false>, SPECJAX_GGUF_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ8_0, RowsGguf<true>, SPECJAX_GGUF_BINDING);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsPacked, RowsPacked,
                               ffi::Ffi::Bind()

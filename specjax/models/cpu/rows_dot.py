@@ -6,12 +6,15 @@ reading the weights. XLA:CPU's dot reads them at about 19 GB/s for one row and 1
 makes verifying K drafts cost 1.6-1.9x a decode step. The kernel reads weights packed per
 16-column block (``pack``: [K, N] -> [ceil(N/16), K, 16], each block one contiguous stream), once
 for all rows, and sums each output over k in an order that does not depend on the row count,
-so a row's result is the same in a verify block as in a one-token step.
+so a row's result is the same in a verify block as in a one-token step. GGUF weights stored as
+Q4_1 or Q8_0 can stay in those blocks (``pack_q4_1`` / ``pack_q8_0``: 4.6 or 8.5 bits a weight
+read instead of 32) and are decoded in registers to exactly the float32 values the loader's
+dequantization gives, so the model is the same; only the summation order differs from XLA's dot.
 
 It is compiled on first use with the system C++ compiler (``g++ -O3 -march=native``) into
 ``$SPECJAX_CACHE_DIR/ext`` (default ``~/.cache/specjax/ext``), keyed by its source, the
 compiler, jaxlib and this CPU's feature flags, and registered as the FFI target
-``specjax_rows_packed``. ``ensure()`` raises a one-line SpecjaxError where that is impossible.
+``specjax_rows_packed`` (and ``specjax_rows_q4_1`` / ``specjax_rows_q8_0``). ``ensure()`` raises a one-line SpecjaxError where that is impossible.
 ``rows_dot_reference`` is the plain-XLA definition the tests hold it to.
 """
 
@@ -28,12 +31,15 @@ import threading
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from specjax.errors import SpecjaxError
 
 LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
 _TARGET = "specjax_rows_packed"
+_TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0"}
+GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
 
@@ -50,13 +56,14 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str) -> str:
-    """The shared library's path, compiled now unless an identical build is cached."""
+def _build(cxx: str, portable: bool = False) -> str:
+    """The shared library's path, compiled now unless an identical build is cached (``portable``:
+    without -march=native, i.e. the kernel's plain loops; the tests compare the two)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     with open(_SRC, "rb") as f:
         src = f.read()
     key = hashlib.sha256(b"\n".join([src, repr(version).encode(), jaxlib.__version__.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:24]
+                                     _cpu_flags().encode(), b"portable" if portable else b""])).hexdigest()[:24]
     base = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
     out_dir = os.path.join(base, "ext")
     path = os.path.join(out_dir, f"rows_dot_{key}.so")
@@ -65,7 +72,7 @@ def _build(cxx: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", _SRC,
+    cmd = [cxx, "-O3", *([] if portable else ["-march=native"]), "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", _SRC,
            "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -88,7 +95,8 @@ def ensure() -> None:
                 if cxx is None:
                     raise SpecjaxError("the rows kernel needs a C++ compiler (g++), and none was found")
                 lib = ctypes.cdll.LoadLibrary(_build(cxx))
-                jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowsPacked), platform="cpu")
+                for target, symbol in _TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _loaded["ok"] = True
                 return
             except (SpecjaxError, OSError) as e:
@@ -112,14 +120,67 @@ def pack(w: jax.Array) -> jax.Array:
     return w.reshape(K, nb, LANES).transpose(1, 0, 2)
 
 
-def rows_dot(x: jax.Array, wp: jax.Array, n: int) -> jax.Array:
-    """``x @ w`` for x [..., K] float32 and ``wp = pack(w)``, w [K, n], through the kernel."""
+def _column_blocks(a: np.ndarray) -> np.ndarray:
+    """[N, G, ...] per output column -> [ceil(N/16), G, ..., 16] (columns padded with zeros)."""
+    N = a.shape[0]
+    nb = -(-N // LANES)
+    a = np.concatenate([a, np.zeros((nb * LANES - N,) + a.shape[1:], a.dtype)]) if nb * LANES != N else a
+    a = a.reshape((nb, LANES) + a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def pack_q4_1(d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> dict:
+    """A GGUF Q4_1 weight of N output columns and K = 32 G inputs (d, m float16 [N, G]; qs uint8
+    [N, G, 16], byte j holding code j low and code j + 16 high, as the file stores it) packed for
+    the kernel: codes [ceil(N/16), G, 16, 16] uint8, scales [ceil(N/16), G, 2, 16] float16."""
+    codes = _column_blocks(np.asarray(qs, np.uint8))
+    scales = _column_blocks(np.stack([np.asarray(d, np.float16), np.asarray(m, np.float16)], axis=2))
+    return {"codes": jnp.asarray(codes), "scales": jnp.asarray(scales)}
+
+
+def pack_q8_0(d: np.ndarray, qs: np.ndarray) -> dict:
+    """A GGUF Q8_0 weight (d float16 [N, G], qs int8 [N, G, 32]) packed for the kernel: codes
+    [ceil(N/16), G, 32, 16] int8, scales [ceil(N/16), G, 16] float16."""
+    return {"codes": jnp.asarray(_column_blocks(np.asarray(qs, np.int8))),
+            "scales": jnp.asarray(_column_blocks(np.asarray(d, np.float16)))}
+
+
+def packed_format(wp) -> str:
+    """"f32", "q4_1" or "q8_0": which of the kernel's weight formats ``wp`` is."""
+    if isinstance(wp, dict):
+        return "q8_0" if wp["codes"].dtype == jnp.int8 else "q4_1"
+    return "f32"
+
+
+def dequantize_packed(wp, n: int) -> np.ndarray:
+    """The [K, n] float32 weight a packed one stands for (numpy; the reference for the tests):
+    q * d (+ m), rounded as the GGUF loader's dequantization rounds."""
+    fmt = packed_format(wp)
+    if fmt == "f32":
+        a = np.asarray(wp)
+        return a.transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :n]
+    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    nb, G = codes.shape[:2]
+    if fmt == "q8_0":
+        w = codes.astype(np.float32) * scales[:, :, None, :]  # [nb, G, 32, 16]
+    else:
+        q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float32)  # [nb, G, 32, 16]
+        w = q * scales[:, :, 0:1, :] + scales[:, :, 1:2, :]
+    return w.transpose(1, 2, 0, 3).reshape(G * GROUP, nb * LANES)[:, :n]
+
+
+def rows_dot(x: jax.Array, wp, n: int) -> jax.Array:
+    """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
+    ``pack_q8_0``), through the kernel."""
     ensure()
-    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
-        raise SpecjaxError(f"the rows kernel is float32 only, got {x.dtype} x {wp.dtype}")
+    fmt = packed_format(wp)
+    operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
+    if x.dtype != jnp.float32 or (fmt == "f32" and wp.dtype != jnp.float32):
+        raise SpecjaxError(f"the rows kernel is float32 only, got {x.dtype} x {operands[0].dtype}")
     lead, K = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, K)
-    y = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, wp)
+    target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}"
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, *operands)
     return y.reshape(*lead, n)
 
 
