@@ -8,7 +8,9 @@ the insert into the live batch and the first token's trip to the host. Per lengt
 - prefill tok/s, best of --reps, with chunked prefill (--prefill_chunk) and, up to
   --whole_max tokens, with the whole prompt as one padded chunk (the path before chunking: its
   [T, T] scores at 8k tokens would be 2.4 GB per layer);
-- decode tok/s at --decode_contexts: (new tokens - 1) / decode seconds over --decode_tokens tokens.
+- decode tok/s at --decode_contexts: (new tokens - 1) / decode seconds over --decode_tokens tokens,
+  for each --rows_kernels setting (0: XLA's dot; N: the CPU rows kernel on the GGUF's own
+  Q4_1/Q8_0 blocks up to N rows, ForwardOptions.rows_kernel).
 
 transformers runs first, in a subprocess of --hf_python (a venv with torch CPU, transformers and
 gguf; see BENCHMARKS.md), one after the other, never concurrently:
@@ -35,6 +37,7 @@ flags.DEFINE_integer("decode_tokens", 32, "Decode steps timed per context.")
 flags.DEFINE_integer("reps", 3, "Timed repeats (best taken) per length.")
 flags.DEFINE_integer("prefill_chunk", 512, "Largest prefill chunk of the chunked path.")
 flags.DEFINE_integer("whole_max", 2048, "Also time the one-chunk (whole prompt) path up to this length; 0: never.")
+flags.DEFINE_list("rows_kernels", ["0", "32"], "ForwardOptions.rows_kernel settings to time decode with.")
 flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers; omit to skip HF.")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 
@@ -55,13 +58,14 @@ def run_hf(python, lengths, contexts, decode_tokens, reps):
     return res
 
 
-def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max):
+def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max, rows_kernels):
     import jax
     import numpy as np
     from tqdm import tqdm
 
     from specjax.generate import Generator
     from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
 
     m = load_model("smollm2-135m", "float32")
     rng = np.random.default_rng(0)
@@ -76,11 +80,13 @@ def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max):
         g = gens[name]
         g.generate([prompt[n]], max_new_tokens=1)  # compiles this length's chunks
         out[name][n] = min(g.generate([prompt[n]], max_new_tokens=1)[0].prefill_s for _ in range(reps))
-    g = gens["chunked"]
-    for c in contexts:
-        g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)
-        runs = [g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)[0] for _ in range(reps)]
-        out["decode"][c] = min(r.decode_s / (len(r.tokens) - 1) for r in runs)
+    for rk in rows_kernels:
+        fwd = ForwardOptions(rows_kernel=rk)
+        g = gens["chunked"] if not rk else Generator(m.cfg, m.params_for(fwd), prefill_chunk=chunk, fwd=fwd)
+        for c in contexts:
+            g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)
+            runs = [g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)[0] for _ in range(reps)]
+            out["decode"][f"{rk}:{c}"] = min(r.decode_s / (len(r.tokens) - 1) for r in runs)
     out["env"] = {"jax": jax.__version__, "prefill_chunk": chunk}
     return out
 
@@ -90,7 +96,8 @@ def main(argv):
     lengths = [int(x) for x in FLAGS.lengths]
     contexts = [int(x) for x in FLAGS.decode_contexts]
     hf = run_hf(FLAGS.hf_python, lengths, contexts, FLAGS.decode_tokens, FLAGS.reps) if FLAGS.hf_python else None
-    sj = run_specjax(lengths, contexts, FLAGS.decode_tokens, FLAGS.reps, FLAGS.prefill_chunk, FLAGS.whole_max)
+    rks = [int(x) for x in FLAGS.rows_kernels]
+    sj = run_specjax(lengths, contexts, FLAGS.decode_tokens, FLAGS.reps, FLAGS.prefill_chunk, FLAGS.whole_max, rks)
     print(f"\nSmolLM2-135M fp32, batch 1, random-token prompts; prefill tok/s, best of {FLAGS.reps}; "
           f"chunked = chunks of <= {FLAGS.prefill_chunk}, whole = one padded chunk (the path before chunking)")
     print("| prompt tokens | specjax chunked | specjax whole | transformers | chunked / transformers | chunked / whole |")
@@ -102,11 +109,12 @@ def main(argv):
         print(f"| {n} | {c:.0f} | {w:.0f} |" if w else f"| {n} | {c:.0f} | - |", end="")
         print(f" {h:.0f} | {c / h:.2f}x |" if h else " - | - |", end="")
         print(f" {c / w:.2f}x |" if w else " - |")
-    print("\n| decode context | specjax tok/s | transformers tok/s | ratio |\n|---|---|---|---|")
+    print("\n| decode context | specjax rows_kernel | specjax tok/s | transformers tok/s | ratio |\n|---|---|---|---|---|")
     for c in contexts:
-        s = 1 / sj["decode"][c]
-        h = 1 / hf["decode"][c] if hf else None
-        print(f"| {c} | {s:.1f} | {h:.1f} | {s / h:.2f}x |" if h else f"| {c} | {s:.1f} | - | - |")
+        for rk in rks:
+            s = 1 / sj["decode"][f"{rk}:{c}"]
+            h = 1 / hf["decode"][c] if hf else None
+            print(f"| {c} | {rk} | {s:.1f} | {h:.1f} | {s / h:.2f}x |" if h else f"| {c} | {rk} | {s:.1f} | - | - |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"specjax": sj, "hf": hf}, f, indent=1)

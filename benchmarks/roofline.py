@@ -9,6 +9,9 @@
    shapes, then the tied 49152 x 576 head; random weights, a dependent chain like the model's),
    for M activation rows: ms and the GB/s of weight reads. M = 1 is a decode step's dense part,
    M = K + 1 a K-draft verify's.
+3. The same chain on SmolLM2's real weights through the CPU rows kernel (models.cpu.rows_dot),
+   packed as float32 and in the GGUF's own Q4_1/Q8_0 blocks (skipped with --norows_kernel or
+   where the kernel cannot be built here, which it says).
 
 A decode step must read every weight once, so the read bandwidth bounds AR decode from above:
 tokens/s <= bandwidth / weight bytes.
@@ -27,6 +30,7 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "2", "5", "9", "16", "32"], "Activation rows for the projection chain.")
 flags.DEFINE_integer("reps", 15, "Timed calls per point (median).")
+flags.DEFINE_bool("rows_kernel", True, "Also time the chain through the CPU rows kernel (part 3).")
 
 
 def main(argv):
@@ -79,6 +83,53 @@ def main(argv):
         t = ms(chain, r(M, d), layers, emb)
         base = base or t
         print(f"| {M} | {t * 1e3:.1f} | {nbytes / 1e9 / t:.1f} | {t / base:.2f} |")
+    if FLAGS.rows_kernel:
+        rows_chains(ms)
+
+
+def rows_chains(ms):
+    """Part 3: the projection chain on the real weights through the rows kernel, float32 packs
+    against the GGUF's own blocks."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.errors import SpecjaxError
+    from specjax.models import llama
+    from specjax.models.cpu import rows_dot
+    from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
+
+    try:
+        rows_dot.ensure()
+    except SpecjaxError as e:
+        print(f"\n(rows kernel skipped: {e})")
+        return
+    m = load_model("smollm2-135m")
+    d, V = m.cfg.hidden_size, m.cfg.vocab_size
+    packs = {"float32": llama.pack_for_rows(m.params, m.cfg), "GGUF blocks": m.params_for(ForwardOptions(rows_kernel=32))}
+    for label, p in packs.items():
+        ws = [{n: lp[n + llama.ROWS_SUFFIX] for n in llama._PROJECTIONS} for lp in p["layers"]]
+        head = p["head" + llama.ROWS_SUFFIX]
+        shapes = {n: m.params["layers"][0][n].shape[1] for n in llama._PROJECTIONS}
+        nbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves((ws, head)))
+
+        def chain(x, ws, head):
+            def mm(a, name, w):
+                return rows_dot.rows_dot(a, w, shapes[name])
+            for w in ws:
+                q, k, v = mm(x, "wq", w["wq"]), mm(x, "wk", w["wk"]), mm(x, "wv", w["wv"])
+                x = x + mm(q + jnp.tile(k, (1, 3)) * 0.1 + jnp.tile(v, (1, 3)) * 0.1, "wo", w["wo"])
+                x = x + mm(jax.nn.silu(mm(x, "w_gate", w["w_gate"])) * mm(x, "w_up", w["w_up"]), "w_down", w["w_down"])
+                x = x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+            return rows_dot.rows_dot(x, head, V)
+
+        print(f"\nThe same chain on SmolLM2's weights through the rows kernel, {label} ({nbytes / 1e6:.0f} MB read)")
+        print("| rows | ms | GB/s of weights | x the 1-row chain |\n|---|---|---|---|")
+        base = None
+        for M in (int(r) for r in FLAGS.rows):
+            t = ms(chain, jnp.ones((M, d), jnp.float32) * 0.1, ws, head)
+            base = base or t
+            print(f"| {M} | {t * 1e3:.1f} | {nbytes / 1e9 / t:.1f} | {t / base:.2f} |")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def serve(job, geom) -> int:
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
     prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
-    backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(), **geom,
+    backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(model), **geom,
                                     prefill_chunk=prefill_chunk,
                                     **registry.backend_options([FLAGS.policy]),
                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))

@@ -262,7 +262,7 @@ def bench() -> int:
 
     # One generator and one policy object per (drafter, policy) pair; generators whose steps
     # compile to the same code (same device draft or none) share their executables.
-    fwd = cli.forward_options_from_flags()
+    fwd = cli.forward_options_from_flags(model)
     ar = Generator(cfg, model.params_for(fwd), eos_ids=tok.eos_ids, fwd=fwd)
     several = len(policy_names) > 1
     methods, gens, pols = [], {}, {}

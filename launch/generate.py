@@ -188,13 +188,13 @@ def job() -> int:
         stats = policy = None
         label = ""
         if FLAGS.drafter == "none":
-            fwd = cli.forward_options_from_flags()
+            fwd = cli.forward_options_from_flags(model)
             gen = Generator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, fwd=fwd)
         else:
             from specjax.spec_generate import SpecStats
 
             gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
-                                                fwd=cli.forward_options_from_flags(),
+                                                fwd=cli.forward_options_from_flags(model),
                                                 **registry.backend_options([FLAGS.policy]),
                                                 **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
             stats = SpecStats()

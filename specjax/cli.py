@@ -136,15 +136,21 @@ def define_forward_flags() -> None:
                       "interpret mode on CPU, slow; prefill always uses XLA).")
     flags.DEFINE_integer("small_rows", 0, "Project 2..N activation rows as per-row matrix-vector products "
                          "instead of one GEMM (a CPU-specific setting; see benchmarks/projection_rows.py; 0 = off).")
-    flags.DEFINE_integer("rows_kernel", 0, "Run decode and verify blocks of up to N activation rows on the CPU rows "
-                         "kernel (float32 weights packed once more, read once for all rows; built with g++ on "
-                         "first use; see benchmarks/dot_paths.py --rows_kernels; 0 = XLA's dot).")
+    flags.DEFINE_integer("rows_kernel", -1, "Run decode and verify blocks of up to N activation rows on the CPU rows "
+                         "kernel (weights read once for all rows, a GGUF's Q4_1/Q8_0 ones in their own blocks, "
+                         "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
+                         "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
+                         "such blocks and the kernel builds on this CPU, else 0.")
 
 
-def forward_options_from_flags():
+def forward_options_from_flags(model=None):
+    """ForwardOptions from the flags; ``model`` (a LoadedModel) resolves ``--rows_kernel -1``."""
     from specjax.models.options import ForwardOptions
 
-    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=FLAGS.rows_kernel)
+    rows = FLAGS.rows_kernel
+    if rows < 0:
+        rows = model.auto_rows_kernel() if model is not None else 0
+    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=rows)
 
 
 def define_prefill_flags() -> None:

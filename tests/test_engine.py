@@ -71,6 +71,15 @@ def _cheap_spec():
     return StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, 1e-4))
 
 
+class OpClock(EventClock):
+    """Simulated time that advances 1 ms per engine operation (a prefill pass or a step),
+    whatever it measured: arrivals then interleave with steps the same way on any machine
+    (on measured durations, a fast CPU finished each request before the next one arrived)."""
+
+    def advance(self, dt: float) -> None:
+        self.t += 0.001
+
+
 def _reqs(arrival_gap, prompts=PROMPTS, **kw):
     return [Request(f"q{i}", p, MAX_NEW, arrival=i * arrival_gap, **kw) for i, p in enumerate(prompts)]
 
@@ -90,10 +99,10 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
     be.reset()
     pol = {"K=2": lambda: FixedK(2), "smartspec": lambda: GoodputPolicy(_cheap_spec()),
            "confidence": lambda: GoodputPolicy(_cheap_spec(), "confidence", threshold=0.05)}[policy]()
-    # Event clock on measured durations: arrivals interleave with steps deterministically enough
-    # that requests join a running batch, and leave it, at different steps.
-    # A late request, after the others left, runs alone in the 4-row state until it is compacted.
-    eng = ServingEngine(be, pol, clock=EventClock())
+    # Arrivals interleave with steps (OpClock) so that requests join a running batch, and leave
+    # it, at different steps. A late request, after the others left, runs alone in the 4-row
+    # state until it is compacted.
+    eng = ServingEngine(be, pol, clock=OpClock())
     calls = []  # draft calls made ahead of the choice (the confidence path)
     be._draft_ahead = lambda *a, _f=be._draft_ahead: calls.append(1) or _f(*a)
     try:
@@ -471,7 +480,7 @@ def test_token_trees_greedy_lossless_with_joins_and_leaves(tree_backend, referen
     # into 8 rows (two join as the first leave)
     n, gap = {1: (3, 50.0), 3: (3, 0.003), 8: (len(PROMPTS), 0.0)}[rows]
     reqs = [Request(f"t{i}", p, MAX_NEW, arrival=gap * i) for i, p in enumerate(PROMPTS[:n])]
-    eng = ServingEngine(be, FixedK(4), clock=EventClock())
+    eng = ServingEngine(be, FixedK(4), clock=OpClock())
     outs = eng.run(reqs)
     for o, ref in zip(outs, reference):
         assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"

@@ -17,14 +17,15 @@ from specjax.models.options import ForwardOptions
 from specjax.tokenizer import Tokenizer, build_bpe
 
 DEFAULT_MODEL = "smollm2-135m"
+AUTO_ROWS = 32  # activation rows (batch x block) up to which auto_rows_kernel runs the rows kernel
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
 @dataclass
 class LoadedModel:
-    """``native_packs``: for a GGUF file, builds its quantized weights packed for the CPU rows
-    kernel (weights.gguf_row_packs); ``params_for`` uses it."""
+    """``native_packs``: for a GGUF file with Q4_1/Q8_0 weights, builds them packed in those
+    blocks for the CPU rows kernel (weights.gguf_row_packs); ``params_for`` uses it."""
 
     cfg: ModelConfig
     params: dict
@@ -32,6 +33,20 @@ class LoadedModel:
     load_seconds: float = 0.0
     native_packs: Callable[[], dict] | None = None
     _packed: dict | None = field(default=None, repr=False)
+
+    def auto_rows_kernel(self) -> int:
+        """The ``ForwardOptions.rows_kernel`` a launch script uses unless told: the rows kernel
+        for blocks of up to AUTO_ROWS rows where it reads this model's quantized blocks (about
+        a fifth of the float32 bytes: decode 1.7x faster, BENCHMARKS.md), runs on the CPU and
+        can be built here; else 0 (float32 copies would double the weights' memory for 10-20%)."""
+        import jax
+
+        from specjax.models.cpu import rows_dot
+
+        if (self.native_packs is None or self.params["embed"].dtype != jnp.float32 or jax.default_backend() != "cpu"
+                or not rows_dot.available()):
+            return 0
+        return AUTO_ROWS
 
     def params_for(self, fwd: ForwardOptions) -> dict:
         """The params a forward with ``fwd`` runs on: with the rows kernel, plus the packed
@@ -112,8 +127,8 @@ def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedMo
         cfg = file_cfg
     params = weights.load_gguf_params(reader, cfg, dtype)
     tok = Tokenizer.from_gguf(reader)
-    return LoadedModel(cfg, params, tok, time.perf_counter() - t0,
-                       native_packs=lambda: weights.gguf_row_packs(reader, cfg))
+    native = (lambda: weights.gguf_row_packs(reader, cfg)) if weights.gguf_has_row_packs(reader) else None
+    return LoadedModel(cfg, params, tok, time.perf_counter() - t0, native_packs=native)
 
 
 def _load_hf_dir(path: str, dtype, t0: float) -> LoadedModel:

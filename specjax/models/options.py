@@ -21,8 +21,10 @@ class ForwardOptions:
     measured in benchmarks/projection_rows.py; 0 = always GEMM).
     rows_kernel: up to this many activation rows (a decode or verify block), projections and
     the vocab head run on the CPU rows kernel (models.cpu.rows_dot: packed weights read once for
-    all rows, a row's result the same at any row count; float32; the params need
-    llama.pack_for_rows, which the engine applies); 0 = XLA's dot."""
+    all rows, a row's result the same at any row count; float32 activations; the params need
+    llama.pack_for_rows, which LoadedModel.params_for applies with a GGUF's Q4_1/Q8_0 weights
+    kept in their blocks); 0 = XLA's dot. Launch scripts pick it with
+    LoadedModel.auto_rows_kernel unless --rows_kernel says."""
 
     attention: str = "xla"
     attn_chunk: int = 256

@@ -204,6 +204,13 @@ def load_gguf_params(reader: GGUFFile, cfg: ModelConfig, dtype=jnp.float32) -> d
     return _assemble(cfg, get, _GGUF_NAMES, dtype)
 
 
+def gguf_has_row_packs(reader: GGUFFile) -> bool:
+    """Whether any matrix of the file is stored in a block type the rows kernel reads as is."""
+    from gguf import GGMLQuantizationType as Q
+
+    return any(t.tensor_type in (Q.Q4_1, Q.Q8_0) and len(t.shape) == 2 for t in reader.tensors)
+
+
 def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig) -> dict:
     """The weights of the file that are stored as Q4_1 or Q8_0, packed in those blocks for the CPU
     rows kernel (models.cpu.rows_dot): ``{"layers": [{name: packed}], "head": packed}``, the names
