@@ -86,6 +86,11 @@ def _spec_kw(stats, policy):
     return {} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats, "policy": policy}
 
 
+# Steps a single answer runs before the other K buckets start loading or compiling beside it:
+# each load from a warm cache holds the GIL for about 0.45 s (BENCHMARKS.md, first answer).
+LATER_AFTER_STEPS = 16
+
+
 def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     from specjax.generate import validate_request
 
@@ -96,11 +101,12 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     if stats is not None:
         validate_request(ids, FLAGS.max_new_tokens, model.cfg)
         # a fixed K runs buckets <= K (host drafts shrink the block); SmartSpec may choose any.
-        # Only K = 0 (and a fixed K) compile before the answer starts; the rest join as they finish.
+        # Only K = 0 (and a fixed K) compile before the answer starts; the rest join as they finish,
+        # from the LATER_AFTER_STEPS-th step on (a short answer is not slowed by loading them).
         k_warm = getattr(policy, "k", max(gen.k_buckets))
         later = [b for b in gen.k_buckets if 0 < b <= k_warm and b != getattr(policy, "k", None)]
         compile_s = registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], k_warm,
-                                       greedy=samp.greedy, later=later)
+                                       greedy=samp.greedy, later=later, later_after_steps=LATER_AFTER_STEPS)
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
                        **_spec_kw(stats, policy))[0]
     if stats is not None:
@@ -117,8 +123,9 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
         print(head + "first calls include JIT compilation — see benchmarks/ar_speed.py for steady-state speed]",
               file=sys.stderr)
     else:
-        bg = (f"; K {later} compiled alongside the generation (included; {len(in_time)} ready before the end"
-              f", {wait_s:.1f} s waited after it for the one in progress)" if later else "")
+        bg = (f"; K {later} to compile alongside the generation from step {LATER_AFTER_STEPS} on (included; "
+              f"{len(in_time)} ready before the end, {wait_s:.1f} s waited after it for the one in progress)"
+              if later else "")
         print(head + f"compilation {compile_s:.1f} s before generation, excluded{bg}]", file=sys.stderr)
         print(f"[spec {FLAGS.drafter}, policy {policy_label}: {registry.format_spec_stats(stats)}]", file=sys.stderr)
 

@@ -186,18 +186,20 @@ class SpecGenerator:
 
     def warmup(self, prompt_lens: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
-               k_buckets: Sequence[int] | None = None, execute: bool = False, later_ks: Sequence[int] = ()) -> float:
+               k_buckets: Sequence[int] | None = None, execute: bool = False, later_ks: Sequence[int] = (),
+               later_after_steps: int = 0) -> float:
         """Compile every (batch, K, slots, mode) step and the (batch, chunk, slots, mode) prefill
         chunks of prompts of these lengths (and the row operations a static batch uses);
         ``execute``: also run each once; ``later_ks``: these K buckets compile in the background
-        and join the policy's options when ready (JaxBackend.warmup; ``stop_later`` ends it).
-        Returns seconds."""
+        and join the policy's options when ready, starting after ``later_after_steps`` steps
+        (JaxBackend.warmup; ``stop_later`` ends it). Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)
             be.table.warm = False
             be.warmup(prompt_lens=[p for p in prompt_lens if p <= S], greedy_modes=greedy_modes,
-                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute, later_ks=later_ks)
+                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute, later_ks=later_ks,
+                      later_after_steps=later_after_steps)
         self.warm = True
         return time.perf_counter() - t0
 

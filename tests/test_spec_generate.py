@@ -482,11 +482,9 @@ def test_smollm2_greedy_spec_grid(smol, B):
 def test_executables_on_disk_and_in_the_background(tiny, ar_greedy, tmp_path, monkeypatch):
     """A second generator loads every executable from the on-disk cache (keyed without tracing)
     and generates the same tokens; K buckets compiled in the background join the policy's options
-    only once compiled, and K = 0 runs losslessly meanwhile."""
-    import threading
-
+    only once compiled (and start after the step count they were given), and K = 0 runs
+    losslessly meanwhile."""
     from specjax.engine import exe_cache
-    from specjax.engine.jax_backend import JaxBackend
 
     cfg, params = tiny
     disk = exe_cache.ExecutableCache(str(tmp_path))
@@ -519,18 +517,18 @@ def test_executables_on_disk_and_in_the_background(tiny, ar_greedy, tmp_path, mo
     monkeypatch.setattr(exe_cache, "code_digest", lambda: "other source")
     assert disk.entry("x", (a,)) != name
 
-    gate = threading.Event()
-    orig_later = JaxBackend._compile_later
-    monkeypatch.setattr(JaxBackend, "_compile_later", lambda self, jobs, ks: (gate.wait(), orig_later(self, jobs, ks)))
+    # the background half waits for the step count it was given (a short answer never starts it)
     bg = make(None)
-    bg.warmup(prompt_lens=(16,), greedy_modes=(True,), later_ks=(1, 4))
+    bg.warmup(prompt_lens=(16,), greedy_modes=(True,), later_ks=(1, 4), later_after_steps=MAX_NEW + 2)
     be = bg.backend(S)
     assert be.k_options(1) == (0,)
     with pytest.raises(SpecjaxError, match="no precompiled spec step"):
         be.table.step(1, 4, S, True)  # not compiled yet, and nothing compiles it in the foreground
-    res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)
+    res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)  # < MAX_NEW steps
     assert [r.tokens for r in res] == ar_greedy[1]
-    gate.set()
+    assert not be._later_gate.is_set() and be.k_options(1) == (0,)
+    bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)  # past the count: it starts
+    assert be._later_gate.is_set()
     be._later.join()
     assert be.k_options(1) == (0, 1, 4) and bg.stop_later() == []
     res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)

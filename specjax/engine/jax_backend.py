@@ -109,6 +109,9 @@ class JaxBackend:
         self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
         self._later: threading.Thread | None = None
         self._stop_later = threading.Event()
+        self._later_gate = threading.Event()  # set once the background half of a warm-up may start
+        self._later_after = 0  # ... after this many steps (warmup's later_after_steps)
+        self._steps_run = 0
         self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
@@ -355,6 +358,9 @@ class JaxBackend:
         <= K (the policy's per-request choice). A ``packed`` backend runs the block's real tokens
         only, in the smallest compiled packed size that holds them."""
         t0 = time.perf_counter()
+        self._steps_run += 1
+        if self._steps_run >= self._later_after:
+            self._later_gate.set()
         self._prepare(rs)
         self._prepared = False  # the next step prepares again
         B = self.B
@@ -482,7 +488,8 @@ class JaxBackend:
 
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
-               k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = ()) -> float:
+               k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = (),
+               later_after_steps: int = 0) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
@@ -491,7 +498,11 @@ class JaxBackend:
         these (a static batch that never resizes needs no other). ``later_ks``: K buckets (> 0)
         whose steps compile in a background thread after this returns, smallest first; until one
         is in, ``k_options`` leaves it out, so a first answer waits only for the prefill, the
-        K = 0 step and the rest of ``k_buckets`` (``stop_later`` ends the thread). Returns seconds."""
+        K = 0 step and the rest of ``k_buckets`` (``stop_later`` ends the thread).
+        ``later_after_steps``: the thread starts its work only once this many steps have run. A
+        warm cache's loads hold the GIL (about 0.45 s each for SmolLM2's tree steps), so a short
+        answer that never reaches that step count is not slowed by options it would not use.
+        Returns seconds."""
         t0 = time.perf_counter()
         S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
@@ -539,6 +550,11 @@ class JaxBackend:
         if later:
             self._ready_k = set(kbs) - set(later)
             self._stop_later.clear()
+            self._later_after, self._steps_run = later_after_steps, 0
+            if later_after_steps <= 0:
+                self._later_gate.set()
+            else:
+                self._later_gate.clear()
             self._later = threading.Thread(target=self._compile_later, args=(deferred, later),
                                            name="specjax-compile-later")
             self._later.start()
@@ -548,6 +564,7 @@ class JaxBackend:
 
     def _compile_later(self, jobs, ks) -> None:
         """The background half of warmup(later_ks): each K's steps, then K joins k_options."""
+        self._later_gate.wait()
         for k in ks:
             for j in (j for j in jobs if j[2] == k):
                 if self._stop_later.is_set():
@@ -561,6 +578,7 @@ class JaxBackend:
         K buckets it did not finish (they stay out of ``k_options``)."""
         if self._later is not None:
             self._stop_later.set()
+            self._later_gate.set()
             self._later.join()
             self._later = None
         ready = self._ready_k
