@@ -140,7 +140,7 @@ def define_forward_flags() -> None:
                          "kernel (weights read once for all rows, a GGUF's Q4_1/Q8_0 ones in their own blocks, "
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
-                         "such blocks and the kernel builds on this CPU, else 0.")
+                         "such blocks and the kernel builds for this CPU's AVX-512, else 0.")
 
 
 def forward_options_from_flags(model=None):

@@ -104,6 +104,13 @@ def ensure() -> None:
         raise SpecjaxError(_loaded["error"])
 
 
+def vectorized() -> bool:
+    """Whether this CPU runs the kernel's AVX-512 path. Elsewhere it runs portable loops, which
+    give the same results but were 3-13x slower than XLA's dot in an AVX2-only build
+    (benchmarks/rows_builds.py): a correctness fallback, not a speed-up."""
+    return "avx512f" in _cpu_flags().split()
+
+
 def available() -> bool:
     try:
         ensure()

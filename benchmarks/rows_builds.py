@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""The CPU rows kernel built two ways on this machine, against XLA's dot: the default build
+(-march=native: the AVX-512 path where the CPU has it) and a build for AVX2 only
+(-march=haswell: the portable loops a CPU without AVX-512 runs). SmolLM2's 30 layers of
+projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain; XLA's dot on
+the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
+(LoadedModel.auto_rows_kernel only turns it on where it has AVX-512).
+
+  python benchmarks/rows_builds.py [--rows 1,5,9]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rows", ["1", "5", "9"], "Activation rows (1: decode, K + 1: a K-draft verify).")
+flags.DEFINE_integer("reps", 11, "Timed calls per point (median).")
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import median_seconds
+    from specjax.models import llama
+    from specjax.models.cpu import rows_dot as rd
+    from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
+
+    rd.ensure()
+    with tempfile.TemporaryDirectory() as d:
+        so = os.path.join(d, "rows_avx2.so")
+        subprocess.run([rd._compiler(), "-O3", "-march=haswell", "-std=c++17", "-shared", "-fPIC", "-w",
+                        f"-I{jax.ffi.include_dir()}", rd._SRC, "-o", so], check=True)
+        lib = ctypes.cdll.LoadLibrary(so)
+    for target, symbol in rd._TARGETS.items():
+        jax.ffi.register_ffi_target(target + "_avx2", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    m = load_model("smollm2-135m")
+    p = m.params_for(ForwardOptions(rows_kernel=32))
+    width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}
+
+    def kernel(x, w, n, suffix):
+        ops = (w["codes"], w["scales"])
+        target = f"specjax_rows_{rd.packed_format(w)}{suffix}"
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, *ops)
+
+    def chain(x, layers, head, dot):
+        for lp in layers:
+            for n in llama._PROJECTIONS:
+                K, N = width[n]
+                xin = jnp.tile(x, (1, K // x.shape[1] + 1))[:, :K]
+                x = x + 0.01 * dot(xin, lp, n, N).sum(-1, keepdims=True)
+        return dot(x, {"head": head}, "head", m.cfg.vocab_size)
+
+    def ms(f, *args):
+        f = jax.jit(f)
+        jax.block_until_ready(f(*args))
+        return 1e3 * median_seconds(lambda: jax.block_until_ready(f(*args)), FLAGS.reps)
+
+    print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build |\n|---|---|---|---|")
+    for M in (int(r) for r in FLAGS.rows):
+        x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
+        xla = ms(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
+                 m.params["embed"].T)
+        t = {}
+        for suffix in ("", "_avx2"):
+            def dot(a, lp, n, N, suffix=suffix):
+                return kernel(a, lp[n if n == "head" else n + llama.ROWS_SUFFIX], N, suffix)
+            t[suffix] = ms(lambda x, ls, h, dot=dot: chain(x, ls, h, dot), x, p["layers"], p["head" + llama.ROWS_SUFFIX])
+        print(f"| {M} | {xla:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms |")
+
+
+if __name__ == "__main__":
+    app.run(main)
