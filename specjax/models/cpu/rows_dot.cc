@@ -65,54 +65,6 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t n, F f) {
   while (st->done.load(std::memory_order_acquire) < n) SPECJAX_RELAX();
 }
 
-// Column blocks [b0, b1) of y. Each output is a sum over k in increasing order, one FMA per k.
-void blocks(const float* __restrict x, const float* __restrict wp, float* __restrict y, int64_t M, int64_t K,
-            int64_t N, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b += 2) {
-    const bool two = b + 1 < b1;
-    const float* __restrict w0 = wp + b * K * kLanes;
-    const float* __restrict w1 = w0 + K * kLanes;
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      const int64_t mm = std::min(kRowTile, M - m0);
-#if defined(__AVX512F__)
-      __m512 a0[kRowTile], a1[kRowTile];
-      for (int i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; ++k) {
-        const __m512 v0 = _mm512_loadu_ps(w0 + k * kLanes);
-        const __m512 v1 = two ? _mm512_loadu_ps(w1 + k * kLanes) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-        for (int i = 0; i < kRowTile; ++i) {
-          if (i < mm) {
-            const __m512 xb = _mm512_set1_ps(x[(m0 + i) * K + k]);
-            a0[i] = _mm512_fmadd_ps(xb, v0, a0[i]);
-            a1[i] = _mm512_fmadd_ps(xb, v1, a1[i]);
-          }
-        }
-      }
-      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-        const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
-        const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
-        for (int64_t i = 0; i < mm; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * N + col, keep, h ? a1[i] : a0[i]);
-      }
-#else
-      float a[2][kRowTile][kLanes] = {};
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-          const float* __restrict v = (h ? w1 : w0) + k * kLanes;
-          for (int64_t i = 0; i < mm; ++i) {
-            const float xi = x[(m0 + i) * K + k];
-            for (int64_t l = 0; l < kLanes; ++l) a[h][i][l] = __builtin_fmaf(xi, v[l], a[h][i][l]);
-          }
-        }
-      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-        const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
-        for (int64_t i = 0; i < mm; ++i) std::memcpy(y + (m0 + i) * N + col, a[h][i], sizeof(float) * width);
-      }
-#endif
-    }
-  }
-}
-
 // float16 bits -> float32 (the scalar path; the AVX-512 one converts 16 at once).
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -134,6 +86,14 @@ inline float half_to_float(uint16_t h) {
 }
 
 // Stores the accumulators of one row tile for column blocks b (and b + 1 when `two`).
+inline void store_tile(float* __restrict y, const float (*a)[kRowTile][kLanes], int64_t m0, int64_t mm, int64_t N,
+                       int64_t b, bool two) {
+  for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+    const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
+    for (int64_t i = 0; i < mm; ++i) std::memcpy(y + (m0 + i) * N + col, a[h][i], sizeof(float) * width);
+  }
+}
+
 #if defined(__AVX512F__)
 inline void store_tile(float* __restrict y, const __m512* a0, const __m512* a1, int64_t m0, int64_t mm, int64_t N,
                        int64_t b, bool two) {
@@ -158,6 +118,40 @@ inline __m512 half16(const uint16_t* p) {
     }                                                                 \
   }
 #endif
+
+// Column blocks [b0, b1) of y. Each output is a sum over k in increasing order, one FMA per k.
+void blocks(const float* __restrict x, const float* __restrict wp, float* __restrict y, int64_t M, int64_t K,
+            int64_t N, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool two = b + 1 < b1;
+    const float* __restrict w0 = wp + b * K * kLanes;
+    const float* __restrict w1 = w0 + K * kLanes;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+      const int64_t mm = std::min(kRowTile, M - m0);
+#if defined(__AVX512F__)
+      __m512 a0[kRowTile], a1[kRowTile];
+      for (int i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const __m512 v0 = _mm512_loadu_ps(w0 + k * kLanes);
+        const __m512 v1 = two ? _mm512_loadu_ps(w1 + k * kLanes) : _mm512_setzero_ps();
+        SPECJAX_ROWS_FMA(k, v0, v1)
+      }
+      store_tile(y, a0, a1, m0, mm, N, b, two);
+#else
+      float a[2][kRowTile][kLanes] = {};
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+          const float* __restrict v = (h ? w1 : w0) + k * kLanes;
+          for (int64_t i = 0; i < mm; ++i) {
+            const float xi = x[(m0 + i) * K + k];
+            for (int64_t l = 0; l < kLanes; ++l) a[h][i][l] = __builtin_fmaf(xi, v[l], a[h][i][l]);
+          }
+        }
+      store_tile(y, a, m0, mm, N, b, two);
+#endif
+    }
+  }
+}
 
 // Column blocks [b0, b1) of a q4_1 (Q8 = false) or q8_0 (Q8 = true) weight; sums over k in
 // increasing order of (group, kk), one FMA per k (q4_1: kk and kk + 16 in turn).
@@ -237,10 +231,7 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
           }
         }
       }
-      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
-        const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
-        for (int64_t i = 0; i < mm; ++i) std::memcpy(y + (m0 + i) * N + col, a[h][i], sizeof(float) * width);
-      }
+      store_tile(y, a, m0, mm, N, b, two);
 #endif
     }
   }
