@@ -1,0 +1,1 @@
+"""Distilling drafts from the target's own signals (seed 003: Online Speculative Decoding)."""
