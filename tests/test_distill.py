@@ -102,3 +102,54 @@ def test_topk_teacher_states_its_truncation(logits):
         dv.divergence("kl", p_logits, q_logits)
     with pytest.raises(SpecjaxError, match="temperature"):
         dv.forward_kl(p_logits, q_logits, 0.0)
+
+
+def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
+    """A 1-layer self-draft of the tiny model, trained with forward KL on sequences the target
+    wrote (teacher sampling): the loss falls, the draft's greedy acceptance on those prompts rises,
+    and speculation with the trained draft still gives exactly the target's greedy tokens. A
+    NaN batch is dropped whole: params and optimizer state unchanged, ``ok`` false."""
+    from specjax.distill import train as tr
+    from specjax.generate import Generator
+    from specjax.spec_generate import SpecGenerator, SpecStats
+
+    cfg, params = tiny
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(8)]
+    gen = Generator(cfg, params, batch_buckets=(8,))
+    outs = [r.tokens for r in gen.generate(prompts, max_new_tokens=24, ignore_eos=True)]
+    tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)  # [8, 30]
+    teacher = tr.sequence_logits(cfg, params, tokens)
+    mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= len(prompts[0]) - 1, tokens.shape)  # predict the outputs
+
+    sd = tr.SelfDraft.of(cfg, params, 1)
+    tc = tr.TrainConfig(lr=3e-3, warmup_steps=5, total_steps=80)
+    opt = tr.make_optimizer(tc)
+    trainable, state = sd.trainable, opt.init(sd.trainable)
+
+    def acceptance(tp):
+        stats = SpecStats()
+        spec = SpecGenerator(cfg, params, draft=sd.draft, draft_params=sd.params(tp), k_buckets=(0, 4),
+                             batch_buckets=(8,), slot_buckets=(64,))
+        res = spec.generate(prompts, max_new_tokens=24, num_spec_tokens=4, ignore_eos=True, stats=stats)
+        assert [r.tokens for r in res] == outs  # lossless with any draft params
+        return stats.acceptance_rate
+
+    before = acceptance(trainable)
+    losses = []
+    for _ in range(60):
+        trainable, state, loss, ok = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask, cfg=sd.draft.cfg,
+                                                   tc=tc, optimizer=opt)
+        assert bool(ok)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+    after = acceptance(trainable)
+    assert after >= before + 0.15, (before, after)
+    # the target's own arrays were never written
+    np.testing.assert_array_equal(params["layers"][0]["wq"], tiny[1]["layers"][0]["wq"])
+
+    bad = teacher.at[0, 10, 5].set(jnp.nan)  # one NaN logit at a trained position
+    t2, s2, loss, ok = tr.train_step(trainable, state, sd.frozen, tokens, bad, mask, cfg=sd.draft.cfg, tc=tc, optimizer=opt)
+    assert not bool(ok) and not np.isfinite(float(loss))
+    for a, b in zip(jax.tree_util.tree_leaves((t2, s2)), jax.tree_util.tree_leaves((trainable, state))):
+        np.testing.assert_array_equal(a, b)

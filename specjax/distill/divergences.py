@@ -36,9 +36,10 @@ def log_probs(logits: jax.Array, temperature: float) -> jax.Array:
 
 
 def _kl(log_a: jax.Array, log_b: jax.Array) -> jax.Array:
-    """KL(a || b) from log-probabilities; terms with a = 0 contribute 0 (not nan)."""
+    """KL(a || b) from log-probabilities; terms with a = 0 contribute 0 (0 log 0), and a NaN
+    anywhere stays NaN (a bad teacher row must fail the step, not vanish from it)."""
     a = jnp.exp(log_a)
-    return jnp.sum(jnp.where(a > 0, a * (log_a - log_b), 0.0), axis=-1)
+    return jnp.sum(jnp.where(a == 0, 0.0, a * (log_a - log_b)), axis=-1)
 
 
 def forward_kl(p_logits: jax.Array, q_logits: jax.Array, temperature: float = 1.0) -> jax.Array:

@@ -1,0 +1,120 @@
+"""Training a draft toward the target: a trainable self-draft, the optimizer, and one pure jitted
+optax step.
+
+The self-draft (``SelfDraft``) is the target's embeddings and vocab head (shared, frozen) with
+its own copies of the target's first n layers and of the final norm, the "exit", trained. It
+has a layer-skip draft's shapes, so the engine runs it as a ``ModelDraft`` and new params swap in
+without recompiling any serving variant.
+
+``train_step`` minimises a divergence (divergences.py) between the teacher's distribution and
+the draft's at the masked positions of token sequences. It is pure: params, optimizer state and
+data in, new params and state out. A non-finite loss or gradient drops the update (params and
+state come back unchanged) and says so in the returned ``ok`` flag, so a bad batch never leaves
+a half-updated draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from specjax.config import ModelConfig
+from specjax.distill import divergences as dv
+from specjax.drafters.device import ModelDraft, layer_skip
+from specjax.errors import require
+from specjax.models import llama
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """divergence: one of divergences.DIVERGENCES, at ``temperature`` (JSD with ``beta``).
+    AdamW at ``lr`` with a linear warm-up over ``warmup_steps`` and cosine decay to
+    ``lr * final_lr_fraction`` at ``total_steps``; gradients clipped to global norm ``clip_norm``."""
+
+    divergence: str = "fkl"
+    temperature: float = 1.0
+    beta: float = 0.5
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    total_steps: int = 1000
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        require(self.divergence in dv.DIVERGENCES,
+                f"unknown divergence {self.divergence!r}; use one of {', '.join(dv.DIVERGENCES)}")
+        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        require(0 <= self.beta <= 1, f"JSD beta must be in [0, 1], got {self.beta}")
+        require(self.lr > 0 and self.clip_norm > 0, "lr and clip_norm must be > 0")
+        require(0 <= self.warmup_steps < self.total_steps,
+                f"warmup_steps ({self.warmup_steps}) must be below total_steps ({self.total_steps})")
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.total_steps,
+                                                  end_value=tc.lr * tc.final_lr_fraction)
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm), optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfDraft:
+    """A self-draft of ``num_layers`` layers: ``frozen`` (the target's embedding and head,
+    shared) and the initial ``trainable`` params (copies of the target's first layers and final
+    norm)."""
+
+    draft: ModelDraft
+    frozen: dict
+    trainable: dict
+
+    @staticmethod
+    def of(cfg: ModelConfig, params, num_layers: int) -> "SelfDraft":
+        draft, dparams = layer_skip(cfg, params, num_layers)
+        frozen = {k: v for k, v in dparams.items() if k in ("embed", "lm_head")}
+        # copies, not the target's arrays: training must never write into the target
+        trainable = jax.tree_util.tree_map(jnp.array, {"layers": dparams["layers"], "final_norm": dparams["final_norm"]})
+        return SelfDraft(draft, frozen, trainable)
+
+    def params(self, trainable: dict) -> dict:
+        """The params pytree the engine's ModelDraft runs on."""
+        return {**self.frozen, **trainable}
+
+
+def sequence_logits(cfg: ModelConfig, params, tokens: jax.Array) -> jax.Array:
+    """Next-token logits [B, T, V] at every position of ``tokens`` [B, T] (a causal forward from
+    an empty cache)."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cache = llama.init_cache_for(cfg, B, T)
+    logits, _ = llama.forward(params, tokens, positions, cache, llama.causal_mask(B, T), cfg=cfg, use_prefix=False)
+    return logits
+
+
+def loss_fn(trainable, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: TrainConfig):
+    """Mean divergence between ``teacher`` (logits [B, T, V] or a divergences.TopK) and the
+    self-draft's logits over the positions where ``mask`` [B, T] is true."""
+    q = sequence_logits(cfg, {**frozen, **trainable}, tokens)
+    teacher = jax.lax.stop_gradient(teacher)
+    per = dv.divergence(tc.divergence, teacher, q, temperature=tc.temperature, beta=tc.beta)
+    return dv.mean_over(per, mask)
+
+
+@partial(jax.jit, static_argnames=("cfg", "tc", "optimizer"))
+def train_step(trainable, opt_state, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: TrainConfig,
+               optimizer: optax.GradientTransformation):
+    """One optimizer step; returns (trainable, opt_state, loss, ok). ``cfg``: the draft's
+    config (``SelfDraft.draft.cfg``). Not ok (a non-finite loss or gradient): the inputs come
+    back unchanged."""
+    loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, tokens, teacher, mask, cfg=cfg, tc=tc)
+    ok = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]))
+    updates, new_state = optimizer.update(grads, opt_state, trainable)
+    new = optax.apply_updates(trainable, updates)
+
+    def keep(n, o):
+        return jnp.where(ok, n, o)
+
+    return jax.tree_util.tree_map(keep, new, trainable), jax.tree_util.tree_map(keep, new_state, opt_state), loss, ok
