@@ -23,7 +23,7 @@ import numpy as np
 from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
-from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
 from specjax.engine.loop import ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput
 from specjax.engine.table import StepTable
@@ -100,10 +100,6 @@ class _Compiled:
         self.warm = False
 
 
-def _avals(tree):
-    return jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), tree)
-
-
 class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
                  draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
@@ -134,6 +130,15 @@ class SpecGenerator:
         self.last_engine: ServingEngine | None = None  # the engine of the last generate call (steps, stats)
         self.last_draft_prefill: bool | None = None  # device drafters: did its admission run the draft prefill
 
+    def swap_draft_params(self, new) -> None:
+        """Generate with the device draft on ``new`` from the next call on (the same tree, shapes
+        and dtypes; nothing recompiles; JaxBackend.swap_draft_params)."""
+        require(self.draft is not None, "this generator has no device draft whose params could be swapped")
+        check_same_avals(self.dparams, new, "new draft params")
+        self.dparams = new
+        for be in self._backends.values():
+            be.swap_draft_params(new)
+
     def backend(self, slots: int) -> JaxBackend:
         """The engine backend of one cache-slot bucket (created on first use)."""
         be = self._backends.get(slots)
@@ -153,8 +158,8 @@ class SpecGenerator:
         return be
 
     def _compile_signature(self):
-        return (self.cfg, self.draft, self.fwd, _avals(self.params),
-                _avals(self.dparams) if self.draft is not None else None)
+        return (self.cfg, self.draft, self.fwd, param_avals(self.params),
+                param_avals(self.dparams) if self.draft is not None else None)
 
     def share_compiled(self, other: "SpecGenerator") -> None:
         """Call ``other``'s compiled executables from now on (and compile into them). A step's code

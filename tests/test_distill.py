@@ -127,15 +127,17 @@ def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
     opt = tr.make_optimizer(tc)
     trainable, state = sd.trainable, opt.init(sd.trainable)
 
-    def acceptance(tp):
+    spec = SpecGenerator(cfg, params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, 4),
+                         batch_buckets=(8,), slot_buckets=(64,))
+
+    def acceptance():
         stats = SpecStats()
-        spec = SpecGenerator(cfg, params, draft=sd.draft, draft_params=sd.params(tp), k_buckets=(0, 4),
-                             batch_buckets=(8,), slot_buckets=(64,))
         res = spec.generate(prompts, max_new_tokens=24, num_spec_tokens=4, ignore_eos=True, stats=stats)
         assert [r.tokens for r in res] == outs  # lossless with any draft params
         return stats.acceptance_rate
 
-    before = acceptance(trainable)
+    before = acceptance()
+    n_exe = len(spec.backend(64).table)
     losses = []
     for _ in range(60):
         trainable, state, loss, ok = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask, cfg=sd.draft.cfg,
@@ -143,8 +145,16 @@ def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
         assert bool(ok)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
-    after = acceptance(trainable)
+    # the trained params swap into the running generator: same shapes, nothing recompiles
+    spec.swap_draft_params(sd.params(trainable))
+    after = acceptance()
     assert after >= before + 0.15, (before, after)
+    assert len(spec.backend(64).table) == n_exe
+    wrong = sd.params(trainable) | {"final_norm": jnp.ones(cfg.hidden_size + 1)}
+    with pytest.raises(SpecjaxError, match=r"do not match the compiled ones at \['final_norm'\]"):
+        spec.swap_draft_params(wrong)
+    with pytest.raises(SpecjaxError, match="no device draft"):
+        gen.swap_draft_params(sd.params(trainable))
     # the target's own arrays were never written
     np.testing.assert_array_equal(params["layers"][0]["wq"], tiny[1]["layers"][0]["wq"])
 
@@ -153,3 +163,14 @@ def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
     assert not bool(ok) and not np.isfinite(float(loss))
     for a, b in zip(jax.tree_util.tree_leaves((t2, s2)), jax.tree_util.tree_leaves((trainable, state))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_draft_swap_makes_the_policy_forget_the_old_acceptance():
+    from specjax.goodput.acceptance import AcceptanceEstimator
+
+    acc = AcceptanceEstimator(window=8, prior_alpha=0.5, per_request=True)
+    for _ in range(6):
+        acc.observe([4, 4], [0, 0], 4, request_ids=["a", "b"])  # an old draft nobody accepts
+    assert acc.alpha.value() < 0.1 and acc._req
+    acc.forget()
+    assert acc.alpha.value() == 0.5 and not acc._req and len(acc.alpha) == 0

@@ -57,6 +57,22 @@ def _zeros_like_info(info):
 MAPS_PER_LAYER_EXE = 22  # measured: ~650 memory maps per SmolLM2 (30-layer) prefill/step executable, row ops included
 
 
+def param_avals(tree):
+    """Each leaf's (shape, dtype): what a compiled executable fixes about a params pytree."""
+    return jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), tree)
+
+
+def check_same_avals(compiled, new, what: str) -> None:
+    """One-line SpecjaxError unless ``new`` has ``compiled``'s tree, shapes and dtypes."""
+    a, b = jax.tree_util.tree_flatten_with_path(compiled), jax.tree_util.tree_flatten_with_path(new)
+    if a[1] != b[1]:
+        raise SpecjaxError(f"{what} do not have the compiled tree: {b[1]} vs {a[1]}"[:400])
+    for (path, x), (_, y) in zip(a[0], b[0]):
+        if (tuple(x.shape), x.dtype) != (tuple(y.shape), y.dtype):
+            raise SpecjaxError(f"{what} do not match the compiled ones at {jax.tree_util.keystr(path)}: "
+                               f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
+
+
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
     """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
     in its own memory mappings (~22 per layer), and Linux caps a process at
@@ -152,6 +168,16 @@ class JaxBackend:
         """The row operations since the last call (and forget them)."""
         ops, self.row_ops = self.row_ops, []
         return ops
+
+    def swap_draft_params(self, new) -> None:
+        """Run the device draft on ``new`` from the next step on (online distillation). Same tree,
+        shapes and dtypes as the compiled draft (a one-line error otherwise), so no executable
+        recompiles; call it between steps. Requests in flight keep the draft cache their prompts
+        were prefilled into with the old params: their drafts may be worse until they finish,
+        while verification keeps every output exact."""
+        require(self.device_draft, "this backend has no device draft whose params could be swapped")
+        check_same_avals(self.dparams, new, "new draft params")
+        self.dparams = new
 
     def step_bucket(self, n: int) -> int:
         """The bucket the next step of ``n`` running requests runs at (the live state may be

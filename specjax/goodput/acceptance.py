@@ -118,10 +118,16 @@ class AcceptanceEstimator:
     def __init__(self, window: int = 16, prior_alpha: float = 0.5, per_request: bool = False,
                  min_request_obs: int = 4):
         self.window = window
-        self.alpha = MovingAverage(window, prior_alpha)
-        self.rho = MovingAverage(window, 1.0)
+        self.prior_alpha = prior_alpha
         self.per_request = per_request
         self.min_request_obs = min_request_obs
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every observation (back to the prior): the draft changed, so what was learnt of
+        the old one does not predict the new one."""
+        self.alpha = MovingAverage(self.window, self.prior_alpha)
+        self.rho = MovingAverage(self.window, 1.0)
         self._req: dict[Hashable, MovingAverage] = {}
         self._cls: dict[Hashable, MovingAverage] = {}
 

@@ -95,6 +95,10 @@ class Policy:
     def finish(self, rid: Hashable) -> None:
         pass
 
+    def draft_changed(self) -> None:
+        """The device draft's params were swapped (online distillation): what was learnt of the
+        old draft's acceptance must not steer choices for the new one."""
+
 
 class FixedK(Policy):
     """The baselines: K drafts every step (K = 0: no speculation). For host drafters the
@@ -166,6 +170,10 @@ class GoodputPolicy(Policy):
         if self.estimator == "confidence" and self._draft_ahead:
             return float(self.threshold)
         return None
+
+    def draft_changed(self) -> None:
+        self.acc.forget()
+        self._scores.clear()
 
     def row_expected(self, view: BatchView, kmax: int) -> list[np.ndarray]:
         """Per request, its expected generated tokens (bonus included) with m = 0 .. cap drafts,
