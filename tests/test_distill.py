@@ -171,6 +171,6 @@ def test_a_draft_swap_makes_the_policy_forget_the_old_acceptance():
     acc = AcceptanceEstimator(window=8, prior_alpha=0.5, per_request=True)
     for _ in range(6):
         acc.observe([4, 4], [0, 0], 4, request_ids=["a", "b"])  # an old draft nobody accepts
-    assert acc.alpha.value() < 0.1 and acc._req
-    acc.forget()
-    assert acc.alpha.value() == 0.5 and not acc._req and len(acc.alpha) == 0
+    assert acc.alpha.value < 0.1 and acc._req
+    acc.clear()
+    assert acc.alpha.value == 0.5 and not acc._req and len(acc.alpha) == 0

@@ -174,7 +174,7 @@ class JaxBackend:
         shapes and dtypes as the compiled draft (a one-line error otherwise), so no executable
         recompiles; call it between steps. Requests in flight keep the draft cache their prompts
         were prefilled into with the old params: their drafts may be worse until they finish,
-        while verification keeps every output exact."""
+        while verification keeps every output exact. Tell the policy too (Policy.draft_changed)."""
         require(self.device_draft, "this backend has no device draft whose params could be swapped")
         check_same_avals(self.dparams, new, "new draft params")
         self.dparams = new

@@ -121,9 +121,9 @@ class AcceptanceEstimator:
         self.prior_alpha = prior_alpha
         self.per_request = per_request
         self.min_request_obs = min_request_obs
-        self.forget()
+        self.clear()
 
-    def forget(self) -> None:
+    def clear(self) -> None:
         """Drop every observation (back to the prior): the draft changed, so what was learnt of
         the old one does not predict the new one."""
         self.alpha = MovingAverage(self.window, self.prior_alpha)

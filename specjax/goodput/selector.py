@@ -172,7 +172,7 @@ class GoodputPolicy(Policy):
         return None
 
     def draft_changed(self) -> None:
-        self.acc.forget()
+        self.acc.clear()
         self._scores.clear()
 
     def row_expected(self, view: BatchView, kmax: int) -> list[np.ndarray]:
