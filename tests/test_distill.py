@@ -174,3 +174,44 @@ def test_a_draft_swap_makes_the_policy_forget_the_old_acceptance():
     assert acc.alpha.value < 0.1 and acc._req
     acc.clear()
     assert acc.alpha.value == 0.5 and not acc._req and len(acc.alpha) == 0
+
+
+def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tmp_path):
+    import shutil
+
+    from specjax.distill import train as tr
+    from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
+
+    cfg, params = tiny
+    sd = tr.SelfDraft.of(cfg, params, 1)
+    tc = tr.TrainConfig(total_steps=20)
+    opt = tr.make_optimizer(tc)
+    trainable, state = sd.trainable, opt.init(sd.trainable)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 250, (2, 12)), jnp.int32)
+    teacher = tr.sequence_logits(cfg, params, tokens)
+    mask = jnp.ones(tokens.shape, bool)
+    fp = fingerprint(cfg, sd.draft.cfg, trainable)
+    ck = DistillCheckpoints(str(tmp_path / "ck"), fp, max_to_keep=2)
+    assert ck.restore(trainable, state) is None  # nothing yet
+    for i in range(1, 4):
+        trainable, state, _, _ = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask, cfg=sd.draft.cfg,
+                                               tc=tc, optimizer=opt)
+        ck.save(i, trainable, state, {"requests_seen": 10 * i, "buffer": {"records": i}})
+    assert ck.latest_step() == 3 and sorted(ck.mgr.all_steps()) == [2, 3]  # the last two kept
+    # restore into fresh templates (a new process after a kill starts from the initial draft)
+    fresh = tr.SelfDraft.of(cfg, params, 1)
+    step, t2, s2, record = DistillCheckpoints(str(tmp_path / "ck"), fp).restore(fresh.trainable,
+                                                                               opt.init(fresh.trainable))
+    assert step == 3 and record == {"requests_seen": 30, "buffer": {"records": 3}}
+    for a, b in zip(jax.tree_util.tree_leaves((t2, s2)), jax.tree_util.tree_leaves((trainable, state))):
+        np.testing.assert_array_equal(a, b)
+    # another draft's checkpoint: a one-line error before any state is read
+    other = tr.SelfDraft.of(cfg, params, 2)
+    ck2 = DistillCheckpoints(str(tmp_path / "ck"), fingerprint(cfg, other.draft.cfg, other.trainable))
+    with pytest.raises(SpecjaxError, match="belongs to another draft"):
+        ck2.restore(other.trainable, opt.init(other.trainable))
+    # a damaged checkpoint: a one-line error
+    shutil.rmtree(tmp_path / "ck" / "3" / "state")
+    with pytest.raises(SpecjaxError, match="cannot be read") as e:
+        ck.restore(trainable, state)
+    assert "\n" not in str(e.value)

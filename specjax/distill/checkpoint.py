@@ -1,0 +1,79 @@
+"""orbax checkpoints of a draft being distilled: its trainable params, the optimizer state and a
+JSON record (the step, the replay buffer's and router's metadata, whatever the loop needs to go
+on), every few updates, the last few kept.
+
+Each checkpoint carries a fingerprint of the draft it belongs to (the target's and the draft's
+config and every trainable leaf's shape and dtype). Restoring a checkpoint of another model, or
+one that cannot be read, is a one-line SpecjaxError that changes nothing: the caller's params
+stay as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import orbax.checkpoint as ocp
+
+from specjax.config import ModelConfig
+from specjax.engine.jax_backend import param_avals
+from specjax.errors import SpecjaxError
+
+
+def fingerprint(target: ModelConfig, draft: ModelConfig, trainable) -> dict:
+    """What a checkpoint must match to be restored into this draft."""
+    shapes = json.dumps(param_avals(trainable), sort_keys=True, default=str)
+    return {"target": target.name, "target_layers": target.num_layers, "vocab_size": target.vocab_size,
+            "draft": draft.name, "draft_layers": draft.num_layers,
+            "trainable": hashlib.sha256(shapes.encode()).hexdigest()[:16]}
+
+
+class DistillCheckpoints:
+    """Checkpoints under ``directory`` for the draft with ``fp`` (``fingerprint``)."""
+
+    def __init__(self, directory: str, fp: dict, max_to_keep: int = 3):
+        self.directory = os.path.abspath(directory)
+        self.fp = fp
+        try:
+            self.mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True))
+        except (OSError, ValueError) as e:
+            raise SpecjaxError(f"cannot use {self.directory} for checkpoints: {e}".splitlines()[0]) from None
+
+    def latest_step(self) -> int | None:
+        return self.mgr.latest_step()
+
+    def save(self, step: int, trainable, opt_state, record: dict) -> None:
+        """Write checkpoint ``step`` and wait until it is on disk (a kill after this returns
+        loses nothing up to ``step``; orbax writes to a temporary name and renames)."""
+        self.mgr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
+            record=ocp.args.JsonSave({"fingerprint": self.fp, **record})))
+        self.mgr.wait_until_finished()
+
+    def restore(self, trainable, opt_state, step: int | None = None):
+        """(step, trainable, opt_state, record) of checkpoint ``step`` (default: the latest),
+        with ``trainable`` / ``opt_state`` as the templates of its structure; None when there is
+        no checkpoint. A checkpoint of another draft or one that cannot be read: SpecjaxError."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        where = f"checkpoint {step} in {self.directory}"
+        try:
+            record = self.mgr.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+        except Exception as e:  # orbax raises many kinds for a missing or damaged file
+            raise SpecjaxError(f"{where} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
+        if not isinstance(record, dict) or record.get("fingerprint") != self.fp:
+            got = record.get("fingerprint") if isinstance(record, dict) else record
+            raise SpecjaxError(f"{where} belongs to another draft ({got}), not this one ({self.fp})")
+        try:
+            state = self.mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+                {"trainable": trainable, "opt_state": opt_state})))["state"]
+        except Exception as e:
+            raise SpecjaxError(f"{where} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
+        check = param_avals(state["trainable"]) == param_avals(trainable)
+        if not check:
+            raise SpecjaxError(f"{where} does not hold this draft's shapes")
+        record = {k: v for k, v in record.items() if k != "fingerprint"}
+        return step, state["trainable"], state["opt_state"], record
