@@ -215,3 +215,100 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     with pytest.raises(SpecjaxError, match="cannot be read") as e:
         ck.restore(trainable, state)
     assert "\n" not in str(e.value)
+
+
+def test_the_teacher_signal_comes_from_verification(tiny):
+    """A serving backend with teacher_topk keeps, for every output token a step produced, the
+    target's top-k logits there: the same as a plain forward over the finished sequence gives at
+    the position that predicted it. Outputs stay exact, and the rejected drafts' output indices
+    are recorded."""
+    from specjax.distill import train as tr
+    from specjax.drafters.device import layer_skip
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput.selector import FixedK
+    from specjax.reference_ar import reference_generate
+
+    cfg, params = tiny
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (5, 9, 7)]
+    want = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=14, ignore_eos=True)]
+    d, dparams = layer_skip(cfg, params, 1)
+    k = 4
+    be = JaxBackend(cfg, params, draft=d, draft_params=dparams, k_buckets=(0, 3), batch_buckets=(4,), slots=64,
+                    teacher_topk=k)
+    outs = ServingEngine(be, FixedK(3), clock=EventClock()).run(
+        [Request(f"r{i}", p, 14, ignore_eos=True) for i, p in enumerate(prompts)])
+    rejected = 0
+    for p, o, w in zip(prompts, outs, want):
+        assert o.tokens == w
+        ids, logits = np.concatenate(o.teacher_ids), np.concatenate(o.teacher_logits)
+        assert o.teacher_from == 1 and len(ids) == len(o.tokens) - 1 and ids.shape[1] == k  # 8 k bytes a token
+        full = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([p + o.tokens], jnp.int32)))[0]
+        at = full[len(p):len(p) + len(o.tokens) - 1]  # the positions that predicted outputs 1..n-1
+        top = np.argsort(-at, axis=-1)[:, :k]
+        np.testing.assert_array_equal(ids, top)
+        np.testing.assert_allclose(logits, np.take_along_axis(at, top, -1), rtol=1e-4, atol=1e-4)
+        assert all(1 <= i < len(o.tokens) for i in o.rejected_at)
+        rejected += len(o.rejected_at)
+    assert rejected > 0  # a 1-layer draft of a random model is often wrong
+    with pytest.raises(SpecjaxError, match="token trees"):
+        from specjax.drafters.suffix import SuffixConfig, SuffixDrafter
+
+        JaxBackend(cfg, params, drafter=SuffixDrafter(SuffixConfig()), k_buckets=(0, 4), teacher_topk=4)
+
+
+def test_online_distillation_while_serving(tiny, tmp_path):
+    """Algorithm 1 on the tiny model: a stream of requests through the serving engine with a
+    1-layer self-draft; every 4 finished requests the draft trains on the buffer of teacher rows
+    the steps kept and swaps in. Acceptance over the last requests is well above the first ones,
+    every output is exact, an update with a NaN is dropped whole, and a new distiller resumes
+    from the checkpoint where this one stopped."""
+    from specjax.distill import train as tr
+    from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
+    from specjax.distill.online import OnlineConfig, OnlineDistiller, acceptance_curve
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput.selector import FixedK
+    from specjax.reference_ar import reference_generate
+
+    cfg, params = tiny
+    rng = np.random.default_rng(5)
+    family = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(6)]
+    want = {tuple(p): r.tokens for p, r in zip(family, reference_generate(cfg, params, family, max_new_tokens=16,
+                                                                          ignore_eos=True))}
+    sd = tr.SelfDraft.of(cfg, params, 1)
+    be = JaxBackend(cfg, params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, 3),
+                    batch_buckets=(4,), slots=64, teacher_topk=8)
+    pol = FixedK(3)
+    ck = DistillCheckpoints(str(tmp_path / "ck"), fingerprint(cfg, sd.draft.cfg, sd.trainable))
+    od = OnlineDistiller(be, pol, sd, tr.TrainConfig(lr=3e-3, warmup_steps=2, total_steps=200),
+                         OnlineConfig(every=4, steps=6, batch=8, length=32, checkpoint_every=3), checkpoints=ck)
+    reqs = [Request(f"q{i}", family[i % 6], 16, arrival=0.0, ignore_eos=True) for i in range(48)]
+    od.expect(reqs)
+    finished = []
+    eng = ServingEngine(be, pol, clock=EventClock(), on_finish=lambda o: (finished.append(o), od.on_finish(o)))
+    outs = eng.run(reqs)
+    for r, o in zip(reqs, outs):
+        assert o.tokens == want[tuple(r.prompt)], o.id
+    assert od.updates == 12 and od.dropped == 0 and od.buffer.added == 48
+    curve = acceptance_curve(finished, window=8)
+    assert curve[-1] >= curve[7] + 0.15, (curve[7], curve[-1])
+    assert od.losses[-1] < od.losses[0]
+    # an update that meets a NaN is dropped whole: the serving draft stays the very same arrays
+    serving = be.dparams
+    orig = od.buffer.batch
+    od.buffer.batch = lambda *a: (lambda t, i, lg, m: (t, i, np.full_like(lg, np.nan), m))(*orig(*a))
+    assert od.update() is False and od.dropped == 1 and be.dparams is serving
+    od.buffer.batch = orig
+    # resume in a fresh distiller (a restarted process): the checkpointed draft swaps in
+    assert ck.latest_step() == 12
+    sd2 = tr.SelfDraft.of(cfg, params, 1)
+    be2 = JaxBackend(cfg, params, draft=sd2.draft, draft_params=sd2.params(sd2.trainable), k_buckets=(0, 3),
+                     batch_buckets=(4,), slots=64, teacher_topk=8)
+    od2 = OnlineDistiller(be2, FixedK(3), sd2, od.tc, od.oc, checkpoints=DistillCheckpoints(str(tmp_path / "ck"), ck.fp))
+    assert od2.resume() and od2.updates == 12 and od2.finished == 48
+    for a, b in zip(jax.tree_util.tree_leaves(be2.dparams), jax.tree_util.tree_leaves(sd.params(od.trainable))):
+        np.testing.assert_array_equal(a, b)

@@ -34,6 +34,7 @@ class CompileKey:
     prompt: int = 0  # prefill chunk size (prefill / chunk)
     width: int = 0  # verify: drafts per row the draft call produced (its k)
     tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
+    teacher: int = 0  # step / verify: also return the target's top-k logits at the verified positions (k; 0: none)
 
     def __post_init__(self):
         if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify"):
@@ -45,4 +46,5 @@ class CompileKey:
                 "tree": f"tree step with {self.k} draft nodes", "draft": f"draft call of up to {self.k} drafts",
                 "verify": f"verify step with K {self.k} of {self.width} device drafts"}[self.op]
         packed = f", {self.tokens} packed tokens" if self.tokens else ""
-        return f"{what} for batch {self.batch}, slots {self.slots}{packed}"
+        teacher = f", teacher top-{self.teacher}" if self.teacher else ""
+        return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}"

@@ -97,8 +97,9 @@ class JaxBackend:
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
                  shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False,
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, teacher_topk: int = 0):
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
+        require(0 <= teacher_topk <= cfg.vocab_size, f"teacher_topk must be in 0..{cfg.vocab_size}, got {teacher_topk}")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
         # the rows kernel reads packed copies of the weights (packed once here; idempotent)
@@ -120,6 +121,8 @@ class JaxBackend:
         self.packed = bool(packed)
         self.tree_mode = not self.device_draft and bool(
             getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
+        require(not (teacher_topk and self.tree_mode),
+                "a teacher signal (teacher_topk) comes from chain steps; this drafter proposes token trees")
         self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
         self.k_max = self.k_buckets[-1]
         self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
@@ -133,7 +136,7 @@ class JaxBackend:
         self.slots = slots
         self.live = LiveBucket(self.batch_buckets, shrink_patience)
         self.max_chunk = bk.largest_chunk(prefill_chunk, slots)  # prompts run in chunks of at most this
-        self.table = StepTable(cfg, params, self.dparams, draft, fwd)
+        self.table = StepTable(cfg, params, self.dparams, draft, fwd, teacher_topk)
         self.reset()
 
     # ------------------------------------------------------------ state
@@ -456,11 +459,16 @@ class JaxBackend:
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
         toks, n_acc, nd = host[:, :-2], host[:, -2], host[:, -1]
+        ids = lg = None
+        if o.teacher_ids is not None:
+            ids, lg = np.asarray(o.teacher_ids), np.asarray(o.teacher_logits)
         out = []
         for r in rs:
             row = self.row_of[r.uid]
-            new = [int(t) for t in toks[row, : n_acc[row] + 1]]
-            out.append(RowResult(new, int(nd[row]), int(n_acc[row])))
+            m = n_acc[row] + 1
+            new = [int(t) for t in toks[row, :m]]
+            teacher = None if ids is None else (ids[row, :m], lg[row, :m])
+            out.append(RowResult(new, int(nd[row]), int(n_acc[row]), teacher))
             if not self.device_draft:
                 self.drafter.extend(r.uid, new)
         return out

@@ -86,6 +86,9 @@ class RowResult:
     tokens: list[int]  # accepted drafts then the correction/bonus token
     drafted: int
     accepted: int
+    # backends with a teacher_topk: the target's top-k (ids, logits) [len(tokens), k] behind
+    # each of ``tokens`` (online distillation's teacher signal)
+    teacher: tuple | None = None
 
 
 class Backend(Protocol):
@@ -307,6 +310,8 @@ class ServingEngine:
             r.ctx_len += len(res.tokens)
             before = len(r.out.tokens)
             self._emit(r, res.tokens)
+            if res.teacher is not None:
+                r.out.record_teacher(before, len(r.out.tokens) - before, res.teacher, res.drafted, res.accepted)
             gen += len(r.out.tokens) - before
             r.out.steps += 1
             r.out.drafted += res.drafted

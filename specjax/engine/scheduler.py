@@ -46,10 +46,27 @@ class RequestOutput:
     error: str | None = None
     last_token: float = float("nan")
     max_gap: float = 0.0  # the longest wait between two consecutive tokens (a streaming reader's worst stall)
+    # Online distillation's teacher signal (a backend with teacher_topk): per output token from a
+    # step (the first comes from the prefill and has none), the target's top-k token ids and
+    # logits there, and the output indices where a draft was rejected (Algorithm 1's error index).
+    teacher_ids: list = dataclasses.field(default_factory=list, repr=False)
+    teacher_logits: list = dataclasses.field(default_factory=list, repr=False)
+    teacher_from: int | None = None  # the output index of the first token with a teacher row
+    rejected_at: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def latency(self) -> float:
         return self.finished - self.arrival
+
+    def record_teacher(self, start: int, emitted: int, teacher: tuple, drafted: int, accepted: int) -> None:
+        """Keep the teacher rows of the ``emitted`` tokens a step appended at output index ``start``."""
+        if self.teacher_from is None:
+            self.teacher_from = start
+        ids, logits = teacher
+        self.teacher_ids.append(ids[:emitted])
+        self.teacher_logits.append(logits[:emitted])
+        if accepted < drafted and accepted < emitted:
+            self.rejected_at.append(start + accepted)
 
 
 @dataclasses.dataclass

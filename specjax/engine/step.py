@@ -48,11 +48,20 @@ class StepOutput:
     n_accepted: jax.Array  # [B]
     num_draft: jax.Array  # [B] drafts actually proposed
     host: jax.Array  # [B, K+3] int32: tokens | n_accepted | num_draft, what the host reads in one transfer
+    # key.teacher = k > 0: the target's k largest logits and their token ids at each block
+    # position [B, K+1, k] (online distillation's teacher signal; positions past n_accepted were
+    # computed after a rejected draft and mean nothing)
+    teacher_ids: jax.Array | None = None
+    teacher_logits: jax.Array | None = None
 
     @staticmethod
-    def of(tokens, n_accepted, num_draft) -> "StepOutput":
+    def of(tokens, n_accepted, num_draft, logits=None, teacher: int = 0) -> "StepOutput":
         host = jnp.concatenate([tokens, n_accepted[:, None], num_draft[:, None]], axis=1).astype(jnp.int32)
-        return StepOutput(tokens=tokens, n_accepted=n_accepted, num_draft=num_draft, host=host)
+        ids = vals = None
+        if teacher:
+            vals, ids = jax.lax.top_k(logits.astype(jnp.float32), teacher)
+        return StepOutput(tokens=tokens, n_accepted=n_accepted, num_draft=num_draft, host=host,
+                          teacher_ids=ids, teacher_logits=vals)
 
 
 def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, q=None,
@@ -83,7 +92,7 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
     new_state = StepState(cache=cache, dcache=dcache, prev=prev, pending=pending)
-    return new_state, StepOutput.of(tokens, n, num_draft)
+    return new_state, StepOutput.of(tokens, n, num_draft, logits, key.teacher)
 
 
 @jax.tree_util.register_dataclass

@@ -83,8 +83,9 @@ def _abstract_samp(B):
 
 class StepTable:
     def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
-                 fwd: ForwardOptions = ForwardOptions()):
+                 fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0):
         self.cfg = cfg
+        self.teacher_topk = teacher_topk  # chain steps also return the target's top-k (CompileKey.teacher)
         self.params = params
         self.dparams = dparams
         self.draft = draft
@@ -102,7 +103,8 @@ class StepTable:
         """The compile key of one of this table's model executables (a verify step's drafts come
         from a draft call, so its key has no drafter)."""
         draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
-        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens)
+        teacher = self.teacher_topk if op in ("step", "verify") else 0
+        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher)
 
     def _compile(self, key, fn, *args):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
