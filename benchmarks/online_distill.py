@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Online speculative decoding on SmolLM2 (seed 003's stream experiment): a stream of prompts in
+task blocks served by the engine with a self-draft (the target's first --draft_layers layers and
+exit norm, own copies) that trains online from the steps' teacher signal (distill.online).
+
+  python benchmarks/online_distill.py --data_dir ../shared/data --plot /tmp/b/online.png
+
+Blocks, in order (the distribution shifts at each boundary): GSM8K train, HumanEval, Spec-Bench
+first turns, GSM8K train again (other questions). Prints the moving acceptance rate over the last
+--window requests at block boundaries and at the end, the update overhead (training and swap
+seconds over the run's wall time), and writes a plot of the curve with the boundaries marked.
+A second pass with --baseline serves the same stream with the untrained draft (no updates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("data_dir", "../shared/data", "The shared prompt sets.")
+flags.DEFINE_list("blocks", ["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], "Task blocks, in order.")
+flags.DEFINE_integer("draft_layers", 4, "Layers of the self-draft.")
+flags.DEFINE_integer("k", 3, "Drafts per step.")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens per answer.")
+flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens are cut to their last ones.")
+flags.DEFINE_integer("every", 16, "Finished requests between updates (the seed's I).")
+flags.DEFINE_integer("steps", 4, "Optimizer steps per update.")
+flags.DEFINE_integer("batch", 8, "Records per optimizer step.")
+flags.DEFINE_integer("length", 64, "Tokens per record in a batch.")
+flags.DEFINE_integer("teacher_topk", 8, "Teacher logits kept per verified position.")
+flags.DEFINE_float("lr", 1e-4, "Peak learning rate.")
+flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
+flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
+flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--noonline: the baseline alone).")
+flags.DEFINE_string("plot", None, "Write the acceptance plot here (PNG).")
+flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
+
+
+def _jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stream(data_dir: str, blocks):
+    """[(block name, text)] in block order."""
+    gsm = [r["question"] for r in _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))]
+    he = [r["prompt"] for r in _jsonl(os.path.join(data_dir, "humaneval", "HumanEval.jsonl"))]
+    sb = [r["turns"][0] for r in _jsonl(os.path.join(data_dir, "spec_bench", "question.jsonl"))]
+    sources = {"gsm8k": gsm, "gsm8k2": gsm[::-1], "humaneval": he, "specbench": sb}
+    out = []
+    for b in blocks:
+        name, n = b.split(":")
+        out += [(name, t) for t in sources[name][:int(n)]]
+    return out
+
+
+def serve(m, texts, train: bool):
+    from specjax.distill import train as tr
+    from specjax.distill.online import OnlineConfig, OnlineDistiller
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput.selector import FixedK
+
+    cfg, tok = m.cfg, m.tokenizer
+    prompts = [tok.encode_chat(t)[-FLAGS.max_prompt:] for _, t in texts]
+    sd = tr.SelfDraft.of(cfg, m.params, FLAGS.draft_layers)
+    slots = 512
+    be = JaxBackend(cfg, m.params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, FLAGS.k),
+                    batch_buckets=(4,), slots=slots, teacher_topk=FLAGS.teacher_topk)
+    t0 = time.perf_counter()
+    be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
+    compile_s = time.perf_counter() - t0
+    pol = FixedK(FLAGS.k)
+    tc = tr.TrainConfig(lr=FLAGS.lr, warmup_steps=4, total_steps=10_000)
+    od = OnlineDistiller(be, pol, sd, tc, OnlineConfig(every=FLAGS.every, steps=FLAGS.steps, batch=FLAGS.batch,
+                                                       length=FLAGS.length)) if train else None
+    reqs = [Request(f"r{i}", p, FLAGS.max_new_tokens) for i, p in enumerate(prompts)]
+    finished = []
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(reqs), desc="online distill" if train else "untrained draft", unit="req", disable=None)
+
+    def done(o):
+        finished.append(o)
+        bar.update(1)
+        if od is not None:
+            od.on_finish(o)
+
+    if od is not None:
+        od.expect(reqs)
+    t0 = time.perf_counter()
+    ServingEngine(be, pol, eos_ids=tok.eos_ids, on_finish=done).run(reqs)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return finished, wall, compile_s, od
+
+
+def main(argv):
+    del argv
+    import numpy as np
+
+    from specjax.distill.online import acceptance_curve
+    from specjax.models.loader import load_model
+
+    texts = stream(FLAGS.data_dir, FLAGS.blocks)
+    m = load_model("smollm2-135m")
+    runs = {"online": serve(m, texts, True)} if FLAGS.online else {}
+    if FLAGS.baseline:
+        runs["untrained"] = serve(m, texts, False)
+    index = {f"r{i}": i for i in range(len(texts))}
+    bounds, acc = [], 0
+    for b in FLAGS.blocks:
+        acc += int(b.split(":")[1])
+        bounds.append(acc)
+    res = {"blocks": FLAGS.blocks, "bounds": bounds}
+    for name, (fin, wall, compile_s, od) in runs.items():
+        # the curve in submission order (the stream's order), not the engine's finishing order
+        outs = sorted(fin, key=lambda o: index[o.id])
+        curve = acceptance_curve(outs, FLAGS.window)
+        res[name] = {"curve": curve.tolist(), "wall_s": wall, "compile_s": compile_s,
+                     "tokens": int(sum(len(o.tokens) for o in outs))}
+        if od is not None:
+            res[name].update(updates=od.updates, dropped=od.dropped, update_s=od.update_s, losses=od.losses)
+        print(f"\n{name}: {len(outs)} requests in {wall:.0f} s (compile {compile_s:.0f} s excluded)"
+              + (f"; {od.updates} updates ({od.dropped} dropped), {od.update_s:.0f} s of them = "
+                 f"{100 * od.update_s / wall:.1f}% of the wall time" if od is not None else ""))
+        at = sorted({min(FLAGS.window, len(outs)) - 1} | {b - 1 for b in bounds})
+        print(f"moving acceptance over the last {FLAGS.window} requests at request " +
+              ", ".join(f"{i + 1}: {curve[i]:.3f}" for i in at))
+    if "untrained" in res and "online" in res:
+        on, base = np.array(res["online"]["curve"]), np.array(res["untrained"]["curve"])
+        print("online - untrained, at the same requests: " +
+              ", ".join(f"{i + 1}: {on[i] - base[i]:+.3f}" for i in [b - 1 for b in bounds]))
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(res, f)
+    if FLAGS.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for name in ("online", "untrained"):
+            if name in res:
+                ax.plot(np.arange(1, len(res[name]["curve"]) + 1), res[name]["curve"], label=name)
+        for b, name in zip(bounds[:-1], FLAGS.blocks[1:]):
+            ax.axvline(b, color="grey", ls=":")
+            ax.text(b, 0.02, name.split(":")[0], rotation=90, fontsize=7, va="bottom")
+        ax.set_xlabel("request")
+        ax.set_ylabel(f"acceptance, last {FLAGS.window}")
+        ax.set_title(f"SmolLM2-135M, {FLAGS.draft_layers}-layer self-draft, K={FLAGS.k}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(FLAGS.plot, dpi=120)
+        print(f"plot: {FLAGS.plot}")
+
+
+if __name__ == "__main__":
+    app.run(main)
