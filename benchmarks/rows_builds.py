@@ -11,11 +11,8 @@ the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
 
 from __future__ import annotations
 
-import ctypes
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,13 +35,7 @@ def main(argv):
     from specjax.models.options import ForwardOptions
 
     rd.ensure()
-    with tempfile.TemporaryDirectory() as d:
-        so = os.path.join(d, "rows_avx2.so")
-        subprocess.run([rd._compiler(), "-O3", "-march=haswell", "-std=c++17", "-shared", "-fPIC", "-w",
-                        f"-I{jax.ffi.include_dir()}", rd._SRC, "-o", so], check=True)
-        lib = ctypes.cdll.LoadLibrary(so)
-    for target, symbol in rd._TARGETS.items():
-        jax.ffi.register_ffi_target(target + "_avx2", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    rd.register(rd._build(rd._compiler(), march="haswell"), "_avx2")
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
     width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}

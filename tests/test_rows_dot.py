@@ -58,11 +58,7 @@ def test_portable_build_matches_the_avx512_build():
     build's results bit for bit, in every format: both sum each output in the same order."""
     if "avx512f" not in rd._cpu_flags():
         pytest.skip("this CPU has no AVX-512: the default build is already the portable one")
-    import ctypes
-
-    lib = ctypes.cdll.LoadLibrary(rd._build(rd._compiler(), portable=True))
-    for target, symbol in rd._TARGETS.items():
-        jax.ffi.register_ffi_target(target + "_portable", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    rd.register(rd._build(rd._compiler(), march=None), "_portable")
     rng = np.random.default_rng(1)
     K, N = 64, 40
     x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)

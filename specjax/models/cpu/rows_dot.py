@@ -56,14 +56,15 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, portable: bool = False) -> str:
-    """The shared library's path, compiled now unless an identical build is cached (``portable``:
-    without -march=native, i.e. the kernel's plain loops; the tests compare the two)."""
+def _build(cxx: str, march: str | None = "native") -> str:
+    """The shared library's path, compiled for ``-march=<march>`` now unless an identical build is
+    cached (None: no -march, the kernel's portable loops; the tests and rows_builds.py compare
+    other builds with the default one)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     with open(_SRC, "rb") as f:
         src = f.read()
     key = hashlib.sha256(b"\n".join([src, repr(version).encode(), jaxlib.__version__.encode(),
-                                     _cpu_flags().encode(), b"portable" if portable else b""])).hexdigest()[:24]
+                                     _cpu_flags().encode(), repr(march).encode()])).hexdigest()[:24]
     base = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
     out_dir = os.path.join(base, "ext")
     path = os.path.join(out_dir, f"rows_dot_{key}.so")
@@ -72,8 +73,8 @@ def _build(cxx: str, portable: bool = False) -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
     os.close(fd)
-    cmd = [cxx, "-O3", *([] if portable else ["-march=native"]), "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", _SRC,
-           "-o", tmp]
+    cmd = [cxx, "-O3", *([f"-march={march}"] if march else []), "-std=c++17", "-shared", "-fPIC",
+           f"-I{jax.ffi.include_dir()}", _SRC, "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
@@ -82,6 +83,14 @@ def _build(cxx: str, portable: bool = False) -> str:
         raise SpecjaxError(f"could not compile the rows kernel ({' '.join(cmd[:2])} ...): {first.strip()[:300]}")
     os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none
     return path
+
+
+def register(path: str, suffix: str = "") -> None:
+    """Load a built library and register its FFI targets, each name followed by ``suffix`` (the
+    default build has none; another build beside it, for comparison, takes its own)."""
+    lib = ctypes.cdll.LoadLibrary(path)
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
 def ensure() -> None:
@@ -94,9 +103,7 @@ def ensure() -> None:
                 cxx = _compiler()
                 if cxx is None:
                     raise SpecjaxError("the rows kernel needs a C++ compiler (g++), and none was found")
-                lib = ctypes.cdll.LoadLibrary(_build(cxx))
-                for target, symbol in _TARGETS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                register(_build(cxx))
                 _loaded["ok"] = True
                 return
             except (SpecjaxError, OSError) as e:
