@@ -53,9 +53,7 @@ def reverse_kl(p_logits: jax.Array, q_logits: jax.Array, temperature: float = 1.
 def jsd(p_logits: jax.Array, q_logits: jax.Array, beta: float = 0.5, temperature: float = 1.0) -> jax.Array:
     require(0.0 <= beta <= 1.0, f"JSD beta must be in [0, 1], got {beta}")
     lp, lq = log_probs(p_logits, temperature), log_probs(q_logits, temperature)
-    if beta == 0.0:  # m = q: the p side has weight 0 and the q side is KL(q || q)
-        return jnp.zeros(lp.shape[:-1], jnp.float32)
-    if beta == 1.0:
+    if beta in (0.0, 1.0):  # the mixture is q (or p): the side with weight is KL(q || q) (or KL(p || p))
         return jnp.zeros(lp.shape[:-1], jnp.float32)
     lm = jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)  # log(beta p + (1 - beta) q), stably
     return beta * _kl(lp, lm) + (1.0 - beta) * _kl(lq, lm)

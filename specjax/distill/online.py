@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -127,10 +127,9 @@ class OnlineDistiller:
         return True
 
 
-def acceptance_curve(outputs: Mapping | Sequence, window: int = 50) -> np.ndarray:
+def acceptance_curve(outs: Sequence, window: int = 50) -> np.ndarray:
     """The moving acceptance rate (accepted / drafted) over the last ``window`` requests, in
     the order given: the seed's figure of the draft learning while it serves."""
-    outs = list(outputs.values()) if isinstance(outputs, Mapping) else list(outputs)
     acc = np.array([o.accepted for o in outs], float)
     dr = np.array([o.drafted for o in outs], float)
     ca, cd = np.concatenate([[0], np.cumsum(acc)]), np.concatenate([[0], np.cumsum(dr)])
