@@ -33,6 +33,15 @@ and/or sampled) is compiled once before serving; the compile time is printed sep
 not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
 run's compilation fast.
 
+Online speculative decoding (``--online_distill DIR --drafter layer_skip``): the self-draft
+trains while the job serves, from the target's top-k logits the verify steps keep
+(specjax.distill.online): every ``--distill_every`` finished requests (and, with
+``--distill_idle_rows``, between steps when the load is light) it takes a few optimizer steps
+and the new params swap in between engine steps, nothing recompiled. orbax checkpoints go to
+DIR every ``--distill_checkpoint_every`` updates and at the end; a killed job resumed with the
+same command continues from the latest one (a draft trained by launch/distill.py included).
+Outputs are the target's whatever the draft (greedy: bit for bit).
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -63,6 +72,7 @@ def define_flags() -> None:
     cli.define_forward_flags()
     cli.define_prefill_flags()
     cli.define_policy_flags()
+    cli.define_distill_flags()
 
 
 # ---------------------------------------------------------------- flags
@@ -93,6 +103,7 @@ def validate_flags() -> dict:
     if FLAGS.drafter == "none":
         ks = [0]  # nothing to speculate with: compile plain decoding only
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
+    cli.check_online_distill_flags(FLAGS.drafter)
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
 
 
@@ -134,11 +145,28 @@ def serve(job, geom) -> int:
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
     prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
+    sd = None
+    if FLAGS.online_distill:  # the self-draft its checkpoint directory names, trained while serving
+        from specjax.distill.checkpoint import open_self_draft
+
+        sd, checkpoints = open_self_draft(FLAGS.online_distill, model.cfg, model.params, FLAGS.draft_layers)
     backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(model), **geom,
                                     prefill_chunk=prefill_chunk,
                                     **registry.backend_options([FLAGS.policy]),
-                                   **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
+                                    parts=None if sd is None else {"draft": sd.draft,
+                                                                   "draft_params": sd.params(sd.trainable)},
+                                    teacher_topk=FLAGS.distill_topk if sd is not None else 0,
+                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
+    od = None
+    if sd is not None:
+        from specjax.distill.online import OnlineDistiller
+
+        od = OnlineDistiller(backend, policy, sd, *cli.distill_configs_from_flags(), checkpoints=checkpoints)
+        was = od.resume()
+        print(f"[online distillation of {sd.draft.label} in {FLAGS.online_distill}: "
+              + (f"resumed at update {od.updates} ({od.finished} requests seen)]" if was else "a new draft]"),
+              file=sys.stderr)
     gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 
@@ -176,23 +204,34 @@ def serve(job, geom) -> int:
             i = int(o.id)
             if o.error is not None:
                 emit(i, error=o.error)
-                return
-            n_tok += len(o.tokens)
-            emit(i, result={"output": tok.decode(o.tokens), "output_ids": [int(x) for x in o.tokens],
-                            "num_prompt_tokens": o.prompt_len, "num_tokens": len(o.tokens),
-                            "finish_reason": o.finish_reason})
+            else:
+                n_tok += len(o.tokens)
+                emit(i, result={"output": tok.decode(o.tokens), "output_ids": [int(x) for x in o.tokens],
+                                "num_prompt_tokens": o.prompt_len, "num_tokens": len(o.tokens),
+                                "finish_reason": o.finish_reason})
+            if od is not None:  # after the record is on disk: an update never delays a result
+                od.on_finish(o)
 
         backend.reset()  # a fresh live state (also after a failed run)
+        reqs = [dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)]
+        if od is not None:
+            od.expect(reqs)
         engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
-                               prefill_budget=prefill_budget,
-                               should_stop=job.should_stop)
+                               prefill_budget=prefill_budget, should_stop=job.should_stop,
+                               on_step=None if od is None else od.on_step)
         t0 = time.perf_counter()
         try:
-            runs.append((engine, engine.run([dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)])))
+            runs.append((engine, engine.run(reqs)))
         finally:
             t["serve"] += time.perf_counter() - t0
 
     code = job.serve(prepare, generate)
+    if od is not None:
+        saved = od.save()
+        print(f"[online distillation: {od.updates} updates ({od.idle_updates} between steps at light load, "
+              f"{od.dropped} dropped), {od.update_s:.1f} s = {100 * od.update_s / max(t['serve'], 1e-9):.1f}% of "
+              f"serving; " + (f"checkpoint {saved} in {FLAGS.online_distill}]" if saved is not None else
+                              "nothing to checkpoint]"), file=sys.stderr)
     wall = time.perf_counter() - wall0
     serve_s = t["serve"]
     print(f"{n_tok} tokens in {serve_s:.1f} s serving = {n_tok / max(serve_s, 1e-9):.1f} tok/s "

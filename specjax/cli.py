@@ -209,6 +209,59 @@ def policy_from_flags(model, drafter: str, policy: str | None = None):
     return pol, label
 
 
+def define_distill_flags(online: bool = True) -> None:
+    """Training a self-draft toward the target (specjax.distill): the train step's flags, and with
+    ``online`` the online loop's (Algorithm 1: --online_distill turns it on)."""
+    if online:
+        flags.DEFINE_string("online_distill", None, "Train the layer-skip self-draft while serving (online "
+                            "speculative decoding), with orbax checkpoints in this directory; a run on a directory "
+                            "that has them resumes from the latest (a draft from launch/distill.py included).")
+        flags.DEFINE_integer("distill_every", 32, "Online distillation: finished requests between draft updates (I).")
+        flags.DEFINE_integer("distill_steps", 2, "Online distillation: optimizer steps per update.")
+        flags.DEFINE_integer("distill_checkpoint_every", 4, "Online distillation: updates between checkpoints.")
+        flags.DEFINE_integer("distill_idle_rows", 0, "Online distillation: also update between engine steps while at "
+                             "most this many rows run and no request waits (0: only every --distill_every).")
+        flags.DEFINE_integer("distill_topk", 8, "Online distillation: the target's top-k logits the verify step "
+                             "keeps per token (8 k bytes a token).")
+    flags.DEFINE_enum("distill_divergence", "fkl", ["fkl", "rkl", "jsd", "tvd"], "Distillation loss (rkl and jsd "
+                      "need the full teacher: offline only).")
+    flags.DEFINE_float("distill_temperature", 1.0, "Distillation: softmax temperature of both distributions.")
+    flags.DEFINE_float("distill_lr", 6e-4, "Distillation: peak AdamW learning rate (linear warm-up, cosine decay).")
+    flags.DEFINE_integer("distill_batch", 8, "Distillation: sequences per optimizer step.")
+    flags.DEFINE_integer("distill_length", 64, "Distillation: tokens per training sequence (each record's last).")
+
+
+def distill_configs_from_flags(total_steps: int = 100_000):
+    """(TrainConfig, OnlineConfig or None) from the distill flags; SpecjaxError on a bad value."""
+    from specjax.distill.online import OnlineConfig
+    from specjax.distill.train import TrainConfig
+
+    tc = TrainConfig(divergence=FLAGS.distill_divergence, temperature=FLAGS.distill_temperature, lr=FLAGS.distill_lr,
+                     warmup_steps=min(10, total_steps - 1), total_steps=total_steps)
+    if "online_distill" not in FLAGS or not FLAGS.online_distill:
+        return tc, None
+    oc = OnlineConfig(every=FLAGS.distill_every, steps=FLAGS.distill_steps, batch=FLAGS.distill_batch,
+                      length=FLAGS.distill_length, checkpoint_every=FLAGS.distill_checkpoint_every,
+                      idle_rows=FLAGS.distill_idle_rows)
+    return tc, oc
+
+
+def check_online_distill_flags(drafter: str) -> None:
+    """The online distillation flag checks that need no model."""
+    from specjax.errors import SpecjaxError
+
+    if not FLAGS.online_distill:
+        return
+    if drafter != "layer_skip":
+        raise SpecjaxError(f"--online_distill trains a layer-skip self-draft: use --drafter layer_skip, not {drafter}")
+    if FLAGS.distill_topk < 1:
+        raise SpecjaxError(f"--distill_topk must be >= 1, got {FLAGS.distill_topk}")
+    tc, _ = distill_configs_from_flags()
+    if tc.divergence not in ("fkl", "tvd"):
+        raise SpecjaxError(f"--distill_divergence {tc.divergence} needs the teacher's whole distribution; online "
+                           "distillation keeps its top k: use fkl or tvd")
+
+
 def define_request_flags(chat: bool = False) -> None:
     """The target model, the prompt wrapping and the sampling of each request (JSONL records may
     override the sampling flags and max_new_tokens)."""

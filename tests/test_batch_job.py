@@ -126,14 +126,75 @@ def test_kill_and_resume(tmp_path):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--top_k", "1000000000000"], "--top_k must be an integer in"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--model", "tiny-random", "--policy", "smartspec",
       "--perf_models", "/nonexistent/perf.json"], "does not exist"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK"], "use --drafter layer_skip"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",
+      "--distill_divergence", "jsd"], "keeps its top k: use fkl or tvd"),
 ])
 def test_bad_flags_give_one_line_error(tmp_path, args, message):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
     out = str(tmp_path / "out.jsonl")
-    r = run(*[{"IN": str(inp), "OUT": out}.get(a, a) for a in args], timeout=120)
+    r = run(*[{"IN": str(inp), "OUT": out, "CK": str(tmp_path / "ck")}.get(a, a) for a in args], timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, r.stderr[-2000:]
     assert not os.path.exists(out) or not open(out).read()  # nothing served, nothing half-written
+
+
+def _checkpoints(directory) -> list[int]:
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+
+
+def test_online_distillation_survives_a_kill(tmp_path):
+    """--online_distill on the tiny model: the self-draft trains every 2 requests and checkpoints
+    every update. SIGKILL once a checkpoint is on disk, at a random number of results; the same
+    command resumes from the latest checkpoint (its update count goes on from there), writes
+    exactly the records not yet written, and every output equals the plain (never trained)
+    layer-skip run's: no record lost, duplicated or altered. A checkpoint directory of another
+    model is a one-line error that serves nothing."""
+    inp, ref, out, ck = (str(tmp_path / n) for n in ("in.jsonl", "ref.jsonl", "out.jsonl", "ck"))
+    with open(inp, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"q{i}", "prompt": f"row {i % 5} " + "ab" * (i % 3)}) + "\n")
+    geom = [a if a != "150" else "40" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
+    r = run("--input_jsonl", inp, "--output_jsonl", ref, *geom)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {x["id"]: x for x in _read(ref)}
+    distill = ["--online_distill", ck, "--distill_every", "2", "--distill_checkpoint_every", "1", "--distill_lr", "3e-3"]
+
+    seed = random.randrange(2**32)
+    threshold = random.Random(seed).randint(8, 24)
+    log = open(tmp_path / "killed.log", "w")
+    p = subprocess.Popen([sys.executable, SCRIPT, "--input_jsonl", inp, "--output_jsonl", out, *geom, *distill],
+                         stdout=log, stderr=log, env=_env())
+    try:
+        deadline = time.time() + 240
+        while (_served(out) < threshold or not _checkpoints(ck)) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert p.poll() is None, "the job ended before it could be killed; give it more work"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+    at_kill, saved = _served(out), _checkpoints(ck)
+    assert saved and at_kill < 40, (at_kill, saved)
+
+    r = run("--input_jsonl", inp, "--output_jsonl", out, *geom, *distill)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed at update {saved[-1]} " in r.stderr, (seed, r.stderr[-2000:])
+    assert f"written now: {40 - at_kill} results" in r.stderr, (seed, r.stderr[-2000:])
+    assert _checkpoints(ck)[-1] > saved[-1]  # it went on training from there
+    recs = _read(out)
+    assert len(recs) == 40 and {x["id"]: x for x in recs} == want, f"seed {seed}"
+
+    with open(os.path.join(ck, "draft.json")) as f:
+        spec = json.load(f)
+    with open(os.path.join(ck, "draft.json"), "w") as f:
+        json.dump(dict(spec, target="another-model"), f)
+    r = run("--input_jsonl", inp, "--output_jsonl", str(tmp_path / "other.jsonl"), *geom, *distill)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "holds a draft of another-model" in r.stderr

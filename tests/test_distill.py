@@ -312,3 +312,131 @@ def test_online_distillation_while_serving(tiny, tmp_path):
     assert od2.resume() and od2.updates == 12 and od2.finished == 48
     for a, b in zip(jax.tree_util.tree_leaves(be2.dparams), jax.tree_util.tree_leaves(sd.params(od.trainable))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_reduced_vocab_head_maps_to_target_ids_and_refuses_bad_maps(tiny):
+    """frequent_tokens keeps the most frequent ids (and the ones it must keep); a reduced head is
+    the target head's columns for them; ids that do not map onto the target's vocabulary, repeated
+    ids, or params without the map are one-line errors."""
+    from specjax.distill import train as tr
+    from specjax.drafters.device import frequent_tokens, layer_skip, reduced_vocab
+    from specjax.engine.jax_backend import JaxBackend
+
+    cfg, params = tiny
+    ids = frequent_tokens([[5, 5, 5, 9, 9, 7], [9, 200]], cfg.vocab_size, 3, keep=[2])
+    np.testing.assert_array_equal(ids, [2, 5, 9])  # 9 x3, 5 x3 (ties: lower id first), 2 kept; 7 and 200 cut
+    d, dparams = layer_skip(cfg, params, 1)
+    rd, rp = reduced_vocab(d, dparams, np.array([3, 17, 250]))
+    assert rd.vocab == 3 and rd.label == "layer_skip1_v3" and rp["lm_head"].shape == (cfg.hidden_size, 3)
+    np.testing.assert_array_equal(rp["lm_head"], np.asarray(params["lm_head"])[:, [3, 17, 250]])
+    for bad, msg in (([3, 256], "map onto the target's 256 tokens"), ([3, 3], "distinct"),
+                     ([[1, 2]], "1-D list"), ([-1], "map onto")):
+        with pytest.raises(SpecjaxError, match=msg) as e:
+            reduced_vocab(d, dparams, np.array(bad))
+        assert "\n" not in str(e.value)
+    with pytest.raises(SpecjaxError, match="need vocab_ids"):
+        JaxBackend(cfg, params, draft=rd, draft_params={k: v for k, v in rp.items() if k != "vocab_ids"},
+                   k_buckets=(0, 2))
+    with pytest.raises(SpecjaxError, match="1..256 tokens"):
+        frequent_tokens([[1]], cfg.vocab_size, 0)
+    sd = tr.SelfDraft.of(cfg, params, 1, vocab_ids=ids)
+    assert set(sd.frozen) == {"embed", "lm_head", "vocab_ids"} and sd.draft.vocab == 3
+
+
+def _chi_square_p(cells: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value of observed cell indices against exact cell probabilities
+    (expected counts below 5 pooled); a sample in a zero-probability cell fails at once."""
+    from scipy.stats import chi2
+
+    n = len(cells)
+    obs = np.bincount(cells, minlength=len(probs)).astype(float)
+    assert obs[probs == 0].sum() == 0, "samples where the target has probability 0"
+    exp = probs * n
+    big = exp >= 5
+    o, e = list(obs[big]), list(exp[big])
+    small = (probs > 0) & ~big
+    if small.any():
+        o.append(obs[small].sum())
+        e.append(exp[small].sum())
+    o, e = np.asarray(o), np.asarray(e)
+    assert len(o) >= 10, "too few cells for a meaningful test"
+    return float(chi2.sf(((o - e) ** 2 / e).sum(), len(o) - 1))
+
+
+def test_trained_reduced_vocab_draft_stays_lossless(tiny):
+    """A self-draft with a reduced head (64 of 256 tokens) trained a few steps: greedy
+    speculation returns the target's own tokens, and sampled speculation (temperature 1.3,
+    top-k 6) draws output tokens 2 and 3, which both pass through verification with K = 3, from
+    the target's exact joint distribution (chi-square), though the draft can propose only a
+    quarter of the vocabulary and its own distribution is far from the target's (the same test
+    rejects it)."""
+    from specjax.distill import train as tr
+    from specjax.drafters.device import frequent_tokens
+    from specjax.generate import Generator
+    from specjax.sampling import SamplingParams
+    from specjax.spec_generate import SpecGenerator
+
+    cfg, params = tiny
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(8)]
+    outs = [r.tokens for r in Generator(cfg, params, batch_buckets=(8,)).generate(prompts, max_new_tokens=24,
+                                                                                   ignore_eos=True)]
+    vocab = frequent_tokens(outs, cfg.vocab_size, 64)
+    sd = tr.SelfDraft.of(cfg, params, 1, vocab_ids=vocab)
+    tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)
+    teacher = dv.TopK.of(tr.sequence_logits(cfg, params, tokens), 8)
+    mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= 5, tokens.shape)
+    tc = tr.TrainConfig(lr=3e-3, warmup_steps=2, total_steps=40)
+    opt = tr.make_optimizer(tc)
+    trainable, state = sd.trainable, opt.init(sd.trainable)
+    for _ in range(10):
+        trainable, state, loss, ok = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask,
+                                                   cfg=sd.draft.cfg, tc=tc, optimizer=opt)
+        assert bool(ok) and np.isfinite(float(loss))
+    spec = SpecGenerator(cfg, params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, 3),
+                         batch_buckets=(8, 64), slot_buckets=(64,))
+    res = spec.generate(prompts, max_new_tokens=24, num_spec_tokens=3, ignore_eos=True)
+    assert [r.tokens for r in res] == outs
+
+    # the exact joint of output tokens 2 and 3 under the warped target, summed over token 1
+    prompt, T, k = prompts[0], 1.3, 6
+
+    def warped(seq):
+        z = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([seq], jnp.int32)))[0, -1] / T
+        p = np.zeros_like(z, np.float64)
+        top = np.argsort(-z)[:k]
+        p[top] = np.exp(z[top] - z[top].max())
+        return p / p.sum()
+
+    V = cfg.vocab_size
+    joint = np.zeros((V, V))
+    p1 = warped(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = warped(prompt + [int(a)])
+        for b in np.flatnonzero(p2):
+            joint[b] += p1[a] * p2[b] * warped(prompt + [int(a), int(b)])
+    joint = joint.reshape(-1)
+    n = 2048
+    got = spec.generate([prompt] * n, [SamplingParams(temperature=T, top_k=k, seed=s) for s in range(n)],
+                        max_new_tokens=3, num_spec_tokens=3, ignore_eos=True)
+    cells = np.array([r.tokens[1] * V + r.tokens[2] for r in got])
+    assert _chi_square_p(cells, joint) > 1e-3
+    # the draft's own joint of tokens 2, 3 (the same sum with q for those two): the test tells them apart
+    dparams = sd.params(trainable)
+
+    def warped_q(seq):
+        z = np.full(V, -np.inf)
+        z[vocab] = np.asarray(tr.sequence_logits(sd.draft.cfg, dparams, jnp.asarray([seq], jnp.int32)))[0, -1] / T
+        p = np.zeros(V)
+        top = np.argsort(-z)[:k]
+        p[top] = np.exp(z[top] - z[top].max())
+        return p / p.sum()
+
+    qjoint = np.zeros((V, V))
+    for a in np.flatnonzero(p1):
+        q2 = warped_q(prompt + [int(a)])
+        for b in np.flatnonzero(q2):
+            qjoint[b] += p1[a] * q2[b] * warped_q(prompt + [int(a), int(b)])
+    qcells = np.array([int(x) for x in rng.choice(V * V, n, p=qjoint.reshape(-1) / qjoint.sum())])
+    with pytest.raises(AssertionError):
+        assert _chi_square_p(qcells, joint) > 1e-3

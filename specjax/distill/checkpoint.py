@@ -2,6 +2,11 @@
 JSON record (the step, the replay buffer's and router's metadata, whatever the loop needs to go
 on), every few updates, the last few kept.
 
+A checkpoint directory also holds ``draft.json``: which self-draft it trains (the target, the
+layer count, a reduced head's token ids), written once when the directory is first used, so a
+later run (a resumed job, the batch job after ``launch/distill.py``) builds the same draft to
+restore into (``open_self_draft``).
+
 Each checkpoint carries a fingerprint of the draft it belongs to (the target's and the draft's
 config and every trainable leaf's shape and dtype). Restoring a checkpoint of another model, or
 one that cannot be read, is a one-line SpecjaxError that changes nothing: the caller's params
@@ -14,6 +19,7 @@ import hashlib
 import json
 import os
 
+import numpy as np
 import orbax.checkpoint as ocp
 
 from specjax.config import ModelConfig
@@ -21,12 +27,53 @@ from specjax.engine.jax_backend import param_avals
 from specjax.errors import SpecjaxError
 
 
-def fingerprint(target: ModelConfig, draft: ModelConfig, trainable) -> dict:
-    """What a checkpoint must match to be restored into this draft."""
+def fingerprint(target: ModelConfig, draft: ModelConfig, trainable, vocab_ids=None) -> dict:
+    """What a checkpoint must match to be restored into this draft (``vocab_ids``: a reduced
+    head's target tokens, which the params are only meaningful with)."""
     shapes = json.dumps(param_avals(trainable), sort_keys=True, default=str)
-    return {"target": target.name, "target_layers": target.num_layers, "vocab_size": target.vocab_size,
-            "draft": draft.name, "draft_layers": draft.num_layers,
-            "trainable": hashlib.sha256(shapes.encode()).hexdigest()[:16]}
+    fp = {"target": target.name, "target_layers": target.num_layers, "vocab_size": target.vocab_size,
+          "draft": draft.name, "draft_layers": draft.num_layers,
+          "trainable": hashlib.sha256(shapes.encode()).hexdigest()[:16]}
+    if vocab_ids is not None:
+        fp["vocab_ids"] = hashlib.sha256(np.asarray(vocab_ids, np.int32).tobytes()).hexdigest()[:16]
+    return fp
+
+
+DRAFT_FILE = "draft.json"
+
+
+def open_self_draft(directory: str, cfg: ModelConfig, params, draft_layers: int, vocab_ids=None, max_to_keep: int = 3):
+    """(SelfDraft, DistillCheckpoints) for the checkpoint directory ``directory``: the draft its
+    ``draft.json`` names (``draft_layers`` / ``vocab_ids`` apply only to a new directory, which
+    gets that file). A directory of another target, or a ``draft.json`` that cannot be read: a
+    one-line SpecjaxError."""
+    from specjax.distill.train import SelfDraft
+
+    path = os.path.join(directory, DRAFT_FILE)
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            target, draft_layers, vocab = spec["target"], int(spec["draft_layers"]), spec["vocab_ids"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SpecjaxError(f"{path} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
+        if target != cfg.name or spec.get("vocab_size") != cfg.vocab_size:
+            raise SpecjaxError(f"{directory} holds a draft of {target} ({spec.get('vocab_size')} tokens), not of "
+                               f"{cfg.name} ({cfg.vocab_size} tokens)")
+        vocab_ids = None if vocab is None else np.asarray(vocab, np.int32)
+    sd = SelfDraft.of(cfg, params, draft_layers, vocab_ids)  # (checks the layers and the vocabulary map)
+    if not os.path.exists(path):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"target": cfg.name, "vocab_size": cfg.vocab_size, "draft_layers": draft_layers,
+                           "vocab_ids": None if vocab_ids is None else [int(t) for t in vocab_ids]}, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise SpecjaxError(f"cannot use {directory} for checkpoints: {e}".splitlines()[0]) from None
+    fp = fingerprint(cfg, sd.draft.cfg, sd.trainable, vocab_ids)
+    return sd, DistillCheckpoints(directory, fp, max_to_keep)
 
 
 class DistillCheckpoints:

@@ -97,6 +97,24 @@ def topk_tvd(p: TopK, q_logits: jax.Array, temperature: float = 1.0) -> jax.Arra
     return 0.5 * (jnp.sum(jnp.abs(pk - qk), axis=-1) + jnp.clip(1.0 - jnp.sum(qk, axis=-1), 0.0, 1.0))
 
 
+def restrict(teacher, vocab_ids: jax.Array, vocab_size: int):
+    """The teacher over a reduced-vocabulary draft's N tokens (``vocab_ids`` [N], target ids),
+    in the draft's column order, and the positions where it keeps any mass: (teacher', covered
+    [...] bool). The teacher is renormalised over the N tokens (its mass elsewhere is what the
+    draft can never propose, stated, not trained toward). Full logits [..., V] -> [..., N]; a
+    TopK keeps the ids inside the N (others get logit -inf); a position with none of its k
+    inside is not covered (its row is made finite and must be masked out)."""
+    if not isinstance(teacher, TopK):
+        return jnp.take(teacher, vocab_ids, axis=-1), jnp.ones(teacher.shape[:-1], bool)
+    col = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
+    at = col[teacher.ids]
+    inside = at >= 0
+    covered = jnp.any(inside, axis=-1)
+    logits = jnp.where(inside, teacher.logits, -jnp.inf)
+    logits = jnp.where(covered[..., None], logits, 0.0)  # no NaN from a row of -inf; masked by the caller
+    return TopK(jnp.maximum(at, 0), logits), covered
+
+
 def divergence(name: str, teacher, q_logits: jax.Array, *, temperature: float = 1.0, beta: float = 0.5
                ) -> jax.Array:
     """Per-position divergence ``name`` (one of DIVERGENCES) between a teacher (full logits

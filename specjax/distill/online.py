@@ -8,7 +8,11 @@ the step: ``JaxBackend(teacher_topk=k)``) become a ``Record`` in the replay buff
 buffer; the new params then swap into the backend at once (same shapes: nothing recompiles) and
 the policy forgets the old draft's acceptance. An update whose loss or gradient is not finite is
 dropped and counted (``dropped``; logged), and the serving params stay as they were: a draft is
-never half swapped. With ``checkpoints`` (checkpoint.DistillCheckpoints), every
+never half swapped. With ``idle_rows``, an update also runs opportunistically between steps
+(``on_step``, the ServingEngine hook) when the engine is lightly loaded: at most that many rows
+running and no request waiting for one, the load under which SmartSpec's goodput choice still
+leaves spare compute, with at least ``idle_min_new`` new records since the last update.
+With ``checkpoints`` (checkpoint.DistillCheckpoints), every
 ``checkpoint_every`` updates are saved; ``resume`` continues from the latest.
 """
 
@@ -34,7 +38,8 @@ class OnlineConfig:
     """every: finished requests between updates (the seed's I); steps: optimizer steps per
     update; batch: records per step; length: tokens per record in a batch (its last ones);
     buffer_rows: the replay buffer's budget of teacher rows; checkpoint_every: updates between
-    checkpoints (0: none)."""
+    checkpoints (0: none); idle_rows: also update between steps while at most this many rows run
+    and none wait (0: never), once ``idle_min_new`` new records are in."""
 
     every: int = 8
     steps: int = 4
@@ -42,12 +47,16 @@ class OnlineConfig:
     length: int = 128
     buffer_rows: int = 65536
     checkpoint_every: int = 0
+    idle_rows: int = 0
+    idle_min_new: int = 4
     seed: int = 0
 
     def __post_init__(self):
         for f in ("every", "steps", "batch", "length", "buffer_rows"):
             require(getattr(self, f) >= 1, f"OnlineConfig.{f} must be >= 1, got {getattr(self, f)}")
-        require(self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        for f in ("checkpoint_every", "idle_rows"):
+            require(getattr(self, f) >= 0, f"OnlineConfig.{f} must be >= 0, got {getattr(self, f)}")
+        require(self.idle_min_new >= 1, f"OnlineConfig.idle_min_new must be >= 1, got {self.idle_min_new}")
 
 
 class OnlineDistiller:
@@ -65,6 +74,8 @@ class OnlineDistiller:
         self.rng = np.random.default_rng(oc.seed)
         self.prompts: dict = {}
         self.finished = self.updates = self.dropped = 0
+        self.new = 0  # records since the last update
+        self.idle_updates = 0  # updates run opportunistically (on_step), of self.updates
         self.update_s = 0.0
         self.losses: list[float] = []  # the mean loss of each applied update
 
@@ -77,9 +88,18 @@ class OnlineDistiller:
         rec = Record.of(prompt, out) if prompt is not None and out.error is None else None
         if rec is not None:
             self.buffer.add(rec)
+            self.new += 1
         self.finished += 1
         if self.finished % self.oc.every == 0 and len(self.buffer):
             self.update()
+
+    def on_step(self, engine) -> None:
+        """ServingEngine(on_step=...): an opportunistic update while the load is light."""
+        if not self.oc.idle_rows or self.new < self.oc.idle_min_new:
+            return
+        running, waiting = engine.load()
+        if running <= self.oc.idle_rows and not waiting and self.update():
+            self.idle_updates += 1
 
     def update(self) -> bool:
         """``steps`` optimizer steps, then the swap; False when any step was dropped (nothing of
@@ -99,19 +119,29 @@ class OnlineDistiller:
                 return False
             losses.append(float(loss))
         self.trainable, self.opt_state = trainable, state
+        self.new = 0
         self.backend.swap_draft_params(self.draft.params(trainable))
         self.policy.draft_changed()
         self.updates += 1
         self.losses.append(float(np.mean(losses)))
-        if self.checkpoints is not None and self.oc.checkpoint_every and self.updates % self.oc.checkpoint_every == 0:
-            self.checkpoints.save(self.updates, self.trainable, self.opt_state, self.record())
+        if self.oc.checkpoint_every and self.updates % self.oc.checkpoint_every == 0:
+            self.save()
         self.update_s += time.perf_counter() - t0
         return True
+
+    def save(self) -> int | None:
+        """Checkpoint the current draft (at step = updates applied) unless that step is on disk;
+        the step, or None without checkpoints or updates."""
+        if self.checkpoints is None or not self.updates:
+            return None
+        if self.checkpoints.latest_step() != self.updates:
+            self.checkpoints.save(self.updates, self.trainable, self.opt_state, self.record())
+        return self.updates
 
     def record(self) -> dict:
         """What a checkpoint keeps besides the params and the optimizer state."""
         return {"finished": self.finished, "updates": self.updates, "dropped": self.dropped,
-                "buffer": self.buffer.metadata()}
+                "idle_updates": self.idle_updates, "buffer": self.buffer.metadata()}
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint, if any: its params are swapped in."""
@@ -122,6 +152,7 @@ class OnlineDistiller:
             return False
         _, self.trainable, self.opt_state, rec = got
         self.finished, self.updates, self.dropped = rec["finished"], rec["updates"], rec["dropped"]
+        self.idle_updates = rec.get("idle_updates", 0)
         self.backend.swap_draft_params(self.draft.params(self.trainable))
         self.policy.draft_changed()
         return True

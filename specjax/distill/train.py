@@ -2,7 +2,9 @@
 optax step.
 
 The self-draft (``SelfDraft``) is the target's embeddings and vocab head (shared, frozen) with
-its own copies of the target's first n layers and of the final norm, the "exit", trained. It
+its own copies of the target's first n layers and of the final norm, the "exit", trained. With
+``vocab_ids`` its head is reduced to those N target tokens (drafters.device.reduced_vocab) and
+it learns the teacher restricted to them (divergences.restrict). It
 has a layer-skip draft's shapes, so the engine runs it as a ``ModelDraft`` and new params swap in
 without recompiling any serving variant.
 
@@ -24,7 +26,7 @@ import optax
 
 from specjax.config import ModelConfig
 from specjax.distill import divergences as dv
-from specjax.drafters.device import ModelDraft, layer_skip
+from specjax.drafters.device import ModelDraft, layer_skip, reduced_vocab
 from specjax.errors import require
 from specjax.models import llama
 
@@ -72,9 +74,11 @@ class SelfDraft:
     trainable: dict
 
     @staticmethod
-    def of(cfg: ModelConfig, params, num_layers: int) -> "SelfDraft":
+    def of(cfg: ModelConfig, params, num_layers: int, vocab_ids=None) -> "SelfDraft":
         draft, dparams = layer_skip(cfg, params, num_layers)
-        frozen = {k: v for k, v in dparams.items() if k in ("embed", "lm_head")}
+        if vocab_ids is not None:
+            draft, dparams = reduced_vocab(draft, dparams, vocab_ids)
+        frozen = {k: v for k, v in dparams.items() if k in ("embed", "lm_head", "vocab_ids")}
         # copies, not the target's arrays: training must never write into the target
         trainable = jax.tree_util.tree_map(jnp.array, {"layers": dparams["layers"], "final_norm": dparams["final_norm"]})
         return SelfDraft(draft, frozen, trainable)
@@ -99,6 +103,9 @@ def loss_fn(trainable, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: T
     self-draft's logits over the positions where ``mask`` [B, T] is true."""
     q = sequence_logits(cfg, {**frozen, **trainable}, tokens)
     teacher = jax.lax.stop_gradient(teacher)
+    if "vocab_ids" in frozen:  # a reduced head: its N columns against the teacher over those tokens
+        teacher, covered = dv.restrict(teacher, frozen["vocab_ids"], cfg.vocab_size)
+        mask = mask & covered
     per = dv.divergence(tc.divergence, teacher, q, temperature=tc.temperature, beta=tc.beta)
     return dv.mean_over(per, mask)
 

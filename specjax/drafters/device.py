@@ -12,7 +12,11 @@ its compile key) with two pure functions the step calls with the draft's *own* p
          own call before the policy chooses K: (drafts, q, confidences, proposed, dcache)
 
 ``ModelDraft`` runs a Llama-family model: an independent draft model sharing the target's
-tokenizer, or layer skip (``layer_skip``: the target's first n layers). A layer-skip draft's
+tokenizer, or layer skip (``layer_skip``: the target's first n layers). Either can carry a
+reduced-vocabulary head (``reduced_vocab``: the draft's vocab projection over N chosen target
+tokens, ``frequent_tokens``), which cuts the draft's largest matmul to N / V of its size; the
+draft's logits are scattered back to the target's ids with -inf elsewhere, so tokens outside
+the N are never proposed and q, the distribution drafts are drawn from, stays exact (lossless). A layer-skip draft's
 params are a params tree of its own whose arrays are, until the draft is trained, the target's
 (no copy); training replaces them and can never touch the target's. Host drafters (prompt
 lookup, suffix trees) are a different protocol (``drafters.base.HostDrafter``): they propose on
@@ -30,6 +34,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import cache as kv
 from specjax.config import ModelConfig
@@ -46,6 +51,15 @@ class ModelDraft:
 
     cfg: ModelConfig
     label: str = "draft_model"
+    vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
+
+    def _full(self, dparams, lg):
+        """Draft logits over the target's vocabulary: a reduced head's N columns go to their
+        target ids, every other token gets -inf (probability 0: never drafted)."""
+        if not self.vocab:
+            return lg
+        full = jnp.full(lg.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, lg.dtype)
+        return full.at[..., dparams["vocab_ids"]].set(lg)
 
     def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool) -> kv.KVCache:
         """One prefill chunk into the draft cache (``first``: ``dcache`` is fresh, nothing to
@@ -63,14 +77,14 @@ class ModelDraft:
         pos = dc.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, dc = llama.forward(dparams, blk, pos, dc, llama.causal_mask(B, 2), cfg=self.cfg,
                                    logits_at=jnp.ones((B, 1), jnp.int32))
-        return logits[:, 0], kv.advance(dc, jnp.full((B,), 2, jnp.int32))
+        return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.full((B,), 2, jnp.int32))
 
     def _next(self, dparams, dc: kv.KVCache, d):
         """Feed one drafted token per row: logits for the next draft."""
         B = d.shape[0]
         logits, dc = llama.forward(dparams, d[:, None], dc.lengths[:, None], dc, llama.causal_mask(B, 1),
                                    cfg=self.cfg)
-        return logits[:, 0], kv.advance(dc, jnp.ones((B,), jnp.int32))
+        return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.ones((B,), jnp.int32))
 
     @staticmethod
     def _pick(lg, j, target_lengths, samp: SamplingArrays, greedy_only: bool):
@@ -153,6 +167,42 @@ def layer_skip(cfg: ModelConfig, params, num_layers: int) -> tuple[ModelDraft, d
     return ModelDraft(dcfg, label=f"layer_skip{num_layers}"), dparams
 
 
+def frequent_tokens(sequences, vocab_size: int, n: int, keep=()) -> np.ndarray:
+    """The ``n`` token ids seen most often in ``sequences`` (iterables of target token ids; ties
+    to the lower id), always including ``keep`` (say the end-of-sequence ids), ascending."""
+    require(1 <= n <= vocab_size, f"a reduced vocabulary needs 1..{vocab_size} tokens, got {n}")
+    counts = np.zeros(vocab_size, np.int64)
+    for seq in sequences:
+        ids = np.asarray(seq, np.int64).ravel()
+        require(ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size),
+                f"token ids must be in [0, {vocab_size}) to count them")
+        np.add.at(counts, ids, 1)
+    keep = sorted({int(t) for t in keep})
+    require(len(keep) <= n, f"{len(keep)} tokens to keep do not fit a vocabulary of {n}")
+    counts[keep] = np.iinfo(np.int64).max  # first in the order
+    order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent, then lowest id
+    return np.sort(order[:n]).astype(np.int32)
+
+
+def reduced_vocab(draft: ModelDraft, dparams, vocab_ids) -> tuple[ModelDraft, dict]:
+    """``draft`` with its vocab head cut to the target tokens ``vocab_ids`` (distinct ids in
+    [0, V)): the head's columns for those ids, copied (the target's head is never written).
+    Raises SpecjaxError for ids that do not map onto the target's vocabulary."""
+    require(isinstance(draft, ModelDraft) and not draft.vocab, "reduced_vocab takes a full-vocabulary ModelDraft")
+    V = draft.cfg.vocab_size
+    ids = np.asarray(vocab_ids)
+    require(ids.ndim == 1 and ids.size >= 1 and np.issubdtype(ids.dtype, np.integer),
+            f"a reduced vocabulary is a 1-D list of token ids, got shape {ids.shape} of {ids.dtype}")
+    require(ids.min() >= 0 and ids.max() < V,
+            f"reduced vocabulary ids must map onto the target's {V} tokens; got ids {ids.min()}..{ids.max()}")
+    require(len(np.unique(ids)) == ids.size, "reduced vocabulary ids must be distinct")
+    head = dparams["embed"].T if draft.cfg.tie_embeddings else dparams["lm_head"]
+    out = dict(dparams, lm_head=jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1),
+               vocab_ids=jnp.asarray(ids, jnp.int32))
+    cfg = draft.cfg.replace(name=f"{draft.cfg.name}|v{ids.size}", tie_embeddings=False)
+    return ModelDraft(cfg, label=f"{draft.label}_v{ids.size}", vocab=int(ids.size)), out
+
+
 def check_pair(target: ModelConfig, draft: ModelDraft | None, draft_params) -> None:
     """Raise SpecjaxError unless ``draft`` (None = no device drafter) can draft for ``target``."""
     if draft is None:
@@ -162,3 +212,9 @@ def check_pair(target: ModelConfig, draft: ModelDraft | None, draft_params) -> N
     require(draft.cfg.vocab_size == target.vocab_size,
             f"draft model vocabulary ({draft.cfg.vocab_size}) differs from the target's ({target.vocab_size}); "
             "draft and target must share a tokenizer")
+    if draft.vocab:
+        ids, head = draft_params.get("vocab_ids"), draft_params.get("lm_head")
+        require(ids is not None and tuple(ids.shape) == (draft.vocab,) and head is not None
+                and tuple(head.shape) == (draft.cfg.hidden_size, draft.vocab),
+                f"draft {draft.label} has a {draft.vocab}-token head: its params need vocab_ids [{draft.vocab}] and "
+                f"lm_head [{draft.cfg.hidden_size}, {draft.vocab}] (reduced_vocab makes them)")

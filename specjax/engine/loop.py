@@ -145,7 +145,8 @@ class ServingEngine:
     def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, prefill_budget: int | None = None):
+                 should_stop: Callable[[], bool] | None = None, prefill_budget: int | None = None,
+                 on_step: Callable[["ServingEngine"], None] | None = None):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
@@ -157,6 +158,7 @@ class ServingEngine:
         self.prefill_budget = prefill_budget  # None: whole prompts at admission; else chunked prefill
         self.on_finish = on_finish
         self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
+        self.on_step = on_step  # called after every step (between steps: the load is self.load())
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
@@ -245,10 +247,17 @@ class ServingEngine:
             if any(not r.prefilling for r in self.sched.running):
                 self._step()
                 self._retire(finished)
+                if self.on_step:
+                    self.on_step(self)
         by_id: dict = {}
         for o in finished:
             by_id.setdefault(o.id, []).append(o)
         return [by_id[r.id].pop(0) for r in requests if by_id.get(r.id)]
+
+    def load(self) -> tuple[int, int]:
+        """(rows running, requests waiting for a row): the load SmartSpec's choice of K follows
+        (a goodput policy speculates less as the batch grows) and what work between steps waits on."""
+        return len(self.sched.running), len(self.sched.waiting)
 
     def _admit(self) -> None:
         if not self.sched.waiting or not self.sched.free_rows:
