@@ -163,10 +163,10 @@ def serve(job, geom) -> int:
         from specjax.distill.online import OnlineDistiller
 
         od = OnlineDistiller(backend, policy, sd, *cli.distill_configs_from_flags(), checkpoints=checkpoints)
-        was = od.resume()
+        step = od.resume()
         print(f"[online distillation of {sd.draft.label} in {FLAGS.online_distill}: "
-              + (f"resumed at update {od.updates} ({od.finished} requests seen)]" if was else "a new draft]"),
-              file=sys.stderr)
+              + (f"resumed from checkpoint {step} ({od.updates} updates, {od.finished} requests seen)]"
+                 if step is not None else "a new draft]"), file=sys.stderr)
     gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 

@@ -185,7 +185,7 @@ def test_online_distillation_survives_a_kill(tmp_path):
 
     r = run("--input_jsonl", inp, "--output_jsonl", out, *geom, *distill)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed at update {saved[-1]} " in r.stderr, (seed, r.stderr[-2000:])
+    assert f"resumed from checkpoint {saved[-1]} ({saved[-1]} updates" in r.stderr, (seed, r.stderr[-2000:])
     assert f"written now: {40 - at_kill} results" in r.stderr, (seed, r.stderr[-2000:])
     assert _checkpoints(ck)[-1] > saved[-1]  # it went on training from there
     recs = _read(out)

@@ -304,12 +304,12 @@ def test_online_distillation_while_serving(tiny, tmp_path):
     assert od.update() is False and od.dropped == 1 and be.dparams is serving
     od.buffer.batch = orig
     # resume in a fresh distiller (a restarted process): the checkpointed draft swaps in
-    assert ck.latest_step() == 12
+    assert ck.latest_step() == 4  # a checkpoint every 3 updates, numbered from 1
     sd2 = tr.SelfDraft.of(cfg, params, 1)
     be2 = JaxBackend(cfg, params, draft=sd2.draft, draft_params=sd2.params(sd2.trainable), k_buckets=(0, 3),
                      batch_buckets=(4,), slots=64, teacher_topk=8)
     od2 = OnlineDistiller(be2, FixedK(3), sd2, od.tc, od.oc, checkpoints=DistillCheckpoints(str(tmp_path / "ck"), ck.fp))
-    assert od2.resume() and od2.updates == 12 and od2.finished == 48
+    assert od2.resume() == 4 and od2.updates == 12 and od2.finished == 48
     for a, b in zip(jax.tree_util.tree_leaves(be2.dparams), jax.tree_util.tree_leaves(sd.params(od.trainable))):
         np.testing.assert_array_equal(a, b)
 
@@ -440,3 +440,119 @@ def test_trained_reduced_vocab_draft_stays_lossless(tiny):
     qcells = np.array([int(x) for x in rng.choice(V * V, n, p=qjoint.reshape(-1) / qjoint.sum())])
     with pytest.raises(AssertionError):
         assert _chi_square_p(qcells, joint) > 1e-3
+
+
+def test_distillation_data_by_teacher_student_and_mixed_sampling(tiny):
+    """Teacher sampling at temperature 0 writes the target's greedy text, student sampling the
+    draft's, and both keep the target's top-k at every output position; the mixture picks the
+    argmax of beta p + (1 - beta) q; a sequence stops at an end-of-sequence id."""
+    from specjax.distill import data as dd
+    from specjax.distill import train as tr
+    from specjax.drafters.device import layer_skip
+    from specjax.reference_ar import reference_generate
+
+    cfg, params = tiny
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (4, 9, 6)]
+    d, dparams = layer_skip(cfg, params, 1)
+    teach = dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=10, mode="teacher", temperature=0,
+                              topk=4, batch=2)
+    want = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=10, ignore_eos=True)]
+    stud = dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=10, mode="student", temperature=0,
+                             topk=4, batch=4)
+    dwant = [r.tokens for r in reference_generate(d.cfg, dparams, prompts, max_new_tokens=10, ignore_eos=True)]
+    assert want != dwant  # the two writers differ, so each check below tells them apart
+    for p, t, w, s, dw in zip(prompts, teach, want, stud, dwant):
+        assert list(t.tokens) == p + w and list(s.tokens) == p + dw
+        for rec in (t, s):  # the target's top 4 where each output token was predicted
+            full = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([rec.tokens], jnp.int32)))[0]
+            at = full[rec.positions]
+            np.testing.assert_array_equal(rec.ids, np.argsort(-at, -1)[:, :4])
+            np.testing.assert_allclose(rec.logits, np.take_along_axis(at, rec.ids, -1), rtol=1e-4, atol=1e-4)
+    mixed = dd.sample_records(cfg, params, d, dparams, prompts[:1], max_new_tokens=1, mode="mixed", beta=0.3,
+                              temperature=0, batch=1)[0]
+    P = len(prompts[0])
+    lp = jax.nn.softmax(tr.sequence_logits(cfg, params, jnp.asarray([prompts[0]]))[0, -1])
+    lq = jax.nn.softmax(tr.sequence_logits(d.cfg, dparams, jnp.asarray([prompts[0]]))[0, -1])
+    assert int(mixed.tokens[P]) == int(jnp.argmax(0.3 * lp + 0.7 * lq))
+    cut = dd.sample_records(cfg, params, d, dparams, prompts[:1], max_new_tokens=10, mode="teacher", temperature=0,
+                            eos_ids=[want[0][3]], batch=1)[0]
+    assert list(cut.tokens) == prompts[0] + want[0][:want[0].index(want[0][3]) + 1] and cut.rows == len(cut.tokens) - P
+    with pytest.raises(SpecjaxError, match="teacher, student or mixed"):
+        dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=4, mode="both")
+
+
+def test_warm_up_distillation_script_then_the_batch_job_trains_on(tiny, tmp_path):
+    """launch/distill.py on the tiny model: the held-out acceptance rises, the draft and a plot
+    are written; the batch job's --online_distill on that directory starts from it (the
+    reduced head included); a second warm-up into the same directory is a one-line error."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    inp, ck = tmp_path / "p.jsonl", tmp_path / "ck"
+    inp.write_text("".join(json.dumps({"prompt": f"row {i % 7} " + "ab" * (i % 3)}) + "\n" for i in range(40)))
+    args = [sys.executable, os.path.join(root, "launch", "distill.py"), "--model", "tiny-random", "--input_jsonl",
+            str(inp), "--checkpoint_dir", str(ck), "--draft_layers", "1", "--max_new_tokens", "24", "--eval_prompts",
+            "8", "--steps", "30", "--distill_lr", "3e-3", "--draft_vocab", "64", "--sampling", "mixed",
+            "--plot", str(tmp_path / "d.png")]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = float(r.stderr.split("acceptance before training: ")[1].split()[0])
+    after = float(r.stderr.strip().split("held-out acceptance ")[-1].split()[0])
+    assert after >= before + 0.05, r.stderr[-2000:]
+    assert (tmp_path / "d.png").stat().st_size > 0 and json.loads((ck / "draft.json").read_text())["vocab_ids"]
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, os.path.join(root, "launch", "batch.py"), "--input_jsonl", str(inp),
+                        "--output_jsonl", str(out), "--model", "tiny-random", "--batch_buckets", "2",
+                        "--k_buckets", "0,2", "--num_spec_tokens", "2", "--slots", "128", "--max_new_tokens", "8",
+                        "--drafter", "layer_skip", "--draft_layers", "1", "--online_distill", str(ck),
+                        "--distill_every", "8"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "online distillation of layer_skip1_v64" in r.stderr and "resumed from checkpoint 1 (0 updates" in r.stderr
+    assert "5 updates" in r.stderr and len(out.read_text().splitlines()) == 40
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
+        f"error: {ck} already holds a draft; give a new --checkpoint_dir"
+
+
+def test_opportunistic_updates_run_only_at_light_load(tiny):
+    """idle_rows: an update runs between engine steps once enough new records are in, but only
+    while at most idle_rows rows run and nothing waits: a burst of requests gets none until its
+    queue has drained; requests arriving one at a time get them as they go."""
+    from specjax.distill import train as tr
+    from specjax.distill.online import OnlineConfig, OnlineDistiller
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput.selector import FixedK
+
+    cfg, params = tiny
+    rng = np.random.default_rng(2)
+    sd = tr.SelfDraft.of(cfg, params, 1)
+    be = JaxBackend(cfg, params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, 2),
+                    batch_buckets=(4,), slots=64, teacher_topk=4)
+    for spacing in (0.0, 10.0):
+        pol = FixedK(2)
+        od = OnlineDistiller(be, pol, sd, tr.TrainConfig(total_steps=100),
+                             OnlineConfig(every=1000, steps=1, batch=2, length=16, idle_rows=1, idle_min_new=2))
+        loads = []
+
+        def on_step(eng, od=od, loads=loads):
+            before = od.idle_updates
+            od.on_step(eng)
+            if od.idle_updates > before:
+                loads.append((eng.load(), od.finished))
+
+        reqs = [Request(f"s{i}", [int(t) for t in rng.integers(3, 250, 5)], 12, arrival=i * spacing, ignore_eos=True)
+                for i in range(12)]
+        od.expect(reqs)
+        ServingEngine(be, pol, clock=EventClock(), on_finish=od.on_finish, on_step=on_step).run(reqs)
+        assert od.updates == od.idle_updates == len(loads) and all(r <= 1 and w == 0 for (r, w), _ in loads), loads
+        if spacing:
+            assert od.updates >= 4, loads  # one every two requests or so
+        else:
+            assert loads and all(done >= 8 for _, done in loads), loads  # 12 at once on 4 rows: only the last ones run alone

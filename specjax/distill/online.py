@@ -75,6 +75,7 @@ class OnlineDistiller:
         self.prompts: dict = {}
         self.finished = self.updates = self.dropped = 0
         self.new = 0  # records since the last update
+        self.saved_updates = 0  # self.updates at the latest checkpoint
         self.idle_updates = 0  # updates run opportunistically (on_step), of self.updates
         self.update_s = 0.0
         self.losses: list[float] = []  # the mean loss of each applied update
@@ -130,32 +131,35 @@ class OnlineDistiller:
         return True
 
     def save(self) -> int | None:
-        """Checkpoint the current draft (at step = updates applied) unless that step is on disk;
-        the step, or None without checkpoints or updates."""
-        if self.checkpoints is None or not self.updates:
+        """Checkpoint the current draft as the next step unless no update came since the last
+        save; the latest step, or None without checkpoints or anything saved."""
+        if self.checkpoints is None:
             return None
-        if self.checkpoints.latest_step() != self.updates:
-            self.checkpoints.save(self.updates, self.trainable, self.opt_state, self.record())
-        return self.updates
+        if self.updates != self.saved_updates:
+            self.checkpoints.save((self.checkpoints.latest_step() or 0) + 1, self.trainable, self.opt_state,
+                                  self.record())
+            self.saved_updates = self.updates
+        return self.checkpoints.latest_step()
 
     def record(self) -> dict:
         """What a checkpoint keeps besides the params and the optimizer state."""
         return {"finished": self.finished, "updates": self.updates, "dropped": self.dropped,
                 "idle_updates": self.idle_updates, "buffer": self.buffer.metadata()}
 
-    def resume(self) -> bool:
-        """Continue from the latest checkpoint, if any: its params are swapped in."""
+    def resume(self) -> int | None:
+        """Continue from the latest checkpoint, if any (its params are swapped in): its step, or None."""
         if self.checkpoints is None:
-            return False
+            return None
         got = self.checkpoints.restore(self.trainable, self.opt_state)
         if got is None:
-            return False
-        _, self.trainable, self.opt_state, rec = got
+            return None
+        step, self.trainable, self.opt_state, rec = got
         self.finished, self.updates, self.dropped = rec["finished"], rec["updates"], rec["dropped"]
         self.idle_updates = rec.get("idle_updates", 0)
+        self.saved_updates = self.updates
         self.backend.swap_draft_params(self.draft.params(self.trainable))
         self.policy.draft_changed()
-        return True
+        return step
 
 
 def acceptance_curve(outs: Sequence, window: int = 50) -> np.ndarray:

@@ -1,0 +1,223 @@
+"""Warm-up distillation of a self-draft before serving (seed 003, Algorithm 1 line 2).
+
+  python launch/distill.py --input_jsonl prompts.jsonl --checkpoint_dir ck --chat --draft_layers 8
+  python launch/distill.py --input_jsonl prompts.jsonl --checkpoint_dir ck --chat --draft_vocab 8192 \\
+      --sampling mixed --mix_beta 0.5 --rounds 3 --plot distill.png
+  # then serve with it, and go on training online:
+  python launch/batch.py --input_jsonl jobs.jsonl --output_jsonl out.jsonl --chat \\
+      --drafter layer_skip --online_distill ck
+
+Reads prompts (a JSONL with a ``prompt`` text per line), keeps the last ``--eval_prompts`` of
+them aside, and runs ``--rounds`` rounds. Each samples distillation data on the training prompts
+(``--sampling``: the target writes (teacher), the draft writes (student) or a token-level
+mixture (mixed); the target's top-k logits at every output position are kept, as serving keeps
+them), then takes ``--steps`` optimizer steps of the draft on it. With ``--teacher full`` the
+target's whole distribution is recomputed for each training batch instead (slower, and what
+``--distill_divergence rkl`` / ``jsd`` need).
+
+After every round it measures the draft's greedy acceptance rate with K = ``--k`` on the
+held-out prompts (speculation with the target verifying, outputs checked against the target's
+own), and prints the mean loss. The trained draft goes to ``--checkpoint_dir`` as an orbax
+checkpoint (params, optimizer state, a JSON record) with ``draft.json`` naming the draft; the
+batch job's ``--online_distill`` on that directory starts from it. ``--plot`` draws loss per step
+and held-out acceptance per round.
+
+``--draft_vocab N`` gives the draft a reduced-vocabulary head: the N tokens the target most
+often puts first at the training positions (and its end-of-sequence ids), counted on round 1's
+data (sampled by the full-head draft when the draft writes).
+
+User mistakes print one line ("error: ...") and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from specjax import cli  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("input_jsonl", None, "Prompts: one JSON object with a 'prompt' text per line.")
+    flags.DEFINE_string("checkpoint_dir", None, "Where the trained draft goes (orbax checkpoints + draft.json).")
+    flags.DEFINE_string("model", "smollm2-135m", "Target model: a name (see configs/), a .gguf file or a HF dir.")
+    flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
+    flags.DEFINE_string("system", None, "System message for --chat.")
+    flags.DEFINE_integer("draft_layers", 8, "The self-draft's layers (the target's first N, own copies).")
+    flags.DEFINE_integer("draft_vocab", 0, "Reduced-vocabulary head of this many tokens (0: the full head).")
+    flags.DEFINE_integer("limit", 0, "Use the first N prompts (0: all).")
+    flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens keep their last ones.")
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens sampled per prompt.")
+    flags.DEFINE_enum("sampling", "teacher", ["teacher", "student", "mixed"], "Who writes the distillation data.")
+    flags.DEFINE_float("mix_beta", 0.5, "--sampling mixed: each token from beta p + (1 - beta) q.")
+    flags.DEFINE_float("sample_temperature", 0.0, "Temperature of the data sampling (0: the mixture's argmax).")
+    flags.DEFINE_enum("teacher", "topk", ["topk", "full"], "Train on the kept top-k (fkl, tvd) or on the target's "
+                      "whole distribution recomputed per batch (every divergence).")
+    flags.DEFINE_integer("topk", 8, "Teacher logits kept per position (--teacher topk).")
+    flags.DEFINE_integer("rounds", 2, "Rounds of data sampling then training.")
+    flags.DEFINE_integer("steps", 60, "Optimizer steps per round.")
+    flags.DEFINE_integer("eval_prompts", 16, "Held-out prompts (the file's last) for the acceptance rate.")
+    flags.DEFINE_integer("k", 3, "Drafts per step when measuring acceptance.")
+    flags.DEFINE_integer("seed", 0, "Data sampling and batch order seed.")
+    flags.DEFINE_string("plot", None, "Write a loss / acceptance plot here (PNG).")
+    cli.define_distill_flags(online=False)
+
+
+def validate_flags() -> None:
+    from specjax.errors import SpecjaxError
+
+    for name in ("input_jsonl", "checkpoint_dir"):
+        if not FLAGS[name].value:
+            raise SpecjaxError(f"--{name} is required")
+    if FLAGS.system and not FLAGS.chat:
+        raise SpecjaxError("--system needs --chat")
+    for name, lo in (("rounds", 1), ("steps", 1), ("max_new_tokens", 1), ("max_prompt", 1), ("topk", 1),
+                     ("k", 1), ("eval_prompts", 1), ("draft_vocab", 0), ("limit", 0), ("distill_batch", 1),
+                     ("distill_length", 2)):
+        cli.check_range(name, lo)
+    if os.path.exists(os.path.join(FLAGS.checkpoint_dir, "draft.json")):
+        raise SpecjaxError(f"{FLAGS.checkpoint_dir} already holds a draft; give a new --checkpoint_dir")
+    cli.check_range("mix_beta", 0.0, 1.0)
+    cli.check_range("sample_temperature", 0.0)
+    tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps)
+    if FLAGS.teacher == "topk" and tc.divergence not in ("fkl", "tvd"):
+        raise SpecjaxError(f"--distill_divergence {tc.divergence} needs the target's whole distribution: add "
+                           "--teacher full")
+
+
+def main(argv):
+    cli.run_job(lambda: run(validate_flags()), argv)
+
+
+def run(_) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from specjax.distill import data as dd
+    from specjax.distill import train as tr
+    from specjax.distill.buffer import ReplayBuffer
+    from specjax.distill.checkpoint import open_self_draft
+    from specjax.distill.divergences import TopK
+    from specjax.drafters.device import frequent_tokens, layer_skip
+    from specjax.errors import SpecjaxError
+    from specjax.jobs import read_outputs
+    from specjax.models.loader import load_model
+    from specjax.spec_generate import SpecGenerator, SpecStats
+
+    texts = read_outputs(FLAGS.input_jsonl, flag="--input_jsonl", limit=FLAGS.limit, field="prompt")
+    if len(texts) < FLAGS.eval_prompts + 1:
+        raise SpecjaxError(f"{FLAGS.input_jsonl} has {len(texts)} prompts: need more than --eval_prompts "
+                           f"({FLAGS.eval_prompts}) to train on")
+    model = load_model(FLAGS.model)
+    cfg, tok = model.cfg, model.tokenizer
+    if not 1 <= FLAGS.draft_layers < cfg.num_layers:
+        raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, got {FLAGS.draft_layers}")
+    if FLAGS.draft_vocab > cfg.vocab_size:
+        raise SpecjaxError(f"--draft_vocab {FLAGS.draft_vocab} exceeds {cfg.name}'s {cfg.vocab_size} tokens")
+    room = cfg.max_position - FLAGS.max_new_tokens
+    prompts = [(tok.encode_chat(t, FLAGS.system) if FLAGS.chat else tok.encode(t))[-min(FLAGS.max_prompt, room):]
+               for t in texts]
+    if any(not p for p in prompts):
+        raise SpecjaxError(f"{FLAGS.input_jsonl} has an empty prompt")
+    train_p, eval_p = prompts[:-FLAGS.eval_prompts], prompts[-FLAGS.eval_prompts:]
+    print(f"[{cfg.name}: {len(train_p)} training prompts, {len(eval_p)} held out; {FLAGS.sampling} sampling, "
+          f"{FLAGS.draft_layers}-layer self-draft]", file=sys.stderr)
+    tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps)
+    opt = tr.make_optimizer(tc)
+
+    def sample(draft, dparams, rnd):
+        with tqdm(total=len(train_p), desc=f"round {rnd}: sampling", unit="prompt", disable=None) as bar:
+            return dd.sample_records(cfg, model.params, draft, dparams, train_p, max_new_tokens=FLAGS.max_new_tokens,
+                                     mode=FLAGS.sampling, beta=FLAGS.mix_beta, temperature=FLAGS.sample_temperature,
+                                     topk=FLAGS.topk, eos_ids=tok.eos_ids, batch=8, seed=FLAGS.seed + rnd,
+                                     progress=bar.update)
+
+    records, vocab = None, None
+    if FLAGS.draft_vocab:  # the target's most frequent first choices on round 1's data
+        records = sample(*layer_skip(cfg, model.params, FLAGS.draft_layers), 1)
+        vocab = frequent_tokens([r.ids[:, 0] for r in records], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
+    sd, checkpoints = open_self_draft(FLAGS.checkpoint_dir, cfg, model.params, FLAGS.draft_layers, vocab)
+    trainable, state = sd.trainable, opt.init(sd.trainable)
+
+    spec = SpecGenerator(cfg, model.params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, FLAGS.k),
+                         eos_ids=tok.eos_ids)
+
+    def acceptance():
+        stats = SpecStats()
+        spec.generate(eval_p, max_new_tokens=FLAGS.max_new_tokens, num_spec_tokens=FLAGS.k, stats=stats)
+        return stats.acceptance_rate
+
+    t0 = time.perf_counter()
+    accs = [acceptance()]
+    print(f"held-out acceptance before training: {accs[0]:.3f} (K={FLAGS.k}, greedy)", file=sys.stderr)
+    full_teacher = FLAGS.teacher == "full"
+    teacher_logits = None
+    if full_teacher:
+        import jax
+        from functools import partial
+
+        teacher_logits = jax.jit(partial(tr.sequence_logits, cfg))
+    rng = np.random.default_rng(FLAGS.seed)
+    losses, dropped = [], 0
+    for rnd in range(1, FLAGS.rounds + 1):
+        if records is None or (rnd > 1 and FLAGS.sampling != "teacher"):  # (the target's text does not change)
+            records = sample(sd.draft, sd.params(trainable), rnd)
+        buf = ReplayBuffer(max_rows=sum(r.rows for r in records) + 1)
+        for r in records:
+            buf.add(r)
+        for _ in tqdm(range(FLAGS.steps), desc=f"round {rnd}: training", unit="step", disable=None):
+            tokens, ids, logits, mask = buf.batch(rng, FLAGS.distill_batch, FLAGS.distill_length)
+            teacher = teacher_logits(model.params, jnp.asarray(tokens)) if full_teacher else TopK(ids, logits)
+            trainable, state, loss, ok = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask,
+                                                       cfg=sd.draft.cfg, tc=tc, optimizer=opt)
+            if not bool(ok):
+                dropped += 1
+                continue
+            losses.append(float(loss))
+        spec.swap_draft_params(sd.params(trainable))
+        accs.append(acceptance())
+        print(f"round {rnd}: mean loss {np.mean(losses[-FLAGS.steps:]):.4f}, held-out acceptance {accs[-1]:.3f}"
+              + (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
+    checkpoints.save((checkpoints.latest_step() or 0) + 1, trainable, state, {"finished": 0, "updates": 0, "dropped": 0,
+                                           "offline": {"rounds": FLAGS.rounds, "steps": FLAGS.steps,
+                                                       "sampling": FLAGS.sampling, "acceptance": accs}})
+    print(f"[{time.perf_counter() - t0:.0f} s; draft {sd.draft.label} saved to {FLAGS.checkpoint_dir}]",
+          file=sys.stderr)
+    if FLAGS.plot:
+        _plot(losses, accs)
+    return 0
+
+
+def _plot(losses, accs) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.plot(np.arange(1, len(losses) + 1), losses, lw=0.8)
+    a.set_xlabel("optimizer step")
+    a.set_ylabel(f"{FLAGS.distill_divergence} loss")
+    b.plot(np.arange(len(accs)), accs, marker="o")
+    b.set_xlabel("round (0: before training)")
+    b.set_ylabel(f"held-out acceptance, K={FLAGS.k}")
+    fig.suptitle(f"warm-up distillation: {FLAGS.draft_layers}-layer self-draft"
+                 + (f", {FLAGS.draft_vocab}-token head" if FLAGS.draft_vocab else "") + f", {FLAGS.sampling} sampling")
+    fig.tight_layout()
+    fig.savefig(FLAGS.plot, dpi=120)
+    print(f"plot: {FLAGS.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
