@@ -556,3 +556,73 @@ def test_opportunistic_updates_run_only_at_light_load(tiny):
             assert od.updates >= 4, loads  # one every two requests or so
         else:
             assert loads and all(done >= 8 for _, done in loads), loads  # 12 at once on 4 rows: only the last ones run alone
+
+
+def test_several_drafts_routed_by_tag_or_classifier(tiny, tmp_path):
+    """Two prompt families (disjoint token ranges), interleaved: the centroid router separates
+    them without labels, and after a few labelled ones; with a draft per family on one backend
+    (MultiDraft: a batch runs one draft, the engine switches between batches) every output is
+    the target's, each draft trains on its own family only, and a restart restores both drafts
+    and the router from their checkpoints."""
+    from specjax.distill import train as tr
+    from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
+    from specjax.distill.online import OnlineConfig, OnlineDistiller
+    from specjax.distill.routing import CentroidRouter, MultiDraft, TagRouter
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput.selector import FixedK
+    from specjax.reference_ar import reference_generate
+
+    cfg, params = tiny
+    rng = np.random.default_rng(4)
+    words = [rng.choice(np.arange(lo, lo + 100), 12, replace=False) for lo in (3, 140)]  # each family's own
+    fams = [[[int(t) for t in rng.choice(w, 8)] for _ in range(4)] for w in words]
+    stream = [(i % 2, fams[i % 2][(i // 2) % 4]) for i in range(24)]
+    unsup, sup = CentroidRouter(2), CentroidRouter(2, tags=["a", "b"])
+    got_u = [unsup.route(p) for _, p in stream]
+    assert got_u == [f for f, _ in stream] or got_u == [1 - f for f, _ in stream]
+    got_s = [sup.route(p, "ab"[f] if i < 4 else None) for i, (f, p) in enumerate(stream)]
+    assert got_s == [f for f, _ in stream]
+
+    want = {tuple(p): r.tokens for p, r in zip(fams[0] + fams[1], reference_generate(
+        cfg, params, fams[0] + fams[1], max_new_tokens=12, ignore_eos=True))}
+    sd0 = tr.SelfDraft.of(cfg, params, 1)
+    be = JaxBackend(cfg, params, draft=sd0.draft, draft_params=sd0.params(sd0.trainable), k_buckets=(0, 2),
+                    batch_buckets=(2,), slots=64, teacher_topk=4)
+
+    def multi(router):
+        ds = []
+        for g in range(2):
+            sd = tr.SelfDraft.of(cfg, params, 1)
+            ck = DistillCheckpoints(str(tmp_path / f"d{g}"), fingerprint(cfg, sd.draft.cfg, sd.trainable))
+            ds.append(OnlineDistiller(be, FixedK(2), sd, tr.TrainConfig(lr=3e-3, warmup_steps=1, total_steps=100),
+                                      OnlineConfig(every=2, steps=2, batch=4, length=24, checkpoint_every=1),
+                                      checkpoints=ck))
+        return MultiDraft(router, ds)
+
+    md = multi(TagRouter(["a", "b"]))
+    reqs = [Request(f"t{i}", p, 12, ignore_eos=True, tag="ab"[f]) for i, (f, p) in enumerate(stream)]
+    md.expect(reqs)
+    mixed = []
+
+    def on_step(e):  # every running batch is one draft's, the backend's live one
+        mixed.extend(r.req.id for r in e.sched.running if md.of[r.req.id] != md.active)
+        md.on_step(e)
+
+    eng = ServingEngine(be, md.distillers[0].policy, clock=EventClock(), drafts=md, on_finish=md.on_finish,
+                        on_step=on_step)
+    outs = eng.run(reqs)
+    assert not mixed
+    assert [o.tokens for o in outs] == [want[tuple(r.prompt)] for r in reqs]
+    for g, d in enumerate(md.distillers):
+        assert d.buffer.added == 12 and d.updates == 6
+        assert all(np.all((r.tokens[:8] >= 3 + 137 * g) & (r.tokens[:8] < 103 + 137 * g)) for r in d.buffer.records)
+    assert sum(d.serving for d in md.distillers) == 1
+    md2 = multi(TagRouter(["a", "b"]))
+    assert md2.resume() == [6, 6]
+    for a, b in zip(jax.tree_util.tree_leaves(md2.distillers[1].trainable),
+                    jax.tree_util.tree_leaves(md.distillers[1].trainable)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(SpecjaxError, match="router"):
+        multi(TagRouter(["x", "y"])).resume()

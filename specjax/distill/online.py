@@ -76,6 +76,9 @@ class OnlineDistiller:
         self.finished = self.updates = self.dropped = 0
         self.new = 0  # records since the last update
         self.saved_updates = 0  # self.updates at the latest checkpoint
+        self.serving = True  # this draft is the backend's live one (routing.MultiDraft switches it)
+        self.extra_record = None  # () -> dict saved with every checkpoint (say a router's state)
+        self.resumed_record: dict | None = None
         self.idle_updates = 0  # updates run opportunistically (on_step), of self.updates
         self.update_s = 0.0
         self.losses: list[float] = []  # the mean loss of each applied update
@@ -121,7 +124,8 @@ class OnlineDistiller:
             losses.append(float(loss))
         self.trainable, self.opt_state = trainable, state
         self.new = 0
-        self.backend.swap_draft_params(self.draft.params(trainable))
+        if self.serving:  # (a draft not being served now swaps in when it is activated)
+            self.backend.swap_draft_params(self.draft.params(trainable))
         self.policy.draft_changed()
         self.updates += 1
         self.losses.append(float(np.mean(losses)))
@@ -143,8 +147,9 @@ class OnlineDistiller:
 
     def record(self) -> dict:
         """What a checkpoint keeps besides the params and the optimizer state."""
-        return {"finished": self.finished, "updates": self.updates, "dropped": self.dropped,
-                "idle_updates": self.idle_updates, "buffer": self.buffer.metadata()}
+        rec = {"finished": self.finished, "updates": self.updates, "dropped": self.dropped,
+               "idle_updates": self.idle_updates, "buffer": self.buffer.metadata()}
+        return rec | (self.extra_record() if self.extra_record else {})
 
     def resume(self) -> int | None:
         """Continue from the latest checkpoint, if any (its params are swapped in): its step, or None."""
@@ -157,7 +162,9 @@ class OnlineDistiller:
         self.finished, self.updates, self.dropped = rec["finished"], rec["updates"], rec["dropped"]
         self.idle_updates = rec.get("idle_updates", 0)
         self.saved_updates = self.updates
-        self.backend.swap_draft_params(self.draft.params(self.trainable))
+        self.resumed_record = rec
+        if self.serving:
+            self.backend.swap_draft_params(self.draft.params(self.trainable))
         self.policy.draft_changed()
         return step
 

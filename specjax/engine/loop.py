@@ -15,6 +15,11 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
   5. the backend runs the draft+verify step; accepted tokens are emitted, finished requests
      leave and free their rows at once, and the policy observes the acceptance.
 
+With several device drafts (``drafts``: a DraftGroups, say distill.routing.MultiDraft) each
+request belongs to one; a batch runs one draft's params, so admission takes the FCFS prefix of
+requests of the running batch's draft, and once no row runs the queue's head picks the next
+draft (swapped in between steps, nothing recompiled; its own policy tracks its acceptance).
+
 The loop is backend- and clock-agnostic: ``JaxBackend`` + ``WallClock`` is the real engine,
 ``simulate.SimBackend`` + ``EventClock`` is the simulator, which therefore shares the
 scheduler, the selector and every bookkeeping rule with the real engine.
@@ -141,12 +146,20 @@ class StepRecord:
     tokens: int = 0  # verify rows the step ran (a packed size, or bucket x (k_step + 1))
 
 
+class DraftGroups(Protocol):
+    """Several drafts for one backend: which serves a request, and making one the live draft."""
+
+    def group(self, req: Request): ...  # a hashable key of the draft that serves ``req``
+
+    def activate(self, group) -> Policy: ...  # swap that draft in; returns the policy tracking it
+
+
 class ServingEngine:
     def __init__(self, backend: Backend, policy: Policy, *, eos_ids: Sequence[int] = (), clock=None,
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, prefill_budget: int | None = None,
-                 on_step: Callable[["ServingEngine"], None] | None = None):
+                 on_step: Callable[["ServingEngine"], None] | None = None, drafts: DraftGroups | None = None):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
@@ -159,6 +172,8 @@ class ServingEngine:
         self.on_finish = on_finish
         self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
         self.on_step = on_step  # called after every step (between steps: the load is self.load())
+        self.drafts = drafts
+        self.active_group = None  # the draft the backend runs (with ``drafts``)
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
@@ -263,8 +278,14 @@ class ServingEngine:
         if not self.sched.waiting or not self.sched.free_rows:
             return
         # No-SD serves with no draft model at all: its requests skip the draft prefill too.
+        joins = None
+        if self.drafts is not None:
+            head = self.drafts.group(self.sched.waiting[0])
+            if not self.sched.running and head != self.active_group:
+                self.policy, self.active_group = self.drafts.activate(head), head
+            joins = lambda req: self.drafts.group(req) == self.active_group  # noqa: E731
         speculate = self.policy.may_speculate and (self.gate.speculate() if self.gate else True)
-        rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch)
+        rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch, joins)
         for r in rs:
             r.prefilling = True
         self.backend.start_prefill(rs)

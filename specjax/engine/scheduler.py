@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
@@ -28,6 +28,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     arrival: float = 0.0  # seconds after the start of the run
     ignore_eos: bool = False
+    tag: str | None = None  # the client's label of the request (routing among several drafts)
 
 
 @dataclasses.dataclass
@@ -116,13 +117,18 @@ class Scheduler:
     def free_rows(self) -> int:
         return self.num_rows - len(self.running)
 
-    def admit(self, now: float, speculate: bool = True, max_new: int | None = None) -> list[Running]:
+    def admit(self, now: float, speculate: bool = True, max_new: int | None = None,
+              joins: Callable[[Request], bool] | None = None) -> list[Running]:
         """Start the FCFS prefix of the waiting queue that fits the free rows (at most
-        ``max_new``); each takes its row at once."""
+        ``max_new``; with ``joins``, only while the queue's head may join the running batch);
+        each takes its row at once."""
         n = min(self.free_rows, len(self.waiting))
         if max_new is not None:
             n = min(n, max_new)
-        return [self.start(self.waiting.popleft(), speculate, now) for _ in range(n)]
+        out = []
+        while len(out) < n and (joins is None or joins(self.waiting[0])):
+            out.append(self.start(self.waiting.popleft(), speculate, now))
+        return out
 
     def start(self, req: Request, speculate: bool, now: float) -> Running:
         out = RequestOutput(req.id, [], "length", len(req.prompt), req.arrival, admitted=now)
