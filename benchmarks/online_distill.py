@@ -10,6 +10,13 @@ first turns, GSM8K train again (other questions). Prints the moving acceptance r
 --window requests at block boundaries and at the end, the update overhead (training and swap
 seconds over the run's wall time), and writes a plot of the curve with the boundaries marked.
 A second pass with --baseline serves the same stream with the untrained draft (no updates).
+
+--checkpoint_dir keeps orbax checkpoints of the online draft there (every --checkpoint_every
+updates and at the end: launch/bench.py --distilled_draft evaluates it). --kill_at N stops
+the online run after N finished requests (as a kill would: requests in flight are lost and
+served again), then serves the rest with a fresh backend and a fresh draft resumed from the
+latest checkpoint (the replay buffer starts empty, as after a real restart): the curve shows
+whether acceptance continues where it was.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ flags.DEFINE_float("lr", 1e-4, "Peak learning rate.")
 flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
 flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
 flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--noonline: the baseline alone).")
+flags.DEFINE_string("checkpoint_dir", None, "Checkpoint the online draft here (needed by --kill_at).")
+flags.DEFINE_integer("checkpoint_every", 1, "Updates between checkpoints.")
+flags.DEFINE_integer("kill_at", 0, "Stop after this many finished requests and resume from the checkpoint (0: no).")
 flags.DEFINE_string("plot", None, "Write the acceptance plot here (PNG).")
 flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
 
@@ -62,7 +72,10 @@ def stream(data_dir: str, blocks):
 
 
 def serve(m, texts, train: bool):
+    from tqdm import tqdm
+
     from specjax.distill import train as tr
+    from specjax.distill.checkpoint import open_self_draft
     from specjax.distill.online import OnlineConfig, OnlineDistiller
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
@@ -71,40 +84,67 @@ def serve(m, texts, train: bool):
 
     cfg, tok = m.cfg, m.tokenizer
     prompts = [tok.encode_chat(t)[-FLAGS.max_prompt:] for _, t in texts]
-    sd = tr.SelfDraft.of(cfg, m.params, FLAGS.draft_layers)
-    slots = 512
-    be = JaxBackend(cfg, m.params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, FLAGS.k),
-                    batch_buckets=(4,), slots=slots, teacher_topk=FLAGS.teacher_topk)
-    t0 = time.perf_counter()
-    be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
-    compile_s = time.perf_counter() - t0
-    pol = FixedK(FLAGS.k)
     tc = tr.TrainConfig(lr=FLAGS.lr, warmup_steps=4, total_steps=10_000)
-    od = OnlineDistiller(be, pol, sd, tc, OnlineConfig(every=FLAGS.every, steps=FLAGS.steps, batch=FLAGS.batch,
-                                                       length=FLAGS.length)) if train else None
+    oc = OnlineConfig(every=FLAGS.every, steps=FLAGS.steps, batch=FLAGS.batch, length=FLAGS.length,
+                      checkpoint_every=FLAGS.checkpoint_every if FLAGS.checkpoint_dir else 0)
+    compile_s = 0.0
+
+    def start():
+        """A backend, policy and distiller as a fresh process builds them (resumed when there is a checkpoint)."""
+        nonlocal compile_s
+        if train and FLAGS.checkpoint_dir:
+            sd, ck = open_self_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
+        else:
+            sd, ck = tr.SelfDraft.of(cfg, m.params, FLAGS.draft_layers), None
+        be = JaxBackend(cfg, m.params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, FLAGS.k),
+                        batch_buckets=(4,), slots=512, teacher_topk=FLAGS.teacher_topk)
+        t0 = time.perf_counter()
+        be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
+        compile_s += time.perf_counter() - t0
+        pol = FixedK(FLAGS.k)
+        od = OnlineDistiller(be, pol, sd, tc, oc, checkpoints=ck) if train else None
+        if od is not None and od.resume() is not None:
+            print(f"\nresumed from checkpoint {ck.latest_step()}: update {od.updates}, {od.finished} requests seen")
+        return be, pol, od
+
     reqs = [Request(f"r{i}", p, FLAGS.max_new_tokens) for i, p in enumerate(prompts)]
-    finished = []
-    from tqdm import tqdm
-
+    finished, wall, update_s = [], 0.0, 0.0
     bar = tqdm(total=len(reqs), desc="online distill" if train else "untrained draft", unit="req", disable=None)
+    kill_at = FLAGS.kill_at if train else 0
+    while len(finished) < len(reqs):
+        be, pol, od = start()
+        todo = [r for r in reqs if r.id not in {o.id for o in finished}]
+        stop_at = kill_at if kill_at and len(finished) < kill_at else None
 
-    def done(o):
-        finished.append(o)
-        bar.update(1)
+        def done(o, od=od):
+            finished.append(o)
+            bar.update(1)
+            if od is not None:
+                od.on_finish(o)
+
         if od is not None:
-            od.on_finish(o)
-
-    if od is not None:
-        od.expect(reqs)
-    t0 = time.perf_counter()
-    ServingEngine(be, pol, eos_ids=tok.eos_ids, on_finish=done).run(reqs)
-    wall = time.perf_counter() - t0
+            od.expect(todo)
+        t0 = time.perf_counter()
+        ServingEngine(be, pol, eos_ids=tok.eos_ids, on_finish=done,
+                      should_stop=None if stop_at is None else (lambda: len(finished) >= stop_at)).run(todo)
+        wall += time.perf_counter() - t0
+        if od is not None:
+            update_s += od.update_s
+            od.update_s = update_s
+            if stop_at is None:  # (a killed process saves nothing more)
+                od.save()
+        if stop_at is not None:
+            print(f"\nkilled after {len(finished)} requests (update {od.updates}; its buffer of "
+                  f"{len(od.buffer)} records is lost with the process)")
     bar.close()
     return finished, wall, compile_s, od
 
 
 def main(argv):
     del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # (orbax logs every save at INFO)
     import numpy as np
 
     from specjax.distill.online import acceptance_curve

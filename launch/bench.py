@@ -107,6 +107,9 @@ flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
 cli.define_spec_flags()
 cli.define_forward_flags()
 cli.define_policy_flags()
+flags.DEFINE_string("distilled_draft", None, "Also run the layer-skip self-draft distilled into this checkpoint "
+                    "directory (launch/distill.py, --online_distill) as method layer_skip-distilled, next to the "
+                    "untrained one.")
 flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
                   f"{registry.POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
@@ -181,6 +184,8 @@ def validate_flags():
         raise SpecjaxError(f"--drafters lists a drafter twice: {drafters}")
     if "none" in drafters:
         raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
+    if FLAGS.distilled_draft and not os.path.isfile(os.path.join(FLAGS.distilled_draft, "draft.json")):
+        raise SpecjaxError(f"--distilled_draft {FLAGS.distilled_draft} holds no distilled draft (no draft.json)")
     k_buckets = cli.validate_spec_flags(drafters)
     cli.check_policy_flags()
     if FLAGS.policies is not None and FLAGS["policy"].present:
@@ -267,9 +272,10 @@ def bench() -> int:
     several = len(policy_names) > 1
     methods, gens, pols = [], {}, {}
     compiled_by = {"host": ar}  # the AR baseline is the host drafters' K = 0 step
-    for d in drafters:
+    variants = [(d, None) for d in drafters] + ([("layer_skip", FLAGS.distilled_draft)] if FLAGS.distilled_draft else [])
+    for d, distilled in variants:
         for pn in policy_names:
-            name = specbench.method_name(d, pn, several)
+            name = specbench.method_name(d, pn, several) + ("-distilled" if distilled else "")
             pol, label = cli.policy_from_flags(model, d, pn)
             goodput = isinstance(pol, GoodputPolicy)
             # The drafter proposes up to the largest K its policy may choose (every compiled K
@@ -277,13 +283,15 @@ def bench() -> int:
             kd = max(k_buckets) if goodput else (getattr(pol, "k", 0) or max(k_buckets))
             g = registry.build_spec_generator(model, d, k=kd, k_buckets=k_buckets, fwd=fwd,
                                               **registry.backend_options([pn]),
-                                              **cli.drafter_kwargs(model, d, kd, draft=draft))
-            group = d if d in registry.DEVICE_DRAFTERS else "host"  # (compile keys tell packed etc. apart)
+                                              **(cli.drafter_kwargs(model, d, kd, draft=draft)
+                                                 | ({"draft_checkpoint": distilled} if distilled else {})))
+            group = (d + (distilled or "")) if d in registry.DEVICE_DRAFTERS else "host"  # (compile keys tell packed etc. apart)
             if group in compiled_by:
                 g.share_compiled(compiled_by[group])
             else:
                 compiled_by[group] = g
             methods.append({"name": name, "drafter": d, "policy": pn, "label": label, "goodput": goodput,
+                            "distilled": distilled,
                             "k": None if goodput else getattr(pol, "k", None)})
             gens[name], pols[name] = g, pol
     names = [m["name"] for m in methods]
@@ -373,7 +381,8 @@ def bench() -> int:
                      f"acceptance [{pos}], {spec_steps}/{sum(x['k_step_counts'].values())} steps verified drafts"
                      + (f", draft prefill on {x['draft_prefills']}/{over['prompts']} prompts"
                         if d in registry.DEVICE_DRAFTERS else "")
-                     + (f" (draft_layers={FLAGS.draft_layers})" if d == "layer_skip" else "")
+                     + (f" (distilled draft from {m['distilled']})" if m["distilled"] else
+                        f" (draft_layers={FLAGS.draft_layers})" if d == "layer_skip" else "")
                      + (f" (draft_model={FLAGS.draft_model})" if d == "draft_model" else "")
                      + (f" (ngram {FLAGS.pld_min_ngram}..{FLAGS.pld_max_ngram})" if d == "prompt_lookup" else ""))
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "

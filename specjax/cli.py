@@ -43,6 +43,8 @@ def define_device_draft_flags() -> None:
                         "(must share the target's vocabulary).")
     flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
                          "(1..num_layers-1).")
+    flags.DEFINE_string("draft_checkpoint", None, "layer_skip drafter: draft with the distilled self-draft in this "
+                        "checkpoint directory (launch/distill.py or --online_distill; its draft.json sets the layers).")
 
 
 def check_device_draft_flags(drafters) -> None:
@@ -53,6 +55,8 @@ def check_device_draft_flags(drafters) -> None:
         raise SpecjaxError("--draft_model is only used with --drafter draft_model")
     if "draft_model" in drafters and not FLAGS.draft_model:
         raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
+    if FLAGS.draft_checkpoint and "layer_skip" not in drafters:
+        raise SpecjaxError("--draft_checkpoint is only used with --drafter layer_skip")
     if "layer_skip" in drafters and FLAGS.draft_layers < 1:
         raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
 
@@ -83,7 +87,8 @@ def drafter_kwargs(model, drafter: str, k: int, draft=None) -> dict:
     """Every drafter knob from the flags, as keyword arguments of registry.drafter_parts /
     build_spec_generator (the flags a script did not define keep the library defaults)."""
     kw = dict(draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
-              pld_max_ngram=FLAGS.pld_max_ngram, pld_max_draft=FLAGS.pld_max_draft, draft=draft)
+              pld_max_ngram=FLAGS.pld_max_ngram, pld_max_draft=FLAGS.pld_max_draft, draft=draft,
+              draft_checkpoint=FLAGS.draft_checkpoint)
     if "dtype" in FLAGS:
         kw["dtype"] = FLAGS.dtype
     kw.update(suffix_kwargs(model, drafter, k))

@@ -90,12 +90,14 @@ def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
 
 def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
-                  draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=()) -> dict:
+                  draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
+                  draft_checkpoint: str | None = None) -> dict:
     """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
     ``drafter`` (a host drafter) or ``draft`` (a device drafter) + ``draft_params``. ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
-    past outputs (token lists) preloaded into the global suffix tree."""
+    past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
+    layer-skip draft's distilled params, from that checkpoint directory (distill.checkpoint)."""
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
     from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.errors import SpecjaxError
@@ -120,6 +122,11 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             sd = HybridDrafter(sd, pld, tau=suffix_tau)
         return {"drafter": sd}
     if drafter == "layer_skip":
+        if draft_checkpoint:  # (its draft.json says how many layers)
+            from specjax.distill.checkpoint import load_self_draft
+
+            sd, trainable = load_self_draft(draft_checkpoint, cfg, model.params)
+            return {"draft": sd.draft, "draft_params": sd.params(trainable)}
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")

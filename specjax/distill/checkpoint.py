@@ -76,6 +76,20 @@ def open_self_draft(directory: str, cfg: ModelConfig, params, draft_layers: int,
     return sd, DistillCheckpoints(directory, fp, max_to_keep)
 
 
+def load_self_draft(directory: str, cfg: ModelConfig, params):
+    """(SelfDraft, trained params) of the latest checkpoint in ``directory``, to serve with; a
+    directory without one, or of another model: a one-line SpecjaxError."""
+    from specjax.distill.train import TrainConfig, make_optimizer
+
+    if not os.path.exists(os.path.join(directory, DRAFT_FILE)):
+        raise SpecjaxError(f"{directory} holds no distilled draft ({DRAFT_FILE} is missing)")
+    sd, ck = open_self_draft(directory, cfg, params, 1)
+    got = ck.restore(sd.trainable, make_optimizer(TrainConfig()).init(sd.trainable))  # (any schedule: same state)
+    if got is None:
+        raise SpecjaxError(f"{directory} holds no checkpoint of its draft yet")
+    return sd, got[1]
+
+
 class DistillCheckpoints:
     """Checkpoints under ``directory`` for the draft with ``fp`` (``fingerprint``)."""
 
