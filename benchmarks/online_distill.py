@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks.task_stream import stream  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "../shared/data", "The shared prompt sets.")
 flags.DEFINE_list("blocks", ["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], "Task blocks, in order.")
@@ -53,29 +55,11 @@ flags.DEFINE_string("plot", None, "Write the acceptance plot here (PNG).")
 flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
 
 
-def _jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def stream(data_dir: str, blocks):
-    """[(block name, text)] in block order."""
-    gsm = [r["question"] for r in _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))]
-    he = [r["prompt"] for r in _jsonl(os.path.join(data_dir, "humaneval", "HumanEval.jsonl"))]
-    sb = [r["turns"][0] for r in _jsonl(os.path.join(data_dir, "spec_bench", "question.jsonl"))]
-    sources = {"gsm8k": gsm, "gsm8k2": gsm[::-1], "humaneval": he, "specbench": sb}
-    out = []
-    for b in blocks:
-        name, n = b.split(":")
-        out += [(name, t) for t in sources[name][:int(n)]]
-    return out
-
-
 def serve(m, texts, train: bool):
     from tqdm import tqdm
 
     from specjax.distill import train as tr
-    from specjax.distill.checkpoint import open_self_draft
+    from specjax.distill.checkpoint import open_draft
     from specjax.distill.online import OnlineConfig, OnlineDistiller
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
@@ -93,9 +77,9 @@ def serve(m, texts, train: bool):
         """A backend, policy and distiller as a fresh process builds them (resumed when there is a checkpoint)."""
         nonlocal compile_s
         if train and FLAGS.checkpoint_dir:
-            sd, ck = open_self_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
+            sd, ck = open_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
         else:
-            sd, ck = tr.SelfDraft.of(cfg, m.params, FLAGS.draft_layers), None
+            sd, ck = tr.TrainableDraft.of(cfg, m.params, FLAGS.draft_layers), None
         be = JaxBackend(cfg, m.params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, FLAGS.k),
                         batch_buckets=(4,), slots=512, teacher_topk=FLAGS.teacher_topk)
         t0 = time.perf_counter()

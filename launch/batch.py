@@ -33,14 +33,17 @@ and/or sampled) is compiled once before serving; the compile time is printed sep
 not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
 run's compilation fast.
 
-Online speculative decoding (``--online_distill DIR --drafter layer_skip``): the self-draft
-trains while the job serves, from the target's top-k logits the verify steps keep
+Online speculative decoding (``--online_distill DIR --drafter layer_skip``, or ``draft_model``):
+the draft trains while the job serves, from the target's top-k logits the verify steps keep
 (specjax.distill.online): every ``--distill_every`` finished requests (and, with
 ``--distill_idle_rows``, between steps when the load is light) it takes a few optimizer steps
 and the new params swap in between engine steps, nothing recompiled. orbax checkpoints go to
 DIR every ``--distill_checkpoint_every`` updates and at the end; a killed job resumed with the
 same command continues from the latest one (a draft trained by launch/distill.py included).
-Outputs are the target's whatever the draft (greedy: bit for bit).
+``--distill_tags a,b`` trains a draft per record ``tag`` (DIR/a, DIR/b; other records go to the
+first), ``--distill_clusters N`` a draft per cluster of prompts (DIR/cluster<i>; a
+nearest-centroid classifier that tagged records train); a batch runs one draft, the engine
+switches between batches. Outputs are the target's whatever the draft (greedy: bit for bit).
 
 User mistakes print one line ("error: ...") and exit with status 2.
 """
@@ -145,28 +148,36 @@ def serve(job, geom) -> int:
     if FLAGS.chat:
         tok.encode_chat("hi", FLAGS.system)  # a model without a chat template fails here, not on every record
     prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
-    sd = None
-    if FLAGS.online_distill:  # the self-draft its checkpoint directory names, trained while serving
-        from specjax.distill.checkpoint import open_self_draft
+    drafts, draft = [], None
+    if FLAGS.online_distill:  # the drafts its checkpoint directory names, trained while serving
+        from specjax.distill.routing import open_drafts
 
-        sd, checkpoints = open_self_draft(FLAGS.online_distill, model.cfg, model.params, FLAGS.draft_layers)
+        draft = load_model(FLAGS.draft_model) if FLAGS.drafter == "draft_model" else None
+        router, drafts = open_drafts(FLAGS.online_distill, model.cfg, model.params, draft_layers=FLAGS.draft_layers,
+                                     draft_model=draft, tags=FLAGS.distill_tags, clusters=FLAGS.distill_clusters)
+    first = drafts[0][1] if drafts else None
     backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(model), **geom,
                                     prefill_chunk=prefill_chunk,
                                     **registry.backend_options([FLAGS.policy]),
-                                    parts=None if sd is None else {"draft": sd.draft,
-                                                                   "draft_params": sd.params(sd.trainable)},
-                                    teacher_topk=FLAGS.distill_topk if sd is not None else 0,
-                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"])))
+                                    parts=None if first is None else {"draft": first.draft,
+                                                                      "draft_params": first.params(first.trainable)},
+                                    teacher_topk=FLAGS.distill_topk if drafts else 0,
+                                    **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"]), draft=draft))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
-    od = None
-    if sd is not None:
-        from specjax.distill.online import OnlineDistiller
+    md = None
+    if drafts:  # each draft learns its own requests, with its own policy (its own acceptance estimate)
+        import copy
 
-        od = OnlineDistiller(backend, policy, sd, *cli.distill_configs_from_flags(), checkpoints=checkpoints)
-        step = od.resume()
-        print(f"[online distillation of {sd.draft.label} in {FLAGS.online_distill}: "
-              + (f"resumed from checkpoint {step} ({od.updates} updates, {od.finished} requests seen)]"
-                 if step is not None else "a new draft]"), file=sys.stderr)
+        from specjax.distill.online import OnlineDistiller
+        from specjax.distill.routing import MultiDraft
+
+        tc, oc = cli.distill_configs_from_flags()
+        md = MultiDraft(router, [OnlineDistiller(backend, copy.deepcopy(policy), td, tc, oc, checkpoints=ck)
+                                 for _, td, ck in drafts])
+        for (where, td, _), step, od in zip(drafts, md.resume(), md.distillers):
+            print(f"[online distillation of {td.draft.label} in {where}: "
+                  + (f"resumed from checkpoint {step} ({od.updates} updates, {od.finished} requests seen)]"
+                     if step is not None else "a new draft]"), file=sys.stderr)
     gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 
@@ -174,7 +185,8 @@ def serve(job, geom) -> int:
         ids = tok.encode_chat(rec.prompt, FLAGS.system) if FLAGS.chat else tok.encode(rec.prompt)
         mnt = rec.fields["max_new_tokens"]
         validate_request(ids, mnt, model.cfg)
-        req = Request("r", ids, mnt, cli.sampling_from_flags(rec.fields), arrival=0.0, ignore_eos=FLAGS.ignore_eos)
+        req = Request("r", ids, mnt, cli.sampling_from_flags(rec.fields), arrival=0.0, ignore_eos=FLAGS.ignore_eos,
+                      tag=rec.fields["tag"])
         try:
             check(req)
         except SpecjaxError as e:  # (the job layer names the line; the engine's request id means nothing here)
@@ -209,16 +221,16 @@ def serve(job, geom) -> int:
                 emit(i, result={"output": tok.decode(o.tokens), "output_ids": [int(x) for x in o.tokens],
                                 "num_prompt_tokens": o.prompt_len, "num_tokens": len(o.tokens),
                                 "finish_reason": o.finish_reason})
-            if od is not None:  # after the record is on disk: an update never delays a result
-                od.on_finish(o)
+            if md is not None:  # after the record is on disk: an update never delays a result
+                md.on_finish(o)
 
         backend.reset()  # a fresh live state (also after a failed run)
         reqs = [dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)]
-        if od is not None:
-            od.expect(reqs)
+        if md is not None:
+            md.expect(reqs)
         engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
                                prefill_budget=prefill_budget, should_stop=job.should_stop,
-                               on_step=None if od is None else od.on_step)
+                               on_step=None if md is None else md.on_step, drafts=md)
         t0 = time.perf_counter()
         try:
             runs.append((engine, engine.run(reqs)))
@@ -226,12 +238,12 @@ def serve(job, geom) -> int:
             t["serve"] += time.perf_counter() - t0
 
     code = job.serve(prepare, generate)
-    if od is not None:
-        saved = od.save()
-        print(f"[online distillation: {od.updates} updates ({od.idle_updates} between steps at light load, "
-              f"{od.dropped} dropped), {od.update_s:.1f} s = {100 * od.update_s / max(t['serve'], 1e-9):.1f}% of "
-              f"serving; " + (f"checkpoint {saved} in {FLAGS.online_distill}]" if saved is not None else
-                              "nothing to checkpoint]"), file=sys.stderr)
+    if md is not None:
+        for (where, _, _), od, saved in zip(drafts, md.distillers, md.save()):
+            print(f"[online distillation: {od.updates} updates ({od.idle_updates} between steps at light load, "
+                  f"{od.dropped} dropped), {od.update_s:.1f} s = {100 * od.update_s / max(t['serve'], 1e-9):.1f}% of "
+                  f"serving; " + (f"checkpoint {saved} in {where}]" if saved is not None else
+                                  "nothing to checkpoint]"), file=sys.stderr)
     wall = time.perf_counter() - wall0
     serve_s = t["serve"]
     print(f"{n_tok} tokens in {serve_s:.1f} s serving = {n_tok / max(serve_s, 1e-9):.1f} tok/s "

@@ -105,7 +105,7 @@ def run(_) -> int:
     from specjax.distill import data as dd
     from specjax.distill import train as tr
     from specjax.distill.buffer import ReplayBuffer
-    from specjax.distill.checkpoint import open_self_draft
+    from specjax.distill.checkpoint import open_draft
     from specjax.distill.divergences import TopK
     from specjax.drafters.device import frequent_tokens, layer_skip
     from specjax.errors import SpecjaxError
@@ -145,7 +145,7 @@ def run(_) -> int:
     if FLAGS.draft_vocab:  # the target's most frequent first choices on round 1's data
         records = sample(*layer_skip(cfg, model.params, FLAGS.draft_layers), 1)
         vocab = frequent_tokens([r.ids[:, 0] for r in records], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
-    sd, checkpoints = open_self_draft(FLAGS.checkpoint_dir, cfg, model.params, FLAGS.draft_layers, vocab)
+    sd, checkpoints = open_draft(FLAGS.checkpoint_dir, cfg, model.params, FLAGS.draft_layers, vocab)
     trainable, state = sd.trainable, opt.init(sd.trainable)
 
     spec = SpecGenerator(cfg, model.params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, FLAGS.k),

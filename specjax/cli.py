@@ -43,8 +43,8 @@ def define_device_draft_flags() -> None:
                         "(must share the target's vocabulary).")
     flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
                          "(1..num_layers-1).")
-    flags.DEFINE_string("draft_checkpoint", None, "layer_skip drafter: draft with the distilled self-draft in this "
-                        "checkpoint directory (launch/distill.py or --online_distill; its draft.json sets the layers).")
+    flags.DEFINE_string("draft_checkpoint", None, "layer_skip / draft_model drafter: draft with the distilled draft "
+                        "in this checkpoint directory (launch/distill.py or --online_distill; its draft.json names it).")
 
 
 def check_device_draft_flags(drafters) -> None:
@@ -55,8 +55,8 @@ def check_device_draft_flags(drafters) -> None:
         raise SpecjaxError("--draft_model is only used with --drafter draft_model")
     if "draft_model" in drafters and not FLAGS.draft_model:
         raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
-    if FLAGS.draft_checkpoint and "layer_skip" not in drafters:
-        raise SpecjaxError("--draft_checkpoint is only used with --drafter layer_skip")
+    if FLAGS.draft_checkpoint and not {"layer_skip", "draft_model"} & set(drafters):
+        raise SpecjaxError("--draft_checkpoint is only used with --drafter layer_skip or draft_model")
     if "layer_skip" in drafters and FLAGS.draft_layers < 1:
         raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
 
@@ -218,7 +218,7 @@ def define_distill_flags(online: bool = True) -> None:
     """Training a self-draft toward the target (specjax.distill): the train step's flags, and with
     ``online`` the online loop's (Algorithm 1: --online_distill turns it on)."""
     if online:
-        flags.DEFINE_string("online_distill", None, "Train the layer-skip self-draft while serving (online "
+        flags.DEFINE_string("online_distill", None, "Train the device draft (layer_skip or draft_model) while serving (online "
                             "speculative decoding), with orbax checkpoints in this directory; a run on a directory "
                             "that has them resumes from the latest (a draft from launch/distill.py included).")
         flags.DEFINE_integer("distill_every", 32, "Online distillation: finished requests between draft updates (I).")
@@ -226,6 +226,11 @@ def define_distill_flags(online: bool = True) -> None:
         flags.DEFINE_integer("distill_checkpoint_every", 4, "Online distillation: updates between checkpoints.")
         flags.DEFINE_integer("distill_idle_rows", 0, "Online distillation: also update between engine steps while at "
                              "most this many rows run and no request waits (0: only every --distill_every).")
+        flags.DEFINE_list("distill_tags", [], "Online distillation: a draft per request tag (a record's 'tag'; "
+                          "others go to the first tag's draft), in DIR/<tag>.")
+        flags.DEFINE_integer("distill_clusters", 0, "Online distillation: this many drafts, one per cluster of "
+                             "prompts (a nearest-centroid classifier, trained by tagged records when "
+                             "--distill_tags names the clusters), in DIR/cluster<i>.")
         flags.DEFINE_integer("distill_topk", 8, "Online distillation: the target's top-k logits the verify step "
                              "keeps per token (8 k bytes a token).")
     flags.DEFINE_enum("distill_divergence", "fkl", ["fkl", "rkl", "jsd", "tvd"], "Distillation loss (rkl and jsd "
@@ -257,10 +262,20 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    if drafter != "layer_skip":
-        raise SpecjaxError(f"--online_distill trains a layer-skip self-draft: use --drafter layer_skip, not {drafter}")
+    if drafter not in ("layer_skip", "draft_model"):
+        raise SpecjaxError(f"--online_distill trains a device draft: use --drafter layer_skip or draft_model, not "
+                           f"{drafter}")
+    if FLAGS.draft_checkpoint:
+        raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
+                           "a distilled draft without training it")
     if FLAGS.distill_topk < 1:
         raise SpecjaxError(f"--distill_topk must be >= 1, got {FLAGS.distill_topk}")
+    if FLAGS.distill_clusters < 0 or (FLAGS.distill_clusters and len(FLAGS.distill_tags) > FLAGS.distill_clusters):
+        raise SpecjaxError(f"--distill_clusters must be >= 0 and hold every --distill_tags, got "
+                           f"{FLAGS.distill_clusters} for {len(FLAGS.distill_tags)} tags")
+    if len(set(FLAGS.distill_tags)) != len(FLAGS.distill_tags) or any(
+            not t.strip() or t in (".", "..") or "/" in t for t in FLAGS.distill_tags):
+        raise SpecjaxError(f"--distill_tags must be distinct names usable as directory names, got {FLAGS.distill_tags}")
     tc, _ = distill_configs_from_flags()
     if tc.divergence not in ("fkl", "tvd"):
         raise SpecjaxError(f"--distill_divergence {tc.divergence} needs the teacher's whole distribution; online "

@@ -6,8 +6,8 @@ gets exactly one output line, a result or an ``{"id", "error"}`` record. A line 
 strict UTF-8, so bytes that are not UTF-8 are an error record for that line, never a silent
 replacement. It is parsed as strict JSON: no NaN or Infinity, no repeated key. It must be an
 object with a non-blank string ``prompt`` and may set ``id`` and the request fields of
-``specjax.results.REQUEST_FIELDS``, each checked by the shared schema there. Other keys are
-ignored.
+``specjax.results.REQUEST_FIELDS``, each checked by the shared schema there, and a ``tag``
+(a label a draft router may use). Other keys are ignored.
 
 Ids. An id is a string or an integer, compared by JSON type and value, so 5 and "5" are
 different ids. A line without an id, or whose own id cannot be used (wrong type, a duplicate, a
@@ -51,7 +51,7 @@ import threading
 from typing import Callable, Iterator, Mapping, Sequence
 
 from specjax.errors import SpecjaxError
-from specjax.results import check_text, is_int, request_fields
+from specjax.results import check_tag, check_text, is_int, request_fields
 
 DERIVED = "#"  # prefix of the ids derived from line numbers; reserved
 MAX_ID_CHARS = 1024
@@ -205,7 +205,7 @@ def parse_line(raw: bytes, line: int, defaults: Mapping) -> Record:
         if "prompt" not in obj:
             raise SpecjaxError("missing 'prompt' (the text to continue)")
         prompt = check_text("prompt", obj["prompt"])
-        fields = request_fields(obj, defaults)
+        fields = request_fields(obj, defaults) | {"tag": check_tag(obj.get("tag"))}
     except SpecjaxError as e:
         return Record(line, rid, error=f"line {line}: {e}")
     return Record(line, rid, prompt, fields)

@@ -97,7 +97,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
-    layer-skip draft's distilled params, from that checkpoint directory (distill.checkpoint)."""
+    layer-skip draft's or draft model's distilled params, from that checkpoint directory
+    (distill.checkpoint)."""
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
     from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.errors import SpecjaxError
@@ -123,10 +124,10 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
         return {"drafter": sd}
     if drafter == "layer_skip":
         if draft_checkpoint:  # (its draft.json says how many layers)
-            from specjax.distill.checkpoint import load_self_draft
+            from specjax.distill.checkpoint import load_draft
 
-            sd, trainable = load_self_draft(draft_checkpoint, cfg, model.params)
-            return {"draft": sd.draft, "draft_params": sd.params(trainable)}
+            td, trainable = load_draft(draft_checkpoint, cfg, model.params)
+            return {"draft": td.draft, "draft_params": td.params(trainable)}
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
@@ -141,6 +142,11 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
         if dcfg.vocab_size != cfg.vocab_size:
             raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
                                f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
+        if draft_checkpoint:
+            from specjax.distill.checkpoint import load_draft
+
+            td, trainable = load_draft(draft_checkpoint, cfg, model.params, draft_model=draft)
+            return {"draft": td.draft, "draft_params": td.params(trainable)}
         return {"draft": ModelDraft(dcfg), "draft_params": draft.params}
     if drafter == "none":
         return {}
@@ -208,7 +214,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
     verify blocks, for per-request draft counts; see backend_options). ``parts``: the device draft
-    given ({"draft", "draft_params"}, say a distill.train.SelfDraft's) instead of built from the
+    given ({"draft", "draft_params"}, say a distill.train.TrainableDraft's) instead of built from the
     flags; ``teacher_topk``: the steps keep the target's top-k (online distillation)."""
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter

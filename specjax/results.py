@@ -96,6 +96,19 @@ def request_fields(obj: Mapping, defaults: Mapping) -> dict:
     return dict(max_new_tokens=check_max_new_tokens(f["max_new_tokens"]), temperature=t, top_k=k, top_p=p, seed=s)
 
 
+MAX_TAG = 256
+
+
+def check_tag(tag) -> str | None:
+    """A record's optional ``tag`` (the client's label of the request, which a router may send
+    to a draft of its own): absent (None) or a non-blank string of at most 256 characters."""
+    if tag is None:
+        return None
+    check_text("tag", tag)
+    require(len(tag) <= MAX_TAG, f"tag must be at most {MAX_TAG} characters, got {len(tag)}")
+    return tag
+
+
 def check_text(name: str, text, *, blank_ok: bool = False) -> str:
     """A prompt (or other model input text): a string that is valid Unicode, i.e. encodable as
     UTF-8 (a JSON escape such as \\ud800, or undecodable command-line bytes, give lone

@@ -198,3 +198,31 @@ def test_online_distillation_survives_a_kill(tmp_path):
     r = run("--input_jsonl", inp, "--output_jsonl", str(tmp_path / "other.jsonl"), *geom, *distill)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "holds a draft of another-model" in r.stderr
+
+
+def test_online_distillation_with_a_draft_per_tag_or_cluster(tmp_path):
+    """--distill_tags: a draft per record tag, each in its own directory, trained on its own
+    records only; --distill_clusters: drafts per prompt cluster. Outputs equal the plain run's;
+    a record whose tag is not a string is an error record, the rest are served."""
+    inp, ref = tmp_path / "in.jsonl", str(tmp_path / "ref.jsonl")
+    rows = [{"id": f"q{i}", "prompt": ("alpha beta gamma " if i % 2 else "12 34 56 ") + str(i), "tag": "ab"[i % 2]}
+            for i in range(16)] + [{"id": "bad", "prompt": "x", "tag": 5}]
+    write = "".join(json.dumps(r) + "\n" for r in rows)
+    inp.write_text(write)
+    geom = [a if a != "150" else "12" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
+    r = run("--input_jsonl", str(inp), "--output_jsonl", ref, *geom)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {x["id"]: x for x in _read(ref)}
+    assert "tag must be a string" in want["bad"]["error"]
+    for extra, dirs in ((["--distill_tags", "a,b"], ["a", "b"]),
+                        (["--distill_clusters", "2", "--distill_tags", "a"], ["cluster0", "cluster1"])):
+        out, ck = tmp_path / f"out{dirs[0]}.jsonl", tmp_path / f"ck{dirs[0]}"
+        r = run("--input_jsonl", str(inp), "--output_jsonl", str(out), *geom, "--online_distill", str(ck),
+                "--distill_every", "2", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert {x["id"]: x for x in _read(out)} == want
+        for d in dirs:
+            assert f"online distillation of layer_skip1 in {ck / d}: a new draft" in r.stderr, r.stderr[-2000:]
+            assert _checkpoints(ck / d), (d, r.stderr[-2000:])
+        if dirs == ["a", "b"]:  # 8 records each, an update every 2 of its own
+            assert r.stderr.count("[online distillation: 4 updates") == 2, r.stderr[-2000:]

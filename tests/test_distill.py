@@ -122,7 +122,7 @@ def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
     teacher = tr.sequence_logits(cfg, params, tokens)
     mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= len(prompts[0]) - 1, tokens.shape)  # predict the outputs
 
-    sd = tr.SelfDraft.of(cfg, params, 1)
+    sd = tr.TrainableDraft.of(cfg, params, 1)
     tc = tr.TrainConfig(lr=3e-3, warmup_steps=5, total_steps=80)
     opt = tr.make_optimizer(tc)
     trainable, state = sd.trainable, opt.init(sd.trainable)
@@ -183,7 +183,7 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
 
     cfg, params = tiny
-    sd = tr.SelfDraft.of(cfg, params, 1)
+    sd = tr.TrainableDraft.of(cfg, params, 1)
     tc = tr.TrainConfig(total_steps=20)
     opt = tr.make_optimizer(tc)
     trainable, state = sd.trainable, opt.init(sd.trainable)
@@ -199,14 +199,14 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
         ck.save(i, trainable, state, {"requests_seen": 10 * i, "buffer": {"records": i}})
     assert ck.latest_step() == 3 and sorted(ck.mgr.all_steps()) == [2, 3]  # the last two kept
     # restore into fresh templates (a new process after a kill starts from the initial draft)
-    fresh = tr.SelfDraft.of(cfg, params, 1)
+    fresh = tr.TrainableDraft.of(cfg, params, 1)
     step, t2, s2, record = DistillCheckpoints(str(tmp_path / "ck"), fp).restore(fresh.trainable,
                                                                                opt.init(fresh.trainable))
     assert step == 3 and record == {"requests_seen": 30, "buffer": {"records": 3}}
     for a, b in zip(jax.tree_util.tree_leaves((t2, s2)), jax.tree_util.tree_leaves((trainable, state))):
         np.testing.assert_array_equal(a, b)
     # another draft's checkpoint: a one-line error before any state is read
-    other = tr.SelfDraft.of(cfg, params, 2)
+    other = tr.TrainableDraft.of(cfg, params, 2)
     ck2 = DistillCheckpoints(str(tmp_path / "ck"), fingerprint(cfg, other.draft.cfg, other.trainable))
     with pytest.raises(SpecjaxError, match="belongs to another draft"):
         ck2.restore(other.trainable, opt.init(other.trainable))
@@ -279,7 +279,7 @@ def test_online_distillation_while_serving(tiny, tmp_path):
     family = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(6)]
     want = {tuple(p): r.tokens for p, r in zip(family, reference_generate(cfg, params, family, max_new_tokens=16,
                                                                           ignore_eos=True))}
-    sd = tr.SelfDraft.of(cfg, params, 1)
+    sd = tr.TrainableDraft.of(cfg, params, 1)
     be = JaxBackend(cfg, params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, 3),
                     batch_buckets=(4,), slots=64, teacher_topk=8)
     pol = FixedK(3)
@@ -305,7 +305,7 @@ def test_online_distillation_while_serving(tiny, tmp_path):
     od.buffer.batch = orig
     # resume in a fresh distiller (a restarted process): the checkpointed draft swaps in
     assert ck.latest_step() == 4  # a checkpoint every 3 updates, numbered from 1
-    sd2 = tr.SelfDraft.of(cfg, params, 1)
+    sd2 = tr.TrainableDraft.of(cfg, params, 1)
     be2 = JaxBackend(cfg, params, draft=sd2.draft, draft_params=sd2.params(sd2.trainable), k_buckets=(0, 3),
                      batch_buckets=(4,), slots=64, teacher_topk=8)
     od2 = OnlineDistiller(be2, FixedK(3), sd2, od.tc, od.oc, checkpoints=DistillCheckpoints(str(tmp_path / "ck"), ck.fp))
@@ -339,7 +339,7 @@ def test_reduced_vocab_head_maps_to_target_ids_and_refuses_bad_maps(tiny):
                    k_buckets=(0, 2))
     with pytest.raises(SpecjaxError, match="1..256 tokens"):
         frequent_tokens([[1]], cfg.vocab_size, 0)
-    sd = tr.SelfDraft.of(cfg, params, 1, vocab_ids=ids)
+    sd = tr.TrainableDraft.of(cfg, params, 1, vocab_ids=ids)
     assert set(sd.frozen) == {"embed", "lm_head", "vocab_ids"} and sd.draft.vocab == 3
 
 
@@ -382,7 +382,7 @@ def test_trained_reduced_vocab_draft_stays_lossless(tiny):
     outs = [r.tokens for r in Generator(cfg, params, batch_buckets=(8,)).generate(prompts, max_new_tokens=24,
                                                                                    ignore_eos=True)]
     vocab = frequent_tokens(outs, cfg.vocab_size, 64)
-    sd = tr.SelfDraft.of(cfg, params, 1, vocab_ids=vocab)
+    sd = tr.TrainableDraft.of(cfg, params, 1, vocab_ids=vocab)
     tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)
     teacher = dv.TopK.of(tr.sequence_logits(cfg, params, tokens), 8)
     mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= 5, tokens.shape)
@@ -532,7 +532,7 @@ def test_opportunistic_updates_run_only_at_light_load(tiny):
 
     cfg, params = tiny
     rng = np.random.default_rng(2)
-    sd = tr.SelfDraft.of(cfg, params, 1)
+    sd = tr.TrainableDraft.of(cfg, params, 1)
     be = JaxBackend(cfg, params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, 2),
                     batch_buckets=(4,), slots=64, teacher_topk=4)
     for spacing in (0.0, 10.0):
@@ -587,14 +587,14 @@ def test_several_drafts_routed_by_tag_or_classifier(tiny, tmp_path):
 
     want = {tuple(p): r.tokens for p, r in zip(fams[0] + fams[1], reference_generate(
         cfg, params, fams[0] + fams[1], max_new_tokens=12, ignore_eos=True))}
-    sd0 = tr.SelfDraft.of(cfg, params, 1)
+    sd0 = tr.TrainableDraft.of(cfg, params, 1)
     be = JaxBackend(cfg, params, draft=sd0.draft, draft_params=sd0.params(sd0.trainable), k_buckets=(0, 2),
                     batch_buckets=(2,), slots=64, teacher_topk=4)
 
     def multi(router):
         ds = []
         for g in range(2):
-            sd = tr.SelfDraft.of(cfg, params, 1)
+            sd = tr.TrainableDraft.of(cfg, params, 1)
             ck = DistillCheckpoints(str(tmp_path / f"d{g}"), fingerprint(cfg, sd.draft.cfg, sd.trainable))
             ds.append(OnlineDistiller(be, FixedK(2), sd, tr.TrainConfig(lr=3e-3, warmup_steps=1, total_steps=100),
                                       OnlineConfig(every=2, steps=2, batch=4, length=24, checkpoint_every=1),
@@ -626,3 +626,60 @@ def test_several_drafts_routed_by_tag_or_classifier(tiny, tmp_path):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(SpecjaxError, match="router"):
         multi(TagRouter(["x", "y"])).resume()
+
+
+def test_an_independent_draft_model_trains_and_serves_from_its_checkpoint(tiny, tmp_path):
+    """An independent 2-layer draft model (other random weights, the target's vocabulary) trains
+    toward the target like a self-draft: its acceptance rises, speculation stays exact, and the
+    trained params come back from its checkpoint directory to serve with (load_draft), which
+    refuses to be read as a self-draft's."""
+    import types
+
+    from specjax.distill import train as tr
+    from specjax.distill.checkpoint import load_draft, open_draft
+    from specjax.generate import Generator
+    from specjax.spec_generate import SpecGenerator, SpecStats
+
+    cfg, params = tiny
+    dcfg = cfg.replace(name="tiny-draft", num_layers=2)
+    dm = types.SimpleNamespace(cfg=dcfg, params=llama_init(dcfg))
+    td, ck = open_draft(str(tmp_path / "ck"), cfg, params, draft_model=dm)
+    assert td.draft.cfg.name == "tiny-draft" and set(td.frozen) == {"embed", "lm_head"}
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(3, 250, 6)] for _ in range(8)]
+    outs = [r.tokens for r in Generator(cfg, params, batch_buckets=(8,)).generate(prompts, max_new_tokens=24,
+                                                                                   ignore_eos=True)]
+    tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)
+    teacher = dv.TopK.of(tr.sequence_logits(cfg, params, tokens), 8)
+    mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= 5, tokens.shape)
+    tc = tr.TrainConfig(lr=3e-3, warmup_steps=5, total_steps=80)
+    opt = tr.make_optimizer(tc)
+    trainable, state = td.trainable, opt.init(td.trainable)
+    spec = SpecGenerator(cfg, params, draft=td.draft, draft_params=td.params(trainable), k_buckets=(0, 3),
+                         batch_buckets=(8,), slot_buckets=(64,))
+
+    def acceptance():
+        stats = SpecStats()
+        assert [r.tokens for r in spec.generate(prompts, max_new_tokens=24, num_spec_tokens=3, ignore_eos=True,
+                                                stats=stats)] == outs
+        return stats.acceptance_rate
+
+    before = acceptance()
+    for _ in range(50):
+        trainable, state, loss, ok = tr.train_step(trainable, state, td.frozen, tokens, teacher, mask,
+                                                   cfg=td.draft.cfg, tc=tc, optimizer=opt)
+        assert bool(ok)
+    spec.swap_draft_params(td.params(trainable))
+    assert acceptance() >= before + 0.15
+    ck.save(1, trainable, state, {"finished": 0, "updates": 0, "dropped": 0})
+    td2, served = load_draft(str(tmp_path / "ck"), cfg, params, draft_model=dm)
+    for a, b in zip(jax.tree_util.tree_leaves(served), jax.tree_util.tree_leaves(trainable)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(SpecjaxError, match="trains the draft model tiny-draft, not a self-draft"):
+        load_draft(str(tmp_path / "ck"), cfg, params)
+
+
+def llama_init(cfg, seed=1):
+    from specjax.models import llama
+
+    return llama.init_random_params(cfg, seed=seed)

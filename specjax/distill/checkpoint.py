@@ -2,10 +2,10 @@
 JSON record (the step, the replay buffer's and router's metadata, whatever the loop needs to go
 on), every few updates, the last few kept.
 
-A checkpoint directory also holds ``draft.json``: which self-draft it trains (the target, the
-layer count, a reduced head's token ids), written once when the directory is first used, so a
-later run (a resumed job, the batch job after ``launch/distill.py``) builds the same draft to
-restore into (``open_self_draft``).
+A checkpoint directory also holds ``draft.json``: which draft it trains (the target, a
+self-draft's layer count or the draft model's name, a reduced head's token ids), written once
+when the directory is first used, so a later run (a resumed job, the batch job after
+``launch/distill.py``) builds the same draft to restore into (``open_draft``).
 
 Each checkpoint carries a fingerprint of the draft it belongs to (the target's and the draft's
 config and every trainable leaf's shape and dtype). Restoring a checkpoint of another model, or
@@ -42,52 +42,68 @@ def fingerprint(target: ModelConfig, draft: ModelConfig, trainable, vocab_ids=No
 DRAFT_FILE = "draft.json"
 
 
-def open_self_draft(directory: str, cfg: ModelConfig, params, draft_layers: int, vocab_ids=None, max_to_keep: int = 3):
-    """(SelfDraft, DistillCheckpoints) for the checkpoint directory ``directory``: the draft its
-    ``draft.json`` names (``draft_layers`` / ``vocab_ids`` apply only to a new directory, which
-    gets that file). A directory of another target, or a ``draft.json`` that cannot be read: a
-    one-line SpecjaxError."""
-    from specjax.distill.train import SelfDraft
+def open_draft(directory: str, cfg: ModelConfig, params, draft_layers: int = 8, vocab_ids=None, draft_model=None,
+               max_to_keep: int = 3):
+    """(TrainableDraft, DistillCheckpoints) for the checkpoint directory ``directory``: the draft
+    its ``draft.json`` names. A new directory gets that file, for a self-draft of
+    ``draft_layers`` layers or, given ``draft_model`` (a loaded model sharing the target's
+    tokenizer), that model; ``vocab_ids``: a reduced head. A directory of another target or
+    draft, or a ``draft.json`` that cannot be read: a one-line SpecjaxError."""
+    from specjax.distill.train import TrainableDraft
+    from specjax.drafters.device import ModelDraft, check_pair
 
     path = os.path.join(directory, DRAFT_FILE)
+    model_name = None if draft_model is None else draft_model.cfg.name
     if os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:
                 spec = json.load(f)
-            target, draft_layers, vocab = spec["target"], int(spec["draft_layers"]), spec["vocab_ids"]
+            target, draft_layers, vocab = spec["target"], spec["draft_layers"], spec["vocab_ids"]
+            named = spec.get("draft_model")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SpecjaxError(f"{path} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
         if target != cfg.name or spec.get("vocab_size") != cfg.vocab_size:
             raise SpecjaxError(f"{directory} holds a draft of {target} ({spec.get('vocab_size')} tokens), not of "
                                f"{cfg.name} ({cfg.vocab_size} tokens)")
+        if named != model_name:
+            raise SpecjaxError(f"{directory} trains " + (f"the draft model {named}" if named else
+                               f"a {draft_layers}-layer self-draft") + ", not " +
+                               (f"the draft model {model_name}" if model_name else "a self-draft"))
         vocab_ids = None if vocab is None else np.asarray(vocab, np.int32)
-    sd = SelfDraft.of(cfg, params, draft_layers, vocab_ids)  # (checks the layers and the vocabulary map)
+    if draft_model is None:  # (checks the layers and the vocabulary map)
+        td = TrainableDraft.of(cfg, params, int(draft_layers), vocab_ids)
+    else:
+        d = ModelDraft(draft_model.cfg)
+        check_pair(cfg, d, draft_model.params)
+        td = TrainableDraft.of_model(d, draft_model.params, vocab_ids)
     if not os.path.exists(path):
         try:
             os.makedirs(directory, exist_ok=True)
             tmp = path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"target": cfg.name, "vocab_size": cfg.vocab_size, "draft_layers": draft_layers,
+                json.dump({"target": cfg.name, "vocab_size": cfg.vocab_size,
+                           "draft_layers": None if draft_model is not None else draft_layers,
+                           "draft_model": model_name,
                            "vocab_ids": None if vocab_ids is None else [int(t) for t in vocab_ids]}, f)
             os.replace(tmp, path)
         except OSError as e:
             raise SpecjaxError(f"cannot use {directory} for checkpoints: {e}".splitlines()[0]) from None
-    fp = fingerprint(cfg, sd.draft.cfg, sd.trainable, vocab_ids)
-    return sd, DistillCheckpoints(directory, fp, max_to_keep)
+    fp = fingerprint(cfg, td.draft.cfg, td.trainable, vocab_ids)
+    return td, DistillCheckpoints(directory, fp, max_to_keep)
 
 
-def load_self_draft(directory: str, cfg: ModelConfig, params):
-    """(SelfDraft, trained params) of the latest checkpoint in ``directory``, to serve with; a
-    directory without one, or of another model: a one-line SpecjaxError."""
+def load_draft(directory: str, cfg: ModelConfig, params, draft_model=None):
+    """(TrainableDraft, trained params) of the latest checkpoint in ``directory``, to serve with;
+    a directory without one, or of another model: a one-line SpecjaxError."""
     from specjax.distill.train import TrainConfig, make_optimizer
 
     if not os.path.exists(os.path.join(directory, DRAFT_FILE)):
         raise SpecjaxError(f"{directory} holds no distilled draft ({DRAFT_FILE} is missing)")
-    sd, ck = open_self_draft(directory, cfg, params, 1)
-    got = ck.restore(sd.trainable, make_optimizer(TrainConfig()).init(sd.trainable))  # (any schedule: same state)
+    td, ck = open_draft(directory, cfg, params, draft_model=draft_model)
+    got = ck.restore(td.trainable, make_optimizer(TrainConfig()).init(td.trainable))  # (any schedule: same state)
     if got is None:
         raise SpecjaxError(f"{directory} holds no checkpoint of its draft yet")
-    return sd, got[1]
+    return td, got[1]
 
 
 class DistillCheckpoints:

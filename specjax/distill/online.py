@@ -60,7 +60,7 @@ class OnlineConfig:
 
 
 class OnlineDistiller:
-    def __init__(self, backend, policy, draft: tr.SelfDraft, tc: tr.TrainConfig, oc: OnlineConfig = OnlineConfig(),
+    def __init__(self, backend, policy, draft: tr.TrainableDraft, tc: tr.TrainConfig, oc: OnlineConfig = OnlineConfig(),
                  checkpoints=None):
         require(backend.device_draft, "online distillation trains a device draft; this backend has none")
         require(backend.table.teacher_topk > 0, "online distillation needs the step's teacher signal: build the "

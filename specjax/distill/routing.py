@@ -7,10 +7,11 @@ A router says which draft serves a request:
   language); an unknown or missing tag goes to draft 0.
 - ``CentroidRouter``: a small classifier built here, nearest centroid (cosine) over hashed
   token unigrams and bigrams of the prompt, weighted by their inverse document frequency over
-  the prompts seen so far (a chat template's tokens, in every prompt, weigh nothing). Tagged requests train it (their tag's draft is the
-  class; ``tags`` names the classes) and untagged ones are classified; with no tags at all it is
-  online k-means: a prompt unlike every centroid so far (cosine below ``seed_below``) seeds the
-  next empty cluster, and every routed prompt pulls its centroid toward it (running mean).
+  the prompts seen so far (a chat template's tokens, in every prompt, weigh nothing). Tagged
+  requests train it (their tag's draft is the class; ``tags`` names the first classes) and the
+  others are classified; the classes beyond the tags are online k-means clusters: a prompt
+  unlike every centroid so far (cosine below ``seed_below``) seeds the next empty one, and every
+  routed prompt pulls its centroid toward it (running mean).
 
 ``MultiDraft`` serves them on one backend (``ServingEngine(drafts=...)``: a batch runs one
 draft, the engine switches between batches) with an ``OnlineDistiller`` per draft, so each has
@@ -91,9 +92,8 @@ class CentroidRouter:
             else:
                 idf = np.log((1.0 + self.docs) / (1.0 + self.df)).astype(np.float32)
                 sims = _unit(self.centroids[seen] * idf) @ _unit(f * idf)
-                empty = np.flatnonzero(self.counts == 0)
-                g = int(empty[0]) if (len(empty) and not self.tags and sims.max() < self.seed_below) \
-                    else int(seen[np.argmax(sims)])
+                free = [c for c in np.flatnonzero(self.counts == 0) if c >= len(self.tags)]  # (not a tag's class)
+                g = int(free[0]) if (free and sims.max() < self.seed_below) else int(seen[np.argmax(sims)])
         self._observe(f, g)
         return g
 
@@ -162,3 +162,29 @@ class MultiDraft:
             # the newest: each draft saved the router as it was then, and the router only grows
             self.router.load(max(recs, key=lambda r: r["router"].get("docs", 0))["router"])
         return steps
+
+
+def open_drafts(directory: str, cfg, params, *, draft_layers: int = 8, draft_model=None, tags: Sequence[str] = (),
+                clusters: int = 0):
+    """The router and the drafts of an online-distillation directory: one draft in ``directory``
+    itself (no tags, no clusters: a router that sends everything to it), one per tag in
+    ``directory/<tag>`` (``TagRouter``), or ``clusters`` drafts in ``directory/cluster<i>``
+    (``CentroidRouter``, trained by the ``tags`` it is given). Returns (router, [(directory,
+    TrainableDraft, DistillCheckpoints)]), each draft as distill.checkpoint.open_draft opens it."""
+    import os
+
+    from specjax.distill.checkpoint import open_draft
+
+    require(clusters >= 0 and (not clusters or len(tags) <= clusters),
+            f"{clusters} clusters cannot hold {len(tags)} tags")
+    if clusters:
+        router, dirs = CentroidRouter(clusters, tags=tags), [f"cluster{i}" for i in range(clusters)]
+    elif tags:
+        router, dirs = TagRouter(tags), list(tags)
+    else:
+        router, dirs = TagRouter(["*"]), [""]
+    out = []
+    for d in dirs:
+        where = os.path.join(directory, d) if d else directory
+        out.append((where, *open_draft(where, cfg, params, draft_layers, draft_model=draft_model)))
+    return router, out

@@ -1,12 +1,13 @@
-"""Training a draft toward the target: a trainable self-draft, the optimizer, and one pure jitted
+"""Training a draft toward the target: a trainable draft, the optimizer, and one pure jitted
 optax step.
 
-The self-draft (``SelfDraft``) is the target's embeddings and vocab head (shared, frozen) with
-its own copies of the target's first n layers and of the final norm, the "exit", trained. With
-``vocab_ids`` its head is reduced to those N target tokens (drafters.device.reduced_vocab) and
-it learns the teacher restricted to them (divergences.restrict). It
-has a layer-skip draft's shapes, so the engine runs it as a ``ModelDraft`` and new params swap in
-without recompiling any serving variant.
+A self-draft (``TrainableDraft.of``) is the target's embeddings and vocab head (shared, frozen)
+with its own copies of the target's first n layers and of the final norm, the "exit", trained;
+an independent draft model (``TrainableDraft.of_model``) trains its layers and norm the same
+way. With ``vocab_ids`` the head is reduced to those N target tokens
+(drafters.device.reduced_vocab) and the draft learns the teacher restricted to them
+(divergences.restrict). Either runs in the engine as a ``ModelDraft`` whose trained params
+swap in without recompiling any serving variant (same shapes).
 
 ``train_step`` minimises a divergence (divergences.py) between the teacher's distribution and
 the draft's at the masked positions of token sequences. It is pure: params, optimizer state and
@@ -64,24 +65,31 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 @dataclasses.dataclass(frozen=True)
-class SelfDraft:
-    """A self-draft of ``num_layers`` layers: ``frozen`` (the target's embedding and head,
-    shared) and the initial ``trainable`` params (copies of the target's first layers and final
-    norm)."""
+class TrainableDraft:
+    """A draft being trained: ``frozen`` params (the embedding and vocab head: for a self-draft
+    the target's own, shared) and the initial ``trainable`` ones (the layers and the final norm,
+    always copies). ``of``: a self-draft of the target's first ``num_layers`` layers; ``of_model``:
+    an independent draft model sharing the target's tokenizer."""
 
     draft: ModelDraft
     frozen: dict
     trainable: dict
 
     @staticmethod
-    def of(cfg: ModelConfig, params, num_layers: int, vocab_ids=None) -> "SelfDraft":
-        draft, dparams = layer_skip(cfg, params, num_layers)
+    def of(cfg: ModelConfig, params, num_layers: int, vocab_ids=None) -> "TrainableDraft":
+        return TrainableDraft.of_model(*layer_skip(cfg, params, num_layers), vocab_ids=vocab_ids)
+
+    @staticmethod
+    def of_model(draft: ModelDraft, dparams, vocab_ids=None) -> "TrainableDraft":
         if vocab_ids is not None:
             draft, dparams = reduced_vocab(draft, dparams, vocab_ids)
         frozen = {k: v for k, v in dparams.items() if k in ("embed", "lm_head", "vocab_ids")}
-        # copies, not the target's arrays: training must never write into the target
-        trainable = jax.tree_util.tree_map(jnp.array, {"layers": dparams["layers"], "final_norm": dparams["final_norm"]})
-        return SelfDraft(draft, frozen, trainable)
+        # copies, not the given arrays: training must never write into the target (or a loaded model)
+        trainable = jax.tree_util.tree_map(jnp.array, {"layers": [{k: v for k, v in lp.items()
+                                                                   if not k.endswith(llama.ROWS_SUFFIX)}
+                                                                  for lp in dparams["layers"]],
+                                                       "final_norm": dparams["final_norm"]})
+        return TrainableDraft(draft, frozen, trainable)
 
     def params(self, trainable: dict) -> dict:
         """The params pytree the engine's ModelDraft runs on."""
@@ -100,7 +108,7 @@ def sequence_logits(cfg: ModelConfig, params, tokens: jax.Array) -> jax.Array:
 
 def loss_fn(trainable, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: TrainConfig):
     """Mean divergence between ``teacher`` (logits [B, T, V] or a divergences.TopK) and the
-    self-draft's logits over the positions where ``mask`` [B, T] is true."""
+    draft's logits over the positions where ``mask`` [B, T] is true."""
     q = sequence_logits(cfg, {**frozen, **trainable}, tokens)
     teacher = jax.lax.stop_gradient(teacher)
     if "vocab_ids" in frozen:  # a reduced head: its N columns against the teacher over those tokens
@@ -114,7 +122,7 @@ def loss_fn(trainable, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: T
 def train_step(trainable, opt_state, frozen, tokens, teacher, mask, *, cfg: ModelConfig, tc: TrainConfig,
                optimizer: optax.GradientTransformation):
     """One optimizer step; returns (trainable, opt_state, loss, ok). ``cfg``: the draft's
-    config (``SelfDraft.draft.cfg``). Not ok (a non-finite loss or gradient): the inputs come
+    config (``TrainableDraft.draft.cfg``). Not ok (a non-finite loss or gradient): the inputs come
     back unchanged."""
     loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, tokens, teacher, mask, cfg=cfg, tc=tc)
     ok = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]))

@@ -1,0 +1,28 @@
+"""Prompt streams in task blocks from ../shared/data, for the online distillation benchmarks
+(online_distill.py: blocks in order, the distribution shifting at each boundary;
+multi_draft.py: the same blocks interleaved)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stream(data_dir: str, blocks):
+    """[(block name, text)] in block order; a block is "name:count" with name one of gsm8k
+    (GSM8K train questions), gsm8k2 (the same file from its end: other questions), humaneval
+    (HumanEval prompts), specbench (Spec-Bench first turns, file order)."""
+    gsm = [r["question"] for r in _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))]
+    he = [r["prompt"] for r in _jsonl(os.path.join(data_dir, "humaneval", "HumanEval.jsonl"))]
+    sb = [r["turns"][0] for r in _jsonl(os.path.join(data_dir, "spec_bench", "question.jsonl"))]
+    sources = {"gsm8k": gsm, "gsm8k2": gsm[::-1], "humaneval": he, "specbench": sb}
+    out = []
+    for b in blocks:
+        name, n = b.split(":")
+        out += [(name, t) for t in sources[name][:int(n)]]
+    return out
