@@ -106,6 +106,7 @@ def main(argv):
     import numpy as np
     from absl import logging
 
+    from specjax.distill.online import acceptance_curve
     from specjax.models.loader import load_model
 
     logging.set_verbosity(logging.WARNING)
@@ -128,11 +129,7 @@ def main(argv):
             mine = [o for o, (tt, _) in zip(outs, items) if tt == t]
             tail = mine[-FLAGS.tail:]
             row[t] = sum(o.accepted for o in tail) / max(sum(o.drafted for o in tail), 1)
-            acc = np.cumsum([o.accepted for o in mine])
-            dr = np.cumsum([o.drafted for o in mine])
-            w = 50
-            curves[(routing, t)] = [(acc[i] - (acc[i - w] if i >= w else 0)) / max(dr[i] - (dr[i - w] if i >= w else 0), 1)
-                                    for i in range(len(mine))]
+            curves[(routing, t)] = acceptance_curve(mine, 50).tolist()
         last = outs[-150:]
         row["all"] = sum(o.accepted for o in last) / max(sum(o.drafted for o in last), 1)
         purity = None

@@ -51,6 +51,10 @@ flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--
 flags.DEFINE_string("checkpoint_dir", None, "Checkpoint the online draft here (needed by --kill_at).")
 flags.DEFINE_integer("checkpoint_every", 1, "Updates between checkpoints.")
 flags.DEFINE_integer("kill_at", 0, "Stop after this many finished requests and resume from the checkpoint (0: no).")
+flags.DEFINE_string("reference_json", None, "Also plot the online curve of this earlier --json_out (and print the "
+                    "difference after --kill_at).")
+flags.DEFINE_string("reference_label", "uninterrupted", "What the --reference_json run was.")
+flags.DEFINE_string("replot", None, "Plot (and compare) this earlier --json_out instead of serving.")
 flags.DEFINE_string("plot", None, "Write the acceptance plot here (PNG).")
 flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
 
@@ -134,6 +138,11 @@ def main(argv):
     from specjax.distill.online import acceptance_curve
     from specjax.models.loader import load_model
 
+    if FLAGS.replot:
+        with open(FLAGS.replot) as f:
+            res = json.load(f)
+        bounds = res["bounds"]
+        return _plot(res, bounds, np)
     texts = stream(FLAGS.data_dir, FLAGS.blocks)
     m = load_model("smollm2-135m")
     runs = {"online": serve(m, texts, True)} if FLAGS.online else {}
@@ -166,6 +175,10 @@ def main(argv):
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(res, f)
+    _plot(res, bounds, np)
+
+
+def _plot(res, bounds, np) -> None:
     if FLAGS.plot:
         import matplotlib
 
@@ -173,9 +186,23 @@ def main(argv):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 3.5))
+        if FLAGS.reference_json:  # a run to compare with (say the uninterrupted one beside a --kill_at run)
+            with open(FLAGS.reference_json) as f:
+                ref = np.array(json.load(f)["online"]["curve"])
+            ax.plot(np.arange(1, len(ref) + 1), ref, label=f"online, {FLAGS.reference_label}", lw=1)
+            if "online" in res:
+                d = np.abs(np.array(res["online"]["curve"]) - ref)[FLAGS.kill_at:]
+                print(f"|online - {FLAGS.reference_label}| from request {FLAGS.kill_at + 1}: mean {d.mean():.3f}, "
+                      f"max {d.max():.3f}")
+        if FLAGS.kill_at:
+            ax.axvline(FLAGS.kill_at, color="red", ls=":")
+            ax.text(FLAGS.kill_at, 0.9 * ax.get_ylim()[1], " kill", color="red", fontsize=8)
         for name in ("online", "untrained"):
             if name in res:
-                ax.plot(np.arange(1, len(res[name]["curve"]) + 1), res[name]["curve"], label=name)
+                label = name + (f", killed at {FLAGS.kill_at} and resumed" if name == "online" and FLAGS.kill_at
+                                else "")
+                ax.plot(np.arange(1, len(res[name]["curve"]) + 1), res[name]["curve"], label=label, lw=1,
+                        ls="--" if FLAGS.reference_json else "-")
         for b, name in zip(bounds[:-1], FLAGS.blocks[1:]):
             ax.axvline(b, color="grey", ls=":")
             ax.text(b, 0.02, name.split(":")[0], rotation=90, fontsize=7, va="bottom")

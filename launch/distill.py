@@ -120,7 +120,8 @@ def run(_) -> int:
     model = load_model(FLAGS.model)
     cfg, tok = model.cfg, model.tokenizer
     if not 1 <= FLAGS.draft_layers < cfg.num_layers:
-        raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, got {FLAGS.draft_layers}")
+        raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, "
+                           f"got {FLAGS.draft_layers}")
     if FLAGS.draft_vocab > cfg.vocab_size:
         raise SpecjaxError(f"--draft_vocab {FLAGS.draft_vocab} exceeds {cfg.name}'s {cfg.vocab_size} tokens")
     room = cfg.max_position - FLAGS.max_new_tokens

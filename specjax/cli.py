@@ -218,8 +218,8 @@ def define_distill_flags(online: bool = True) -> None:
     """Training a self-draft toward the target (specjax.distill): the train step's flags, and with
     ``online`` the online loop's (Algorithm 1: --online_distill turns it on)."""
     if online:
-        flags.DEFINE_string("online_distill", None, "Train the device draft (layer_skip or draft_model) while serving (online "
-                            "speculative decoding), with orbax checkpoints in this directory; a run on a directory "
+        flags.DEFINE_string("online_distill", None, "Train the device draft (layer_skip or draft_model) while "
+                            "serving (online speculative decoding), with orbax checkpoints in this directory; a run on a directory "
                             "that has them resumes from the latest (a draft from launch/distill.py included).")
         flags.DEFINE_integer("distill_every", 32, "Online distillation: finished requests between draft updates (I).")
         flags.DEFINE_integer("distill_steps", 2, "Online distillation: optimizer steps per update.")

@@ -121,18 +121,26 @@ class DistillCheckpoints:
     def latest_step(self) -> int | None:
         return self.mgr.latest_step()
 
-    def save(self, step: int, trainable, opt_state, record: dict) -> None:
-        """Write checkpoint ``step`` and wait until it is on disk (a kill after this returns
-        loses nothing up to ``step``; orbax writes to a temporary name and renames)."""
+    def save(self, step: int, trainable, opt_state, record: dict, wait: bool = True) -> None:
+        """Write checkpoint ``step``; with ``wait``, return once it is on disk (a kill after that
+        loses nothing up to ``step``), else while it is written in the background (serving goes
+        on; a kill meanwhile leaves the previous checkpoint: orbax writes to a temporary name and
+        renames). A save or restore first waits for a save in progress."""
+        self.mgr.wait_until_finished()
         self.mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
             record=ocp.args.JsonSave({"fingerprint": self.fp, **record})))
+        if wait:
+            self.mgr.wait_until_finished()
+
+    def wait(self) -> None:
         self.mgr.wait_until_finished()
 
     def restore(self, trainable, opt_state, step: int | None = None):
         """(step, trainable, opt_state, record) of checkpoint ``step`` (default: the latest),
         with ``trainable`` / ``opt_state`` as the templates of its structure; None when there is
         no checkpoint. A checkpoint of another draft or one that cannot be read: SpecjaxError."""
+        self.mgr.wait_until_finished()
         step = self.latest_step() if step is None else step
         if step is None:
             return None

@@ -130,19 +130,23 @@ class OnlineDistiller:
         self.updates += 1
         self.losses.append(float(np.mean(losses)))
         if self.oc.checkpoint_every and self.updates % self.oc.checkpoint_every == 0:
-            self.save()
+            self.save(wait=False)  # written while serving goes on
         self.update_s += time.perf_counter() - t0
         return True
 
-    def save(self) -> int | None:
+    def save(self, wait: bool = True) -> int | None:
         """Checkpoint the current draft as the next step unless no update came since the last
-        save; the latest step, or None without checkpoints or anything saved."""
+        save (``wait``: until it is on disk; else it is written in the background); the latest
+        step, or None without checkpoints or anything saved."""
         if self.checkpoints is None:
             return None
         if self.updates != self.saved_updates:
+            self.checkpoints.wait()  # (the step number after the one in progress)
             self.checkpoints.save((self.checkpoints.latest_step() or 0) + 1, self.trainable, self.opt_state,
-                                  self.record())
+                                  self.record(), wait=wait)
             self.saved_updates = self.updates
+        if wait:
+            self.checkpoints.wait()
         return self.checkpoints.latest_step()
 
     def record(self) -> dict:

@@ -12,13 +12,13 @@ its compile key) with two pure functions the step calls with the draft's *own* p
          own call before the policy chooses K: (drafts, q, confidences, proposed, dcache)
 
 ``ModelDraft`` runs a Llama-family model: an independent draft model sharing the target's
-tokenizer, or layer skip (``layer_skip``: the target's first n layers). Either can carry a
+tokenizer, or layer skip (``layer_skip``: the target's first n layers). A layer-skip draft's
+params are a params tree of its own whose arrays are, until the draft is trained, the target's
+(no copy); training replaces them and can never touch the target's. Either can carry a
 reduced-vocabulary head (``reduced_vocab``: the draft's vocab projection over N chosen target
 tokens, ``frequent_tokens``), which cuts the draft's largest matmul to N / V of its size; the
 draft's logits are scattered back to the target's ids with -inf elsewhere, so tokens outside
-the N are never proposed and q, the distribution drafts are drawn from, stays exact (lossless). A layer-skip draft's
-params are a params tree of its own whose arrays are, until the draft is trained, the target's
-(no copy); training replaces them and can never touch the target's. Host drafters (prompt
+the N are never proposed and q, the distribution drafts are drawn from, stays exact. Host drafters (prompt
 lookup, suffix trees) are a different protocol (``drafters.base.HostDrafter``): they propose on
 the host and pass tokens in.
 
