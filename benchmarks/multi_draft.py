@@ -9,8 +9,8 @@ hashed token n-grams, distill.routing.CentroidRouter).
 
 Each routing serves the same shuffled stream (``--blocks``, interleaved at random with
 ``--seed``) on one backend; with several drafts a batch runs one draft and the engine switches
-between batches (distill.routing.MultiDraft). Every draft updates after ``--every`` of its own
-requests divided by the number of drafts (the same update budget in all). Prints, per task, the
+between batches (distill.routing.MultiDraft). Each of n drafts updates after every/n of its own
+requests, so each gets as many updates as the single draft does (n times its training). Prints, per task, the
 acceptance rate over the task's last ``--tail`` requests, the router's purity (the share of
 requests in their cluster's majority task), the wall time and the number of draft switches.
 """
@@ -26,20 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.task_stream import stream  # noqa: E402
+from benchmarks.task_stream import define_stream_flags, stream  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data_dir", "../shared/data", "The shared prompt sets.")
-flags.DEFINE_list("blocks", ["gsm8k:200", "humaneval:164", "specbench:200"], "Task blocks, interleaved at random.")
+define_stream_flags(["gsm8k:200", "humaneval:164", "specbench:200"], draft_layers=8, every=32, steps=2, lr=6e-4)
 flags.DEFINE_list("routings", ["none", "tag", "centroid"], "Routings to run, in turn.")
 flags.DEFINE_integer("seed", 0, "Shuffle seed.")
-flags.DEFINE_integer("draft_layers", 8, "Layers of each self-draft.")
-flags.DEFINE_integer("k", 3, "Drafts per step.")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens per answer.")
-flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens keep their last ones.")
-flags.DEFINE_integer("every", 32, "Finished requests between updates, over all drafts.")
-flags.DEFINE_integer("steps", 2, "Optimizer steps per update.")
-flags.DEFINE_float("lr", 6e-4, "Peak learning rate.")
 flags.DEFINE_integer("tail", 60, "Acceptance over each task's last this many requests.")
 flags.DEFINE_string("plot", None, "Write per-task acceptance curves here (PNG).")
 flags.DEFINE_string("json_out", None, "Write the numbers here.")

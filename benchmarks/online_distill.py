@@ -30,21 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.task_stream import stream  # noqa: E402
+from benchmarks.task_stream import define_stream_flags, stream  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data_dir", "../shared/data", "The shared prompt sets.")
-flags.DEFINE_list("blocks", ["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], "Task blocks, in order.")
-flags.DEFINE_integer("draft_layers", 4, "Layers of the self-draft.")
-flags.DEFINE_integer("k", 3, "Drafts per step.")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens per answer.")
-flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens are cut to their last ones.")
-flags.DEFINE_integer("every", 16, "Finished requests between updates (the seed's I).")
-flags.DEFINE_integer("steps", 4, "Optimizer steps per update.")
+define_stream_flags(["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], draft_layers=4, every=16, steps=4,
+                    lr=1e-4)
 flags.DEFINE_integer("batch", 8, "Records per optimizer step.")
 flags.DEFINE_integer("length", 64, "Tokens per record in a batch.")
 flags.DEFINE_integer("teacher_topk", 8, "Teacher logits kept per verified position.")
-flags.DEFINE_float("lr", 1e-4, "Peak learning rate.")
 flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
 flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
 flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--noonline: the baseline alone).")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+from absl import flags
+
 
 def _jsonl(path):
     with open(path, encoding="utf-8") as f:
@@ -26,3 +28,16 @@ def stream(data_dir: str, blocks):
         name, n = b.split(":")
         out += [(name, t) for t in sources[name][:int(n)]]
     return out
+
+
+def define_stream_flags(blocks, draft_layers: int, every: int, steps: int, lr: float) -> None:
+    """The flags both stream benchmarks share: the prompts, the draft, the online schedule."""
+    flags.DEFINE_string("data_dir", "../shared/data", "The shared prompt sets.")
+    flags.DEFINE_list("blocks", blocks, "Task blocks (name:count).")
+    flags.DEFINE_integer("draft_layers", draft_layers, "Layers of the self-draft.")
+    flags.DEFINE_integer("k", 3, "Drafts per step.")
+    flags.DEFINE_integer("max_new_tokens", 32, "Tokens per answer.")
+    flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens keep their last ones.")
+    flags.DEFINE_integer("every", every, "Finished requests between updates (the seed's I).")
+    flags.DEFINE_integer("steps", steps, "Optimizer steps per update.")
+    flags.DEFINE_float("lr", lr, "Peak learning rate.")

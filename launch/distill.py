@@ -7,10 +7,10 @@
   python launch/batch.py --input_jsonl jobs.jsonl --output_jsonl out.jsonl --chat \\
       --drafter layer_skip --online_distill ck
 
-Reads prompts (a JSONL with a ``prompt`` text per line), keeps the last ``--eval_prompts`` of
-them aside, and runs ``--rounds`` rounds. Each samples distillation data on the training prompts
-(``--sampling``: the target writes (teacher), the draft writes (student) or a token-level
-mixture (mixed); the target's top-k logits at every output position are kept, as serving keeps
+Reads prompts (a JSONL with a ``prompt`` text, or ``--field``, per line), keeps the last
+``--eval_prompts`` of them aside, and runs ``--rounds`` rounds. Each samples distillation data
+on the training prompts (``--sampling``: the target writes (teacher), the draft writes
+(student) or a token-level mixture (mixed); the target's top-k logits at every output position are kept, as serving keeps
 them), then takes ``--steps`` optimizer steps of the draft on it. With ``--teacher full`` the
 target's whole distribution is recomputed for each training batch instead (slower, and what
 ``--distill_divergence rkl`` / ``jsd`` need).
@@ -46,7 +46,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("input_jsonl", None, "Prompts: one JSON object with a 'prompt' text per line.")
+    flags.DEFINE_string("input_jsonl", None, "Prompts: one JSON object with a --field text per line.")
+    flags.DEFINE_string("field", "prompt", "The text field of each --input_jsonl line.")
     flags.DEFINE_string("checkpoint_dir", None, "Where the trained draft goes (orbax checkpoints + draft.json).")
     flags.DEFINE_string("model", "smollm2-135m", "Target model: a name (see configs/), a .gguf file or a HF dir.")
     flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
@@ -113,7 +114,7 @@ def run(_) -> int:
     from specjax.models.loader import load_model
     from specjax.spec_generate import SpecGenerator, SpecStats
 
-    texts = read_outputs(FLAGS.input_jsonl, flag="--input_jsonl", limit=FLAGS.limit, field="prompt")
+    texts = read_outputs(FLAGS.input_jsonl, flag="--input_jsonl", limit=FLAGS.limit, field=FLAGS.field)
     if len(texts) < FLAGS.eval_prompts + 1:
         raise SpecjaxError(f"{FLAGS.input_jsonl} has {len(texts)} prompts: need more than --eval_prompts "
                            f"({FLAGS.eval_prompts}) to train on")

@@ -42,6 +42,25 @@ def _served(path) -> int:
         return sum(1 for line in f if line.endswith("\n") and '"output_ids"' in line)
 
 
+def _kill_when(ready, args, log_path) -> None:
+    """Start the job with ``args`` and SIGKILL it as soon as ``ready()`` holds (it must not
+    have ended by then)."""
+    log = open(log_path, "w")
+    p = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=log, stderr=log, env=_env())
+    try:
+        deadline = time.time() + 240
+        while not ready() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert p.poll() is None, "the job ended before it could be killed; give it more work"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+
+
 def _write_input(path):
     """Valid rows among malformed, mistyped, duplicate, oversized, non-UTF-8, blank and id-less
     lines. Returns (ids served, {id: error fragment}) as JSON texts of the ids."""
@@ -78,20 +97,7 @@ def test_kill_and_resume(tmp_path):
 
     seed = random.randrange(2**32)
     threshold = random.Random(seed).randint(1, 6)  # a random point of the job to kill it at
-    log = open(tmp_path / "killed.log", "w")
-    p = subprocess.Popen([sys.executable, SCRIPT, *args, "--output_jsonl", out], stdout=log, stderr=log, env=_env())
-    try:
-        deadline = time.time() + 240
-        while _served(out) < threshold and p.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert p.poll() is None, "the job ended before it could be killed; give it more work"
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        log.close()
+    _kill_when(lambda: _served(out) >= threshold, [*args, "--output_jsonl", out], tmp_path / "killed.log")
     at_kill = _served(out)
     assert threshold <= at_kill < len(served), f"kill did not interrupt the job ({at_kill} of {len(served)} served)"
 
@@ -165,21 +171,8 @@ def test_online_distillation_survives_a_kill(tmp_path):
 
     seed = random.randrange(2**32)
     threshold = random.Random(seed).randint(8, 24)
-    log = open(tmp_path / "killed.log", "w")
-    p = subprocess.Popen([sys.executable, SCRIPT, "--input_jsonl", inp, "--output_jsonl", out, *geom, *distill],
-                         stdout=log, stderr=log, env=_env())
-    try:
-        deadline = time.time() + 240
-        while (_served(out) < threshold or not _checkpoints(ck)) and p.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert p.poll() is None, "the job ended before it could be killed; give it more work"
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        log.close()
+    _kill_when(lambda: _served(out) >= threshold and _checkpoints(ck),
+               ["--input_jsonl", inp, "--output_jsonl", out, *geom, *distill], tmp_path / "killed.log")
     at_kill, saved = _served(out), _checkpoints(ck)
     assert saved and at_kill < 40, (at_kill, saved)
 

@@ -141,6 +141,7 @@ def expected(specs) -> dict:
         else:
             fields = {k: obj.get(k, DEFAULTS[k]) for k in DEFAULTS}
             fields = {k: (float(v) if k in ("temperature", "top_p") else v) for k, v in fields.items()}
+            fields["tag"] = obj.get("tag")  # (a routing label, carried with the request fields)
             want[rid] = ("result", {"id": rid, "prompt": p, **fake_result(p, fields)})
     return want
 

@@ -19,6 +19,7 @@ a half-updated draft.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 
 import jax
@@ -58,7 +59,10 @@ class TrainConfig:
                 f"warmup_steps ({self.warmup_steps}) must be below total_steps ({self.total_steps})")
 
 
+@functools.lru_cache(maxsize=None)
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """The optimizer of ``tc``: one object per config, so that drafts trained with the same
+    config share train_step's compiled executable (the optimizer is a static argument)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.total_steps,
                                                   end_value=tc.lr * tc.final_lr_fraction)
     return optax.chain(optax.clip_by_global_norm(tc.clip_norm), optax.adamw(schedule, weight_decay=tc.weight_decay))
