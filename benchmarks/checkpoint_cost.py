@@ -46,7 +46,7 @@ def main(argv):
             blocked, background = [], []
             for i in range(FLAGS.reps):
                 t0 = time.perf_counter()
-                ck.save((ck.latest_step() or 0) + 1, td.trainable, state, {"rep": i}, wait=wait)
+                ck.save_next(td.trainable, state, {"rep": i}, wait=wait)
                 blocked.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 ck.wait()

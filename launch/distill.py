@@ -88,10 +88,7 @@ def validate_flags() -> None:
         raise SpecjaxError(f"{FLAGS.checkpoint_dir} already holds a draft; give a new --checkpoint_dir")
     cli.check_range("mix_beta", 0.0, 1.0)
     cli.check_range("sample_temperature", 0.0)
-    tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps)
-    if FLAGS.teacher == "topk" and tc.divergence not in ("fkl", "tvd"):
-        raise SpecjaxError(f"--distill_divergence {tc.divergence} needs the target's whole distribution: add "
-                           "--teacher full")
+    cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps, full_teacher=FLAGS.teacher == "full")
 
 
 def main(argv):
@@ -133,7 +130,7 @@ def run(_) -> int:
     train_p, eval_p = prompts[:-FLAGS.eval_prompts], prompts[-FLAGS.eval_prompts:]
     print(f"[{cfg.name}: {len(train_p)} training prompts, {len(eval_p)} held out; {FLAGS.sampling} sampling, "
           f"{FLAGS.draft_layers}-layer self-draft]", file=sys.stderr)
-    tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps)
+    tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps, full_teacher=FLAGS.teacher == "full")
     opt = tr.make_optimizer(tc)
 
     def sample(draft, dparams, rnd):
@@ -189,7 +186,7 @@ def run(_) -> int:
         accs.append(acceptance())
         print(f"round {rnd}: mean loss {np.mean(losses[-FLAGS.steps:]):.4f}, held-out acceptance {accs[-1]:.3f}"
               + (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
-    checkpoints.save((checkpoints.latest_step() or 0) + 1, trainable, state, {"finished": 0, "updates": 0, "dropped": 0,
+    checkpoints.save_next(trainable, state, {"finished": 0, "updates": 0, "dropped": 0,
                                            "offline": {"rounds": FLAGS.rounds, "steps": FLAGS.steps,
                                                        "sampling": FLAGS.sampling, "acceptance": accs}})
     print(f"[{time.perf_counter() - t0:.0f} s; draft {sd.draft.label} saved to {FLAGS.checkpoint_dir}]",

@@ -241,11 +241,16 @@ def define_distill_flags(online: bool = True) -> None:
     flags.DEFINE_integer("distill_length", 64, "Distillation: tokens per training sequence (each record's last).")
 
 
-def distill_configs_from_flags(total_steps: int = 100_000):
-    """(TrainConfig, OnlineConfig or None) from the distill flags; SpecjaxError on a bad value."""
+def distill_configs_from_flags(total_steps: int = 100_000, full_teacher: bool = False):
+    """(TrainConfig, OnlineConfig or None) from the distill flags; SpecjaxError on a bad value, or
+    on a divergence that needs the target's whole distribution without ``full_teacher``."""
     from specjax.distill.online import OnlineConfig
     from specjax.distill.train import TrainConfig
+    from specjax.errors import SpecjaxError
 
+    if not full_teacher and FLAGS.distill_divergence not in ("fkl", "tvd"):
+        raise SpecjaxError(f"--distill_divergence {FLAGS.distill_divergence} needs the target's whole distribution; "
+                           "a teacher that keeps its top k: use fkl or tvd")
     tc = TrainConfig(divergence=FLAGS.distill_divergence, temperature=FLAGS.distill_temperature, lr=FLAGS.distill_lr,
                      warmup_steps=min(10, total_steps - 1), total_steps=total_steps)
     if "online_distill" not in FLAGS or not FLAGS.online_distill:
@@ -276,10 +281,7 @@ def check_online_distill_flags(drafter: str) -> None:
     if len(set(FLAGS.distill_tags)) != len(FLAGS.distill_tags) or any(
             not t.strip() or t in (".", "..") or "/" in t for t in FLAGS.distill_tags):
         raise SpecjaxError(f"--distill_tags must be distinct names usable as directory names, got {FLAGS.distill_tags}")
-    tc, _ = distill_configs_from_flags()
-    if tc.divergence not in ("fkl", "tvd"):
-        raise SpecjaxError(f"--distill_divergence {tc.divergence} needs the teacher's whole distribution; online "
-                           "distillation keeps its top k: use fkl or tvd")
+    distill_configs_from_flags()  # (online distillation keeps the target's top k)
 
 
 def define_request_flags(chat: bool = False) -> None:

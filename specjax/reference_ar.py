@@ -26,33 +26,47 @@ from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingArrays, SamplingParams, sample
 
 
-@partial(jax.jit, static_argnames=("cfg", "slots", "greedy_only", "fwd"))
-def prefill(params, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int, greedy_only: bool,
-            fwd: ForwardOptions = ForwardOptions()):
-    """Run the prompts ([B, Tp], row b valid up to n_valid[b]) into a fresh cache and
-    sample each row's first new token."""
+def _prefill_logits(params, tokens, n_valid, *, cfg: ModelConfig, slots: int, fwd: ForwardOptions):
+    """Run the prompts ([B, Tp], row b valid up to n_valid[b]) into a fresh cache: (the logits at
+    each row's last prompt token [B, V], cache)."""
     B, T = tokens.shape
     cache = llama.init_cache_for(cfg, B, slots, params["embed"].dtype)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     last = jnp.maximum(n_valid - 1, 0)[:, None]
     logits, cache = llama.forward(params, tokens, pos, cache, llama.causal_mask(B, T), cfg=cfg,
                                   use_prefix=False, logits_at=last, fwd=fwd)
-    cache = kv.set_lengths(cache, n_valid)
-    tok = sample(logits[:, 0], samp, n_valid, greedy_only)
-    return cache, tok
+    return logits[:, 0], kv.set_lengths(cache, n_valid)
+
+
+def _decode_logits(params, cache: kv.KVCache, tokens, active, *, cfg: ModelConfig, fwd: ForwardOptions):
+    """Feed one token per row ([B]): (its logits [B, V], cache); rows with active=False do not advance."""
+    B = tokens.shape[0]
+    logits, cache = llama.forward(params, tokens[:, None], cache.lengths[:, None], cache, llama.causal_mask(B, 1),
+                                  cfg=cfg, fwd=fwd)
+    return logits[:, 0], kv.advance(cache, active.astype(jnp.int32))
+
+
+# The loop's two steps, as logits (for callers that choose tokens themselves: distill.data) ...
+prefill_logits = jax.jit(_prefill_logits, static_argnames=("cfg", "slots", "fwd"))
+decode_logits = jax.jit(_decode_logits, static_argnames=("cfg", "fwd"), donate_argnames=("cache",))
+
+
+# ... and sampled.
+@partial(jax.jit, static_argnames=("cfg", "slots", "greedy_only", "fwd"))
+def prefill(params, tokens, n_valid, samp: SamplingArrays, *, cfg: ModelConfig, slots: int, greedy_only: bool,
+            fwd: ForwardOptions = ForwardOptions()):
+    """Run the prompts ([B, Tp], row b valid up to n_valid[b]) into a fresh cache and
+    sample each row's first new token."""
+    logits, cache = _prefill_logits(params, tokens, n_valid, cfg=cfg, slots=slots, fwd=fwd)
+    return cache, sample(logits, samp, n_valid, greedy_only)
 
 
 @partial(jax.jit, static_argnames=("cfg", "greedy_only", "fwd"), donate_argnames=("cache",))
 def decode_step(params, cache: kv.KVCache, tokens, active, samp: SamplingArrays, *, cfg: ModelConfig,
                 greedy_only: bool, fwd: ForwardOptions = ForwardOptions()):
     """Feed one token per row; rows with active=False do not advance."""
-    B = tokens.shape[0]
-    pos = cache.lengths[:, None]
-    logits, cache = llama.forward(params, tokens[:, None], pos, cache, llama.causal_mask(B, 1), cfg=cfg,
-                                  fwd=fwd)
-    cache = kv.advance(cache, active.astype(jnp.int32))
-    tok = sample(logits[:, 0], samp, cache.lengths, greedy_only)
-    return cache, tok
+    logits, cache = _decode_logits(params, cache, tokens, active, cfg=cfg, fwd=fwd)
+    return cache, sample(logits, samp, cache.lengths, greedy_only)
 
 
 def reference_generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]],

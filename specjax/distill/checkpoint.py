@@ -133,6 +133,13 @@ class DistillCheckpoints:
         if wait:
             self.mgr.wait_until_finished()
 
+    def save_next(self, trainable, opt_state, record: dict, wait: bool = True) -> int:
+        """``save`` as the step after the latest (one in progress included); returns it."""
+        self.mgr.wait_until_finished()
+        step = (self.latest_step() or 0) + 1
+        self.save(step, trainable, opt_state, record, wait)
+        return step
+
     def wait(self) -> None:
         self.mgr.wait_until_finished()
 

@@ -9,8 +9,8 @@ sampling of GKD. Whoever writes, the target's top-k logits at every output posit
 as the teacher (``buffer.Record``, the same record online serving makes), so the draft then
 trains on exactly the data the replay buffer would hold.
 
-Batched with one KV cache per model (the rows' prompts right-padded, as the reference loop
-does); ``reference_ar`` style, nothing shared with the serving engine.
+Batched with one KV cache per model, on the reference loop's steps (``reference_ar.prefill_logits``
+/ ``decode_logits``); nothing shared with the serving engine.
 """
 
 from __future__ import annotations
@@ -23,53 +23,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buckets as bk
-from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.distill.buffer import Record
 from specjax.drafters.device import ModelDraft
 from specjax.errors import require
-from specjax.models import llama
+from specjax.models.options import ForwardOptions
+from specjax.reference_ar import decode_logits, prefill_logits
 
 MODES = {"teacher": 1.0, "student": 0.0}  # "mixed" takes its beta
-
-
-@partial(jax.jit, static_argnames=("cfg", "slots"))
-def _prefill(params, tokens, n_valid, *, cfg: ModelConfig, slots: int):
-    """Prompts [B, Tp] (row b valid up to n_valid[b]) into a fresh cache: (logits at each row's
-    last prompt token [B, V or N], cache)."""
-    B, T = tokens.shape
-    cache = llama.init_cache_for(cfg, B, slots, params["embed"].dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, cache = llama.forward(params, tokens, pos, cache, llama.causal_mask(B, T), cfg=cfg, use_prefix=False,
-                                  logits_at=jnp.maximum(n_valid - 1, 0)[:, None])
-    return logits[:, 0], kv.set_lengths(cache, n_valid)
-
-
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _next(params, cache, tok, *, cfg: ModelConfig):
-    B = tok.shape[0]
-    logits, cache = llama.forward(params, tok[:, None], cache.lengths[:, None], cache, llama.causal_mask(B, 1), cfg=cfg)
-    return logits[:, 0], kv.advance(cache, jnp.ones((B,), jnp.int32))
 
 
 @partial(jax.jit, static_argnames=("k", "beta", "temperature"))
 def _choose(key, p_logits, q_logits, *, k: int, beta: float, temperature: float):
     """The next token of every row from the mixture, and the target's top-k there."""
-    ids_vals = jax.lax.top_k(p_logits.astype(jnp.float32), k)
-    if temperature == 0:
-        lp = jax.nn.log_softmax(p_logits.astype(jnp.float32), -1)
-        lq = jax.nn.log_softmax(q_logits.astype(jnp.float32), -1)
-    else:
-        lp = jax.nn.log_softmax(p_logits.astype(jnp.float32) / temperature, -1)
-        lq = jax.nn.log_softmax(q_logits.astype(jnp.float32) / temperature, -1)
-    if beta == 1.0:
-        lm = lp
-    elif beta == 0.0:
-        lm = lq
-    else:
-        lm = jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)
+    vals, ids = jax.lax.top_k(p_logits.astype(jnp.float32), k)
+    t = temperature or 1.0  # (0: the mixture's argmax, of the untempered distributions)
+    lp = jax.nn.log_softmax(p_logits.astype(jnp.float32) / t, -1)
+    lq = jax.nn.log_softmax(q_logits.astype(jnp.float32) / t, -1)
+    lm = lp if beta == 1.0 else lq if beta == 0.0 else jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)
     tok = jnp.argmax(lm, -1) if temperature == 0 else jax.random.categorical(key, lm, -1)
-    return tok.astype(jnp.int32), ids_vals[1].astype(jnp.int32), ids_vals[0]
+    return tok.astype(jnp.int32), ids.astype(jnp.int32), vals
 
 
 def sample_records(cfg: ModelConfig, params, draft: ModelDraft, dparams, prompts: Sequence[Sequence[int]], *,
@@ -100,9 +73,11 @@ def sample_records(cfg: ModelConfig, params, draft: ModelDraft, dparams, prompts
         toks = np.zeros((B, Tp), np.int32)
         for r, p in enumerate(rows):
             toks[r, :len(p)] = p
-        pl, pc = _prefill(params, jnp.asarray(toks), jnp.asarray(lens), cfg=cfg, slots=slots)
-        ql, qc = (None, None) if b == 1.0 else _prefill(dparams, jnp.asarray(toks), jnp.asarray(lens), cfg=draft.cfg,
-                                                        slots=slots)
+        fwd = ForwardOptions()
+        pl, pc = prefill_logits(params, jnp.asarray(toks), jnp.asarray(lens), cfg=cfg, slots=slots, fwd=fwd)
+        ql, qc = (None, None) if b == 1.0 else prefill_logits(dparams, jnp.asarray(toks), jnp.asarray(lens),
+                                                              cfg=draft.cfg, slots=slots, fwd=fwd)
+        every = jnp.ones((B,), bool)
         gen, ids, logits = [], [], []
         for _ in range(max_new_tokens):
             key, sub = jax.random.split(key)
@@ -113,9 +88,9 @@ def sample_records(cfg: ModelConfig, params, draft: ModelDraft, dparams, prompts
             logits.append(np.asarray(top_vals))
             if len(gen) == max_new_tokens:
                 break
-            pl, pc = _next(params, pc, tok, cfg=cfg)
+            pl, pc = decode_logits(params, pc, tok, every, cfg=cfg, fwd=fwd)
             if ql is not None:
-                ql, qc = _next(dparams, qc, tok, cfg=draft.cfg)
+                ql, qc = decode_logits(dparams, qc, tok, every, cfg=draft.cfg, fwd=fwd)
         gen, ids, logits = np.stack(gen, 1), np.stack(ids, 1), np.stack(logits, 1)  # [B, n_new(, k)]
         for r, p in enumerate(rows):
             g = [int(t) for t in gen[r]]

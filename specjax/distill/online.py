@@ -141,9 +141,7 @@ class OnlineDistiller:
         if self.checkpoints is None:
             return None
         if self.updates != self.saved_updates:
-            self.checkpoints.wait()  # (the step number after the one in progress)
-            self.checkpoints.save((self.checkpoints.latest_step() or 0) + 1, self.trainable, self.opt_state,
-                                  self.record(), wait=wait)
+            self.checkpoints.save_next(self.trainable, self.opt_state, self.record(), wait=wait)
             self.saved_updates = self.updates
         if wait:
             self.checkpoints.wait()
