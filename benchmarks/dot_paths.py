@@ -56,7 +56,7 @@ def child(settings: dict) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.timing import median_seconds
+    from benchmarks.timing import interleaved_medians, median_seconds
     from specjax.engine.table import StepTable
     from specjax.models.loader import load_model
     from specjax.models.options import ForwardOptions
@@ -91,22 +91,26 @@ def child(settings: dict) -> dict:
         return state
 
     act = jax.device_put(np.ones(1, bool))
+
+    def stepper(K, ctx):
+        exe = table.step(1, K, S, True)
+        dt = jax.device_put(rng.integers(100, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
+        nd = jax.device_put(np.full(1, K, np.int32))
+        holder = [prefilled(ctx)]
+        base_len = np.array([ctx], np.int32)
+
+        def run():
+            st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
+            jax.block_until_ready(o.host)
+            # back to the same context: the step advanced the lengths
+            holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=jax.device_put(base_len)),
+                                 dcache=st.dcache, prev=st.prev, pending=st.pending)
+        return run
+
     for ctx in settings["contexts"]:
-        for K in settings["ks"]:
-            exe = table.step(1, K, S, True)
-            dt = jax.device_put(rng.integers(100, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
-            nd = jax.device_put(np.full(1, K, np.int32))
-            holder = [prefilled(ctx)]
-            base_len = np.array([ctx], np.int32)
-
-            def run():
-                st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
-                jax.block_until_ready(o.host)
-                # back to the same context: the step advanced the lengths
-                holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=jax.device_put(base_len)),
-                                     dcache=st.dcache, prev=st.prev, pending=st.pending)
-
-            t = median_seconds(run, reps)
+        # every K of one context in turn, round after round: their ratios survive the machine's drift
+        times = interleaved_medians({K: stepper(K, ctx) for K in settings["ks"]}, reps)
+        for K, t in times.items():
             out["steps"][f"{ctx}:{K}"] = t * 1e3
     chunk = table.prefill(1, 512, S, True, first=False)
     holder = [prefilled(512)]

@@ -90,6 +90,17 @@ def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     return jnp.where(x >= thresh, x, _NEG_INF)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first index of the maximum; a NaN counts as the
+    maximum, as there) in two plain reductions. XLA:CPU runs argmax's variadic (value, index)
+    reduce without vectorizing it: 1.44 ms for a 9-row verify block of SmolLM2's 49,152 logits
+    against 0.18 ms this way, 7.4 against 1.1 ms for 8 such rows (measured on a 2-core EPYC)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | (jnp.isnan(m) & jnp.isnan(x))
+    idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, idx, jnp.int32(x.shape[-1])), axis=-1)
+
+
 def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per (row, position): fold the absolute position into the row's seed."""
     base = jax.vmap(lambda s: jax.random.PRNGKey(s))(seed.astype(jnp.uint32))
@@ -98,7 +109,7 @@ def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array, greedy_only: bool = False) -> jax.Array:
     """Sample one token per row. logits: [B, V]; positions: [B] absolute position of the new token."""
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tok = argmax(logits)
     if greedy_only:
         return greedy_tok
     w = warp_logits(logits, s.temperature, s.top_k, s.top_p)
@@ -111,6 +122,6 @@ def probs_from_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """The sampling distribution as probabilities ([B, ..., V]); greedy rows are one-hot argmax."""
     w = warp_logits(logits, s.temperature, s.top_k, s.top_p)
     p = jax.nn.softmax(w, axis=-1)
-    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=p.dtype)
+    onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=p.dtype)
     g = (s.temperature > 0).reshape((-1,) + (1,) * (logits.ndim - 1))
     return jnp.where(g, p, onehot)

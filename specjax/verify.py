@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SamplingArrays, probs_from_logits, row_keys
+from specjax.sampling import SamplingArrays, argmax, probs_from_logits, row_keys
 
 # Independent random streams derived from one (seed, position) key.
 SALT_DRAFT = 1
@@ -41,7 +41,7 @@ def stream_keys(seed: jax.Array, positions: jax.Array, salt: int) -> jax.Array:
 
 def verify_greedy(target_logits, draft_tokens, num_draft):
     K = draft_tokens.shape[1]
-    g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    g = argmax(target_logits)  # [B, K+1]
     match = (draft_tokens == g[:, :K]) & (jnp.arange(K)[None, :] < num_draft[:, None])
     n = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
     return g, n
@@ -50,7 +50,7 @@ def verify_greedy(target_logits, draft_tokens, num_draft):
 def _sample_rows(keys, probs):
     """One categorical draw per row from unnormalised non-negative weights (exponential race)."""
     e = jax.vmap(lambda k: jax.random.exponential(k, probs.shape[-1:]))(keys)
-    return jnp.argmax(probs / e, axis=-1).astype(jnp.int32)
+    return argmax(probs / e)
 
 
 def verify_sampled(target_logits, draft_tokens, num_draft, samp: SamplingArrays, first_pos, draft_probs=None):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SamplingArrays, probs_from_logits
+from specjax.sampling import SamplingArrays, argmax, probs_from_logits
 from specjax.verify import SALT_ACCEPT, SALT_RESIDUAL, _sample_rows, stream_keys
 
 
@@ -52,7 +52,7 @@ def _greedy_row(g, tokens, parents, node_valid):
 
 
 def verify_tree_greedy(target_logits, tokens, parents, node_valid):
-    g = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    g = argmax(target_logits)
     return jax.vmap(_greedy_row)(g, tokens, parents, node_valid)
 
 

@@ -379,6 +379,30 @@ def test_config_variants_forward(variant):
 # ---------------------------------------------------------------- RoPE
 
 
+def test_rope_tables_behind_a_conditional_change_nothing():
+    """ForwardOptions.rope_once (the tables computed once, behind a conditional XLA:CPU cannot
+    fuse into each layer) gives the same logits and cache, bit for bit, as the fused tables."""
+    from specjax.models.options import ForwardOptions
+
+    params = llama.init_random_params(CFG, seed=4)
+    B, T = 2, 5
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+    # (a negative position, which a draft's re-fed padding can carry, must not change the tables)
+    pos = jnp.asarray([[-1, 0, 1, 2, 3], [7, 8, 9, 10, 11]], jnp.int32)
+    outs = []
+    for once in (False, True):
+        fwd = ForwardOptions(rope_once=once)
+        assert fwd.rope_barrier() is once
+        cache = llama.init_cache_for(CFG, B, 32)
+        f = jax.jit(partial(llama.forward, cfg=CFG, fwd=fwd))
+        outs.append(f(params, toks, pos, cache, llama.causal_mask(B, T)))
+    assert "conditional" in jax.jit(partial(llama.forward, cfg=CFG, fwd=ForwardOptions(rope_once=True))).lower(
+        params, toks, pos, llama.init_cache_for(CFG, B, 32), llama.causal_mask(B, T)).as_text("hlo")
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ForwardOptions().rope_barrier() is (jax.default_backend() == "cpu")
+
+
 def test_rope_inv_freq_unscaled():
     np.testing.assert_allclose(llama.rope_inv_freq(CFG), 10000.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-6)
 

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from specjax.errors import SpecjaxError
-from specjax.sampling import SamplingArrays, SamplingParams, probs_from_logits, sample, warp_logits
+from specjax.sampling import SamplingArrays, SamplingParams, argmax, probs_from_logits, sample, warp_logits
 
 _warp = jax.jit(warp_logits)
 _sample = jax.jit(sample, static_argnames=("greedy_only",))
@@ -175,6 +175,25 @@ def test_greedy_rows_return_argmax():
     greedy = np.array(temps) == 0
     np.testing.assert_array_equal(tok[greedy], am[greedy])
     np.testing.assert_array_equal(np.asarray(_sample(logits, s, pos, greedy_only=True)), am)
+
+
+def test_argmax_is_jnp_argmax_with_ties_nans_and_infinities():
+    """sampling.argmax (two plain reductions, the fast path on XLA:CPU) picks the index jnp.argmax
+    picks: the first maximum, the first NaN where there is one, index 0 of an all -inf row."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (6, 3, 50)).astype(np.float32)  # many ties at the maximum
+    x[0, 0, 7] = np.nan
+    x[0, 1, [4, 40]] = np.nan
+    x[1, 0] = -np.inf
+    x[1, 1, 9] = np.inf
+    x[1, 2, [2, 30]] = np.inf
+    x[2, 0, :] = np.nan
+    for a in (x, x.astype(jnp.bfloat16), x[:, 0]):
+        want = np.asarray(jnp.argmax(jnp.asarray(a), axis=-1))
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(a)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+    assert int(argmax(jnp.asarray(x[0, 0]))) == 7 and int(argmax(jnp.asarray(x[0, 2]))) == int(np.argmax(x[0, 2]))
 
 
 def test_sample_frequencies_match_warped_softmax():

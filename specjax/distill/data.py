@@ -29,6 +29,7 @@ from specjax.drafters.device import ModelDraft
 from specjax.errors import require
 from specjax.models.options import ForwardOptions
 from specjax.reference_ar import decode_logits, prefill_logits
+from specjax.sampling import argmax
 
 MODES = {"teacher": 1.0, "student": 0.0}  # "mixed" takes its beta
 
@@ -41,7 +42,7 @@ def _choose(key, p_logits, q_logits, *, k: int, beta: float, temperature: float)
     lp = jax.nn.log_softmax(p_logits.astype(jnp.float32) / t, -1)
     lq = jax.nn.log_softmax(q_logits.astype(jnp.float32) / t, -1)
     lm = lp if beta == 1.0 else lq if beta == 0.0 else jnp.logaddexp(jnp.log(beta) + lp, jnp.log1p(-beta) + lq)
-    tok = jnp.argmax(lm, -1) if temperature == 0 else jax.random.categorical(key, lm, -1)
+    tok = argmax(lm) if temperature == 0 else jax.random.categorical(key, lm, -1)
     return tok.astype(jnp.int32), ids.astype(jnp.int32), vals
 
 

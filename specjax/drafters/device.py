@@ -40,7 +40,7 @@ from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.errors import require
 from specjax.models import llama
-from specjax.sampling import SamplingArrays, probs_from_logits
+from specjax.sampling import SamplingArrays, argmax, probs_from_logits
 from specjax.verify import SALT_DRAFT, _sample_rows, stream_keys
 
 
@@ -91,7 +91,7 @@ class ModelDraft:
         """Draft j of every row from the draft logits: (token, its warped distribution or None,
         confidence = the draft's probability of the token it proposes, Algorithm 3)."""
         if greedy_only:
-            d = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+            d = argmax(lg)
             conf = jnp.max(jax.nn.softmax(lg.astype(jnp.float32), axis=-1), axis=-1)
             return d, None, conf
         q = probs_from_logits(lg, samp)

@@ -52,11 +52,28 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x: [B, T, H, hd], positions: [B, T]."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, barrier: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, 1, hd/2] of every position's RoPE angles, computed once per forward.
+
+    ``barrier`` (ForwardOptions.rope_once): compute them inside a conditional. XLA:CPU otherwise
+    fuses the transcendentals into every layer's rotation and evaluates them once per head and
+    layer (60 fusions a SmolLM2 step; 1.0 ms of a 9-row verify step at 1k context, 0.05 ms of a
+    decode step); ``optimization_barrier`` does not stop that fusion there, a conditional does
+    (its results cannot be fused into their users). Both branches compute the same tables, so
+    the (data-dependent, hence unfoldable) predicate never matters."""
+    def tables(p):
+        ang = p.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+        return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+    if not barrier:
+        return tables(positions)
+    return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None = None, tables=None) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, hd], positions: [B, T]; ``tables``: rope_tables(positions,
+    inv_freq), when the caller has them already (``forward`` shares them across layers)."""
+    cos, sin = tables if tables is not None else rope_tables(positions, inv_freq)
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -156,7 +173,7 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
     return out.reshape((B, T) + a.shape[1:])
 
 
-def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
+def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
            positions, block_mask, pack=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
@@ -178,8 +195,8 @@ def _layer(cfg: ModelConfig, inv_freq, fwd: ForwardOptions, use_prefix: bool, x,
         q = q + lp["bq"]
         k = k + lp["bk"]
         v = v + lp["bv"]
-    q = apply_rope(block(q).reshape(B, T, H, hd), positions, inv_freq)
-    k = apply_rope(block(k).reshape(B, T, Hkv, hd), positions, inv_freq)
+    q = apply_rope(block(q).reshape(B, T, H, hd), positions, tables=rope)
+    k = apply_rope(block(k).reshape(B, T, Hkv, hd), positions, tables=rope)
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
     o = attn_lib.block_attention(
@@ -230,7 +247,7 @@ def forward(
     n_layers = len(layers)
     if cache.k.shape[0] != n_layers:
         raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
-    inv_freq = rope_inv_freq(cfg)
+    rope = rope_tables(positions, rope_inv_freq(cfg), barrier=fwd.rope_barrier())
     B, T = tokens.shape
     if pack is not None and (logits_at is not None or return_hidden):
         raise ValueError("pack does not combine with logits_at / return_hidden")
@@ -240,7 +257,7 @@ def forward(
     # weights every step (measured 1.6x-10x slower for decode).
     k_all, v_all = cache.k, cache.v
     for i, lp in enumerate(layers):
-        x, k_all, v_all = _layer(cfg, inv_freq, fwd, use_prefix, x, lp, k_all, v_all, i,
+        x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
                                  cache.lengths, positions, block_mask, pack)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)

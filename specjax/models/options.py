@@ -24,12 +24,18 @@ class ForwardOptions:
     all rows, a row's result the same at any row count; float32 activations; the params need
     llama.pack_for_rows, which LoadedModel.params_for applies with a GGUF's Q4_1/Q8_0 weights
     kept in their blocks); 0 = XLA's dot. Launch scripts pick it with
-    LoadedModel.auto_rows_kernel unless --rows_kernel says."""
+    LoadedModel.auto_rows_kernel unless --rows_kernel says.
+    rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
+    XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
+    1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
+    default backend is the CPU, off on accelerators, where a conditional waits for its
+    predicate on the host."""
 
     attention: str = "xla"
     attn_chunk: int = 256
     small_rows: int = 0
     rows_kernel: int = 0
+    rope_once: bool | None = None
 
     def __post_init__(self):
         require(self.attention in ("xla", "pallas"),
@@ -37,3 +43,11 @@ class ForwardOptions:
         require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
+
+    def rope_barrier(self) -> bool:
+        """Whether forward computes the RoPE tables behind a conditional (``rope_once``, resolved)."""
+        if self.rope_once is not None:
+            return self.rope_once
+        import jax
+
+        return jax.default_backend() == "cpu"
