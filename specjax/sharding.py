@@ -1,19 +1,27 @@
-"""Sharding hooks: logical axis names on params and cache, mapped to mesh axes by one rules table.
+"""Sharding: one logical-axis rules table places every array of the engine on a device mesh.
 
 Every array dimension carries a logical name (``embed``, ``heads``, ``mlp`` ...).
-``LOGICAL_RULES`` maps names to mesh axes (``data`` for batch parallelism,
-``model`` for tensor parallelism). A dimension that does not divide evenly over
-its mesh axis (e.g. 3 KV heads on 2 model shards) is replicated instead, so any
-config runs on any mesh. By default everything runs on a 1-device mesh.
+``LOGICAL_RULES`` maps names to mesh axes (``data`` for batch parallelism, ``model`` for
+tensor parallelism: attention heads, MLP columns, the vocabulary of the embedding and the
+head, the KV cache by KV heads). A dimension that does not divide over its mesh axis is
+replicated (KV heads fewer than the model shards, a batch bucket of 1 on two data shards);
+``Layout.check`` refuses, in one line, meshes whose model axis would have to split attention
+heads or MLP columns unevenly.
+
+A ``Layout`` (a mesh, the rules, whether drafts are sharded) is part of every CompileKey of a
+sharded engine: the compiled prefills, steps and row operations take their inputs with the
+layout's shardings and pin the state they return to the same cache sharding, so the live state
+never reshards between steps. Without a layout everything runs on one device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import ModelConfig
 
@@ -57,13 +65,24 @@ def param_logical_axes(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ``data`` x ``model`` mesh (jax.make_mesh, GSPMD-propagated ``Auto`` axes) over the
+    first data * model of ``devices`` (default: all of jax's devices)."""
+    from specjax.errors import SpecjaxError
+
+    if not (isinstance(data, (int, np.integer)) and isinstance(model, (int, np.integer)) and data >= 1 and model >= 1):
+        raise SpecjaxError(f"mesh sizes must be positive integers, got data={data!r} x model={model!r}")
     devices = list(devices if devices is not None else jax.devices())
     n = data * model
     if n > len(devices):
-        from specjax.errors import SpecjaxError
+        kind = devices[0].platform if devices else "jax"
+        raise SpecjaxError(f"mesh data={data} x model={model} needs {n} devices; {len(devices)} {kind} "
+                           "device(s) present")
+    return jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[:n])
 
-        raise SpecjaxError(f"mesh {data}x{model} needs {n} devices, only {len(devices)} available")
-    return Mesh(np.asarray(devices[:n]).reshape(data, model), ("data", "model"))
+
+def describe_mesh(mesh: Mesh) -> str:
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
 def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, rules=None,
@@ -130,3 +149,83 @@ def abstract_params(cfg: ModelConfig, dtype=jax.numpy.bfloat16):
     if not cfg.tie_embeddings:
         out["lm_head"] = sds((D, V), dtype)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every array of a sharded engine lives: a mesh, the logical rules, and whether an
+    independent draft model is sharded like the target (``shard_draft``) or replicated on every
+    device (the default: a small draft then runs without collectives). Hashable: it is part of
+    the CompileKey. (A layer-skip draft's params are the target's first layers: replicating
+    them copies those layers; give it ``shard_draft=True``.)"""
+
+    mesh: Mesh
+    shard_draft: bool = False
+    rules: tuple = tuple(LOGICAL_RULES.items())
+
+    def describe(self) -> str:
+        return f"mesh {describe_mesh(self.mesh)}"
+
+    def _rules(self) -> dict:
+        return dict(self.rules)
+
+    def sharding(self, axes: tuple, shape: tuple, units: dict | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec(axes, tuple(shape), self.mesh, self._rules(), units))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def rows(self, shape: tuple) -> NamedSharding:
+        """A per-row array ([B, ...]: tokens, lengths, sampling parameters): batch over ``data``."""
+        return self.sharding(("batch",) + (None,) * (len(shape) - 1), shape)
+
+    def check(self, cfg: ModelConfig, role: str = "model") -> None:
+        """One-line SpecjaxError, naming the config and the mesh, for a model axis that would
+        split attention heads or MLP columns unevenly (KV heads fewer than the shards are
+        replicated instead; more but not divisible is an error)."""
+        from specjax.errors import SpecjaxError
+
+        tp = self.mesh.shape.get(self._rules().get("heads") or "", 1)
+        bad = [f"{n} {what}" for n, what in ((cfg.num_heads, "attention heads"), (cfg.intermediate_size, "MLP columns"))
+               if n % tp]
+        if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
+            bad.append(f"{cfg.num_kv_heads} KV heads")
+        if bad:
+            raise SpecjaxError(f"{role} {cfg.name} does not fit {self.describe()}: {', '.join(bad)} do not divide over "
+                               f"{tp} model shards (pick a model axis that divides them)")
+
+    def params(self, cfg: ModelConfig, tree, draft: bool = False):
+        """Shardings of a params pytree (arrays or ShapeDtypeStructs); an independent draft's are
+        replicated unless ``shard_draft``."""
+        if draft and not self.shard_draft:
+            return jax.tree_util.tree_map(lambda _: self.replicated(), tree)
+        return param_shardings(cfg, tree, self.mesh, self._rules())
+
+    def put_params(self, cfg: ModelConfig, params, draft: bool = False):
+        return jax.device_put(params, self.params(cfg, params, draft))
+
+    def cache(self, cache, draft: bool = False):
+        """KVCache of shardings for a cache (arrays or ShapeDtypeStructs): KV heads over ``model``
+        where they divide, rows over ``data``; a replicated draft's cache is replicated."""
+        from specjax.cache import KVCache
+
+        if draft and not self.shard_draft:
+            return KVCache(k=self.replicated(), v=self.replicated(), lengths=self.rows(cache.lengths.shape))
+        return KVCache(**{name: self.sharding(CACHE_AXES[name], getattr(cache, name).shape)
+                          for name in ("k", "v", "lengths")})
+
+    def state(self, st):
+        """StepState of shardings (one for every prefill, step and row operation of a bucket)."""
+        cls = type(st)
+        dc = None if st.dcache is None else self.cache(st.dcache, draft=True)
+        return cls(cache=self.cache(st.cache), dcache=dc, prev=self.rows(st.prev.shape),
+                   pending=self.rows(st.pending.shape))
+
+    def pin_state(self, st):
+        """``st`` constrained to ``state``'s shardings (inside a compiled function)."""
+        return jax.lax.with_sharding_constraint(st, self.state(st))
+
+
+def with_shardings(abstract, shardings):
+    """ShapeDtypeStructs of ``abstract`` carrying ``shardings`` (a matching tree)."""
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

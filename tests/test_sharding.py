@@ -37,11 +37,24 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_generation_matches_single_device():
+def _run_fake_devices(args, timeout=600):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_sharded_generation_matches_single_device():
+    r = _run_fake_devices(["-c", _SCRIPT])
     assert "SHARDED_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_sharded_engine_matches_unsharded_on_four_meshes():
+    """Must-show of the scale issue: the serving engine on meshes 1x2, 2x4, 4x2 and 8x1 of fake
+    devices (every prefill, chain / tree step and row operation compiled for the layout's
+    shardings) gives the unsharded engine's tokens for prompt lookup, suffix trees and a draft
+    model, greedy and sampled; see sharded_engine_run.py."""
+    r = _run_fake_devices([os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_engine_run.py")])
+    assert "SHARDED_ENGINE_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
 class _FakeMesh:

@@ -5,7 +5,8 @@ take it as their only static argument, so an executable is identified by one has
 the model config, the operation and its shapes (batch bucket, cache slots, drafts per row or
 tree nodes, prompt bucket), the verify rule (greedy-only or mixed sampling), the device drafter
 (None for host drafts, or a prefill without the draft) and the forward options (attention
-implementation, prefix chunk, CPU projection mode). The mesh joins it when the engine is sharded.
+implementation, prefix chunk, CPU projection mode) and, for a sharded engine, the ``Layout``
+(mesh and rules) its inputs and its returned state are placed by.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
 from specjax.models.options import ForwardOptions
+from specjax.sharding import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,7 @@ class CompileKey:
     width: int = 0  # verify: drafts per row the draft call produced (its k)
     tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
     teacher: int = 0  # step / verify: also return the target's top-k logits at the verified positions (k; 0: none)
+    layout: Layout | None = None  # sharded engine: the mesh and rules (None: one device)
 
     def __post_init__(self):
         if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify"):

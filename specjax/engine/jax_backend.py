@@ -48,10 +48,12 @@ from specjax.models import llama
 from specjax.models.options import ForwardOptions
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
+from specjax.sharding import Layout
 
 
 def _zeros_like_info(info):
-    return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), info)
+    return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), getattr(s, "sharding", None)),
+                                  info)
 
 
 MAPS_PER_LAYER_EXE = 22  # measured: ~650 memory maps per SmolLM2 (30-layer) prefill/step executable, row ops included
@@ -97,15 +99,26 @@ class JaxBackend:
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
                  shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False,
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, teacher_topk: int = 0):
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, teacher_topk: int = 0, layout: Layout | None = None):
+        """``layout``: shard the engine over a mesh (sharding.Layout; the params are placed by its
+        rules here, every executable is compiled for them). None: one device."""
         require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
         require(0 <= teacher_topk <= cfg.vocab_size, f"teacher_topk must be in 0..{cfg.vocab_size}, got {teacher_topk}")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
+        check_pair(cfg, draft, draft_params)
+        if layout is not None:
+            require(not fwd.rows_kernel, f"the CPU rows kernel runs on one device; use rows_kernel 0 on {layout.describe()}")
+            layout.check(cfg)
+            if draft is not None and layout.shard_draft:
+                layout.check(draft.cfg, "draft")
+            same = draft_params is None or draft_params is params
+            params = layout.put_params(cfg, params)
+            draft_params = None if same else layout.put_params(draft.cfg if draft else cfg, draft_params, draft=True)
+        self.layout = layout
         # the rows kernel reads packed copies of the weights (packed once here; idempotent)
         self.params = llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params
         self.draft = draft
-        check_pair(cfg, draft, draft_params)
         self.device_draft = draft is not None
         self.dparams = draft_params if draft_params is not None else params
         self.drafter = drafter if drafter is not None else NoDrafter()
@@ -136,7 +149,7 @@ class JaxBackend:
         self.slots = slots
         self.live = LiveBucket(self.batch_buckets, shrink_patience)
         self.max_chunk = bk.largest_chunk(prefill_chunk, slots)  # prompts run in chunks of at most this
-        self.table = StepTable(cfg, params, self.dparams, draft, fwd, teacher_topk)
+        self.table = StepTable(cfg, params, self.dparams, draft, fwd, teacher_topk, layout)
         self.reset()
 
     # ------------------------------------------------------------ state

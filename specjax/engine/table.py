@@ -9,6 +9,11 @@ batching engine needs to keep one batch-bucket state alive while requests come a
   take_rows:   gather rows into a state of another bucket (grow or compact the batch)
   clear_rows:  zero the length of freed rows (a stale long row would make every step's
                chunked attention read its slots, and keep the next writes in range)
+
+With a ``Layout`` (sharding.Layout: a mesh and the logical rules) every executable is lowered
+for inputs carrying the layout's shardings (params as placed, per-row inputs over ``data``, the
+state in the one cache sharding of its bucket) and returns its state pinned to that sharding,
+row operations included (their static ``layout`` argument).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
 from specjax.engine.step import (StepState, fresh_state, spec_chunk_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
+from specjax.sharding import Layout, with_shardings
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
 
@@ -43,16 +49,21 @@ def _cache_set_rows(dst: kv.KVCache, src: kv.KVCache, rows) -> kv.KVCache:
                       lengths=_set_rows(dst.lengths, src.lengths, rows, 0))
 
 
-@partial(jax.jit, donate_argnames=("state",))
-def insert_rows(state: StepState, new: StepState, rows) -> StepState:
+def _pin(layout: Layout | None, state: StepState) -> StepState:
+    return state if layout is None else layout.pin_state(state)
+
+
+@partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
+def insert_rows(state: StepState, new: StepState, rows, layout: Layout | None = None) -> StepState:
     """rows[j]: destination row of new's row j (>= B drops it: a padding row of the prefill).
     A ``new`` without a draft cache (prefill with the draft disabled) leaves the draft rows as
     they are; the step re-derives draft lengths from the target's anyway."""
     dcache = state.dcache
     if dcache is not None and new.dcache is not None:
         dcache = _cache_set_rows(dcache, new.dcache, rows)
-    return StepState(cache=_cache_set_rows(state.cache, new.cache, rows), dcache=dcache,
-                     prev=_set_rows(state.prev, new.prev, rows, 0), pending=_set_rows(state.pending, new.pending, rows, 0))
+    return _pin(layout, StepState(cache=_cache_set_rows(state.cache, new.cache, rows), dcache=dcache,
+                                  prev=_set_rows(state.prev, new.prev, rows, 0),
+                                  pending=_set_rows(state.pending, new.pending, rows, 0)))
 
 
 def _cache_take(c: kv.KVCache, idx) -> kv.KVCache:
@@ -60,31 +71,28 @@ def _cache_take(c: kv.KVCache, idx) -> kv.KVCache:
     return kv.KVCache(k=c.k[:, src], v=c.v[:, src], lengths=jnp.where(idx >= 0, c.lengths[src], 0))
 
 
-@jax.jit
-def take_rows(state: StepState, idx) -> StepState:
+@partial(jax.jit, static_argnames=("layout",))
+def take_rows(state: StepState, idx, layout: Layout | None = None) -> StepState:
     """New state whose row j is old row idx[j] (idx[j] = -1: an empty row of length 0)."""
     src = jnp.maximum(idx, 0)
-    return StepState(cache=_cache_take(state.cache, idx),
-                     dcache=None if state.dcache is None else _cache_take(state.dcache, idx),
-                     prev=state.prev[src], pending=state.pending[src])
+    return _pin(layout, StepState(cache=_cache_take(state.cache, idx),
+                                  dcache=None if state.dcache is None else _cache_take(state.dcache, idx),
+                                  prev=state.prev[src], pending=state.pending[src]))
 
 
-@partial(jax.jit, donate_argnames=("state",))
-def clear_rows(state: StepState, free) -> StepState:
+@partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
+def clear_rows(state: StepState, free, layout: Layout | None = None) -> StepState:
     def clr(c):
         return None if c is None else kv.set_lengths(c, jnp.where(free, 0, c.lengths))
 
-    return dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache))
-
-
-def _abstract_samp(B):
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((B,), a.dtype), SamplingArrays.build([], B))
+    return _pin(layout, dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache)))
 
 
 class StepTable:
     def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
-                 fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0):
+                 fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0, layout: Layout | None = None):
         self.cfg = cfg
+        self.layout = layout
         self.teacher_topk = teacher_topk  # chain steps also return the target's top-k (CompileKey.teacher)
         self.params = params
         self.dparams = dparams
@@ -96,7 +104,18 @@ class StepTable:
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
-        self.disk_cache = exe_cache.default() if self._one_device else None
+        self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
+
+    def _sds(self, shape, dtype, per_row: bool = True):
+        """An abstract input; with a layout, per-row ([B, ...]) inputs are placed over ``data``,
+        the rest replicated."""
+        if self.layout is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        sh = self.layout.rows(shape) if per_row else self.layout.replicated()
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    def _abstract_samp(self, B):
+        return jax.tree_util.tree_map(lambda a: self._sds((B,), a.dtype), SamplingArrays.build([], B))
 
     def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
             prompt: int = 0, width: int = 0, tokens: int = 0) -> CompileKey:
@@ -104,13 +123,14 @@ class StepTable:
         from a draft call, so its key has no drafter)."""
         draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
         teacher = self.teacher_topk if op in ("step", "verify") else 0
-        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher)
+        return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
+                          self.layout)
 
     def _compile(self, key, fn, *args):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
         (exe_cache: a warm run skips tracing the model). Model executables take ``key`` as their
-        static argument; the row operations have none."""
-        static = {"key": key} if isinstance(key, CompileKey) else {}
+        static argument; the row operations the layout."""
+        static = {"key": key} if isinstance(key, CompileKey) else {} if self.layout is None else {"layout": self.layout}
         return exe_cache.compile_cached(self.disk_cache, key, fn, args, **static)
 
     def _get(self, key, build, what: str, compile_if_missing: bool = False):
@@ -131,11 +151,11 @@ class StepTable:
         key = self.key("prefill" if first else "chunk", B, S, greedy_only, run_draft, prompt=C)
 
         def build():
-            toks = jax.ShapeDtypeStruct((B, C), jnp.int32)
-            nv = jax.ShapeDtypeStruct((B,), jnp.int32)
+            toks = self._sds((B, C), jnp.int32)
+            nv = self._sds((B,), jnp.int32)
             if first:
-                return self._compile(key, spec_prefill_jit, self.params, self.dparams, toks, nv, _abstract_samp(B))
-            return self._compile(key, spec_chunk_jit, self.params, self.dparams, toks, nv, _abstract_samp(B),
+                return self._compile(key, spec_prefill_jit, self.params, self.dparams, toks, nv, self._abstract_samp(B))
+            return self._compile(key, spec_chunk_jit, self.params, self.dparams, toks, nv, self._abstract_samp(B),
                                  self.state_info(B, S, run_draft))
 
         return self._get(key, build, key.describe(), compile_if_missing)
@@ -144,6 +164,10 @@ class StepTable:
         """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is
         not traced)."""
         key = ("state_info", B, S, bool(run_draft) and self.draft is not None)
+        if key not in self._info and self.layout is not None:
+            ck = self.key("prefill", B, S, True, key[3], prompt=bk.MIN_PROMPT_BUCKET)
+            info = jax.eval_shape(partial(fresh_state, B=B, key=ck), self.params, self.dparams)
+            self._info[key] = with_shardings(info, self.layout.state(info))
         if key not in self._info and not self._one_device:
             # Sharded params: the state's shardings are what the compiled prefill produces (an
             # abstract shape alone would pin the compiled steps to one device). The mesh-aware
@@ -160,12 +184,12 @@ class StepTable:
         key = self.key("step", B, S, greedy_only, k=K, tokens=tokens)
 
         def build():
-            dt = jax.ShapeDtypeStruct((B, max(K, 1)), jnp.int32)
-            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
-            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
-            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
+            dt = self._sds((B, max(K, 1)), jnp.int32)
+            nd = self._sds((B,), jnp.int32)
+            act = self._sds((B,), jnp.bool_)
+            pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
             return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                 _abstract_samp(B), None, pack)
+                                 self._abstract_samp(B), None, pack)
 
         return self._get(key, build, key.describe(), compile_if_missing)
 
@@ -174,10 +198,10 @@ class StepTable:
         key = self.key("draft", B, S, greedy_only, k=P)
 
         def build():
-            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
-            thr = jax.ShapeDtypeStruct((), jnp.float32)
+            act = self._sds((B,), jnp.bool_)
+            thr = self._sds((), jnp.float32, per_row=False)
             return self._compile(key, spec_draft_jit, self.params, self.dparams, self.state_info(B, S), act,
-                                 _abstract_samp(B), thr)
+                                 self._abstract_samp(B), thr)
 
         return self._get(key, build, key.describe())
 
@@ -186,13 +210,13 @@ class StepTable:
         key = self.key("verify", B, S, greedy_only, k=K, width=P, tokens=tokens)
 
         def build():
-            dt = jax.ShapeDtypeStruct((B, P), jnp.int32)
-            nd = jax.ShapeDtypeStruct((B,), jnp.int32)
-            act = jax.ShapeDtypeStruct((B,), jnp.bool_)
-            q = None if greedy_only else jax.ShapeDtypeStruct((B, P, self.cfg.vocab_size), jnp.float32)
-            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
+            dt = self._sds((B, P), jnp.int32)
+            nd = self._sds((B,), jnp.int32)
+            act = self._sds((B,), jnp.bool_)
+            q = None if greedy_only else self._sds((B, P, self.cfg.vocab_size), jnp.float32)
+            pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
             return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                 _abstract_samp(B), q, pack)
+                                 self._abstract_samp(B), q, pack)
 
         return self._get(key, build, key.describe())
 
@@ -200,11 +224,11 @@ class StepTable:
         key = self.key("tree", B, S, greedy_only, k=K, tokens=tokens)
 
         def build():
-            ints = jax.ShapeDtypeStruct((B, K + 1), jnp.int32)
-            pack = jax.ShapeDtypeStruct((tokens,), jnp.int32) if tokens else None
+            ints = self._sds((B, K + 1), jnp.int32)
+            pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
             return self._compile(key, spec_tree_step_jit, self.params, self.dparams, self.state_info(B, S), ints, ints,
-                                 jax.ShapeDtypeStruct((B, K + 1), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.bool_),
-                                 _abstract_samp(B), pack)
+                                 self._sds((B, K + 1), jnp.bool_), self._sds((B,), jnp.bool_),
+                                 self._abstract_samp(B), pack)
 
         return self._get(key, build, key.describe(), compile_if_missing)
 
@@ -214,7 +238,7 @@ class StepTable:
         key = ("insert", B, Bp, S, run_draft)
 
         def build():
-            rows = jax.ShapeDtypeStruct((Bp,), jnp.int32)
+            rows = self._sds((Bp,), jnp.int32, per_row=False)
             return self._compile(key, insert_rows, self.state_info(B, S), self.state_info(Bp, S, run_draft), rows)
 
         return self._get(key, build, f"row insert of {Bp} into batch {B}")
@@ -223,7 +247,7 @@ class StepTable:
         key = ("take", B_from, B_to, S)
 
         def build():
-            return self._compile(key, take_rows, self.state_info(B_from, S), jax.ShapeDtypeStruct((B_to,), jnp.int32))
+            return self._compile(key, take_rows, self.state_info(B_from, S), self._sds((B_to,), jnp.int32, per_row=False))
 
         return self._get(key, build, f"batch resize {B_from} -> {B_to}")
 
@@ -231,6 +255,6 @@ class StepTable:
         key = ("clear", B, S)
 
         def build():
-            return self._compile(key, clear_rows, self.state_info(B, S), jax.ShapeDtypeStruct((B,), jnp.bool_))
+            return self._compile(key, clear_rows, self.state_info(B, S), self._sds((B,), jnp.bool_, per_row=False))
 
         return self._get(key, build, f"row clear for batch {B}")

@@ -1,0 +1,90 @@
+"""Run in a subprocess by test_sharding.py (the fake device count must be set before JAX starts):
+the serving engine sharded over several meshes of 8 fake CPU devices gives the unsharded
+engine's tokens, greedy (prompt lookup, suffix trees, an independent draft model, replicated and
+sharded) and sampled with fixed seeds; the sharded forward gives the same logits; bad meshes are
+one-line errors. Prints SHARDED_ENGINE_OK at the end."""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import time
+import jax, numpy as np
+from specjax import sharding as sh
+from specjax.config import get_model_config
+from specjax.drafters.device import ModelDraft
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.drafters.suffix import SuffixDrafter
+from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.loop import EventClock, ServingEngine
+from specjax.engine.scheduler import Request
+from specjax.errors import SpecjaxError
+from specjax.goodput import FixedK
+from specjax.models import llama
+from specjax.sampling import SamplingParams
+
+assert len(jax.devices()) == 8
+t0 = time.time()
+cfg = get_model_config("tiny-random")
+params = llama.init_random_params(cfg, 0)
+# an independent draft model: a copy of the target's first 3 of 4 layers (it agrees often enough
+# for accepted drafts; its params are not the target's arrays, so a layout places them itself)
+dcfg = cfg.replace(name="tiny-draft", num_layers=3)
+dparams = dict(params, layers=[dict(lp) for lp in params["layers"][:3]])
+rng = np.random.default_rng(0)
+prompts = []
+for i in range(6):
+    unit = list(map(int, rng.integers(1, 255, size=3)))
+    prompts.append((unit * 5)[:12] if i % 2 == 0 else list(map(int, rng.integers(1, 255, size=9))))
+greedy = [Request(f"g{i}", p, 12, arrival=0.0) for i, p in enumerate(prompts)]
+sampled = [Request(f"s{i}", p, 12, sampling=SamplingParams(temperature=1.0, top_k=50, seed=7 + i), arrival=0.0)
+           for i, p in enumerate(prompts)]
+
+def run(kind, layout, reqs, K=2):
+    kw = dict(k_buckets=(0, K), batch_buckets=(2, 8), slots=64, layout=layout)
+    if kind == "prompt_lookup":
+        be = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), **kw)
+    elif kind == "suffix":
+        be = JaxBackend(cfg, params, drafter=SuffixDrafter(), **kw)
+    else:
+        be = JaxBackend(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, **kw)
+    outs = ServingEngine(be, FixedK(K), clock=EventClock()).run([Request(r.id, r.prompt, r.max_new_tokens, sampling=r.sampling) for r in reqs])
+    if layout is not None:  # the live state and the params are where the layout puts them
+        st = be.state
+        assert st.cache.k.sharding.is_equivalent_to(layout.cache(st.cache).k, 5), (st.cache.k.sharding, layout)
+        assert be.params["layers"][0]["w_up"].sharding.spec == sh.P(None, "model")
+        if kind == "draft" and not layout.shard_draft:
+            assert be.dparams["layers"][0]["w_up"].sharding.is_fully_replicated
+    return [o.tokens for o in outs], sum(o.accepted for o in outs)
+
+# logits: the sharded forward against the unsharded one
+toks = jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (4, 6)), jax.numpy.int32)
+pos = jax.numpy.broadcast_to(jax.numpy.arange(6, dtype=jax.numpy.int32), (4, 6))
+def logits(p, layout=None):
+    c = llama.init_cache_for(cfg, 4, 16)
+    if layout is not None:
+        c = jax.device_put(c, layout.cache(c))
+    return np.asarray(jax.jit(lambda p, c: llama.forward(p, toks, pos, c, llama.causal_mask(4, 6), cfg=cfg)[0])(p, c))
+want_logits = logits(params)
+
+meshes = [(1, 2), (2, 4), (4, 2), (8, 1)]
+want = {kind: run(kind, None, greedy) for kind in ("prompt_lookup", "suffix", "draft")}
+want_s = run("prompt_lookup", None, sampled)
+print("baselines", round(time.time() - t0, 1), {k: v[1] for k, v in want.items()}, flush=True)
+for data, model in meshes:
+    lay = sh.Layout(sh.make_mesh(data, model))
+    got = logits(lay.put_params(cfg, params), lay)
+    np.testing.assert_allclose(got, want_logits, rtol=2e-5, atol=2e-5)
+    for kind in ("prompt_lookup", "suffix", "draft"):
+        got = run(kind, lay, greedy)
+        assert got[0] == want[kind][0], (kind, data, model)
+    assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)
+    print("mesh", data, model, "ok", round(time.time() - t0, 1), flush=True)
+# a draft sharded like the target gives the same tokens
+assert run("draft", sh.Layout(sh.make_mesh(2, 4), shard_draft=True), greedy)[0] == want["draft"][0]
+# bad meshes: one line each, before any device work
+for data, model, needle in ((1, 8, "tiny-random does not fit mesh data=1 x model=8: 4 attention heads"),
+                            (4, 4, "needs 16 devices; 8 cpu device(s) present"), (0, 2, "positive integers")):
+    try:
+        JaxBackend(cfg, params, layout=sh.Layout(sh.make_mesh(data, model)), k_buckets=(0,), batch_buckets=(2,), slots=64)
+        raise SystemExit(f"no error for mesh {data} x {model}")
+    except SpecjaxError as e:
+        assert needle in str(e) and "\n" not in str(e), str(e)
+print("SHARDED_ENGINE_OK", round(time.time() - t0, 1))
