@@ -58,6 +58,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     arch: str = "llama"  # "llama" | "qwen2"
+    draft: str = ""  # a named config of a smaller model with this one's tokenizer (the seeds' draft pairs)
     weights: WeightsSource = WeightsSource()
 
     def __post_init__(self):

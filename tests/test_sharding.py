@@ -57,6 +57,29 @@ def test_sharded_engine_matches_unsharded_on_four_meshes():
     assert "SHARDED_ENGINE_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
+def test_engine_compiles_ahead_of_time_for_70b_and_8b_layouts():
+    """Abstract-param compilation on fake devices: golden layouts of 70B TP=8, 8B 2x2 and Qwen2.5-7B
+    TP=4, the state in and out of a step in the same shardings, the compiled argument bytes equal
+    to one device's exact share, and one-line errors for meshes and KV budgets that do not fit
+    (aot_run.py)."""
+    r = _run_fake_devices([os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_run.py")])
+    assert "AOT_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+
+
+def test_draft_pairs_name_configs_with_the_same_tokenizer():
+    from specjax.config import available_models
+
+    pairs = {n: get_model_config(n).draft for n in available_models()}
+    assert {pairs[n] for n in ("vicuna-7b", "llama2-70b", "llama3-70b", "qwen2.5-72b")} == {
+        "llama-160m", "tinyllama-1.1b", "llama3.2-1b", "qwen2.5-0.5b"}
+    for name, draft in pairs.items():
+        if draft:
+            t, d = get_model_config(name), get_model_config(draft)
+            # the same ids; Qwen2.5 7B/72B pad their embedding past the 0.5B's (unused ids)
+            assert d.vocab_size == t.vocab_size or (d.vocab_size < t.vocab_size and t.arch == "qwen2"), name
+            assert d.num_params() < t.num_params() / 2, name
+
+
 class _FakeMesh:
     """Just enough of a Mesh for logical_to_spec (shape lookup)."""
 
