@@ -38,7 +38,7 @@ def abstract_table(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16,
     """A StepTable over abstract params placed by ``layout`` (the config and mesh are checked
     first: a mesh that cannot hold the model is a one-line error before any compilation)."""
     layout.check(cfg)
-    ab = sh.abstract_params(cfg, dtype)
+    ab = sh.abstract_params(cfg, dtype, stacked=fwd.scan_layers)
     params = sh.with_shardings(ab, layout.params(cfg, ab))
     return StepTable(cfg, params, params, fwd=fwd, layout=layout)
 
@@ -111,6 +111,14 @@ def _variants(table: StepTable, batch: int, slots: int, ks, chunk: int):
     out = [(f"prefill {chunk}", lambda: table.prefill(batch, chunk, slots, True, first=False))]
     out += [(f"step K={k}", lambda k=k: table.step(batch, k, slots, True)) for k in ks]
     return out
+
+
+def bucket_set_seconds(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, ks=(0, 4), chunk: int = 512,
+                       dtype=jnp.bfloat16, fwd: ForwardOptions = ForwardOptions()) -> dict:
+    """Compile seconds of each variant of a bucket set (the forward options decide, e.g., the
+    per-layer list or the scanned layer stack)."""
+    table = abstract_table(cfg, layout, dtype, fwd)
+    return {n: variant_memory(n, b).compile_s for n, b in _variants(table, batch, slots, ks, chunk)}
 
 
 def plan(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, ks=(0, 4), chunk: int = 512,

@@ -50,14 +50,17 @@ CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
               "lengths": ("batch",)}
 
 
-def param_logical_axes(cfg: ModelConfig) -> dict[str, Any]:
+def param_logical_axes(cfg: ModelConfig, stacked: bool = False) -> dict[str, Any]:
+    """Logical axes of every param; ``stacked``: layers as one dict of [L, ...] arrays
+    (llama.stack_layers), whose leading axis is ``layers``."""
     keys = list(_LAYER_AXES)
     if not cfg.qkv_bias:
         keys = [k for k in keys if k not in ("bq", "bk", "bv")]
     axes: dict[str, Any] = {
         "embed": ("vocab", "embed"),
         "final_norm": ("embed",),
-        "layers": [{k: _LAYER_AXES[k] for k in keys} for _ in range(cfg.num_layers)],
+        "layers": ({k: ("layers",) + _LAYER_AXES[k] for k in keys} if stacked
+                   else [{k: _LAYER_AXES[k] for k in keys} for _ in range(cfg.num_layers)]),
     }
     if not cfg.tie_embeddings:
         axes["lm_head"] = ("embed", "vocab")
@@ -120,7 +123,8 @@ def head_units(cfg: ModelConfig) -> dict[str, int]:
 
 
 def param_shardings(cfg: ModelConfig, params_or_shapes, mesh: Mesh, rules=None):
-    return tree_shardings(param_logical_axes(cfg), params_or_shapes, mesh, rules, head_units(cfg))
+    stacked = isinstance(params_or_shapes["layers"], dict)
+    return tree_shardings(param_logical_axes(cfg, stacked), params_or_shapes, mesh, rules, head_units(cfg))
 
 
 def shard_params(cfg: ModelConfig, params, mesh: Mesh, rules=None):
@@ -135,8 +139,9 @@ def cache_shardings(cache, mesh: Mesh, rules=None):
                       for name in ("k", "v", "lengths")})
 
 
-def abstract_params(cfg: ModelConfig, dtype=jax.numpy.bfloat16):
-    """ShapeDtypeStructs of a config's params (no memory; for layout checks of 7B-70B configs)."""
+def abstract_params(cfg: ModelConfig, dtype=jax.numpy.bfloat16, stacked: bool = False):
+    """ShapeDtypeStructs of a config's params (no memory; for layout checks of 7B-70B configs);
+    ``stacked``: layers as llama.stack_layers gives them."""
     D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.vocab_size)
     shapes = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (D, H * hd), "wk": (D, Hkv * hd), "wv": (D, Hkv * hd),
@@ -145,7 +150,8 @@ def abstract_params(cfg: ModelConfig, dtype=jax.numpy.bfloat16):
     keys = [k for k in shapes if cfg.qkv_bias or k not in ("bq", "bk", "bv")]
     sds = jax.ShapeDtypeStruct
     out = {"embed": sds((V, D), dtype), "final_norm": sds((D,), dtype),
-           "layers": [{k: sds(shapes[k], dtype) for k in keys} for _ in range(cfg.num_layers)]}
+           "layers": ({k: sds((cfg.num_layers,) + shapes[k], dtype) for k in keys} if stacked
+                      else [{k: sds(shapes[k], dtype) for k in keys} for _ in range(cfg.num_layers)])}
     if not cfg.tie_embeddings:
         out["lm_head"] = sds((D, V), dtype)
     return out

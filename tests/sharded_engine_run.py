@@ -18,6 +18,7 @@ from specjax.engine.scheduler import Request
 from specjax.errors import SpecjaxError
 from specjax.goodput import FixedK
 from specjax.models import llama
+from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
 assert len(jax.devices()) == 8
@@ -37,8 +38,8 @@ greedy = [Request(f"g{i}", p, 12, arrival=0.0) for i, p in enumerate(prompts)]
 sampled = [Request(f"s{i}", p, 12, sampling=SamplingParams(temperature=1.0, top_k=50, seed=7 + i), arrival=0.0)
            for i, p in enumerate(prompts)]
 
-def run(kind, layout, reqs, K=2):
-    kw = dict(k_buckets=(0, K), batch_buckets=(2, 8), slots=64, layout=layout)
+def run(kind, layout, reqs, K=2, fwd=ForwardOptions()):
+    kw = dict(k_buckets=(0, K), batch_buckets=(2, 8), slots=64, layout=layout, fwd=fwd)
     if kind == "prompt_lookup":
         be = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), **kw)
     elif kind == "suffix":
@@ -49,7 +50,8 @@ def run(kind, layout, reqs, K=2):
     if layout is not None:  # the live state and the params are where the layout puts them
         st = be.state
         assert st.cache.k.sharding.is_equivalent_to(layout.cache(st.cache).k, 5), (st.cache.k.sharding, layout)
-        assert be.params["layers"][0]["w_up"].sharding.spec == sh.P(None, "model")
+        w_up = be.params["layers"]["w_up"] if isinstance(be.params["layers"], dict) else be.params["layers"][0]["w_up"]
+        assert tuple(w_up.sharding.spec)[-2:] == (None, "model"), w_up.sharding
         if kind == "draft" and not layout.shard_draft:
             assert be.dparams["layers"][0]["w_up"].sharding.is_fully_replicated
     return [o.tokens for o in outs], sum(o.accepted for o in outs)
@@ -77,6 +79,10 @@ for data, model in meshes:
         assert got[0] == want[kind][0], (kind, data, model)
     assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)
     print("mesh", data, model, "ok", round(time.time() - t0, 1), flush=True)
+# the scanned layer stack (ForwardOptions.scan_layers), sharded, gives the same tokens
+scan = ForwardOptions(scan_layers=True)
+for kind in ("suffix", "draft"):
+    assert run(kind, sh.Layout(sh.make_mesh(2, 4)), greedy, fwd=scan)[0] == want[kind][0], ("scan", kind)
 # a draft sharded like the target gives the same tokens
 assert run("draft", sh.Layout(sh.make_mesh(2, 4), shard_draft=True), greedy)[0] == want["draft"][0]
 # bad meshes: one line each, before any device work

@@ -403,6 +403,30 @@ def test_rope_tables_behind_a_conditional_change_nothing():
     assert ForwardOptions().rope_barrier() is (jax.default_backend() == "cpu")
 
 
+def test_scanned_layer_stack_equals_the_layer_list():
+    """ForwardOptions.scan_layers (one lax.scan over llama.stack_layers' [L, ...] weights, the cache
+    written at the loop counter's layer) gives the list forward's logits and cache bit for bit,
+    also for the first n layers (num_layers); the wrong params form is refused."""
+    from specjax.models.options import ForwardOptions
+
+    params = llama.init_random_params(CFG, seed=5)
+    stacked = llama.stack_layers(params)
+    assert llama.stack_layers(stacked) is stacked and stacked["layers"]["wq"].shape[0] == CFG.num_layers
+    B, T = 2, 4
+    toks = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+    for n in (None, 2):
+        L = n or CFG.num_layers
+        cache = llama.init_cache_for(CFG, B, 32, num_layers=L)
+        cache = kv.set_lengths(cache, jnp.asarray([0, 3], jnp.int32))
+        pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        outs = [jax.jit(partial(llama.forward, cfg=CFG, fwd=ForwardOptions(scan_layers=s), num_layers=n))(
+            p, toks, pos, cache, llama.causal_mask(B, T)) for p, s in ((params, False), (stacked, True))]
+        for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="stack_layers"):
+        llama.forward(params, toks, pos, cache, llama.causal_mask(B, T), cfg=CFG, fwd=ForwardOptions(scan_layers=True))
+
+
 def test_rope_inv_freq_unscaled():
     np.testing.assert_allclose(llama.rope_inv_freq(CFG), 10000.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-6)
 

@@ -107,6 +107,10 @@ class JaxBackend:
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
         check_pair(cfg, draft, draft_params)
+        if fwd.scan_layers:  # the target's layers as one scanned stack (drafts keep their list form)
+            require(draft_params is None or draft_params is not params, "a draft sharing the target's params (the "
+                    "same pytree) cannot run beside a scanned target; pass the draft its own params")
+            params = llama.stack_layers(params)
         if layout is not None:
             require(not fwd.rows_kernel, f"the CPU rows kernel runs on one device; use rows_kernel 0 on {layout.describe()}")
             layout.check(cfg)

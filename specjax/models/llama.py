@@ -143,6 +143,15 @@ def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     return out
 
 
+def stack_layers(params):
+    """``params`` with ``layers`` as one dict of stacked [L, ...] arrays, the form
+    ``ForwardOptions.scan_layers`` runs (idempotent)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    return dict(params, layers={k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]})
+
+
 def dense(x: jax.Array, w: jax.Array, fwd: ForwardOptions = ForwardOptions(), packed: jax.Array | None = None
           ) -> jax.Array:
     """``x @ w`` for x [..., K], w [K, N], in the form ``fwd`` picks for the row count: the CPU
@@ -242,9 +251,13 @@ def forward(
       zeros at the positions not packed, whose cache entries are written but meaningless.
     """
     layers = params["layers"]
+    stacked = isinstance(layers, dict)
+    if stacked != fwd.scan_layers:
+        raise ValueError("ForwardOptions.scan_layers needs params from llama.stack_layers (and the list form needs "
+                         "it off)")
     if num_layers is not None:
-        layers = layers[:num_layers]
-    n_layers = len(layers)
+        layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers) if stacked else layers[:num_layers]
+    n_layers = next(iter(layers.values())).shape[0] if stacked else len(layers)
     if cache.k.shape[0] != n_layers:
         raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
     rope = rope_tables(positions, rope_inv_freq(cfg), barrier=fwd.rope_barrier())
@@ -252,11 +265,21 @@ def forward(
     if pack is not None and (logits_at is not None or return_hidden):
         raise ValueError("pack does not combine with logits_at / return_hidden")
     x = params["embed"][tokens if pack is None else pack_rows(tokens[..., None], pack)[:, 0]]
-    # Layers are unrolled over a Python list of per-layer dicts: on XLA:CPU both
+    # By default layers are unrolled over a Python list of per-layer dicts: on XLA:CPU both
     # lax.scan over stacked weights and static slices of a stacked array copy the
-    # weights every step (measured 1.6x-10x slower for decode).
+    # weights every step (measured 1.6x-10x slower for decode). fwd.scan_layers: one scan.
     k_all, v_all = cache.k, cache.v
-    for i, lp in enumerate(layers):
+    if stacked:
+        # The whole cache rides in the carry, written in place at the loop counter's layer (as
+        # scan inputs/outputs it would be sliced out and stacked again: two cache copies a step).
+        def body(carry, xs):
+            x, k_all, v_all = carry
+            lp, i = xs
+            return _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i, cache.lengths, positions, block_mask,
+                          pack), None
+
+        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
+    for i, lp in enumerate([] if stacked else layers):
         x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
                                  cache.lengths, positions, block_mask, pack)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
