@@ -66,6 +66,15 @@ def test_engine_compiles_ahead_of_time_for_70b_and_8b_layouts():
     assert "AOT_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
+def test_sharded_safetensors_load_straight_into_shards(tmp_path):
+    """A 3-file checkpoint with its index, loaded by weights.load_safetensors_sharded on meshes 2x4
+    and 1x2: the placed params, each device reading only its slice; a tensor missing from the index
+    or of the wrong shape: one-line errors naming the config and the mesh (sharded_load_run.py)."""
+    r = _run_fake_devices([os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_load_run.py"),
+                           str(tmp_path)])
+    assert "LOAD_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+
+
 def test_draft_pairs_name_configs_with_the_same_tokenizer():
     from specjax.config import available_models
 

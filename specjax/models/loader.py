@@ -92,13 +92,16 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(backend=build_bpe(alphabet, [], {}), bos_id=None, eos_ids=(), pad_id=0)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel:
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "float32", layout=None) -> LoadedModel:
+    """``layout`` (sharding.Layout): load a Hugging Face directory's tensors straight into the
+    mesh's shards (weights.load_safetensors_sharded); other formats load whole, then the engine
+    places them."""
     jdtype = parse_dtype(dtype)
     t0 = time.perf_counter()
     if name_or_path.endswith(".gguf"):
         return _load_gguf(name_or_path, None, jdtype, t0)
     if os.path.isdir(name_or_path):
-        return _load_hf_dir(name_or_path, jdtype, t0)
+        return _load_hf_dir(name_or_path, jdtype, t0, layout)
     if name_or_path not in available_models() and (os.sep in name_or_path or "." in name_or_path):
         raise SpecjaxError(f"model path not found: {name_or_path}")
     cfg = get_model_config(name_or_path)
@@ -132,7 +135,7 @@ def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedMo
     return LoadedModel(cfg, params, tok, time.perf_counter() - t0, native_packs=native)
 
 
-def _load_hf_dir(path: str, dtype, t0: float) -> LoadedModel:
+def _load_hf_dir(path: str, dtype, t0: float, layout=None) -> LoadedModel:
     import json
 
     cj = os.path.join(path, "config.json")
@@ -140,7 +143,8 @@ def _load_hf_dir(path: str, dtype, t0: float) -> LoadedModel:
         raise SpecjaxError(f"{path} is not a Hugging Face model directory (no config.json)")
     with open(cj) as f:
         cfg = weights.config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
-    params = weights.load_safetensors_params(path, cfg, dtype)
+    params = (weights.load_safetensors_params(path, cfg, dtype) if layout is None
+              else weights.load_safetensors_sharded(path, cfg, layout, dtype))
     tj = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tj):
         tc = os.path.join(path, "tokenizer_config.json")

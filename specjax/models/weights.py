@@ -307,8 +307,134 @@ def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32)
     return _assemble(cfg, get, _HF_NAMES, dtype)
 
 
-def save_safetensors_params(params: dict, cfg: ModelConfig, model_dir: str) -> None:
-    """Write params with Hugging Face names (torch layout) plus a config.json (for tests and export)."""
+# ---------------------------------------------------------------- sharded safetensors, straight into shards
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64}
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """A .safetensors file's tensor table and the byte offset its data starts at (the format: a
+    little-endian u64 header size, a JSON header, then the raw tensors)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class SafetensorsIndex:
+    """Where each tensor of a (possibly sharded) Hugging Face checkpoint lives, read from
+    ``model.safetensors.index.json`` (or the one ``model.safetensors``) and the files' headers
+    only. ``array(name)`` is a read-only memory map of one tensor: slicing it reads those bytes
+    and no others."""
+
+    def __init__(self, model_dir: str):
+        idx = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(idx):
+            with open(idx) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            weight_map = None
+        if not files:
+            raise SpecjaxError(f"no .safetensors files in {model_dir}")
+        self.dir = model_dir
+        self.entries: dict[str, tuple[str, dict, int]] = {}
+        for fname in files:
+            path = os.path.join(model_dir, fname)
+            if not os.path.isfile(path):
+                raise SpecjaxError(f"{idx} names {fname}, which is not in {model_dir}")
+            header, start = _safetensors_header(path)
+            for name, info in header.items():
+                if weight_map is None or weight_map.get(name) == fname:
+                    self.entries[name] = (path, info, start)
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.entries))
+            if missing:
+                raise SpecjaxError(f"{idx} maps {missing[0]!r} to a file whose header lacks it")
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        e = self.entries.get(name)
+        return None if e is None else tuple(e[1]["shape"])
+
+    def array(self, name: str) -> np.ndarray:
+        path, info, start = self.entries[name]
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise SpecjaxError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not a float type specjax loads")
+        if dt == "bfloat16":
+            import ml_dtypes
+
+            dt = ml_dtypes.bfloat16
+        b0, b1 = info["data_offsets"]
+        return np.memmap(path, dtype=dt, mode="r", offset=start + b0, shape=tuple(info["shape"]))
+
+
+def _hf_expected(cfg: ModelConfig) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
+    """HF tensor name -> (params key, layer or None, torch-layout shape) of every tensor a config needs."""
+    D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.vocab_size)
+    shapes = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (H * hd, D), "wk": (Hkv * hd, D), "wv": (Hkv * hd, D),
+              "wo": (D, H * hd), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
+              "bq": (H * hd,), "bk": (Hkv * hd,), "bv": (Hkv * hd,)}
+    keys = [k for k in shapes if cfg.qkv_bias or k not in ("bq", "bk", "bv")]
+    out = {_HF_NAMES["embed"]: ("embed", None, (V, D)), _HF_NAMES["final_norm"]: ("final_norm", None, (D,))}
+    if not cfg.tie_embeddings:
+        out[_HF_NAMES["lm_head"]] = ("lm_head", None, (V, D))
+    for i in range(cfg.num_layers):
+        for k in keys:
+            out[_HF_NAMES[k].format(i=i)] = (k, i, shapes[k])
+    return out
+
+
+def load_safetensors_sharded(model_dir: str, cfg: ModelConfig, layout, dtype=jnp.bfloat16) -> dict:
+    """The params of a Hugging Face checkpoint placed by ``layout`` (sharding.Layout), each device
+    reading only its own slice of each tensor from the memory-mapped files (no host copy of the
+    whole model). Every tensor's presence and shape is checked from the headers first: a missing
+    or misshapen tensor is a one-line error naming the config and the mesh, before any device work."""
+    import jax
+
+    from specjax import sharding as sh
+
+    index = SafetensorsIndex(model_dir)
+    where = f"{cfg.name} on {layout.describe()}"
+    expected = _hf_expected(cfg)
+    for name, (_, _, shape) in expected.items():
+        got = index.shape(name)
+        if got is None:
+            raise SpecjaxError(f"{where}: the checkpoint in {model_dir} lacks tensor {name!r}")
+        if got != shape:
+            raise SpecjaxError(f"{where}: tensor {name!r} has shape {got} in {model_dir}, the config needs {shape}")
+    layout.check(cfg)
+    ab = sh.abstract_params(cfg, dtype)
+    shardings = layout.params(cfg, ab)
+
+    def place(name, key, layer):
+        spec = shardings["layers"][layer][key] if layer is not None else shardings[key]
+        src = index.array(name)
+        flip = src.ndim == 2 and key != "embed"  # params are x @ W, [in, out]; the file has [out, in]
+        ours = tuple(reversed(src.shape)) if flip else tuple(src.shape)
+
+        def read(idx):  # idx: this device's slice of our layout
+            part = src[tuple(reversed(idx))].T if flip else src[idx]
+            return np.asarray(part, np.float32).astype(dtype)
+
+        return jax.make_array_from_callback(ours, spec, read)
+
+    params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
+    for name, (key, layer, _) in expected.items():
+        if layer is None:
+            params[key] = place(name, key, None)
+        else:
+            params["layers"][layer][key] = place(name, key, layer)
+    return params
+
+
+def save_safetensors_params(params: dict, cfg: ModelConfig, model_dir: str, shards: int = 1) -> None:
+    """Write params with Hugging Face names (torch layout) plus a config.json (for tests and export);
+    ``shards`` > 1: in that many files with a ``model.safetensors.index.json``, as large
+    checkpoints come."""
     from safetensors.numpy import save_file
 
     os.makedirs(model_dir, exist_ok=True)
@@ -320,7 +446,18 @@ def save_safetensors_params(params: dict, cfg: ModelConfig, model_dir: str) -> N
         for key, arr in lp.items():
             a = np.asarray(arr, np.float32)
             out[_HF_NAMES[key].format(i=i)] = a.T.copy() if a.ndim == 2 else a.copy()
-    save_file(out, os.path.join(model_dir, "model.safetensors"))
+    if shards <= 1:
+        save_file(out, os.path.join(model_dir, "model.safetensors"))
+    else:
+        names = list(out)
+        weight_map = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: out[n] for n in names[s::shards]}
+            save_file(part, os.path.join(model_dir, fname))
+            weight_map.update({n: fname for n in part})
+        with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     hf = {"model_type": "qwen2" if cfg.arch == "qwen2" else "llama", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
