@@ -107,6 +107,7 @@ def validate_flags() -> dict:
         ks = [0]  # nothing to speculate with: compile plain decoding only
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
     cli.check_online_distill_flags(FLAGS.drafter)
+    cli.layout_from_flags()  # a malformed mesh, or more devices than present: before the model load
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
 
 
@@ -161,7 +162,7 @@ def serve(job, geom) -> int:
                                     **registry.backend_options([FLAGS.policy]),
                                     parts=None if first is None else {"draft": first.draft,
                                                                       "draft_params": first.params(first.trainable)},
-                                    teacher_topk=FLAGS.distill_topk if drafts else 0,
+                                    teacher_topk=FLAGS.distill_topk if drafts else 0, layout=cli.layout_from_flags(),
                                     **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"]), draft=draft))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
     md = None

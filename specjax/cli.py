@@ -146,16 +146,42 @@ def define_forward_flags() -> None:
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512, else 0.")
+    flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
+                        "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
+    flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "
+                      "(default: replicate it on every device).")
+    flags.DEFINE_bool("scan_layers", False, "Run the target's layers as one scanned stack (compiles in time "
+                      "independent of depth; the per-layer list is faster on XLA:CPU).")
+
+
+def layout_from_flags():
+    """The sharding.Layout ``--mesh`` asks for, or None (one device); a malformed or oversized
+    mesh is a one-line error."""
+    if not FLAGS.mesh:
+        return None
+    from specjax import sharding as sh
+    from specjax.errors import SpecjaxError
+
+    try:
+        data, model = (int(x) for x in FLAGS.mesh.lower().split("x"))
+    except ValueError:
+        raise SpecjaxError(f"--mesh must be DATAxMODEL, e.g. 1x8, got {FLAGS.mesh!r}") from None
+    return sh.Layout(sh.make_mesh(data, model), shard_draft=FLAGS.shard_draft)
 
 
 def forward_options_from_flags(model=None):
-    """ForwardOptions from the flags; ``model`` (a LoadedModel) resolves ``--rows_kernel -1``."""
+    """ForwardOptions from the flags; ``model`` (a LoadedModel) resolves ``--rows_kernel -1``
+    (never the rows kernel on a ``--mesh``: it runs on one device)."""
+    from specjax.errors import SpecjaxError
     from specjax.models.options import ForwardOptions
 
     rows = FLAGS.rows_kernel
+    if FLAGS.mesh and rows > 0:
+        raise SpecjaxError("--rows_kernel runs on one device; leave it at -1 or 0 with --mesh")
     if rows < 0:
-        rows = model.auto_rows_kernel() if model is not None else 0
-    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=rows)
+        rows = model.auto_rows_kernel() if model is not None and not FLAGS.mesh else 0
+    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=rows,
+                          scan_layers=FLAGS.scan_layers)
 
 
 def define_prefill_flags() -> None:

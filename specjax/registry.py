@@ -209,13 +209,14 @@ def format_spec_stats(stats) -> str:
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
                  draft_first: bool = False, packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
-                 parts: dict | None = None, teacher_topk: int = 0, **drafter_kw):
+                 parts: dict | None = None, teacher_topk: int = 0, layout=None, **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
     verify blocks, for per-request draft counts; see backend_options). ``parts``: the device draft
     given ({"draft", "draft_params"}, say a distill.train.TrainableDraft's) instead of built from the
-    flags; ``teacher_topk``: the steps keep the target's top-k (online distillation)."""
+    flags; ``teacher_topk``: the steps keep the target's top-k (online distillation); ``layout``:
+    shard the engine (sharding.Layout)."""
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
@@ -226,7 +227,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     fwd = fwd or ForwardOptions()
     return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
                       fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
-                      teacher_topk=teacher_topk, **parts)
+                      teacher_topk=teacher_topk, layout=layout, **parts)
 
 
 def model_name(spec: str) -> str:

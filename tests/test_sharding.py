@@ -75,6 +75,33 @@ def test_sharded_safetensors_load_straight_into_shards(tmp_path):
     assert "LOAD_OK" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
 
 
+def test_batch_job_on_a_mesh_writes_the_one_device_output(tmp_path):
+    """launch/batch.py --mesh 2x4 (8 fake devices; greedy and sampled records, prompt lookup)
+    writes the same records as the one-device job; a mesh larger than the machine is one line."""
+    import json
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "batch.py")
+    inp = tmp_path / "in.jsonl"
+    recs = [{"id": i, "prompt": "abc abc abc abc " * (1 + i % 3), "max_new_tokens": 12} for i in range(5)]
+    recs += [{"id": "s", "prompt": "sampled", "max_new_tokens": 10, "temperature": 0.9, "seed": 3}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    geom = ["--model", "tiny-random", "--batch_buckets", "2,4", "--k_buckets", "0,2", "--num_spec_tokens", "2",
+            "--slots", "128", "--input_jsonl", str(inp)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    outs = {}
+    for mesh in ("", "2x4"):
+        out = tmp_path / f"out{mesh}.jsonl"
+        r = subprocess.run([sys.executable, script, *geom, "--output_jsonl", str(out)] + (["--mesh", mesh] if mesh else []),
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[mesh] = sorted(out.read_text().splitlines())
+    assert outs[""] == outs["2x4"] and len(outs[""]) == 6
+    r = subprocess.run([sys.executable, script, *geom, "--output_jsonl", str(tmp_path / "x.jsonl"), "--mesh", "4x4"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: mesh data=4 x model=4 needs 16 devices; 8 cpu device(s) present"), r.stderr[-2000:]
+
+
 def test_draft_pairs_name_configs_with_the_same_tokenizer():
     from specjax.config import available_models
 
