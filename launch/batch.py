@@ -45,6 +45,14 @@ first), ``--distill_clusters N`` a draft per cluster of prompts (DIR/cluster<i>;
 nearest-centroid classifier that tagged records train); a batch runs one draft, the engine
 switches between batches. Outputs are the target's whatever the draft (greedy: bit for bit).
 
+Sharding and several processes: ``--mesh DATAxMODEL`` shards the engine over this process's
+devices (tensor parallel over ``model``, rows over ``data``). ``--num_processes N --process_id K
+--coordinator_address host:port`` (jax.distributed.initialize) makes each process a data-parallel
+replica: process K serves input records K, K + N, ... (ids and duplicates are checked over the
+whole input) into ``OUT.replicaKofN``, resumable on its own like any output, and the last process
+to finish writes ``--output_jsonl``: every part's lines in input order, byte for byte, renamed
+into place atomically. Running a finished process's command again merges again (same bytes).
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -73,6 +81,7 @@ def define_flags() -> None:
     cli.define_request_flags()
     cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
     cli.define_forward_flags()
+    cli.define_distributed_flags()
     cli.define_prefill_flags()
     cli.define_policy_flags()
     cli.define_distill_flags()
@@ -107,7 +116,11 @@ def validate_flags() -> dict:
         ks = [0]  # nothing to speculate with: compile plain decoding only
     cli.validate_spec_flags([FLAGS.drafter])  # the drafter's own knobs (shared with every script)
     cli.check_online_distill_flags(FLAGS.drafter)
-    cli.layout_from_flags()  # a malformed mesh, or more devices than present: before the model load
+    if FLAGS.num_processes == 1:  # (several: jax.distributed must start before jax looks at devices)
+        cli.layout_from_flags()  # a malformed mesh, or more devices than present: before the model load
+    if FLAGS.num_processes > 1 and FLAGS.online_distill:
+        raise SpecjaxError("--online_distill trains one draft in one process; it does not combine with "
+                           "--num_processes > 1")
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
 
 
@@ -119,14 +132,19 @@ def main(argv):
 
 
 def run(geom) -> int:
+    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
     # The output is locked, repaired and scanned before the model load: a second job on it, or
     # an unwritable path, is a one-line error at once.
-    with cli.open_job() as job:
+    with cli.open_job(replica=replica) as job:
         if not job.todo:
             job.notes()
             print(job.summary() + " (nothing to serve)", file=sys.stderr)
-            return 0
-        return serve(job, geom)
+            code = 0
+        else:
+            code = serve(job, geom)
+    if code == 0:
+        cli.merge_job_replicas(replica)
+    return code
 
 
 def serve(job, geom) -> int:

@@ -154,6 +154,33 @@ def define_forward_flags() -> None:
                       "independent of depth; the per-layer list is faster on XLA:CPU).")
 
 
+def define_distributed_flags() -> None:
+    """Multi-process (multi-host) launch: each process a data-parallel replica of the engine on
+    its own devices (its --mesh over jax.local_devices())."""
+    flags.DEFINE_string("coordinator_address", "", "host:port of process 0, for jax.distributed.initialize "
+                        "(with --num_processes > 1).")
+    flags.DEFINE_integer("num_processes", 1, "Processes in the job (each a data-parallel replica).")
+    flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processes - 1.")
+
+
+def init_distributed() -> tuple[int, int]:
+    """jax.distributed.initialize from the flags when --num_processes > 1; returns (this process's
+    index, the process count). Bad values are one-line errors."""
+    from specjax.errors import SpecjaxError
+
+    n, k = FLAGS.num_processes, FLAGS.process_id
+    if n < 1 or not 0 <= k < n:
+        raise SpecjaxError(f"--process_id must be in 0..{n - 1} and --num_processes >= 1, got {k} of {n}")
+    if n == 1:
+        return 0, 1
+    if not FLAGS.coordinator_address or ":" not in FLAGS.coordinator_address:
+        raise SpecjaxError("--num_processes > 1 needs --coordinator_address host:port (process 0's)")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address, num_processes=n, process_id=k)
+    return jax.process_index(), jax.process_count()
+
+
 def layout_from_flags():
     """The sharding.Layout ``--mesh`` asks for, or None (one device); a malformed or oversized
     mesh is a one-line error."""
@@ -423,4 +450,22 @@ def open_job(**kw):
     if not FLAGS.output_jsonl:
         raise SpecjaxError("--output_jsonl is required")
     return Job(FLAGS.input_jsonl, FLAGS.output_jsonl, request_defaults(), **kw)
+
+
+def merge_job_replicas(replica: tuple[int, int]) -> None:
+    """After replica (k, n) of --output_jsonl is done: merge the parts into --output_jsonl if every
+    replica is done (jobs.merge_replicas), and say which."""
+    import sys
+
+    from specjax.jobs import merge_replicas, replica_path
+
+    k, n = replica
+    if n == 1:
+        return
+    merged = merge_replicas(FLAGS.input_jsonl, FLAGS.output_jsonl, n, request_defaults())
+    if merged is None:
+        print(f"[replica {k} of {n} done ({replica_path(FLAGS.output_jsonl, replica)}); the last replica to "
+              f"finish writes {FLAGS.output_jsonl}]", file=sys.stderr)
+    else:
+        print(f"[merged {merged} records of {n} replicas into {FLAGS.output_jsonl}]", file=sys.stderr)
 

@@ -400,6 +400,58 @@ class JobOutput:
             self.fd = -1
 
 
+# ---------------------------------------------------------------- data-parallel replicas
+
+
+def replica_path(output_path: str, replica: tuple[int, int]) -> str:
+    """The part file replica (k, n) writes (the output itself when n == 1)."""
+    k, n = replica
+    return output_path if n == 1 else f"{output_path}.replica{k}of{n}"
+
+
+def replica_records(inp: JobInput, replica: tuple[int, int]) -> list[Record]:
+    k, n = replica
+    if not (isinstance(n, int) and n >= 1 and 0 <= k < n):
+        raise SpecjaxError(f"replica {k} of {n}: need 0 <= replica < replicas")
+    return inp.records[k::n]
+
+
+def merge_replicas(input_path: str, output_path: str, replicas: int, defaults: Mapping, *, fsync: bool = True):
+    """Once every replica's part file holds all of its records: write ``output_path`` as those
+    lines, byte for byte, in input order (deterministic whatever the replicas' timing), atomically
+    (a temporary file renamed over it), and return the number of records; else None (a replica is
+    not done: the last one to finish merges). Parts are kept: a replica run again finds its work
+    done and merges again, to the same bytes."""
+    inp = parse_input(_read_bytes(input_path, "input file"), defaults)
+    lines: dict[tuple, bytes] = {}
+    for k in range(replicas):
+        path = replica_path(output_path, (k, replicas))
+        try:
+            with open(path, "rb") as f:
+                for raw in f:
+                    kv = _record_key(raw[:-1]) if raw.endswith(b"\n") else None
+                    if kv is not None:
+                        lines.setdefault(kv[0], raw)
+        except FileNotFoundError:
+            return None
+        if any(r.key not in lines for r in replica_records(inp, (k, replicas))):
+            return None
+    lock = os.open(output_path + ".merge-lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two replicas finishing together merge one after the other
+        tmp = f"{output_path}.merging-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            for r in inp.records:
+                f.write(lines[r.key])
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, output_path)
+    finally:
+        os.close(lock)
+    return len(inp.records)
+
+
 # ---------------------------------------------------------------- the job
 
 
@@ -419,17 +471,23 @@ class Job:
     ``defaults``: the checked request fields records do not set (``cli.request_defaults``)."""
 
     def __init__(self, input_path: str, output_path: str, defaults: Mapping, *, fsync: bool = True,
-                 log=None, progress: bool = True):
+                 log=None, progress: bool = True, replica: tuple[int, int] = (0, 1)):
+        """``replica`` (k, n): serve the k-th of n data-parallel replicas' share of the input (its
+        records i with i % n == k, ids and duplicates checked over the whole input) into its own
+        part file (``replica_path``); ``merge_replicas`` makes the output once every part is done."""
         self.log = log if log is not None else sys.stderr
         self.progress = progress
         self.input_path = input_path
+        self.output_path = output_path
+        self.replica = replica
         data = _read_bytes(input_path, "input file")
         self.input = parse_input(data, defaults)
-        self.out = JobOutput(output_path, input_path=input_path, fsync=fsync)
-        self.todo = [r for r in self.input.records if r.key not in self.out.done]
-        keys = {r.key for r in self.input.records}
+        mine = replica_records(self.input, replica)
+        self.out = JobOutput(replica_path(output_path, replica), input_path=input_path, fsync=fsync)
+        self.todo = [r for r in mine if r.key not in self.out.done]
+        keys = {r.key for r in mine}
         self.stale = sum(1 for k in self.out.done if k not in keys)
-        self.already = len(self.input.records) - len(self.todo)
+        self.already = len(mine) - len(self.todo)
         self.written: collections.Counter = collections.Counter()  # status -> records written now
         self.stopping = False  # Ctrl-C: finish the current step, then stop
         self.interrupted = False
@@ -472,7 +530,9 @@ class Job:
     def summary(self) -> str:
         ok = {k: v for k, v in sorted(self.written.items()) if k != "error"}
         blank = f", {self.input.blank} blank line(s) skipped" if self.input.blank else ""
-        text = (f"{len(self.input.records)} records ({self.already} already done{blank}); written now: "
+        k, n = self.replica
+        mine = f" (replica {k} of {n}: {self.already + len(self.todo)})" if n > 1 else ""
+        text = (f"{len(self.input.records)} records{mine} ({self.already} already done{blank}); written now: "
                 f"{sum(ok.values())} results")
         if ok:
             text += " (" + ", ".join(f"{k} {v}" for k, v in ok.items()) + ")"

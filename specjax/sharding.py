@@ -69,12 +69,13 @@ def param_logical_axes(cfg: ModelConfig, stacked: bool = False) -> dict[str, Any
 
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A ``data`` x ``model`` mesh (jax.make_mesh, GSPMD-propagated ``Auto`` axes) over the
-    first data * model of ``devices`` (default: all of jax's devices)."""
+    first data * model of ``devices`` (default: this process's devices; in a multi-process job
+    each process serves as a data-parallel replica on its own)."""
     from specjax.errors import SpecjaxError
 
     if not (isinstance(data, (int, np.integer)) and isinstance(model, (int, np.integer)) and data >= 1 and model >= 1):
         raise SpecjaxError(f"mesh sizes must be positive integers, got data={data!r} x model={model!r}")
-    devices = list(devices if devices is not None else jax.devices())
+    devices = list(devices if devices is not None else jax.local_devices())
     n = data * model
     if n > len(devices):
         kind = devices[0].platform if devices else "jax"

@@ -102,6 +102,69 @@ def test_batch_job_on_a_mesh_writes_the_one_device_output(tmp_path):
         "error: mesh data=4 x model=4 needs 16 devices; 8 cpu device(s) present"), r.stderr[-2000:]
 
 
+def test_two_processes_split_a_sharded_batch_job_and_merge_it(tmp_path):
+    """Must-show of the scale issue: launch/batch.py as two processes (jax.distributed over a
+    local coordinator, 4 fake devices each, the engine on a 1x2 mesh of each process's devices)
+    serves the records split between them and the last to finish merges the parts: the same
+    records as one process, in input order; running a finished process again merges again to
+    the same bytes. Bad process flags are one-line errors."""
+    import json
+    import socket
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "batch.py")
+    inp = tmp_path / "in.jsonl"
+    recs = [{"id": f"r{i}", "prompt": "one two one two " * (1 + i % 4), "max_new_tokens": 6 + i % 5} for i in range(9)]
+    recs[4] = {"id": "r1", "prompt": "a repeated id"}  # an error record, whichever replica owns the line
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    geom = ["--model", "tiny-random", "--batch_buckets", "2,4", "--k_buckets", "0,2", "--num_spec_tokens", "2",
+            "--slots", "128", "--input_jsonl", str(inp)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               SPECJAX_CACHE_DIR=str(tmp_path / "cache"))
+    one = tmp_path / "one.jsonl"
+    # twice: the second run loads its executables from the disk cache, onto one of the 4 devices
+    # (they were once loaded onto all 4 of them, and every step failed)
+    for out_one in (tmp_path / "first.jsonl", one):
+        r = subprocess.run([sys.executable, script, *geom, "--output_jsonl", str(out_one)], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(one.read_text().splitlines()) == sorted((tmp_path / "first.jsonl").read_text().splitlines())
+    assert '"error"' not in one.read_text().replace('"id": "#5", "error"', "")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.jsonl"
+
+    def cmd(k):
+        return [sys.executable, script, *geom, "--output_jsonl", str(out), "--mesh", "1x2", "--num_processes", "2",
+                "--process_id", str(k), "--coordinator_address", f"localhost:{port}"]
+
+    procs = [subprocess.Popen(cmd(k), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for k in (0, 1)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    assert sum("[merged 9 records of 2 replicas" in e for e in errs) >= 1, errs
+    merged = out.read_bytes()
+    lines = merged.decode().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == [r["id"] if i != 4 else "#5" for i, r in enumerate(recs)]
+    assert sorted(lines) == sorted(one.read_text().splitlines())
+    parts = [(tmp_path / f"two.jsonl.replica{k}of2").read_text().splitlines() for k in (0, 1)]
+    assert [len(p) for p in parts] == [5, 4]  # records 0, 2, .. and 1, 3, .. of the input
+    # merging again (a finished replica run again does this) gives the same bytes
+    from specjax.jobs import merge_replicas
+    from specjax.results import REQUEST_FIELDS, request_fields
+
+    raw = dict.fromkeys(REQUEST_FIELDS) | {"max_new_tokens": 128, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                           "seed": 0}
+    out.unlink()
+    assert merge_replicas(str(inp), str(out), 2, request_fields(raw, raw)) == 9 and out.read_bytes() == merged
+    (tmp_path / "two.jsonl.replica1of2").write_bytes(b"")  # a part that lost its records: no merge
+    assert merge_replicas(str(inp), str(out), 2, request_fields(raw, raw)) is None
+    r = subprocess.run([sys.executable, script, *geom, "--output_jsonl", str(out), "--num_processes", "2",
+                        "--process_id", "2", "--coordinator_address", "localhost:1"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --process_id must be in 0..1")
+
+
 def test_draft_pairs_name_configs_with_the_same_tokenizer():
     from specjax.config import available_models
 

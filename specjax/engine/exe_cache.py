@@ -84,7 +84,10 @@ class ExecutableCache:
 
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return deserialize_and_load(payload, in_tree, out_tree)
+            # on the one device it was compiled for: by default jax would spread it over every
+            # device of the process (a machine with several GPUs, or fake CPU devices), and each
+            # call would then fail for want of a shard per device
+            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.local_devices()[:1])
         except Exception as e:  # a partial or foreign file: compile again (and overwrite it)
             log.warning("ignoring unreadable cached executable %s (%s: %s)", path, type(e).__name__, e)
             return None
