@@ -21,6 +21,8 @@ Sections (each is independent; a failing one is reported and the others still ru
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
                  every output compared token-for-token with the plain AR loop (specjax.reference_ar)
                  (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
+  perf_model     SmartSpec's step-cost model profiled on this device (steps over batch x context x
+                 K on the --model-shaped model) and its held-out fit
   probe          where the XLA path's time goes: one projection by activation rows, prefix
                  attention alone by block size and attn_chunk, K = 0 / K = 2 steps on
                  --probe_layers layers under each attn_chunk, chunked prefill by prompt length
@@ -48,7 +50,7 @@ from benchmarks.timing import median_seconds  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "/tmp/specjax_device_check", "Folder for the JSON results and report.md.")
-flags.DEFINE_list("sections", ["env", "kernels", "kernel_timing", "engine"], "Sections to run, in order.")
+flags.DEFINE_list("sections", ["env", "kernels", "kernel_timing", "engine", "perf_model"], "Sections to run, in order.")
 flags.DEFINE_bool("tiny", False, "Tiny shapes and the tiny-random model (a CPU smoke run of this script).")
 flags.DEFINE_string("model", "llama2-7b", "Model config whose shapes the engine section uses (random weights).")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per request in the engine section.")
@@ -459,8 +461,44 @@ def section_probe(out):
     return result
 
 
+def section_perf_model(out):
+    """SmartSpec's step-cost model (seed 000 Eq. 7) profiled on this device: the engine's real steps
+    of a --model-shaped random-weight model over batch x context x K cells (engine.profiling, the
+    same code as launch/profile.py), fitted on 3/4 of the cells and scored on the held-out rest."""
+    import jax.numpy as jnp
+
+    from specjax.config import get_model_config
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.profiling import FixedLengthDrafter, fit_profile, profile_prefills, profile_steps
+    from specjax.goodput.perf_model import StepCostModel
+    from specjax.models import llama
+
+    cfg = get_model_config("tiny-random" if FLAGS.tiny else FLAGS.model)
+    if FLAGS.num_layers:
+        cfg = cfg.replace(num_layers=FLAGS.num_layers, name=f"{cfg.name}-{FLAGS.num_layers}L")
+    dtype = jnp.float32 if FLAGS.tiny else jnp.dtype(FLAGS.dtype)
+    params = llama.init_random_params(cfg, seed=0, dtype=dtype, on_device=True)
+    batches, contexts, ks = ((1, 4), (32, 96), (0, 2, 4)) if FLAGS.tiny else ((1, 8), (256, 1536), (0, 2, 4, 8))
+    be = JaxBackend(cfg, params, drafter=FixedLengthDrafter(), k_buckets=ks, batch_buckets=batches,
+                    slots=256 if FLAGS.tiny else 2048)
+    t0 = time.perf_counter()
+    be.warmup(prompt_lens=sorted(set(contexts)), execute=True)
+    say(f"{cfg.name}: compiled the bucket set in {time.perf_counter() - t0:.0f} s; profiling B {batches} x "
+        f"context {contexts} x K {ks}")
+    steps = profile_steps(be, batches, contexts, ks, reps=max(2, FLAGS.reps // 4))
+    pre = profile_prefills(be, batches, contexts, reps=2)
+    model, report = fit_profile(steps, [], pre, StepCostModel(target=None, context_mode="padded"))
+    t = model.target
+    say("| held-out R^2 (steps) | held-out R^2 (cell medians) | mean abs rel. error (held out) | prefill R^2 |")
+    say("|---|---|---|---|")
+    say(f"| {report['r2_held_out']:.3f} | {report['r2_held_out_cell_medians']:.3f} | "
+        f"{report['mean_abs_rel_err_held_out']:.3f} | {report.get('prefill_r2', float('nan')):.3f} |")
+    say(f"target cost: {t}")
+    return {"model": cfg.name, "report": report, "target": str(t), "steps": steps, "prefills": pre}
+
+
 SECTIONS = {"env": section_env, "kernels": section_kernels, "kernel_timing": section_kernel_timing,
-            "engine": section_engine, "probe": section_probe}
+            "engine": section_engine, "probe": section_probe, "perf_model": section_perf_model}
 
 
 def main(argv):

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_device_check_tiny_engine(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device_check.py"), "--tiny",
-                        "--sections", "env,engine", "--reps", "1", "--max_new_tokens", "16", "--out", str(tmp_path)],
+                        "--sections", "env,engine,perf_model", "--reps", "1", "--max_new_tokens", "16", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     report = (tmp_path / "report.md").read_text()
@@ -23,3 +23,5 @@ def test_device_check_tiny_engine(tmp_path):
     assert eng["identity_asserted"] and all(run["identical"] for run in eng["engine"])
     assert {run["policy"] for run in eng["engine"]} == {"no-SD", "prompt_lookup", "layer_skip1"}
     assert {c["K"] for c in eng["step_cost"]} == {0, 2, 4, 8}
+    perf = json.loads((tmp_path / "perf_model.json").read_text())
+    assert "(perf_model: ok" in report and perf["report"]["cells"] == 2 * 2 * 3 and perf["steps"]
