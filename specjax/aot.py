@@ -118,7 +118,20 @@ def bucket_set_seconds(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: i
     """Compile seconds of each variant of a bucket set (the forward options decide, e.g., the
     per-layer list or the scanned layer stack)."""
     table = abstract_table(cfg, layout, dtype, fwd)
-    return {n: variant_memory(n, b).compile_s for n, b in _variants(table, batch, slots, ks, chunk)}
+    out = {n: variant_memory(n, b).compile_s for n, b in _variants(table, batch, slots, ks, chunk)}
+    _release(table)
+    return out
+
+
+def _release(*tables: StepTable) -> None:
+    """Free the executables a plan compiled (a 70B bucket set's code fills thousands of memory
+    maps; several plans in one process ran out of them)."""
+    import gc
+
+    for t in tables:
+        t.release()
+    jax.clear_caches()
+    gc.collect()
 
 
 def plan(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, ks=(0, 4), chunk: int = 512,
@@ -134,6 +147,7 @@ def plan(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, ks=(0, 4),
     t32 = abstract_table(cfg, layout, jnp.float32, fwd)
     temps = [variant_memory(n, b).temp for n, b in _variants(t32, batch, slots, ks, chunk)]
     temp = max(temps)
+    _release(table, t32)
     need = weights + kv + temp
     return {
         "config": cfg.name, "mesh": sh.describe_mesh(layout.mesh), "dtype": jnp.dtype(dtype).name,

@@ -92,7 +92,7 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     block = jnp.concatenate([state.pending[:, None], draft_tokens[:, :K]], axis=1)  # [B, K+1]
     pos = cache.lengths[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
     logits, cache = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
-                                  fwd=fwd, pack=pack)
+                                  fwd=fwd, pack=pack, layout=key.layout)
     tokens, n, _ = verify_chain(logits, draft_tokens[:, :K], num_draft, samp, cache.lengths + 1, q, greedy_only)
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
@@ -158,7 +158,7 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     node_valid = node_valid & active[:, None]
     mask, depth = tree_mask_and_depth(parents)
     pos = cache.lengths[:, None] + depth
-    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack)
+    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack, layout=key.layout)
     path, out, n, valid = verify_tree(logits, tokens, parents, node_valid, samp, cache.lengths + 1, None, greedy_only)
     # Accepted node path[i] was written at slot lengths + path[i]; it belongs at lengths + i.
     cache = kv.gather_block(cache, path, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
@@ -201,7 +201,7 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     mask = llama.causal_mask(B, C)
     last = jnp.maximum(n_valid - 1, 0)[:, None]
     logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first, logits_at=last,
-                                  fwd=fwd)
+                                  fwd=fwd, layout=key.layout)
     cache = kv.advance(cache, n_valid)
     has = n_valid > 0
     pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)

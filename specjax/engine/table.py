@@ -144,6 +144,12 @@ class StepTable:
     def __len__(self) -> int:
         return len(self._exe)
 
+    def release(self) -> None:
+        """Forget every compiled executable (and stop refusing to compile): XLA:CPU keeps each one's
+        code in memory maps of its own, which a process runs out of after a few hundred."""
+        self._exe.clear()
+        self.warm = False
+
     def prefill(self, B: int, C: int, S: int, greedy_only: bool, run_draft: bool = True,
                 compile_if_missing: bool = False, first: bool = True):
         """A prefill chunk of C tokens per row: a prompt's first (fresh caches) or a later one

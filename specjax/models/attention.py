@@ -97,18 +97,57 @@ def block_attention_chunked(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, 
     return o.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd).astype(q.dtype)
 
 
+def _pallas_sharded(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask, layout):
+    """The Pallas kernel under ``jax.shard_map`` on a sharded engine's mesh: each device runs it on
+    its rows (``data``) and its query heads (``model``), with the KV heads and cache in the
+    layout's own shardings (a custom kernel is opaque to GSPMD, which would gather everything).
+    KV heads fewer than the model shards are replicated: a shard's query heads then all belong
+    to one KV head, which it slices out of this layer's cache."""
+    from kernels_pallas import tree_attention as ta
+    from specjax.errors import SpecjaxError
+    from jax.sharding import PartitionSpec as P
+
+    mesh = layout.mesh
+    B, T, H, hd = q.shape
+    Hkv = k_blk.shape[2]
+    G = H // Hkv
+    dp, tp = mesh.shape.get("data", 1), mesh.shape.get("model", 1)
+    b = "data" if dp > 1 and B % dp == 0 else None
+    h = "model" if tp > 1 and H % tp == 0 else None
+    kvh = "model" if h and Hkv % tp == 0 else None
+    H_loc = H // tp if h else H
+    if h and not kvh and G % H_loc:
+        raise SpecjaxError(f"the Pallas kernel on {layout.describe()}: {H} heads in {Hkv} KV groups do not split "
+                           f"over {tp} model shards (each shard's heads must share one KV head)")
+
+    def local(q, kb, vb, kc, vc, lens, mask):
+        if h and not kvh:
+            j = jax.lax.axis_index("model") * H_loc // G
+            kb, vb = (jax.lax.dynamic_slice_in_dim(a, j, 1, axis=2) for a in (kb, vb))
+            kc, vc = (jax.lax.dynamic_slice(a, (layer, 0, j, 0, 0), (1, a.shape[1], 1) + a.shape[3:]) for a in (kc, vc))
+            return ta.tree_attention(q, kb, vb, kc, vc, lens, mask, layer=0)
+        return ta.tree_attention(q, kb, vb, kc, vc, lens, mask, layer=layer)
+
+    qs, kbs, cs = P(b, None, h, None), P(b, None, kvh, None), P(None, b, kvh, None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(qs, kbs, kbs, cs, cs, P(b), P(b, None, None)), out_specs=qs,
+                         check_vma=False)(q, k_blk, v_blk, k_all, v_all, lengths, block_mask)
+
+
 def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask, *,
-                    fwd: ForwardOptions = ForwardOptions(), use_prefix=True):
+                    fwd: ForwardOptions = ForwardOptions(), use_prefix=True, layout=None):
     """k_all, v_all: the whole stacked cache [L, B, Hkv, S, hd]; `layer` selects this layer's part.
 
     fwd.attention: "xla" or "pallas" (kernels_pallas.tree_attention: the Triton kernel on GPU,
     the Mosaic kernel on TPU, interpret mode on CPU). Blocks longer than the kernel's
-    MAX_TREE_TOKENS (prefill) always take the XLA path, chunked by fwd.attn_chunk."""
+    MAX_TREE_TOKENS (prefill) always take the XLA path, chunked by fwd.attn_chunk. ``layout``: a
+    sharded engine's (sharding.Layout): the kernel then runs per device under shard_map."""
     if fwd.attention == "pallas":
         from kernels_pallas import tree_attention as ta  # imported lazily: Pallas is not needed for "xla"
 
         if q.shape[1] <= ta.MAX_TREE_TOKENS:
             lens = lengths if use_prefix else jnp.zeros_like(lengths)
+            if layout is not None:
+                return _pallas_sharded(q, k_blk, v_blk, k_all, v_all, layer, lens, block_mask, layout)
             return ta.tree_attention(q, k_blk, v_blk, k_all, v_all, lens, block_mask, layer=layer)
     chunk = fwd.attn_chunk
     if chunk and k_all.shape[3] % chunk == 0:

@@ -183,7 +183,7 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask, pack=None):
+           positions, block_mask, pack=None, layout=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
     the old buffer is pending (reading first measured two full-cache copies per step).
@@ -209,7 +209,7 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
     o = attn_lib.block_attention(
-        q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix
+        q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix, layout=layout
     )
     o = o.reshape(B, T, H * hd)
     x = x + proj(o if pack is None else pack_rows(o, pack), "wo")
@@ -234,6 +234,7 @@ def forward(
     logits_at: jax.Array | None = None,
     return_hidden: bool = False,
     pack: jax.Array | None = None,
+    layout=None,
 ):
     """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden])``.
 
@@ -249,6 +250,7 @@ def forward(
       B*T (a verify block whose rows carry different draft counts costs its real tokens); only
       attention and the cache write see the [B, T] block. Logits come back as [B, T, V] with
       zeros at the positions not packed, whose cache entries are written but meaningless.
+    layout: a sharded engine's sharding.Layout (the Pallas attention kernel runs under shard_map).
     """
     layers = params["layers"]
     stacked = isinstance(layers, dict)
@@ -276,12 +278,12 @@ def forward(
             x, k_all, v_all = carry
             lp, i = xs
             return _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i, cache.lengths, positions, block_mask,
-                          pack), None
+                          pack, layout), None
 
         (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
     for i, lp in enumerate([] if stacked else layers):
         x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
-                                 cache.lengths, positions, block_mask, pack)
+                                 cache.lengths, positions, block_mask, pack, layout)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     hidden = x
