@@ -75,6 +75,16 @@ def check_same_avals(compiled, new, what: str) -> None:
                                f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
 
 
+def device_memory_budget() -> float | None:
+    """Bytes one of this process's devices may hold (an accelerator's memory limit), or None where
+    jax does not say (the CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+
+
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
     """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
     in its own memory mappings (~22 per layer), and Linux caps a process at
@@ -116,6 +126,12 @@ class JaxBackend:
             layout.check(cfg)
             if draft is not None and layout.shard_draft:
                 layout.check(draft.cfg, "draft")
+            budget = device_memory_budget()
+            if budget:  # weights and the KV cache of every row must fit one device (one line if not)
+                from specjax import aot
+
+                dtype = jax.tree_util.tree_leaves(params)[0].dtype
+                aot.check_fit(cfg, layout, max(batch_buckets), slots, dtype, budget)
             same = draft_params is None or draft_params is params
             params = layout.put_params(cfg, params)
             draft_params = None if same else layout.put_params(draft.cfg if draft else cfg, draft_params, draft=True)
