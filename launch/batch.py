@@ -82,6 +82,7 @@ def define_flags() -> None:
     cli.define_spec_flags(num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
     cli.define_forward_flags()
     cli.define_distributed_flags()
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     cli.define_prefill_flags()
     cli.define_policy_flags()
     cli.define_distill_flags()
@@ -158,7 +159,8 @@ def serve(job, geom) -> int:
     from specjax.models.loader import load_model
 
     wall0 = time.perf_counter()
-    model = load_model(FLAGS.model)
+    layout = cli.layout_from_flags()
+    model = load_model(FLAGS.model, FLAGS.dtype, layout=layout)  # (an HF directory: straight into the shards)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params) in {model.load_seconds:.1f} s]",
           file=sys.stderr)
     if FLAGS.slots > model.cfg.max_position:  # (positions past the context; and a huge cache fails to allocate)
@@ -175,12 +177,13 @@ def serve(job, geom) -> int:
         router, drafts = open_drafts(FLAGS.online_distill, model.cfg, model.params, draft_layers=FLAGS.draft_layers,
                                      draft_model=draft, tags=FLAGS.distill_tags, clusters=FLAGS.distill_clusters)
     first = drafts[0][1] if drafts else None
-    backend = registry.make_backend(model, FLAGS.drafter, fwd=cli.forward_options_from_flags(model), **geom,
+    fwd = cli.forward_options_from_flags(model, mesh_ok=True)
+    backend = registry.make_backend(model, FLAGS.drafter, fwd=fwd, **geom,
                                     prefill_chunk=prefill_chunk,
                                     **registry.backend_options([FLAGS.policy]),
                                     parts=None if first is None else {"draft": first.draft,
                                                                       "draft_params": first.params(first.trainable)},
-                                    teacher_topk=FLAGS.distill_topk if drafts else 0, layout=cli.layout_from_flags(),
+                                    teacher_topk=FLAGS.distill_topk if drafts else 0, layout=layout,
                                     **cli.drafter_kwargs(model, FLAGS.drafter, max(geom["k_buckets"]), draft=draft))
     policy, policy_label = cli.policy_from_flags(model, FLAGS.drafter)
     md = None

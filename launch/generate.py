@@ -181,6 +181,7 @@ def job() -> int:
     k_buckets = cli.validate_spec_flags([FLAGS.drafter])
     registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
     cli.check_policy_flags()
+    cli.forward_options_from_flags()  # (refuses --mesh before the model load)
     # The output is locked, repaired and scanned before the model load: a second job on it, or
     # an unwritable path, is a one-line error at once.
     jobfile = cli.open_job() if FLAGS.input_jsonl is not None else None

@@ -76,9 +76,9 @@ def check_fit(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, dtype
     kv = kv_tok * batch * slots
     if weights + kv > budget:
         room = max(0, int((budget - weights) // kv_tok))
-        raise SpecjaxError(f"{cfg.name} on {layout.describe()}: {weights / GB:.1f} GB of weights + {kv / GB:.1f} GB of KV "
-                           f"cache ({batch} x {slots} tokens) per device exceed the {budget / GB:.0f} GB budget; at most "
-                           f"{room} cached tokens fit beside the weights")
+        raise SpecjaxError(f"{cfg.name} on {layout.describe()}: {weights / GB:.1f} GB of weights + {kv / GB:.1f} GB "
+                           f"of KV cache ({batch} x {slots} tokens) per device exceed the {budget / GB:.0f} GB budget; "
+                           f"at most {room} cached tokens fit beside the weights")
     return kv_tok
 
 

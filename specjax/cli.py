@@ -196,12 +196,15 @@ def layout_from_flags():
     return sh.Layout(sh.make_mesh(data, model), shard_draft=FLAGS.shard_draft)
 
 
-def forward_options_from_flags(model=None):
+def forward_options_from_flags(model=None, mesh_ok: bool = False):
     """ForwardOptions from the flags; ``model`` (a LoadedModel) resolves ``--rows_kernel -1``
-    (never the rows kernel on a ``--mesh``: it runs on one device)."""
+    (never the rows kernel on a ``--mesh``: it runs on one device). ``mesh_ok``: the script serves
+    a ``--mesh`` (the batch job); elsewhere one is refused rather than ignored."""
     from specjax.errors import SpecjaxError
     from specjax.models.options import ForwardOptions
 
+    if FLAGS.mesh and not mesh_ok:
+        raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one device")
     rows = FLAGS.rows_kernel
     if FLAGS.mesh and rows > 0:
         raise SpecjaxError("--rows_kernel runs on one device; leave it at -1 or 0 with --mesh")

@@ -74,16 +74,19 @@ for data, model in meshes:
     lay = sh.Layout(sh.make_mesh(data, model))
     got = logits(lay.put_params(cfg, params), lay)
     np.testing.assert_allclose(got, want_logits, rtol=2e-5, atol=2e-5)
-    # (suffix trees on two meshes: the tree step's sharding is the chain step's)
-    for kind in ("prompt_lookup", "draft") + (("suffix",) if model in (4, 1) else ()):
+    # prompt lookup on every mesh; the draft model, suffix trees and sampling on two each (rows
+    # split and heads split: the tree step's and the draft's shardings are the chain step's)
+    kinds = ("prompt_lookup",) + {(1, 2): ("draft",), (2, 4): ("suffix",), (4, 2): ("draft",), (8, 1): ("suffix",)}[
+        (data, model)]
+    for kind in kinds:
         got = run(kind, lay, greedy)
         assert got[0] == want[kind][0], (kind, data, model)
-    assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)
+    if (data, model) in ((1, 2), (4, 2)):
+        assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)
     print("mesh", data, model, "ok", round(time.time() - t0, 1), flush=True)
 # the scanned layer stack (ForwardOptions.scan_layers), sharded, gives the same tokens
 scan = ForwardOptions(scan_layers=True)
-for kind in ("suffix", "draft"):
-    assert run(kind, sh.Layout(sh.make_mesh(2, 4)), greedy, fwd=scan)[0] == want[kind][0], ("scan", kind)
+assert run("draft", sh.Layout(sh.make_mesh(2, 4)), greedy, fwd=scan)[0] == want["draft"][0], "scan"
 # the Pallas tree-attention kernel (interpret mode here) under shard_map: heads and KV heads both
 # split (1x2), and KV heads replicated under query heads split four ways (2x4)
 traced = []

@@ -122,7 +122,8 @@ class JaxBackend:
                     "same pytree) cannot run beside a scanned target; pass the draft its own params")
             params = llama.stack_layers(params)
         if layout is not None:
-            require(not fwd.rows_kernel, f"the CPU rows kernel runs on one device; use rows_kernel 0 on {layout.describe()}")
+            require(not fwd.rows_kernel,
+                    f"the CPU rows kernel runs on one device; use rows_kernel 0 on {layout.describe()}")
             layout.check(cfg)
             if draft is not None and layout.shard_draft:
                 layout.check(draft.cfg, "draft")
