@@ -75,11 +75,11 @@ class FakeModel:
                 raise Killed()
 
 
-def run_job(inp, out, *, batch=3, model=None, fsync=True, log=None) -> int:
+def run_job(inp, out, *, batch=3, model=None, fsync=True, log=None, replica=(0, 1)) -> int:
     from specjax.jobs import Job
 
     model = model or FakeModel()
-    with Job(inp, out, DEFAULTS, fsync=fsync, log=log, progress=False) as job:
+    with Job(inp, out, DEFAULTS, fsync=fsync, log=log, progress=False, replica=replica) as job:
         return job.serve(prepare, model.generate, batch=batch)
 
 

@@ -235,6 +235,44 @@ def test_kills_and_reruns_end_with_the_uninterrupted_output(case, batch, data):
         assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
 
 
+@settings(SETTINGS, max_examples=max(EXAMPLES // 4, 1))
+@given(input_files(), st.integers(2, 3), st.data())
+def test_replicas_killed_and_rerun_merge_to_the_one_process_output(case, n, data):
+    """n data-parallel replicas (Job(replica=(k, n))), each killed 0-2 times with a damaged tail
+    and then finished, in a random order: merge_replicas refuses while any part is incomplete,
+    then writes exactly the one-process records, in input order; merging again: the same bytes."""
+    from specjax.jobs import merge_replicas, parse_input, replica_path
+
+    specs, raw = case
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    with tempfile.TemporaryDirectory() as d:
+        inp, ref, out = (os.path.join(d, n_) for n_ in ("in.jsonl", "ref.jsonl", "out.jsonl"))
+        with open(inp, "wb") as f:
+            f.write(raw)
+        assert _run(inp, ref)[0] == 0
+        order = data.draw(st.permutations(range(n)))
+        for i, k in enumerate(order):
+            for _ in range(data.draw(st.integers(0, 2))):
+                try:
+                    _run(inp, out, replica=(k, n), model=FakeModel(kill_after=data.draw(st.integers(1, 4))))
+                except Killed:
+                    pass
+                if os.path.exists(replica_path(out, (k, n))):
+                    _damage_tail(replica_path(out, (k, n)), data.draw(st.sampled_from(["none", "no_newline", "torn"])),
+                                 rng)
+            assert _run(inp, out, replica=(k, n))[0] == 0
+            if i < n - 1 and parse_input(raw, DEFAULTS).records[order[-1]::n]:
+                assert merge_replicas(inp, out, n, DEFAULTS) is None and not os.path.exists(out)
+        records = parse_input(raw, DEFAULTS).records
+        assert merge_replicas(inp, out, n, DEFAULTS) == len(records)
+        got = read_out(out)
+        check_output(got, specs)
+        assert [g["id"] for g in got] == [r.id for r in records]
+        assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, read_out(ref)))
+        merged = open(out, "rb").read()
+        assert merge_replicas(inp, out, n, DEFAULTS) == len(records) and open(out, "rb").read() == merged
+
+
 def test_explicit_nasty_file(tmp_path):
     """Every raw error line, every blank form and each injected failure in one file, with a BOM
     (not part of line 1) and CRLF endings."""
