@@ -208,8 +208,8 @@ def forward_options_from_flags(model=None, mesh_ok: bool = False):
     rows = FLAGS.rows_kernel
     if FLAGS.mesh and rows > 0:
         raise SpecjaxError("--rows_kernel runs on one device; leave it at -1 or 0 with --mesh")
-    if rows < 0:
-        rows = model.auto_rows_kernel() if model is not None and not FLAGS.mesh else 0
+    if rows < 0:  # (the kernel reads per-layer packs: not on a mesh, not with a scanned stack)
+        rows = model.auto_rows_kernel() if model is not None and not FLAGS.mesh and not FLAGS.scan_layers else 0
     return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=rows,
                           scan_layers=FLAGS.scan_layers)
 

@@ -425,6 +425,12 @@ def test_scanned_layer_stack_equals_the_layer_list():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="stack_layers"):
         llama.forward(params, toks, pos, cache, llama.causal_mask(B, T), cfg=CFG, fwd=ForwardOptions(scan_layers=True))
+    # launch scripts get the stacked form from the loaded model (--scan_layers)
+    from specjax.models.loader import load_model
+
+    m = load_model("tiny-random")
+    assert isinstance(m.params_for(ForwardOptions(scan_layers=True))["layers"], dict)
+    assert isinstance(m.params_for(ForwardOptions())["layers"], list)
 
 
 def test_rope_inv_freq_unscaled():

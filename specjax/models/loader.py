@@ -51,7 +51,10 @@ class LoadedModel:
 
     def params_for(self, fwd: ForwardOptions) -> dict:
         """The params a forward with ``fwd`` runs on: with the rows kernel, plus the packed
-        weights (built once; a GGUF's Q4_1/Q8_0 weights stay in their blocks)."""
+        weights (built once; a GGUF's Q4_1/Q8_0 weights stay in their blocks); with
+        ``scan_layers``, the layers stacked (llama.stack_layers; a copy of them)."""
+        if fwd.scan_layers:
+            return llama.stack_layers(self.params)
         if not fwd.rows_kernel:
             return self.params
         if self._packed is None:
