@@ -72,6 +72,7 @@ def define_flags() -> None:
     cli.define_request_flags()
     cli.define_spec_flags()
     cli.define_forward_flags()
+    cli.define_distributed_flags()
     cli.define_policy_flags()
 
 
@@ -182,13 +183,18 @@ def job() -> int:
     registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
     cli.check_policy_flags()
     cli.forward_options_from_flags()  # (refuses --mesh before the model load)
+    if FLAGS.num_processes > 1 and FLAGS.input_jsonl is None:
+        raise SpecjaxError("--num_processes > 1 splits a JSONL job (--input_jsonl) between processes")
+    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
     # The output is locked, repaired and scanned before the model load: a second job on it, or
     # an unwritable path, is a one-line error at once.
-    jobfile = cli.open_job() if FLAGS.input_jsonl is not None else None
+    jobfile = cli.open_job(replica=replica) if FLAGS.input_jsonl is not None else None
     try:
         if jobfile is not None and not jobfile.todo:
             jobfile.notes()
             print(jobfile.summary() + " (nothing to generate)", file=sys.stderr)
+            jobfile.close()
+            cli.merge_job_replicas(replica)
             return 0
         model = load_model(FLAGS.model, FLAGS.dtype)
         print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
@@ -210,7 +216,11 @@ def job() -> int:
         if jobfile is None:
             run_single(model, gen, stats, policy, label)
             return 0
-        return run_jsonl(jobfile, model, gen, stats, policy, label)
+        code = run_jsonl(jobfile, model, gen, stats, policy, label)
+        jobfile.close()
+        if code == 0:
+            cli.merge_job_replicas(replica)
+        return code
     finally:
         if jobfile is not None:
             jobfile.close()

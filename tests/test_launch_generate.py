@@ -30,6 +30,8 @@ def run(*args, timeout=300):
     (["--model", "tiny-random"], "exactly one of --prompt or --input_jsonl"),
     (["--input_jsonl", "/nonexistent.jsonl", "--output_jsonl", "/tmp/x.jsonl", "--model", "tiny-random"],
      "input file not found"),
+    (["--prompt", "hi", "--model", "tiny-random", "--mesh", "1x2"], "--mesh is served by launch/batch.py"),
+    (["--prompt", "hi", "--model", "tiny-random", "--num_processes", "2"], "splits a JSONL job (--input_jsonl)"),
 ])
 def test_bad_input_gives_one_line_error(args, message):
     r = run(*args)
@@ -103,3 +105,28 @@ def test_jsonl_records_errors_and_resumes(tmp_path):
     assert len(ids) == n and len(set(ids)) == n, (seed, ids)
     # Deterministic generation: resumed records equal the first run's.
     assert {x["id"]: x for x in recs} == first, seed
+
+
+def test_two_processes_split_a_jsonl_job(tmp_path):
+    """--num_processes 2 (jax.distributed over a local coordinator): each process serves its share
+    of the records and the last to finish writes the output, in input order, with the records
+    one process writes."""
+    import socket
+
+    inp, one, two = tmp_path / "in.jsonl", tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"p{i} " * (1 + i), "max_new_tokens": 5}) + "\n"
+                           for i in range(5)))
+    base = ["--model", "tiny-random", "--input_jsonl", str(inp)]
+    assert run(*base, "--output_jsonl", str(one)).returncode == 0
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, SCRIPT, *base, "--output_jsonl", str(two), "--num_processes", "2",
+                               "--process_id", str(k), "--coordinator_address", f"localhost:{port}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for k in (0, 1)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    lines = two.read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == list(range(5))
+    assert sorted(lines) == sorted(one.read_text().splitlines())
