@@ -119,8 +119,8 @@ def validate_flags() -> dict:
     cli.check_online_distill_flags(FLAGS.drafter)
     if FLAGS.num_processes == 1:  # (several: jax.distributed must start before jax looks at devices)
         cli.layout_from_flags()  # a malformed mesh, or more devices than present: before the model load
-    if FLAGS.num_processes > 1 and FLAGS.online_distill:
-        raise SpecjaxError("--online_distill trains one draft in one process; it does not combine with "
+    if FLAGS.online_distill and (FLAGS.num_processes > 1 or FLAGS.mesh):
+        raise SpecjaxError("--online_distill trains one draft on one device; it does not combine with --mesh or "
                            "--num_processes > 1")
     return dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
 

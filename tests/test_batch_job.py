@@ -135,6 +135,11 @@ def test_kill_and_resume(tmp_path):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK"], "use --drafter layer_skip"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",
       "--distill_divergence", "jsd"], "keeps its top k: use fkl or tvd"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",
+      "--num_processes", "2"], "does not combine with --mesh or --num_processes > 1"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--mesh", "2by4"], "--mesh must be DATAxMODEL"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--num_processes", "2", "--process_id", "0"],
+     "needs --coordinator_address host:port"),
 ])
 def test_bad_flags_give_one_line_error(tmp_path, args, message):
     inp = tmp_path / "in.jsonl"
