@@ -38,8 +38,7 @@ def abstract_table(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16,
     """A StepTable over abstract params placed by ``layout`` (the config and mesh are checked
     first: a mesh that cannot hold the model is a one-line error before any compilation)."""
     layout.check(cfg)
-    ab = sh.abstract_params(cfg, dtype, stacked=fwd.scan_layers)
-    params = sh.with_shardings(ab, layout.params(cfg, ab))
+    params = layout.abstract_params(cfg, dtype, stacked=fwd.scan_layers)
     return StepTable(cfg, params, params, fwd=fwd, layout=layout)
 
 
@@ -70,8 +69,7 @@ def check_fit(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, dtype
     the weights and of a ``batch`` x ``slots`` KV cache exceeds ``budget`` bytes; else the KV bytes
     per cached token and device."""
     layout.check(cfg)
-    ab = sh.abstract_params(cfg, dtype)
-    weights = per_device_bytes(sh.with_shardings(ab, layout.params(cfg, ab)))
+    weights = per_device_bytes(layout.abstract_params(cfg, dtype))
     kv_tok = kv_bytes_per_token(cfg, layout, dtype)
     kv = kv_tok * batch * slots
     if weights + kv > budget:

@@ -478,7 +478,6 @@ class Job:
         self.log = log if log is not None else sys.stderr
         self.progress = progress
         self.input_path = input_path
-        self.output_path = output_path
         self.replica = replica
         data = _read_bytes(input_path, "input file")
         self.input = parse_input(data, defaults)

@@ -128,18 +128,6 @@ def param_shardings(cfg: ModelConfig, params_or_shapes, mesh: Mesh, rules=None):
     return tree_shardings(param_logical_axes(cfg, stacked), params_or_shapes, mesh, rules, head_units(cfg))
 
 
-def shard_params(cfg: ModelConfig, params, mesh: Mesh, rules=None):
-    return jax.device_put(params, param_shardings(cfg, params, mesh, rules))
-
-
-def cache_shardings(cache, mesh: Mesh, rules=None):
-    from specjax.cache import KVCache
-
-    return KVCache(**{name: NamedSharding(mesh, logical_to_spec(CACHE_AXES[name], tuple(getattr(cache, name).shape),
-                                                                mesh, rules, units=None))
-                      for name in ("k", "v", "lengths")})
-
-
 def abstract_params(cfg: ModelConfig, dtype=jax.numpy.bfloat16, stacked: bool = False):
     """ShapeDtypeStructs of a config's params (no memory; for layout checks of 7B-70B configs);
     ``stacked``: layers as llama.stack_layers gives them."""
@@ -210,6 +198,11 @@ class Layout:
 
     def put_params(self, cfg: ModelConfig, params, draft: bool = False):
         return jax.device_put(params, self.params(cfg, params, draft))
+
+    def abstract_params(self, cfg: ModelConfig, dtype=jax.numpy.bfloat16, stacked: bool = False):
+        """A config's params as ShapeDtypeStructs placed by this layout (no memory)."""
+        ab = abstract_params(cfg, dtype, stacked)
+        return with_shardings(ab, self.params(cfg, ab))
 
     def cache(self, cache, draft: bool = False):
         """KVCache of shardings for a cache (arrays or ShapeDtypeStructs): KV heads over ``model``

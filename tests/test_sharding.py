@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent("""
     want = [r.tokens for r in Generator(cfg, params).generate(prompts, max_new_tokens=12)]
     for data, model in [(2, 4), (1, 8), (8, 1)]:
         mesh = sh.make_mesh(data, model)
-        sp = sh.shard_params(cfg, params, mesh)
+        sp = sh.Layout(mesh).put_params(cfg, params)
         assert sp["layers"][0]["w_gate"].sharding.spec == sh.logical_to_spec(("embed", "mlp"), (64, 128), mesh)
         got = [r.tokens for r in Generator(cfg, sp).generate(prompts, max_new_tokens=12)]
         assert got == want, (data, model, got, want)

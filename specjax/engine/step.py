@@ -41,10 +41,10 @@ class StepState:
     pending: jax.Array  # [B] sampled, not yet in the cache
 
 
-def pin(key: CompileKey, state: StepState) -> StepState:
-    """A returned state constrained to the key's layout (every variant of a sharded engine hands
-    the next one its state in the same shardings, so the live state never reshards)."""
-    return state if key.layout is None else key.layout.pin_state(state)
+def pin(layout, state: StepState) -> StepState:
+    """A returned state constrained to a sharded engine's layout (every variant, row operations
+    included, hands the next one its state in the same shardings: the live state never reshards)."""
+    return state if layout is None else layout.pin_state(state)
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +97,7 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
-    new_state = pin(key, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
+    new_state = pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
     return new_state, StepOutput.of(tokens, n, num_draft, logits, key.teacher)
 
 
@@ -119,8 +119,9 @@ def spec_draft(params, dparams, state: StepState, active, samp: SamplingArrays, 
                                                  state.cache.lengths, P, samp, key.greedy_only, active, threshold)
     host = jnp.concatenate([toks.astype(jnp.float32), conf, n[:, None].astype(jnp.float32)], axis=1)
     if key.layout is not None:  # placed as the verify step that reads them expects them
-        toks, q = (None if a is None else jax.lax.with_sharding_constraint(a, key.layout.rows(a.shape)) for a in (toks, q))
-    return pin(key, dataclasses.replace(state, dcache=dcache)), DraftOutput(tokens=toks, q=q, host=host)
+        toks, q = (None if a is None else jax.lax.with_sharding_constraint(a, key.layout.rows(a.shape))
+                   for a in (toks, q))
+    return pin(key.layout, dataclasses.replace(state, dcache=dcache)), DraftOutput(tokens=toks, q=q, host=host)
 
 
 def tree_mask_and_depth(parents):
@@ -168,7 +169,8 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     prev = jnp.where(active, jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(out, n[:, None], axis=1)[:, 0], state.pending)
     num_draft = jnp.sum(node_valid[:, 1:], axis=1).astype(jnp.int32)
-    return pin(key, StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending)), StepOutput.of(out, n, num_draft)
+    new_state = pin(key.layout, StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending))
+    return new_state, StepOutput.of(out, n, num_draft)
 
 
 def fresh_state(params, dparams, B: int, key: CompileKey) -> StepState:
@@ -208,7 +210,7 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     prev = jnp.where(has, jnp.take_along_axis(tokens, last, axis=1)[:, 0], prev)
     if draft is not None:
         dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first)
-    return pin(key, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
+    return pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
 
 
 spec_step_jit = jax.jit(spec_step, static_argnames=("key",), donate_argnames=("state",))

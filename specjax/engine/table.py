@@ -31,7 +31,7 @@ from specjax.drafters.device import ModelDraft
 from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, fresh_state, spec_chunk_jit, spec_draft_jit, spec_prefill_jit,
+from specjax.engine.step import (StepState, fresh_state, pin, spec_chunk_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
 from specjax.sharding import Layout, with_shardings
 from specjax.errors import SpecjaxError
@@ -49,10 +49,6 @@ def _cache_set_rows(dst: kv.KVCache, src: kv.KVCache, rows) -> kv.KVCache:
                       lengths=_set_rows(dst.lengths, src.lengths, rows, 0))
 
 
-def _pin(layout: Layout | None, state: StepState) -> StepState:
-    return state if layout is None else layout.pin_state(state)
-
-
 @partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
 def insert_rows(state: StepState, new: StepState, rows, layout: Layout | None = None) -> StepState:
     """rows[j]: destination row of new's row j (>= B drops it: a padding row of the prefill).
@@ -61,7 +57,7 @@ def insert_rows(state: StepState, new: StepState, rows, layout: Layout | None = 
     dcache = state.dcache
     if dcache is not None and new.dcache is not None:
         dcache = _cache_set_rows(dcache, new.dcache, rows)
-    return _pin(layout, StepState(cache=_cache_set_rows(state.cache, new.cache, rows), dcache=dcache,
+    return pin(layout, StepState(cache=_cache_set_rows(state.cache, new.cache, rows), dcache=dcache,
                                   prev=_set_rows(state.prev, new.prev, rows, 0),
                                   pending=_set_rows(state.pending, new.pending, rows, 0)))
 
@@ -75,7 +71,7 @@ def _cache_take(c: kv.KVCache, idx) -> kv.KVCache:
 def take_rows(state: StepState, idx, layout: Layout | None = None) -> StepState:
     """New state whose row j is old row idx[j] (idx[j] = -1: an empty row of length 0)."""
     src = jnp.maximum(idx, 0)
-    return _pin(layout, StepState(cache=_cache_take(state.cache, idx),
+    return pin(layout, StepState(cache=_cache_take(state.cache, idx),
                                   dcache=None if state.dcache is None else _cache_take(state.dcache, idx),
                                   prev=state.prev[src], pending=state.pending[src]))
 
@@ -85,7 +81,7 @@ def clear_rows(state: StepState, free, layout: Layout | None = None) -> StepStat
     def clr(c):
         return None if c is None else kv.set_lengths(c, jnp.where(free, 0, c.lengths))
 
-    return _pin(layout, dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache)))
+    return pin(layout, dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache)))
 
 
 class StepTable:
@@ -253,7 +249,8 @@ class StepTable:
         key = ("take", B_from, B_to, S)
 
         def build():
-            return self._compile(key, take_rows, self.state_info(B_from, S), self._sds((B_to,), jnp.int32, per_row=False))
+            return self._compile(key, take_rows, self.state_info(B_from, S),
+                                 self._sds((B_to,), jnp.int32, per_row=False))
 
         return self._get(key, build, f"batch resize {B_from} -> {B_to}")
 

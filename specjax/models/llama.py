@@ -287,10 +287,11 @@ def forward(
             return (pin(x), k_all, v_all), None
 
         (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
-    for i, lp in enumerate([] if stacked else layers):
-        x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
-                                 cache.lengths, positions, block_mask, pack, layout)
-        x = pin(x)
+    else:
+        for i, lp in enumerate(layers):
+            x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
+                                     cache.lengths, positions, block_mask, pack, layout)
+            x = pin(x)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     x = rms_norm(x, params["final_norm"], cfg.rms_eps)
     hidden = x

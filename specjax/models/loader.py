@@ -33,6 +33,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     native_packs: Callable[[], dict] | None = None
     _packed: dict | None = field(default=None, repr=False)
+    _stacked: dict | None = field(default=None, repr=False)
 
     def auto_rows_kernel(self) -> int:
         """The ``ForwardOptions.rows_kernel`` a launch script uses unless told: the rows kernel
@@ -54,7 +55,9 @@ class LoadedModel:
         weights (built once; a GGUF's Q4_1/Q8_0 weights stay in their blocks); with
         ``scan_layers``, the layers stacked (llama.stack_layers; a copy of them)."""
         if fwd.scan_layers:
-            return llama.stack_layers(self.params)
+            if self._stacked is None:  # (every backend of a generator shares one stacked copy)
+                self._stacked = llama.stack_layers(self.params)
+            return self._stacked
         if not fwd.rows_kernel:
             return self.params
         if self._packed is None:

@@ -286,27 +286,6 @@ def config_from_hf(config_json: dict, name: str) -> ModelConfig:
     )
 
 
-def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32) -> dict:
-    from safetensors import safe_open
-
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise SpecjaxError(f"no .safetensors files in {model_dir}")
-    where: dict[str, str] = {}
-    for f in files:
-        with safe_open(os.path.join(model_dir, f), framework="numpy") as h:
-            for k in h.keys():
-                where[k] = f
-
-    def get(name):
-        if name not in where:
-            raise SpecjaxError(f"safetensors checkpoint in {model_dir} lacks tensor {name!r}")
-        with safe_open(os.path.join(model_dir, where[name]), framework="numpy") as h:
-            return np.asarray(h.get_tensor(name), np.float32)
-
-    return _assemble(cfg, get, _HF_NAMES, dtype)
-
-
 # ---------------------------------------------------------------- sharded safetensors, straight into shards
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64}
@@ -339,7 +318,6 @@ class SafetensorsIndex:
             weight_map = None
         if not files:
             raise SpecjaxError(f"no .safetensors files in {model_dir}")
-        self.dir = model_dir
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for fname in files:
             path = os.path.join(model_dir, fname)
@@ -367,24 +345,33 @@ class SafetensorsIndex:
             import ml_dtypes
 
             dt = ml_dtypes.bfloat16
-        b0, b1 = info["data_offsets"]
+        b0, _ = info["data_offsets"]
         return np.memmap(path, dtype=dt, mode="r", offset=start + b0, shape=tuple(info["shape"]))
 
 
-def _hf_expected(cfg: ModelConfig) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
-    """HF tensor name -> (params key, layer or None, torch-layout shape) of every tensor a config needs."""
-    D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.vocab_size)
-    shapes = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (H * hd, D), "wk": (Hkv * hd, D), "wv": (Hkv * hd, D),
-              "wo": (D, H * hd), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
-              "bq": (H * hd,), "bk": (Hkv * hd,), "bv": (Hkv * hd,)}
-    keys = [k for k in shapes if cfg.qkv_bias or k not in ("bq", "bk", "bv")]
-    out = {_HF_NAMES["embed"]: ("embed", None, (V, D)), _HF_NAMES["final_norm"]: ("final_norm", None, (D,))}
-    if not cfg.tie_embeddings:
-        out[_HF_NAMES["lm_head"]] = ("lm_head", None, (V, D))
-    for i in range(cfg.num_layers):
-        for k in keys:
-            out[_HF_NAMES[k].format(i=i)] = (k, i, shapes[k])
+def _flipped(key: str, ndim: int) -> bool:
+    """Whether a param is stored transposed in a Hugging Face file: params are ``x @ W`` ([in, out]),
+    the files hold torch's [out, in]; the embedding is [vocab, hidden] in both."""
+    return ndim == 2 and key != "embed"
+
+
+def load_safetensors_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    index = SafetensorsIndex(model_dir)
+
+    def get(name):
+        if index.shape(name) is None:
+            raise SpecjaxError(f"safetensors checkpoint in {model_dir} lacks tensor {name!r}")
+        return np.asarray(index.array(name), np.float32)
+
+    return _assemble(cfg, get, _HF_NAMES, dtype)
+
+
+def _hf_tensors(placed) -> dict[str, tuple[str, int | None, object]]:
+    """HF tensor name -> (params key, layer or None, the param's abstract value) for every param of
+    an (abstract) params tree (sharding.abstract_params: the one table of param shapes)."""
+    out = {_HF_NAMES[k]: (k, None, a) for k, a in placed.items() if k != "layers"}
+    for i, lp in enumerate(placed["layers"]):
+        out.update({_HF_NAMES[k].format(i=i): (k, i, a) for k, a in lp.items()})
     return out
 
 
@@ -399,35 +386,28 @@ def load_safetensors_sharded(model_dir: str, cfg: ModelConfig, layout, dtype=jnp
 
     index = SafetensorsIndex(model_dir)
     where = f"{cfg.name} on {layout.describe()}"
-    expected = _hf_expected(cfg)
-    for name, (_, _, shape) in expected.items():
-        got = index.shape(name)
+    expected = _hf_tensors(sh.abstract_params(cfg, dtype))
+    for name, (key, _, a) in expected.items():
+        got, shape = index.shape(name), tuple(reversed(a.shape)) if _flipped(key, a.ndim) else tuple(a.shape)
         if got is None:
             raise SpecjaxError(f"{where}: the checkpoint in {model_dir} lacks tensor {name!r}")
         if got != shape:
             raise SpecjaxError(f"{where}: tensor {name!r} has shape {got} in {model_dir}, the config needs {shape}")
     layout.check(cfg)
-    ab = sh.abstract_params(cfg, dtype)
-    shardings = layout.params(cfg, ab)
+    placed = layout.abstract_params(cfg, dtype)
 
-    def place(name, key, layer):
-        spec = shardings["layers"][layer][key] if layer is not None else shardings[key]
-        src = index.array(name)
-        flip = src.ndim == 2 and key != "embed"  # params are x @ W, [in, out]; the file has [out, in]
-        ours = tuple(reversed(src.shape)) if flip else tuple(src.shape)
+    def place(name, key, a):
+        src, flip = index.array(name), _flipped(key, a.ndim)
 
         def read(idx):  # idx: this device's slice of our layout
             part = src[tuple(reversed(idx))].T if flip else src[idx]
             return np.asarray(part, np.float32).astype(dtype)
 
-        return jax.make_array_from_callback(ours, spec, read)
+        return jax.make_array_from_callback(a.shape, a.sharding, read)
 
     params: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
-    for name, (key, layer, _) in expected.items():
-        if layer is None:
-            params[key] = place(name, key, None)
-        else:
-            params["layers"][layer][key] = place(name, key, layer)
+    for name, (key, layer, a) in _hf_tensors(placed).items():
+        (params if layer is None else params["layers"][layer])[key] = place(name, key, a)
     return params
 
 
