@@ -7,16 +7,65 @@ reads flags or touches the process (no absl, no printing).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specjax import buckets as bk
 from specjax.models.options import ForwardOptions
 
-DRAFTERS = ("none", "prompt_lookup", "draft_model", "layer_skip", "suffix", "suffix_path", "hybrid")
+@dataclasses.dataclass(frozen=True)
+class DrafterEntry:
+    """One drafter kind as the registry knows it: the only place that does.
+    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs
+    (``draft``: an already loaded draft model). device: it drafts inside the compiled step (its
+    own draft forward), so its step costs need a performance model of their own. reads: the
+    DrafterSpec fields it uses (a setting given for a drafter that does not read it is refused)."""
+
+    name: str
+    build: Callable | None
+    device: bool = False
+    reads: frozenset = frozenset()
+
+
+_PLD = frozenset({"pld_min_ngram", "pld_max_ngram", "pld_max_draft"})
+_SUFFIX = frozenset({"suffix_max_depth", "suffix_alpha", "suffix_min_prob", "suffix_tree", "suffix_cache_requests",
+                     "suffix_cache_mb", "suffix_history_jsonl"})
+
+
+def _build_parts(model, spec, draft=None):
+    return drafter_parts(model, spec.name, k=spec.k, draft_model=spec.draft_model, draft_layers=spec.draft_layers,
+                         pld_min_ngram=spec.pld_min_ngram, pld_max_ngram=spec.pld_max_ngram,
+                         pld_max_draft=spec.pld_max_draft, draft=draft, suffix=suffix_config(
+                             spec.k, max_depth=spec.suffix_max_depth, alpha=spec.suffix_alpha,
+                             min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
+                             cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
+                         suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint,
+                         suffix_history=load_suffix_history(spec.suffix_history_jsonl, model.tokenizer)
+                         if spec.suffix_history_jsonl and spec.name in SUFFIX_DRAFTERS else ())
+
+
+DRAFTERS: dict[str, DrafterEntry] = {}
+
+
+def register_drafter(entry: DrafterEntry) -> None:
+    """Add a drafter kind (a new kind needs its module and this one call, nothing else)."""
+    DRAFTERS[entry.name] = entry
+
+
+for _e in (DrafterEntry("none", None),
+           DrafterEntry("prompt_lookup", _build_parts, reads=_PLD),
+           DrafterEntry("draft_model", _build_parts, device=True, reads=frozenset({"draft_model", "draft_checkpoint"})),
+           DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"})),
+           DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
+           DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
+           DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):
+    register_drafter(_e)
+
+# (views kept for callers; the table above is the source)
 SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
-SPEC_DRAFTERS = DRAFTERS[1:]
-DEVICE_DRAFTERS = ("draft_model", "layer_skip")  # run inside the step (drafters.device); the rest on the host
+SPEC_DRAFTERS = tuple(n for n in DRAFTERS if n != "none")
+DEVICE_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.device)
 
 
 def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = False) -> list:
