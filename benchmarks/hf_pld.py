@@ -1,14 +1,13 @@
 #!/usr/bin/env python
-"""HF transformers side of launch/bench.py's peer column: greedy vs prompt-lookup decoding.
+"""HF transformers side of launch/bench.py's peer column: greedy vs prompt-lookup decoding (the
+``hf_pld`` peer, specjax.peers).
 
 Runs in a separate venv with torch (CPU), transformers, accelerate and gguf; specjax never
-imports torch. launch/bench.py starts it as a subprocess (before its own runs, never
-concurrently) with a JSON file of already-tokenized prompts (specjax's chat-template token
-ids, so both sides see the same input)::
+imports torch. launch/bench.py starts it through ``peers.run_peer`` (before its own runs, never
+concurrently) with already-tokenized prompts (specjax's chat-template token ids, so both sides
+see the same input).
 
-    /tmp/hfvenv/bin/python benchmarks/hf_pld.py --input prompts.json --output hf.json
-
-Input JSON: ``{"gguf": path, "max_new_tokens": N, "eos_ids": [...], "threads": 2,
+Job: ``{"gguf": path, "max_new_tokens": N, "eos_ids": [...], "threads": 2,
 "prompt_lookup_num_tokens": 10, "max_matching_ngram_size": null, "prompts": [{"key", "category",
 "input_ids"}]}``.
 
@@ -20,28 +19,20 @@ stops at):
   lookup; ``max_matching_ngram_size`` left at HF's default 2 unless given).
 
 Wall time is measured around each whole ``generate`` call (prefill included, as in
-Spec-Bench). One untimed warm-up of each mode on the first prompt runs first. Output JSON:
+Spec-Bench). One untimed warm-up of each mode on the first prompt runs first. Result:
 ``{"rows": [{"key", "category", "prompt_tokens", "greedy": {"new_tokens", "wall_s",
 "output_ids"}, "pld": {...}, "pld_equals_greedy"}], "env": {...}}``.
 """
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import sys
 import time
 
+from specjax.peers import peer_main
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    args = ap.parse_args(argv)
-    with open(args.input) as f:
-        job = json.load(f)
 
-    import os
-
+def run(job: dict) -> dict:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -98,10 +89,8 @@ def main(argv=None) -> int:
            "env": {"torch": torch.__version__, "transformers": transformers.__version__,
                    "threads": torch.get_num_threads(), "dtype": "float32", "gguf": job["gguf"],
                    "max_new_tokens": N, "eos_ids": eos, "load_s": load_s, "warmup_s": warm_s, **pld_kw}}
-    with open(args.output, "w") as f:
-        json.dump(res, f)
-    return 0
+    return res
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peer_main(run))

@@ -12,8 +12,8 @@ the insert into the live batch and the first token's trip to the host. Per lengt
   for each --rows_kernels setting (0: XLA's dot; N: the CPU rows kernel on the GGUF's own
   Q4_1/Q8_0 blocks up to N rows, ForwardOptions.rows_kernel).
 
-transformers runs first, in a subprocess of --hf_python (a venv with torch CPU, transformers and
-gguf; see BENCHMARKS.md), one after the other, never concurrently:
+transformers runs first, as the ``hf`` peer (specjax.peers) in --hf_python (a venv with torch CPU,
+transformers and gguf; see BENCHMARKS.md), one after the other, never concurrently:
 
   python benchmarks/prefill_speed.py --hf_python /tmp/hfvenv/bin/python
 """
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,15 +42,10 @@ flags.DEFINE_string("json_out", None, "Write all results as JSON here.")
 
 def run_hf(python, lengths, contexts, decode_tokens, reps):
     from specjax.models.loader import default_gguf_path
+    from specjax.peers import run_peer
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "hf.json")
-        cmd = [python, os.path.join(here, "hf_baseline.py"), "--gguf", default_gguf_path(), "--prefill_lens", ",".join(map(str, lengths)),
-               "--decode_contexts", ",".join(map(str, contexts)), "--reps", str(reps), "--json", out]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-        with open(out) as f:
-            res = json.load(f)
+    res = run_peer("hf", python, {"gguf": default_gguf_path(), "prefill_lens": lengths, "decode_contexts": contexts,
+                                  "decode_tokens": decode_tokens, "reps": reps})
     res["decode"] = {int(k): v for k, v in res["decode"].items()}
     res["prefill"] = {int(k): v for k, v in res["prefill"].items()}
     return res
@@ -63,6 +56,7 @@ def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max, rows_k
     import numpy as np
     from tqdm import tqdm
 
+    from specjax.benchtime import generate_sample, rounds, summarize
     from specjax.generate import Generator
     from specjax.models.loader import load_model
     from specjax.models.options import ForwardOptions
@@ -77,16 +71,15 @@ def run_specjax(lengths, contexts, decode_tokens, reps, chunk, whole_max, rows_k
     out["decode"] = {}
     jobs = [(name, n) for n in lengths for name in gens if name == "chunked" or n <= whole_max]
     for name, n in tqdm(jobs, desc="specjax prefill", disable=None):
-        g = gens[name]
-        g.generate([prompt[n]], max_new_tokens=1)  # compiles this length's chunks
-        out[name][n] = min(g.generate([prompt[n]], max_new_tokens=1)[0].prefill_s for _ in range(reps))
+        # (the warm-up round compiles this length's chunks)
+        runs = rounds({"": lambda: generate_sample(gens[name], prompt[n], 1)}, reps)[""]
+        out[name][n] = summarize(runs, min)["prefill_s"]
     for rk in rows_kernels:
         fwd = ForwardOptions(rows_kernel=rk)
         g = gens["chunked"] if not rk else Generator(m.cfg, m.params_for(fwd), prefill_chunk=chunk, fwd=fwd)
         for c in contexts:
-            g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)
-            runs = [g.generate([prompt[c]], max_new_tokens=decode_tokens + 1, ignore_eos=True)[0] for _ in range(reps)]
-            out["decode"][f"{rk}:{c}"] = min(r.decode_s / (len(r.tokens) - 1) for r in runs)
+            runs = rounds({"": lambda: generate_sample(g, prompt[c], decode_tokens + 1, ignore_eos=True)}, reps)[""]
+            out["decode"][f"{rk}:{c}"] = summarize(runs, min)["decode_step_s"]
     out["env"] = {"jax": jax.__version__, "prefill_chunk": chunk}
     return out
 

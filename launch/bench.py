@@ -53,7 +53,7 @@ below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a ve
 drafters; with several policies a compact table of every pair's speedup per category precedes
 them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
 
-Peer column (``--hf_python``): before the specjax runs (never concurrently) a subprocess runs
+Peer column (``--hf_python``): before the specjax runs (never concurrently) the ``hf_pld`` peer (specjax.peers) runs
 ``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
 on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
 lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
@@ -67,9 +67,7 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,29 +134,15 @@ def command_line() -> str:
 
 
 def run_hf(prompts, eos_ids, gguf: str) -> dict:
-    from specjax.errors import SpecjaxError
+    from specjax.peers import run_peer
 
-    script = os.path.join(ROOT, "benchmarks", "hf_pld.py")
-    with tempfile.TemporaryDirectory(prefix="specjax_bench_") as d:
-        inp, out = os.path.join(d, "prompts.json"), os.path.join(d, "hf.json")
-        job = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
-               "threads": FLAGS.hf_threads, "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens,
-               "max_matching_ngram_size": FLAGS.hf_max_matching_ngram_size or None,
-               "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
-        with open(inp, "w") as f:
-            json.dump(job, f)
-        print(f"[HF peer: {FLAGS.hf_python} {os.path.relpath(script, ROOT)} on {len(prompts)} prompts "
-              f"({FLAGS.hf_threads} torch threads)]", file=sys.stderr)
-        t0 = time.perf_counter()
-        r = subprocess.run([FLAGS.hf_python, script, "--input", inp, "--output", out], stdout=sys.stderr,
-                           stderr=sys.stderr)
-        if r.returncode != 0 or not os.path.isfile(out):
-            raise SpecjaxError(f"HF peer (benchmarks/hf_pld.py under {FLAGS.hf_python}) failed with exit status "
-                               f"{r.returncode}; see its output above")
-        with open(out) as f:
-            res = json.load(f)
-        res["env"]["subprocess_s"] = time.perf_counter() - t0
-        return res
+    job = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
+           "threads": FLAGS.hf_threads, "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens,
+           "max_matching_ngram_size": FLAGS.hf_max_matching_ngram_size or None,
+           "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
+    print(f"[HF peer: {FLAGS.hf_python} benchmarks/hf_pld.py on {len(prompts)} prompts "
+          f"({FLAGS.hf_threads} torch threads)]", file=sys.stderr)
+    return run_peer("hf_pld", FLAGS.hf_python, job)
 
 
 def _first_diff(a, b) -> int:

@@ -9,7 +9,8 @@ records, jointly with the target), holding out a random share of the (B, c, K) c
 R^2 on points the fit never saw. ``profile_row_ops`` times the cache allocations, resizes and
 clears of continuous batching. ``calibrate_host`` fits the loop's own per-step and per-request
 overhead from a real engine run, again scoring on held-out steps. ``probe_speed`` re-times a few
-steps against a profile to measure how far the machine has drifted since.
+steps against a profile to measure how far the machine has drifted since. Steps and prefills
+are timed in the benchmark harness's rounds (``specjax.benchtime``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax import buckets as bk
+from specjax import benchtime, buckets as bk
 from specjax.engine.scheduler import Request, Scheduler
 from specjax.goodput.perf_model import (LinearCost, StepCostModel, fit_linear, fit_step_model, least_squares,
                                         median_cells,
@@ -54,7 +55,9 @@ def _running(backend, B: int, c: int, vocab: int, rng) -> list:
 
 def profile_steps(backend, batch_sizes: Sequence[int], contexts: Sequence[int], ks: Sequence[int], reps: int = 4,
                   seed: int = 0, progress=None) -> list[dict]:
-    """Records {B, K, ctx_lens, t} of real backend steps (the first round of each cell is dropped)."""
+    """Records {B, K, ctx_lens, t} of real backend steps (the first round of each cell is dropped).
+    The K values of a cell run in rounds (benchtime.rounds) in a fresh random order each: a slow
+    drift of this machine's speed then lands on every K of the cell alike instead of on the last K."""
     rng = np.random.default_rng(seed)
     recs = []
     for B in batch_sizes:
@@ -62,24 +65,29 @@ def profile_steps(backend, batch_sizes: Sequence[int], contexts: Sequence[int], 
             backend.reset()
             rs = _running(backend, B, c, backend.cfg.vocab_size, rng)
             backend.prefill(rs)
-            # Rounds over the K values in a fresh random order each: a slow drift of this
-            # machine's speed then lands on every K of the cell alike instead of on the last K.
-            for rep in range(reps + 1):
-                for K in rng.permutation(np.asarray(ks)):
-                    K = int(K)
+
+            def step(K, c=c, B=B, rs=rs):
+                def run():
                     backend.propose(rs, K)
                     ctx = [r.ctx_len for r in rs]
                     res, t = backend.step(rs, K)
                     for r, x in zip(rs, res):
                         r.ctx_len += len(x.tokens)
-                    if rep:  # round 0 only warms the cell
-                        recs.append({"B": backend.bucket(B), "n": B, "K": backend.last_k_step, "c": c,
-                                     "ctx_lens": ctx, "t": t})
+                    return {"B": backend.bucket(B), "n": B, "K": backend.last_k_step, "c": c, "ctx_lens": ctx, "t": t}
+                return run
+
+            samples = benchtime.rounds({int(K): step(int(K)) for K in ks}, reps, shuffle=rng)
+            recs += [_record(s) for per_k in samples.values() for s in per_k]
             if progress:
                 progress(len(ks))
             for r in rs:
                 backend.release(r)
     return recs
+
+
+def _record(sample: dict) -> dict:
+    """A profile record: the backend's own device time ``t``, not the harness's wall ``s``."""
+    return {k: v for k, v in sample.items() if k != "s"}
 
 
 def probe_speed(backend, cost, context: int = 32, reps: int = 3, seed: int = 0) -> dict[int, float]:
@@ -97,17 +105,21 @@ def probe_speed(backend, cost, context: int = 32, reps: int = 3, seed: int = 0) 
 
 def profile_prefills(backend, batch_sizes: Sequence[int], prompt_lens: Sequence[int], reps: int = 3,
                      seed: int = 0) -> list[dict]:
+    """Records {B, Tp, t} of prefill + row insert; the prompt lengths of a batch size in rounds
+    (benchtime.rounds, the first dropped)."""
     rng = np.random.default_rng(seed)
     recs = []
     for B in batch_sizes:
-        for c in prompt_lens:
-            for rep in range(reps + 1):
+        def prefill(c, B=B):
+            def run():
                 backend.reset()
                 backend.reserve(B)  # serving prefills into a live state; its allocation is a row op
-                rs = _running(backend, B, c, backend.cfg.vocab_size, rng)
-                _, t = backend.prefill(rs)
-                if rep:
-                    recs.append({"B": backend.bucket(B), "Tp": bk.prefill_tokens(c, backend.max_chunk), "t": t})
+                _, t = backend.prefill(_running(backend, B, c, backend.cfg.vocab_size, rng))
+                return {"B": backend.bucket(B), "Tp": bk.prefill_tokens(c, backend.max_chunk), "t": t}
+            return run
+
+        samples = benchtime.rounds({int(c): prefill(int(c)) for c in prompt_lens}, reps, shuffle=rng)
+        recs += [_record(s) for per_c in samples.values() for s in per_c]
     backend.reset()
     return recs
 

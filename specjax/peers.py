@@ -1,0 +1,102 @@
+"""Peers: other inference stacks a benchmark compares with, each run as a subprocess in its own
+Python environment (specjax never imports torch and must not depend on it).
+
+Contract: a peer is a script ``python SCRIPT --input job.json --output result.json``; the job is
+one JSON object, the result another (each peer's docstring names their fields). The caller runs
+it through ``run_peer``, which checks first that the environment has what the peer imports (a
+missing one is a one-line ``SpecjaxError``, not a traceback from inside the child). The script
+side reads and writes through ``peer_main``. The peer's stdout goes to this process's stderr
+(progress bars, logs); peers run one at a time, never beside a specjax measurement.
+
+A new peer (llama.cpp through llama-cpp-python in a venv of its own, say) is a script holding
+that contract and one ``PEERS`` entry. This module uses the standard library only: peer scripts
+import it from their own environment (``run_peer`` puts the repository on their PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """script: relative to the repository; needs: the modules its environment must import."""
+
+    script: str
+    needs: tuple[str, ...]
+
+
+_HF = ("torch", "transformers", "gguf")
+PEERS = {
+    "hf": Peer("benchmarks/hf_baseline.py", _HF),  # transformers + torch CPU, greedy (and by length)
+    "hf_pld": Peer("benchmarks/hf_pld.py", _HF),  # transformers greedy vs its prompt lookup decoding
+}
+
+
+def _error(msg: str):
+    from specjax.errors import SpecjaxError
+
+    return SpecjaxError(msg)
+
+
+def missing_modules(python: str, modules) -> list[str]:
+    """The ``modules`` the interpreter ``python`` cannot import (found without importing them)."""
+    code = ("import importlib.util, sys; "
+            "print(','.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+    r = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise _error(f"{python} does not run: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return [m for m in r.stdout.strip().split(",") if m]
+
+
+def run_peer(name: str, python: str, job: dict) -> dict:
+    """Run peer ``name`` under the interpreter ``python`` on ``job``; its result dict, with
+    ``env.subprocess_s`` (the child's whole wall time) added. Raises SpecjaxError (one line) when
+    the interpreter or a module the peer needs is missing, or the peer fails."""
+    peer = PEERS[name]
+    if not python or not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise _error(f"peer {name}: {python!r} is not an executable Python (a venv with {', '.join(peer.needs)}; "
+                     "see BENCHMARKS.md)")
+    lacks = missing_modules(python, peer.needs)
+    if lacks:
+        raise _error(f"peer {name}: {python} cannot import {', '.join(lacks)} (install them in that environment; "
+                     "see BENCHMARKS.md)")
+    script = os.path.join(ROOT, peer.script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory(prefix=f"specjax_peer_{name}_") as d:
+        inp, out = os.path.join(d, "job.json"), os.path.join(d, "result.json")
+        with open(inp, "w") as f:
+            json.dump(job, f)
+        t0 = time.perf_counter()
+        r = subprocess.run([python, script, "--input", inp, "--output", out], stdout=sys.stderr, env=env)
+        if r.returncode != 0 or not os.path.isfile(out):
+            raise _error(f"peer {name} ({peer.script} under {python}) failed with exit status {r.returncode}; "
+                         "see its output above")
+        with open(out) as f:
+            res = json.load(f)
+    res.setdefault("env", {})["subprocess_s"] = time.perf_counter() - t0
+    return res
+
+
+def peer_main(run, argv=None) -> int:
+    """A peer script's main: ``run(job) -> result`` between the contract's two JSON files."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="a specjax peer (specjax.peers): JSON job in, JSON result out")
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    args = ap.parse_args(argv)
+    with open(args.input) as f:
+        job = json.load(f)
+    res = run(job)
+    with open(args.output, "w") as f:
+        json.dump(res, f)
+    return 0
