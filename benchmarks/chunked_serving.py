@@ -44,7 +44,7 @@ def main(argv):
     import numpy as np
 
     from benchmarks.make_workload import long_prompts
-    from specjax.engine.jax_backend import JaxBackend
+    from specjax import registry
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request
     from specjax.goodput import FixedK
@@ -65,8 +65,8 @@ def main(argv):
     settings = [(512, None)] + [tuple(int(x) for x in c.split(":")) for c in FLAGS.chunked]
     backends = {}
     for chunk in sorted({c for c, _ in settings}):
-        be = backends[chunk] = JaxBackend(m.cfg, m.params, k_buckets=(0,), batch_buckets=(1, 2, 4, 8), slots=4096,
-                                          prefill_chunk=chunk)
+        be = backends[chunk] = registry.make_backend(m, "none", k_buckets=(0,), batch_buckets=(1, 2, 4, 8), slots=4096,
+                                                     prefill_chunk=chunk)
         t0 = time.perf_counter()
         be.warmup(prompt_lens=sorted({len(p) for p in picks}), execute=True, progress=True)
         print(f"[chunks of <= {chunk}: compiled and ran {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]",

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.timing import median_seconds  # noqa: E402
+from specjax.benchtime import median_seconds, prefill_fn, steady_step  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "/tmp/specjax_device_check", "Folder for the JSON results and report.md.")
@@ -176,34 +176,9 @@ def section_kernel_timing(out):
 
 # ---------------------------------------------------------------------------- engine on a 7B shape
 
-def _step_ms(table, params, cfg, B, K, ctx, S, rng, reps) -> float:
+def _step_ms(table, B, K, ctx, S, rng, reps) -> float:
     """Median ms of the table's greedy K-draft step for B rows held at ``ctx`` committed tokens."""
-    import jax
-    import numpy as np
-
-    from specjax import buckets as bk
-    from specjax import cache as kv
-    from specjax.sampling import SamplingArrays, SamplingParams
-
-    samp = SamplingArrays.build([SamplingParams()], B)
-    toks = jax.device_put(rng.integers(0, cfg.vocab_size, (B, bk.prompt_bucket(ctx, S)), dtype=np.int32))
-    lens = np.full(B, ctx, np.int32)
-    act = jax.device_put(np.ones(B, bool))
-    state = table.prefill(B, toks.shape[1], S, True, compile_if_missing=True)(
-        params, params, toks, jax.device_put(lens), samp)
-    exe = table.step(B, K, S, True)
-    dt = jax.device_put(rng.integers(0, cfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
-    nd = jax.device_put(np.full(B, K, np.int32))
-    holder = [state]
-
-    def run():
-        st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
-        jax.block_until_ready(o.tokens)
-        # stay at the same context (set_lengths makes a new buffer; the old was donated)
-        holder[0] = st.__class__(cache=kv.set_lengths(st.cache, jax.device_put(lens)), dcache=st.dcache,
-                                 prev=st.prev, pending=st.pending)
-
-    return 1e3 * median_seconds(run, reps)
+    return 1e3 * median_seconds(steady_step(table, B, K, ctx, S, rng), reps)
 
 
 def section_engine(out):
@@ -211,16 +186,15 @@ def section_engine(out):
     import jax.numpy as jnp
     import numpy as np
 
+    from specjax import registry
     from specjax.config import get_model_config
-    from specjax.drafters.prompt_lookup import PromptLookupDrafter, PromptLookupConfig
-    from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
-    from specjax.drafters.device import layer_skip
     from specjax.engine.table import StepTable
     from specjax.reference_ar import reference_generate
     from specjax.goodput.selector import FixedK
     from specjax.models import llama
+    from specjax.models.loader import LoadedModel
     from specjax.models.options import ForwardOptions
 
     from specjax.runtime import enable_compilation_cache
@@ -251,7 +225,7 @@ def section_engine(out):
         for B in (1, 8):
             base = None
             for K in ks:
-                ms = _step_ms(table, params, cfg, B, K, ctx, S, rng, FLAGS.reps)
+                ms = _step_ms(table, B, K, ctx, S, rng, FLAGS.reps)
                 base = ms if K == 0 else base
                 cost.append(dict(attention=impl, batch=B, K=K, context=ctx, ms=ms, vs_k0=ms / base))
     result["step_cost"] = cost
@@ -286,19 +260,18 @@ def section_engine(out):
     runs = []
     draft_layers = max(1, cfg.num_layers // 4)
     configs = [tuple(r.split(":")) for r in FLAGS.engine_runs if r.split(":")[0] in impls]
+    model = LoadedModel(cfg, params, tokenizer=None)
     for impl, drafter in configs:
-        if drafter == "prompt_lookup":
-            parts = dict(drafter=PromptLookupDrafter(PromptLookupConfig(max_draft=4)))
-        else:
-            d, dparams = layer_skip(cfg, params, draft_layers)
-            parts = dict(draft=d, draft_params=dparams)
-        be = JaxBackend(cfg, params, k_buckets=(0, 4), batch_buckets=(n_req,), slots=S, fwd=ForwardOptions(attention=impl), **parts)
+        entry = registry.DRAFTERS[drafter]
+        kw = {"draft_layers": draft_layers} if "draft_layers" in entry.reads else {}
+        be = registry.make_backend(model, drafter, k_buckets=(0, 4), batch_buckets=(n_req,), slots=S,
+                                   fwd=ForwardOptions(attention=impl), **kw)
         t = time.perf_counter()
         be.warmup(prompt_lens=lengths, execute=True)
         warm_s = time.perf_counter() - t
         for k in (0, 4):
-            name = "no-SD" if k == 0 else (drafter if drafter == "prompt_lookup" else f"layer_skip{draft_layers}")
-            if k == 0 and drafter == "layer_skip":
+            name = "no-SD" if k == 0 else registry.drafter_label(drafter, draft_layers)
+            if k == 0 and entry.device:
                 continue  # no-SD is the same step as the host backend's
             be.reset()
             eng = ServingEngine(be, FixedK(k))
@@ -361,7 +334,6 @@ def section_probe(out):
     from specjax.models import llama
     from specjax.models.attention import block_attention
     from specjax.models.options import ForwardOptions
-    from specjax.sampling import SamplingArrays, SamplingParams
 
     cfg = get_model_config("tiny-random" if FLAGS.tiny else FLAGS.model)
     dtype = jnp.float32 if FLAGS.tiny else jnp.dtype(FLAGS.dtype)
@@ -417,7 +389,7 @@ def section_probe(out):
     for fwd in (ForwardOptions(), ForwardOptions(attn_chunk=0), ForwardOptions(attn_chunk=1024 if not FLAGS.tiny else 256)):
         table = StepTable(pcfg, params, params, None, fwd)
         for B in (1, 8):
-            ms = {K: _step_ms(table, params, pcfg, B, K, ctx, S, rng, reps) for K in (0, 2)}
+            ms = {K: _step_ms(table, B, K, ctx, S, rng, reps) for K in (0, 2)}
             tag = f"attn_chunk={fwd.attn_chunk}"
             steps.append(dict(options=tag, batch=B, k0_ms=ms[0], k2_ms=ms[2]))
             say(f"| {tag} | {B} | {ms[0]:.2f} | {ms[2]:.2f} | {ms[0] / ms[2]:.2f} |")
@@ -433,7 +405,6 @@ def section_probe(out):
     lengths = (128, 512) if FLAGS.tiny else (512, 2048, 8192)
     S = 1024 if FLAGS.tiny else 8192
     table = StepTable(cfg, params, params, None, ForwardOptions())
-    samp = SamplingArrays.build([SamplingParams()], 1)
     pre = []
     say(f"(d) chunked prefill (chunks of <= {bk.DEFAULT_PREFILL_CHUNK}), {cfg.name}, one row, {S} slots; "
         "TFLOP/s counts the weight FLOPs only")
@@ -441,20 +412,7 @@ def section_probe(out):
     say("|---|---|---|---|---|")
     for n in lengths:
         chunks = bk.prefill_chunks(n)
-        prompt = rng.integers(0, cfg.vocab_size, n + chunks[-1][1], dtype=np.int32)
-        calls = []
-        for i, (start, C) in enumerate(chunks):
-            exe = table.prefill(1, C, S, True, compile_if_missing=True, first=i == 0)
-            nv = jax.device_put(np.array([min(C, n - start)], np.int32))
-            calls.append((exe, jax.device_put(prompt[None, start:start + C]), nv, i == 0))
-
-        def run():
-            state = None
-            for exe, toks, nv, first in calls:
-                state = exe(params, params, toks, nv, samp) if first else exe(params, params, toks, nv, samp, state)
-            jax.block_until_ready(state.pending)
-
-        s = median_seconds(run, max(3, reps // 4))
+        s = median_seconds(prefill_fn(table, 1, n, S, rng), max(3, reps // 4))
         pre.append(dict(tokens=n, chunks=len(chunks), s=s, tok_s=n / s, tflops=flop_tok * n / s / 1e12))
         say(f"| {n} | {len(chunks)} | {s:.3f} | {n / s:.0f} | {flop_tok * n / s / 1e12:.0f} |")
     result["prefill"] = pre
@@ -467,11 +425,12 @@ def section_perf_model(out):
     same code as launch/profile.py), fitted on 3/4 of the cells and scored on the held-out rest."""
     import jax.numpy as jnp
 
+    from specjax import registry
     from specjax.config import get_model_config
-    from specjax.engine.jax_backend import JaxBackend
-    from specjax.engine.profiling import FixedLengthDrafter, fit_profile, profile_prefills, profile_steps
+    from specjax.engine.profiling import fit_profile, profile_prefills, profile_steps
     from specjax.goodput.perf_model import StepCostModel
     from specjax.models import llama
+    from specjax.models.loader import LoadedModel
 
     cfg = get_model_config("tiny-random" if FLAGS.tiny else FLAGS.model)
     if FLAGS.num_layers:
@@ -479,8 +438,8 @@ def section_perf_model(out):
     dtype = jnp.float32 if FLAGS.tiny else jnp.dtype(FLAGS.dtype)
     params = llama.init_random_params(cfg, seed=0, dtype=dtype, on_device=True)
     batches, contexts, ks = ((1, 4), (32, 96), (0, 2, 4)) if FLAGS.tiny else ((1, 8), (256, 1536), (0, 2, 4, 8))
-    be = JaxBackend(cfg, params, drafter=FixedLengthDrafter(), k_buckets=ks, batch_buckets=batches,
-                    slots=256 if FLAGS.tiny else 2048)
+    be = registry.make_backend(LoadedModel(cfg, params, tokenizer=None), "prompt_lookup", profiling=True, k_buckets=ks,
+                               batch_buckets=batches, slots=256 if FLAGS.tiny else 2048)
     t0 = time.perf_counter()
     be.warmup(prompt_lens=sorted(set(contexts)), execute=True)
     say(f"{cfg.name}: compiled the bucket set in {time.perf_counter() - t0:.0f} s; profiling B {batches} x "

@@ -56,11 +56,10 @@ def child(settings: dict) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.timing import interleaved_medians, median_seconds
+    from specjax.benchtime import interleaved_medians, median_seconds, steady_chunk, steady_step
     from specjax.engine.table import StepTable
     from specjax.models.loader import load_model
     from specjax.models.options import ForwardOptions
-    from specjax.sampling import SamplingArrays, SamplingParams
 
     from specjax.models import llama
 
@@ -77,52 +76,14 @@ def child(settings: dict) -> dict:
         read = [params["layers"], params["embed"]]  # the (tied) head
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(read))
     table = StepTable(cfg, params, params, fwd=fwd)
-    samp = SamplingArrays.build([SamplingParams()], 1)
     rng = np.random.default_rng(0)
     out = {"steps": {}, "chunk_ms": None}
-
-    def prefilled(n):
-        state = None
-        for start in range(0, n, 512):  # whole 512-token chunks
-            toks = jax.device_put(rng.integers(100, cfg.vocab_size, (1, 512), dtype=np.int32))
-            exe = table.prefill(1, 512, S, True, first=state is None)
-            args = (params, params, toks, jax.device_put(np.array([min(512, n - start)], np.int32)), samp)
-            state = exe(*args) if state is None else exe(*args, state)
-        return state
-
-    act = jax.device_put(np.ones(1, bool))
-
-    def stepper(K, ctx):
-        exe = table.step(1, K, S, True)
-        dt = jax.device_put(rng.integers(100, cfg.vocab_size, (1, max(K, 1)), dtype=np.int32))
-        nd = jax.device_put(np.full(1, K, np.int32))
-        holder = [prefilled(ctx)]
-        base_len = np.array([ctx], np.int32)
-
-        def run():
-            st, o = exe(params, params, holder[0], dt, nd, act, samp, None, None)
-            jax.block_until_ready(o.host)
-            # back to the same context: the step advanced the lengths
-            holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=jax.device_put(base_len)),
-                                 dcache=st.dcache, prev=st.prev, pending=st.pending)
-        return run
-
     for ctx in settings["contexts"]:
-        # every K of one context in turn, round after round: their ratios survive the machine's drift
-        times = interleaved_medians({K: stepper(K, ctx) for K in settings["ks"]}, reps)
+        # every K of one context in rotated rounds: their ratios survive the machine's drift
+        times = interleaved_medians({K: steady_step(table, 1, K, ctx, S, rng) for K in settings["ks"]}, reps)
         for K, t in times.items():
             out["steps"][f"{ctx}:{K}"] = t * 1e3
-    chunk = table.prefill(1, 512, S, True, first=False)
-    holder = [prefilled(512)]
-    toks = jax.device_put(rng.integers(100, cfg.vocab_size, (1, 512), dtype=np.int32))
-    n = jax.device_put(np.array([512], np.int32))
-
-    def run_chunk():
-        st = chunk(params, params, toks, n, samp, holder[0])
-        jax.block_until_ready(st.pending)
-        holder[0] = type(st)(cache=st.cache.__class__(k=st.cache.k, v=st.cache.v, lengths=st.cache.lengths - 512),
-                             dcache=st.dcache, prev=st.prev, pending=st.pending)
-
+    run_chunk = steady_chunk(table, 1, 512, 512, S, rng)
     out["chunk_ms"] = median_seconds(run_chunk, max(3, reps // 3)) * 1e3
     out["weight_gb"] = weight_bytes / 1e9
     return out

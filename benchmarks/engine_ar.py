@@ -1,20 +1,26 @@
-"""Autoregressive decoding through the serving engine (K = 0 of the speculative step table)
-against the plain AR reference loop (``specjax.reference_ar``: one jitted decode step per token),
-side by side in one process on the same prompts.
+"""Plain decoding (K = 0) through the serving engine, side by side in one process on the same
+prompts: against the plain AR reference loop (``specjax.reference_ar``: one jitted decode step
+per token) and, with --draft_layers, against a layer-skip drafter's backend under the same fixed
+K = 0 (its requests skip their draft prefill, as under a closed prefill gate).
 
-  python benchmarks/engine_ar.py --batches 1,8 --max_new_tokens 64 --repeats 5
+  python benchmarks/engine_ar.py --batches 1,8 --rounds 6
+  python benchmarks/engine_ar.py --batches 1 --prompt_len 300 --max_new_tokens 48 --rounds 6 --draft_layers 8 \
+      --policy_time
 
-Per batch size: decode ms per step of each (median over rounds; within a round both run, the
-one going first alternating, so machine drift and order effects hit both), the ratio, and whether the greedy tokens are identical. The engine's
-step time is the wall time of its whole loop iteration (host bookkeeping included) after the
-prefill (mean over the run's steps); the reference's is its decode time over its decode steps.
+Per batch size and side: median prefill ms and decode ms per step over rotated rounds (the
+harness, specjax.benchtime: the side going first changes every round, so machine drift and order
+effects hit every side), the step time over the reference's, and whether the greedy tokens are
+identical. An engine step is the wall time of its whole loop iteration (host bookkeeping
+included) after the prefill, mean over the run's steps; the reference's is its decode time over
+its decode steps. --policy_time adds the host time of one GoodputPolicy step (choose + observe +
+observe_time) at batch 1 with the shipped layer-skip perf model, in microseconds.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,15 +31,35 @@ flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
 flags.DEFINE_integer("prompt_len", 100, "Prompt tokens (random ids).")
 flags.DEFINE_integer("max_new_tokens", 64, "New tokens per request.")
-flags.DEFINE_integer("repeats", 5, "Alternating timed runs of each side.")
+flags.DEFINE_integer("rounds", 5, "Timed rounds of every side (after one warm-up round).")
+flags.DEFINE_integer("draft_layers", 0, "Also run a layer-skip backend with this many draft layers at K = 0 (0: no).")
+flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
+
+
+def policy_host_us(cfg, P: int, n: int = 2000) -> float:
+    from specjax import registry
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.goodput.selector import BatchView, GoodputPolicy
+
+    label = registry.perf_model_label("layer_skip", FLAGS.draft_layers or 8)
+    pol = GoodputPolicy(load_perf(registry.default_perf_models(), model_key(cfg.name, label, hardware_key())))
+    view = BatchView(ctx_lens=[P], bucket=1, k_options=(0, 1, 2, 4, 8), request_ids=[1], draft_lens=[8],
+                     token_options={k: () for k in (0, 1, 2, 4, 8)})
+    for i in range(n + 50):
+        if i == 50:  # the first calls warm the policy's caches
+            t0 = time.perf_counter()
+        k = pol.choose(view)
+        pol.observe(k, [0], [0], [1])
+        pol.observe_time(view, k, view.bucket * (k + 1), 0.035)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main(argv):
     del argv
     import numpy as np
 
-    from specjax import buckets as bk
-    from specjax.engine.jax_backend import JaxBackend
+    from specjax import buckets as bk, registry
+    from specjax.benchtime import rounds, serve_sample, summarize
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
     from specjax.goodput.selector import FixedK
@@ -41,39 +67,45 @@ def main(argv):
     from specjax.reference_ar import reference_generate
 
     m = load_model(FLAGS.model)
-    cfg, params = m.cfg, m.params
+    cfg = m.cfg
     rng = np.random.default_rng(0)
-    new = FLAGS.max_new_tokens
-    print(f"{cfg.name}: AR decode, engine (K = 0 step) vs reference loop; prompts of {FLAGS.prompt_len} random "
-          f"tokens, {new} new tokens, greedy, median of {FLAGS.repeats} rounds, the order alternating")
-    print("| batch | reference ms/step | engine ms/step | engine / reference | identical |")
-    print("|---|---|---|---|---|")
+    P, new = FLAGS.prompt_len, FLAGS.max_new_tokens
+    print(f"{cfg.name}: AR decode (K = 0) through the engine vs the reference loop; prompts of {P} random tokens, "
+          f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds")
+    print("| batch | side | prefill ms | ms/step | step / reference | identical |")
+    print("|---|---|---|---|---|---|")
     for B in map(int, FLAGS.batches):
-        prompts = [rng.integers(3, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(B)]
-        slots = bk.slot_bucket(FLAGS.prompt_len + new + 1, cfg.max_position)
-        be = JaxBackend(cfg, params, k_buckets=(0,), batch_buckets=(B,), slots=slots, shrink_patience=10**9)
-        be.warmup(prompt_lens=[FLAGS.prompt_len], execute=True)
+        prompts = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(B)]
+        slots = bk.slot_bucket(P + new + 1, cfg.max_position)
+        backends = {"engine": registry.make_backend(m, "none", k_buckets=(0,), batch_buckets=(B,), slots=slots)}
+        if FLAGS.draft_layers:
+            backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
+                m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers)
+        for be in backends.values():
+            be.warmup(prompt_lens=[P], execute=True)
         reqs = [Request(str(i), p, new, ignore_eos=True) for i, p in enumerate(prompts)]
-        ref_tokens = None
-        t_ref, t_eng, same = [], [], True
-        for rep in range(FLAGS.repeats + 1):  # the first round warms both up (compiles the reference)
-            # ABBA: the side that runs first alternates, so neither always follows the other
-            for side in (("ref", "eng") if rep % 2 else ("eng", "ref")):
-                if side == "ref":
-                    res = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True)
-                    ref_tokens = [r.tokens for r in res]
-                    dec = max(r.decode_s for r in res) / (new - 1)
-                else:
-                    be.reset()
-                    eng = ServingEngine(be, FixedK(0))
-                    outs = eng.run(reqs)
-                    eng_step = sum(s.wall for s in eng.steps) / len(eng.steps)
-            same &= [o.tokens for o in outs] == ref_tokens
-            if rep:
-                t_ref.append(dec)
-                t_eng.append(eng_step)
-        r, e = 1e3 * statistics.median(t_ref), 1e3 * statistics.median(t_eng)
-        print(f"| {B} | {r:.2f} | {e:.2f} | {e / r:.3f} | {'yes' if same else '**NO**'} |", flush=True)
+
+        def reference():
+            res = reference_generate(cfg, m.params, prompts, max_new_tokens=new, ignore_eos=True)
+            return {"prefill_s": max(r.prefill_s for r in res), "step_s": max(r.decode_s for r in res) / (new - 1),
+                    "tokens": [r.tokens for r in res]}
+
+        def engine(be):
+            def run():
+                be.reset()
+                return serve_sample(ServingEngine(be, FixedK(0)), reqs)
+            return run
+
+        # the warm-up round compiles the reference loop
+        samples = rounds({"reference": reference, **{n: engine(be) for n, be in backends.items()}}, FLAGS.rounds)
+        ref = summarize(samples["reference"])
+        for side, ss in samples.items():
+            row = summarize(ss)
+            same = all(s["tokens"] == samples["reference"][0]["tokens"] for s in ss)
+            print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
+                  f"{row['step_s'] / ref['step_s']:.3f} | {'yes' if same else '**NO**'} |", flush=True)
+    if FLAGS.policy_time:
+        print(f"GoodputPolicy host time per step: {policy_host_us(cfg, P):.0f} us")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ flags.DEFINE_string("json_out", None, "Write the numbers here.")
 
 
 def serve(m, items, routing: str):
+    from specjax import registry
     from specjax.distill import train as tr
     from specjax.distill.online import OnlineConfig, OnlineDistiller
     from specjax.distill.routing import CentroidRouter, MultiDraft, TagRouter
-    from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
     from specjax.goodput.selector import FixedK
@@ -50,8 +50,8 @@ def serve(m, items, routing: str):
     tags = sorted({t for t, _ in items})
     n = 1 if routing == "none" else len(tags)
     drafts = [tr.TrainableDraft.of(cfg, m.params, FLAGS.draft_layers) for _ in range(n)]
-    be = JaxBackend(cfg, m.params, draft=drafts[0].draft, draft_params=drafts[0].params(drafts[0].trainable),
-                    k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512, teacher_topk=8)
+    be = registry.make_backend(m, "layer_skip", k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512, teacher_topk=8,
+                               parts={"draft": drafts[0].draft, "draft_params": drafts[0].params(drafts[0].trainable)})
     reqs = [Request(f"r{i}", tok.encode_chat(text)[-FLAGS.max_prompt:], FLAGS.max_new_tokens, tag=tag)
             for i, (tag, text) in enumerate(items)]
     t0 = time.perf_counter()

@@ -55,10 +55,10 @@ flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
 def serve(m, texts, train: bool):
     from tqdm import tqdm
 
+    from specjax import registry
     from specjax.distill import train as tr
     from specjax.distill.checkpoint import open_draft
     from specjax.distill.online import OnlineConfig, OnlineDistiller
-    from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
     from specjax.goodput.selector import FixedK
@@ -77,8 +77,9 @@ def serve(m, texts, train: bool):
             sd, ck = open_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
         else:
             sd, ck = tr.TrainableDraft.of(cfg, m.params, FLAGS.draft_layers), None
-        be = JaxBackend(cfg, m.params, draft=sd.draft, draft_params=sd.params(sd.trainable), k_buckets=(0, FLAGS.k),
-                        batch_buckets=(4,), slots=512, teacher_topk=FLAGS.teacher_topk)
+        be = registry.make_backend(m, "layer_skip", k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512,
+                                   teacher_topk=FLAGS.teacher_topk,
+                                   parts={"draft": sd.draft, "draft_params": sd.params(sd.trainable)})
         t0 = time.perf_counter()
         be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
         compile_s += time.perf_counter() - t0

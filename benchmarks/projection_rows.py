@@ -1,13 +1,13 @@
 """All of SmolLM2-135M's projections (30 layers) and its head for a few activation rows: one
 GEMM per weight vs the per-row matrix-vector loop (``llama._rowwise_matvec``), jitted as one
-dependent chain of the real shapes, random weights. Median of 15 calls per point.
+dependent chain of the real shapes, random weights. Median of 15 rotated rounds per point
+(specjax.benchtime).
 
   python benchmarks/projection_rows.py
 """
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,6 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from specjax.benchtime import interleaved_medians  # noqa: E402
 from specjax.models import llama  # noqa: E402
 
 D, F, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
@@ -37,16 +38,9 @@ def main():
     print("| rows | GEMM (ms) | row loop (ms) | loop / GEMM |\n|---|---|---|---|")
     for rows in (2, 3, 4, 6, 8):
         x = jnp.ones((rows, D), jnp.float32)
-        t = []
-        for loop in (False, True):
-            f = jax.jit(lambda x, loop=loop: chain(x, ws, head, loop))
-            f(x).block_until_ready()
-            ts = []
-            for _ in range(15):
-                t0 = time.perf_counter()
-                f(x).block_until_ready()
-                ts.append(time.perf_counter() - t0)
-            t.append(float(np.median(ts)) * 1e3)
+        fns = {loop: jax.jit(lambda x, loop=loop: chain(x, ws, head, loop)) for loop in (False, True)}
+        ms = interleaved_medians({loop: lambda f=f: f(x).block_until_ready() for loop, f in fns.items()}, 15)
+        t = [1e3 * ms[False], 1e3 * ms[True]]
         print(f"| {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[1] / t[0]:.2f} |")
 
 

@@ -28,7 +28,7 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.timing import median_seconds
+    from specjax.benchtime import interleaved_medians
     from specjax.models import llama
     from specjax.models.cpu import rows_dot as rd
     from specjax.models.loader import load_model
@@ -53,22 +53,25 @@ def main(argv):
                 x = x + 0.01 * dot(xin, lp, n, N).sum(-1, keepdims=True)
         return dot(x, {"head": head}, "head", m.cfg.vocab_size)
 
-    def ms(f, *args):
+    def call(f, *args):
         f = jax.jit(f)
-        jax.block_until_ready(f(*args))
-        return 1e3 * median_seconds(lambda: jax.block_until_ready(f(*args)), FLAGS.reps)
+        return lambda: jax.block_until_ready(f(*args))
+
+    def kernel_dot(suffix):
+        def dot(a, lp, n, N):
+            return kernel(a, lp[n if n == "head" else n + llama.ROWS_SUFFIX], N, suffix)
+        return dot
 
     print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build |\n|---|---|---|---|")
     for M in (int(r) for r in FLAGS.rows):
         x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
-        xla = ms(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
-                 m.params["embed"].T)
-        t = {}
+        variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
+                                m.params["embed"].T)}
         for suffix in ("", "_avx2"):
-            def dot(a, lp, n, N, suffix=suffix):
-                return kernel(a, lp[n if n == "head" else n + llama.ROWS_SUFFIX], N, suffix)
-            t[suffix] = ms(lambda x, ls, h, dot=dot: chain(x, ls, h, dot), x, p["layers"], p["head" + llama.ROWS_SUFFIX])
-        print(f"| {M} | {xla:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms |")
+            variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x, p["layers"],
+                                    p["head" + llama.ROWS_SUFFIX])
+        t = {k: 1e3 * v for k, v in interleaved_medians(variants, FLAGS.reps).items()}
+        print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms |")
 
 
 if __name__ == "__main__":
