@@ -4,8 +4,8 @@ under the goodput policy, on the same Spec-Bench prompts, batch 1.
   python benchmarks/step_phases.py --drafter prompt_lookup --categories reasoning,roleplay --per_category 3
 
 Wraps the loop's phases (propose, choose, the backend step and its result transfer, observe,
-observe_time, shadow verification) with timers and prints milliseconds per step for both runs,
-after ``--rounds`` alternating timed rounds (the last round's phases are printed).
+observe_time, shadow verification) with timers and prints milliseconds per step for both runs:
+medians over ``--rounds`` rotated rounds of the harness (specjax.benchtime; one warm-up round).
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ flags.DEFINE_string("question_file", "../shared/data/spec_bench/question.jsonl",
 flags.DEFINE_string("categories", "reasoning,roleplay", "Comma list of categories.")
 flags.DEFINE_integer("per_category", 3, "Prompts per category.")
 flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
-flags.DEFINE_integer("rounds", 3, "Timed rounds (AR then the drafter, each over every prompt).")
+flags.DEFINE_integer("rounds", 3, "Timed rounds (AR and the drafter, each over every prompt, the order rotated).")
 
 
 def main(argv):
     del argv
     from specjax import registry
+    from specjax.benchtime import rounds, summarize
     from specjax.engine import jax_backend, loop
     from specjax.generate import Generator
     from specjax.goodput import selector
@@ -70,27 +71,29 @@ def main(argv):
     if note:
         print(f"note: {note}", file=sys.stderr)
     g = registry.build_spec_generator(m, FLAGS.drafter, k=8, k_buckets=(0, 1, 2, 4, 8))
-    if FLAGS.drafter not in registry.DEVICE_DRAFTERS:
+    if not registry.DRAFTERS[FLAGS.drafter].device:
         g.share_compiled(ar)  # the same K = 0 executables as AR
-    ar.generate([prompts[0]], max_new_tokens=FLAGS.max_new_tokens)
-    g.generate([prompts[0]], max_new_tokens=FLAGS.max_new_tokens, policy=copy.deepcopy(pol), stats=SpecStats())
 
-    def run(gen, **kw):
-        acc.clear()
-        t, steps = time.perf_counter(), 0
-        for p in prompts:
-            gen.generate([p], max_new_tokens=FLAGS.max_new_tokens, **kw)
-            steps += len(gen.last_engine.steps)
-        return time.perf_counter() - t, steps, dict(acc)
+    def run(gen, kw=dict):
+        def go():
+            acc.clear()
+            steps = 0
+            for p in prompts:
+                gen.generate([p], max_new_tokens=FLAGS.max_new_tokens, **kw())
+                steps += len(gen.last_engine.steps)
+            return {"steps": steps, **{f"phase {k}": v for k, v in acc.items()}}
+        return go
 
-    for r in range(FLAGS.rounds):
-        ta, na, pa = run(ar)
-        tg, ng, pg = run(g, policy=copy.deepcopy(pol), stats=SpecStats())
-        print(f"round {r}: AR {ta:.2f} s, {FLAGS.drafter} under {label} {tg:.2f} s, speedup {ta / tg:.3f}")
-    print(f"| phase (ms per step, last round) | AR ({na} steps) | {FLAGS.drafter} {label} ({ng} steps) |")
+    # (a fresh copy of the policy and statistics per run: every run starts from the same state)
+    samples = rounds({"AR": run(ar), FLAGS.drafter: run(g, lambda: {"policy": copy.deepcopy(pol), "stats": SpecStats()})},
+                     FLAGS.rounds)
+    a, d = summarize(samples["AR"]), summarize(samples[FLAGS.drafter])
+    print(f"AR {a['s']:.2f} s, {FLAGS.drafter} under {label} {d['s']:.2f} s, speedup {a['s'] / d['s']:.3f} "
+          f"(medians of {FLAGS.rounds} rounds)")
+    print(f"| phase (ms per step) | AR ({a['steps']:.0f} steps) | {FLAGS.drafter} {label} ({d['steps']:.0f} steps) |")
     print("|---|---|---|")
-    for k in sorted(set(pa) | set(pg)):
-        print(f"| {k} | {pa.get(k, 0.0) / max(na, 1) * 1e3:.3f} | {pg.get(k, 0.0) / max(ng, 1) * 1e3:.3f} |")
+    for k in sorted({k for k in a | d if k.startswith("phase ")}):
+        print(f"| {k[6:]} | {a.get(k, 0.0) / max(a['steps'], 1) * 1e3:.3f} | {d.get(k, 0.0) / max(d['steps'], 1) * 1e3:.3f} |")
 
 
 if __name__ == "__main__":

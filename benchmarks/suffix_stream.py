@@ -21,6 +21,14 @@ Reported per request and per block (task): mean accepted tokens per step for
 - suffix, local only: the request's own tree (what the stream's history adds is the gap);
 - prompt lookup (K = --pld_max_draft).
 A plot shows all three over the stream with the task switches marked.
+
+--pld_by_ngram instead replays prompt lookup at every position of each AR output (history = the
+chat-templated prompt + the output so far, K = --k drafts per proposal) and prints, by the
+n-gram length of its match (the draft class the goodput policy learns alpha for), the share of
+proposals whose first j drafts are accepted (up to the first draft that differs from the output):
+
+  python benchmarks/suffix_stream.py --run /tmp/b/host8.json:../shared/data/spec_bench/question.jsonl \
+      --pld_by_ngram --k 2
 """
 
 from __future__ import annotations
@@ -86,6 +94,30 @@ def load_run(spec: str, tok, system=None):
     return out
 
 
+def pld_by_ngram(stream, k: int, min_ngram: int, max_ngram: int) -> dict:
+    """{n-gram length: [proposals, proposals with >= 1 draft accepted, ..., with all k]}."""
+    from specjax.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+
+    cfg = PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=k)
+    by_n: dict = {}
+    for req in stream:
+        out = req["output"]
+        dr = PromptLookupDrafter(cfg)
+        dr.start(0, req["prompt"])
+        for i in range(len(out) - k):
+            prop = dr.propose(0, k)
+            if len(prop):
+                a = 0
+                while a < len(prop) and int(prop[a]) == out[i + a]:
+                    a += 1
+                row = by_n.setdefault(dr.draft_class(0), [0] * (k + 1))
+                row[0] += 1
+                for j in range(1, a + 1):
+                    row[j] += 1
+            dr.extend(0, [out[i]])
+    return by_n
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", required=True, help="BENCH_JSON:QUESTION_FILE (repeatable)")
@@ -94,6 +126,9 @@ def main():
     ap.add_argument("--alpha", type=float, default=1.0)
     ap.add_argument("--min_prob", type=float, default=0.1)
     ap.add_argument("--max_depth", type=int, default=64)
+    ap.add_argument("--pld_by_ngram", action="store_true", help="prompt lookup's acceptance by match length instead")
+    ap.add_argument("--pld_min_ngram", type=int, default=1)
+    ap.add_argument("--pld_max_ngram", type=int, default=3)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json_out", default=None)
     a = ap.parse_args()
@@ -104,6 +139,13 @@ def main():
 
     tok = load_model("smollm2-135m").tokenizer
     stream = [req for spec in a.run for req in load_run(spec, tok)]
+    if a.pld_by_ngram:
+        by_n = pld_by_ngram(stream, a.k, a.pld_min_ngram, a.pld_max_ngram)
+        print("| n-gram match | proposals | " + " | ".join(f"P(first {j} accepted)" for j in range(1, a.k + 1)) + " |")
+        print("|---|---|" + "---|" * a.k)
+        for n, row in sorted(by_n.items()):
+            print(f"| {n} | {row[0]} | " + " | ".join(f"{row[j] / row[0]:.2f}" for j in range(1, a.k + 1)) + " |")
+        return
     cfg = SuffixConfig(max_depth=a.max_depth, alpha=a.alpha, min_prob=a.min_prob, max_spec=a.k)
     methods = {
         "suffix": SuffixDrafter(cfg),
