@@ -18,6 +18,7 @@ observe_time) at batch 1 with the shipped layer-skip perf model, in microseconds
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -38,11 +39,17 @@ flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host wor
 
 def policy_host_us(cfg, P: int, n: int = 2000) -> float:
     from specjax import registry
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.goodput.perf_model import hardware_key, load_model as load_perf
     from specjax.goodput.selector import BatchView, GoodputPolicy
 
-    label = registry.perf_model_label("layer_skip", FLAGS.draft_layers or 8)
-    pol = GoodputPolicy(load_perf(registry.default_perf_models(), model_key(cfg.name, label, hardware_key())))
+    # the shipped layer-skip model of this target and hardware (whatever compiled-code part its key has)
+    path = registry.default_perf_models()
+    prefix = f"{cfg.name}|{registry.perf_model_label('layer_skip', FLAGS.draft_layers or 8)}|{hardware_key()}"
+    with open(path) as f:
+        keys = sorted(k for k in json.load(f) if k.startswith(prefix))
+    if not keys:
+        raise SystemExit(f"--policy_time: {path} has no performance model {prefix}*")
+    pol = GoodputPolicy(load_perf(path, keys[0]))
     view = BatchView(ctx_lens=[P], bucket=1, k_options=(0, 1, 2, 4, 8), request_ids=[1], draft_lens=[8],
                      token_options={k: () for k in (0, 1, 2, 4, 8)})
     for i in range(n + 50):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.task_stream import define_stream_flags, stream  # noqa: E402
+from benchmarks.task_stream import define_stream_flags, online_configs, stream, stream_backend  # noqa: E402
 
 FLAGS = flags.FLAGS
 define_stream_flags(["gsm8k:200", "humaneval:164", "specbench:200"], draft_layers=8, every=32, steps=2, lr=6e-4)
@@ -38,9 +38,8 @@ flags.DEFINE_string("json_out", None, "Write the numbers here.")
 
 
 def serve(m, items, routing: str):
-    from specjax import registry
     from specjax.distill import train as tr
-    from specjax.distill.online import OnlineConfig, OnlineDistiller
+    from specjax.distill.online import OnlineDistiller
     from specjax.distill.routing import CentroidRouter, MultiDraft, TagRouter
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
@@ -50,15 +49,13 @@ def serve(m, items, routing: str):
     tags = sorted({t for t, _ in items})
     n = 1 if routing == "none" else len(tags)
     drafts = [tr.TrainableDraft.of(cfg, m.params, FLAGS.draft_layers) for _ in range(n)]
-    be = registry.make_backend(m, "layer_skip", k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512, teacher_topk=8,
-                               parts={"draft": drafts[0].draft, "draft_params": drafts[0].params(drafts[0].trainable)})
+    be = stream_backend(m, drafts[0])
     reqs = [Request(f"r{i}", tok.encode_chat(text)[-FLAGS.max_prompt:], FLAGS.max_new_tokens, tag=tag)
             for i, (tag, text) in enumerate(items)]
     t0 = time.perf_counter()
     be.warmup(prompt_lens=sorted({len(r.prompt) for r in reqs}))
     compile_s = time.perf_counter() - t0
-    tc = tr.TrainConfig(lr=FLAGS.lr, warmup_steps=4, total_steps=10_000)
-    oc = OnlineConfig(every=max(1, FLAGS.every // n), steps=FLAGS.steps, batch=8, length=64)
+    tc, oc = online_configs(n)
     ods = [OnlineDistiller(be, FixedK(FLAGS.k), d, tc, oc) for d in drafts]
     finished = []
     if routing == "none":

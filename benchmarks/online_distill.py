@@ -30,14 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.task_stream import define_stream_flags, stream  # noqa: E402
+from benchmarks.task_stream import define_stream_flags, online_configs, stream, stream_backend  # noqa: E402
 
 FLAGS = flags.FLAGS
 define_stream_flags(["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], draft_layers=4, every=16, steps=4,
                     lr=1e-4)
-flags.DEFINE_integer("batch", 8, "Records per optimizer step.")
-flags.DEFINE_integer("length", 64, "Tokens per record in a batch.")
-flags.DEFINE_integer("teacher_topk", 8, "Teacher logits kept per verified position.")
 flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
 flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
 flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--noonline: the baseline alone).")
@@ -55,19 +52,16 @@ flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
 def serve(m, texts, train: bool):
     from tqdm import tqdm
 
-    from specjax import registry
     from specjax.distill import train as tr
     from specjax.distill.checkpoint import open_draft
-    from specjax.distill.online import OnlineConfig, OnlineDistiller
+    from specjax.distill.online import OnlineDistiller
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
     from specjax.goodput.selector import FixedK
 
     cfg, tok = m.cfg, m.tokenizer
     prompts = [tok.encode_chat(t)[-FLAGS.max_prompt:] for _, t in texts]
-    tc = tr.TrainConfig(lr=FLAGS.lr, warmup_steps=4, total_steps=10_000)
-    oc = OnlineConfig(every=FLAGS.every, steps=FLAGS.steps, batch=FLAGS.batch, length=FLAGS.length,
-                      checkpoint_every=FLAGS.checkpoint_every if FLAGS.checkpoint_dir else 0)
+    tc, oc = online_configs(checkpoint_every=FLAGS.checkpoint_every if FLAGS.checkpoint_dir else 0)
     compile_s = 0.0
 
     def start():
@@ -77,9 +71,7 @@ def serve(m, texts, train: bool):
             sd, ck = open_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
         else:
             sd, ck = tr.TrainableDraft.of(cfg, m.params, FLAGS.draft_layers), None
-        be = registry.make_backend(m, "layer_skip", k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512,
-                                   teacher_topk=FLAGS.teacher_topk,
-                                   parts={"draft": sd.draft, "draft_params": sd.params(sd.trainable)})
+        be = stream_backend(m, sd)
         t0 = time.perf_counter()
         be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
         compile_s += time.perf_counter() - t0

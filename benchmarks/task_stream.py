@@ -1,6 +1,6 @@
-"""Prompt streams in task blocks from ../shared/data, for the online distillation benchmarks
-(online_distill.py: blocks in order, the distribution shifting at each boundary;
-multi_draft.py: the same blocks interleaved)."""
+"""What the online distillation benchmarks share (online_distill.py: task blocks in order, the
+distribution shifting at each boundary; multi_draft.py: the same blocks interleaved): prompt
+streams from ../shared/data, their flags, the training schedule and the serving backend."""
 
 from __future__ import annotations
 
@@ -41,3 +41,27 @@ def define_stream_flags(blocks, draft_layers: int, every: int, steps: int, lr: f
     flags.DEFINE_integer("every", every, "Finished requests between updates (the seed's I).")
     flags.DEFINE_integer("steps", steps, "Optimizer steps per update.")
     flags.DEFINE_float("lr", lr, "Peak learning rate.")
+    flags.DEFINE_integer("batch", 8, "Records per optimizer step.")
+    flags.DEFINE_integer("length", 64, "Tokens per record in a batch.")
+    flags.DEFINE_integer("teacher_topk", 8, "Teacher logits kept per verified position.")
+
+
+def online_configs(drafts: int = 1, checkpoint_every: int = 0):
+    """(TrainConfig, OnlineConfig) of the flags; with several drafts each updates after every/n
+    of its own requests, so each gets as many updates as a single draft does."""
+    from specjax.distill.online import OnlineConfig
+    from specjax.distill.train import TrainConfig
+
+    return (TrainConfig(lr=flags.FLAGS.lr, warmup_steps=4, total_steps=10_000),
+            OnlineConfig(every=max(1, flags.FLAGS.every // drafts), steps=flags.FLAGS.steps, batch=flags.FLAGS.batch,
+                         length=flags.FLAGS.length, checkpoint_every=checkpoint_every))
+
+
+def stream_backend(model, draft):
+    """The backend both benchmarks serve on: batch 4, 512 slots, K in {0, --k}, the steps keeping
+    the target's top-k for the draft (a distill.train.TrainableDraft) to learn from."""
+    from specjax import registry
+
+    return registry.make_backend(model, "layer_skip", k_buckets=(0, flags.FLAGS.k), batch_buckets=(4,), slots=512,
+                                 teacher_topk=flags.FLAGS.teacher_topk,
+                                 parts={"draft": draft.draft, "draft_params": draft.params(draft.trainable)})
