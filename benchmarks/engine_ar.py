@@ -35,6 +35,7 @@ flags.DEFINE_integer("max_new_tokens", 64, "New tokens per request.")
 flags.DEFINE_integer("rounds", 5, "Timed rounds of every side (after one warm-up round).")
 flags.DEFINE_integer("draft_layers", 0, "Also run a layer-skip backend with this many draft layers at K = 0 (0: no).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
+flags.DEFINE_string("json_out", None, "Write the rows (medians per batch and side) as JSON here.")
 
 
 def policy_host_us(cfg, P: int, n: int = 2000) -> float:
@@ -81,6 +82,7 @@ def main(argv):
           f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds")
     print("| batch | side | prefill ms | ms/step | step / reference | identical |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for B in map(int, FLAGS.batches):
         prompts = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(B)]
         slots = bk.slot_bucket(P + new + 1, cfg.max_position)
@@ -109,10 +111,16 @@ def main(argv):
         for side, ss in samples.items():
             row = summarize(ss)
             same = all(s["tokens"] == samples["reference"][0]["tokens"] for s in ss)
+            rows.append({"batch": B, "side": side, **row, "identical": same})
             print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
                   f"{row['step_s'] / ref['step_s']:.3f} | {'yes' if same else '**NO**'} |", flush=True)
+    out = {"rows": rows}
     if FLAGS.policy_time:
-        print(f"GoodputPolicy host time per step: {policy_host_us(cfg, P):.0f} us")
+        out["policy_host_us"] = policy_host_us(cfg, P)
+        print(f"GoodputPolicy host time per step: {out['policy_host_us']:.0f} us")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ A speculative step that accepts ``a`` tokens on average (bonus included) beats A
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -31,6 +32,7 @@ flags.DEFINE_integer("slots", 2048, "Cache slots.")
 flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
+flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
 
 
 def main(argv):
@@ -71,6 +73,7 @@ def main(argv):
     print(f"{cfg.name}, batch 1, greedy, {S} slots; ms per call (median of {FLAGS.reps} rotated rounds)")
     print("| context | drafter | K | step ms | AR decode ms | step / AR | draft ms |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for ctx in map(int, FLAGS.context):
         host_ms = {}
         for name, table in tables:
@@ -80,9 +83,14 @@ def main(argv):
             ms = {k: 1e3 * t for k, t in interleaved_medians(variants, FLAGS.reps).items()}
             host_ms = host_ms or ms
             for K in ks:
+                rows.append({"context": ctx, "drafter": name, "K": K, "step_ms": ms[K], "ar_ms": host_ms["AR"],
+                             "draft_ms": None if name == "host" else ms[K] - host_ms[K]})
                 own = "" if name == "host" else f"{ms[K] - host_ms[K]:.1f}"
                 print(f"| {ctx} | {name} | {K} | {ms[K]:.1f} | {host_ms['AR']:.1f} | {ms[K] / host_ms['AR']:.2f} | "
                       f"{own} |", flush=True)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

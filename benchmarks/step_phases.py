@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import json
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ flags.DEFINE_string("categories", "reasoning,roleplay", "Comma list of categorie
 flags.DEFINE_integer("per_category", 3, "Prompts per category.")
 flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
 flags.DEFINE_integer("rounds", 3, "Timed rounds (AR and the drafter, each over every prompt, the order rotated).")
+flags.DEFINE_string("json_out", None, "Write both sides' medians (seconds, steps, phase seconds) as JSON here.")
 
 
 def main(argv):
@@ -94,6 +96,9 @@ def main(argv):
     print("|---|---|---|")
     for k in sorted({k for k in a | d if k.startswith("phase ")}):
         print(f"| {k[6:]} | {a.get(k, 0.0) / max(a['steps'], 1) * 1e3:.3f} | {d.get(k, 0.0) / max(d['steps'], 1) * 1e3:.3f} |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"AR": a, FLAGS.drafter: d, "policy": label}, f, indent=1)
 
 
 if __name__ == "__main__":
