@@ -83,11 +83,12 @@ def main(argv):
             ms = {k: 1e3 * t for k, t in interleaved_medians(variants, FLAGS.reps).items()}
             host_ms = host_ms or ms
             for K in ks:
-                rows.append({"context": ctx, "drafter": name, "K": K, "step_ms": ms[K], "ar_ms": host_ms["AR"],
-                             "draft_ms": None if name == "host" else ms[K] - host_ms[K]})
-                own = "" if name == "host" else f"{ms[K] - host_ms[K]:.1f}"
-                print(f"| {ctx} | {name} | {K} | {ms[K]:.1f} | {host_ms['AR']:.1f} | {ms[K] / host_ms['AR']:.2f} | "
-                      f"{own} |", flush=True)
+                r = {"context": ctx, "drafter": name, "K": K, "step_ms": ms[K], "ar_ms": host_ms["AR"],
+                     "draft_ms": None if name == "host" else ms[K] - host_ms[K]}
+                rows.append(r)
+                cells = [ctx, name, K, f"{ms[K]:.1f}", f"{host_ms['AR']:.1f}", f"{ms[K] / host_ms['AR']:.2f}",
+                         "" if r["draft_ms"] is None else f"{r['draft_ms']:.1f}"]
+                print("| " + " | ".join(map(str, cells)) + " |", flush=True)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(rows, f, indent=1)
