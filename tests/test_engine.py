@@ -284,6 +284,22 @@ def test_simulator_smartspec_tracks_load():
     assert oracle["mean_latency_s"] <= light["smart"]["mean_latency_s"] * 1.02
 
 
+def test_engine_counts_are_the_requests_summed():
+    """The engine's acceptance counts (its step observer's) equal the sum of its requests'
+    own counts, and every step reached the step log and the counts."""
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), draft=LinearCost(0.0, 0.0, 0.001))
+    reqs = [Request(f"r{i}", [1] * 8, 5 + 3 * i, arrival=0.01 * i, ignore_eos=True) for i in range(5)]
+    outs, eng = simulate(reqs, FixedK(3), cost, AcceptanceProfile((0.8, 0.5)), device_draft=True,
+                         k_buckets=(0, 3), batch_buckets=(1, 2, 4))
+    c = eng.counts
+    assert c.steps == sum(o.steps for o in outs) == sum(s.n for s in eng.steps)
+    assert c.drafted == sum(o.drafted for o in outs) == sum(s.drafted for s in eng.steps) == 3 * c.steps
+    assert c.accepted == sum(o.accepted for o in outs) == sum(s.accepted for s in eng.steps) > 0
+    assert c.emitted == sum(len(o.tokens) - 1 for o in outs) == sum(s.generated for s in eng.steps)
+    assert c.pos_drafted.sum() == c.drafted and c.pos_accepted.sum() == c.accepted
+    assert c.offered == c.proposed == c.steps and c.propose_rate == 1.0
+
+
 def test_live_bucket_rule():
     """Grow at once; shrink to the batch's bucket only after `patience` consecutive small
     steps; peek predicts the bucket of the next step without changing anything."""
@@ -413,10 +429,9 @@ def test_measured_acceptance_profile_is_conditional():
     proposal lengths are measured and drawn with their frequencies."""
     cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01))
     _, eng = simulate([Request("a", [1, 2], 2)], FixedK(0), cost, AcceptanceProfile(), device_draft=False)
-    eng._record_positions([3, 3, 2], [0, 3, 1])
-    eng._count_draft_lens([0, 0, 2, 5])
-    assert eng.per_position_acceptance() == pytest.approx([2 / 3, 1 / 3, 1 / 2])
-    assert eng.conditional_acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
+    eng.counts.add([3, 3, 2], [0, 3, 1], 3, draft_lens=[0, 0, 2, 5])
+    assert eng.counts.per_position_acceptance == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    assert eng.counts.conditional_acceptance == pytest.approx([2 / 3, 1 / 2, 1.0])
     prof = AcceptanceProfile.measured([eng, eng])
     assert prof.per_position == pytest.approx((2 / 3, 1 / 2, 1.0))
     assert prof.draft_len_dist == pytest.approx((0.5, 0.0, 0.25, 0.0, 0.0, 0.25))
