@@ -97,6 +97,8 @@ def _ratio(num, den):
 
 def _plus(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Per-position counts added, aligned by position (the shorter padded with zeros)."""
+    if len(u) == len(v):
+        return u + v
     if len(u) < len(v):
         u, v = v, u
     out = u.copy()
