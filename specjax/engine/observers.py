@@ -73,7 +73,7 @@ class StepRecord:
     k_step: int  # compiled block actually run (host drafts shrink it)
     ctx_lens: list[int]
     elapsed: float  # backend-reported (device or modelled) seconds
-    wall: float  # whole iteration incl. host work (== elapsed in the simulator)
+    wall: float  # the iteration up to its tokens emitted, host work incl. (== elapsed in the simulator)
     generated: int
     drafted: int
     accepted: int
