@@ -5,6 +5,8 @@ and the event clock."""
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import numpy as np
 import pytest
 
@@ -286,11 +288,30 @@ def test_simulator_smartspec_tracks_load():
 
 def test_engine_counts_are_the_requests_summed():
     """The engine's acceptance counts (its step observer's) equal the sum of its requests'
-    own counts, and every step reached the step log and the counts."""
+    own counts, and every step reached the step log, the counts and a subscribed observer: its
+    event before the step's finished requests left, between_steps after."""
+    from specjax.engine.observers import Observer
+    from specjax.simulate import SimBackend
+
+    class Seen(Observer):
+        def __init__(self):
+            self.log = []
+
+        def on_step(self, ev):
+            self.log.append(("step", ev.k, sum(ev.accepted), sum(r.done for r in ev.rows)))
+
+        def between_steps(self, engine):
+            self.log.append(("between", all(not r.done for r in engine.sched.running)))
+
     cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), draft=LinearCost(0.0, 0.0, 0.001))
     reqs = [Request(f"r{i}", [1] * 8, 5 + 3 * i, arrival=0.01 * i, ignore_eos=True) for i in range(5)]
-    outs, eng = simulate(reqs, FixedK(3), cost, AcceptanceProfile((0.8, 0.5)), device_draft=True,
-                         k_buckets=(0, 3), batch_buckets=(1, 2, 4))
+    be = SimBackend(cost, AcceptanceProfile((0.8, 0.5)), device_draft=True, k_buckets=(0, 3), batch_buckets=(1, 2, 4))
+    seen = Seen()
+    eng = ServingEngine(be, FixedK(3), clock=EventClock(), observers=[seen])
+    outs = eng.run(reqs)
+    assert seen.log[0::2] == [("step", 3, s.accepted, ANY) for s in eng.steps]
+    assert seen.log[1::2] == [("between", True)] * len(eng.steps)
+    assert sum(done for _, _, _, done in seen.log[0::2]) == len(reqs)  # each left after its last step
     c = eng.counts
     assert c.steps == sum(o.steps for o in outs) == sum(s.n for s in eng.steps)
     assert c.drafted == sum(o.drafted for o in outs) == sum(s.drafted for s in eng.steps) == 3 * c.steps
