@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from specjax.errors import SpecjaxError
-from specjax.goodput.acceptance import (AcceptanceCounts, AcceptanceEstimator, MovingAverage, confidence_lengths,
-                                        expected_len, expected_len_from_positions, tree_batched_tokens,
-                                        tree_expected_len)
+from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
+                                        expected_len_from_positions, tree_batched_tokens, tree_expected_len)
 from specjax.engine.profiling import row_op_cells
 from specjax.goodput.perf_model import (CostCalibration, LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
                                         fit_step_model, load_profiled, prefill_table_cells, save_table,
@@ -150,6 +149,8 @@ def test_moving_average_window_and_prior():
 def test_acceptance_counts_add_merge_and_metrics():
     """One step's counts and their metrics, and merge = the counts of both steps taken at once
     (per-position counts aligned by position, whatever their lengths)."""
+    from specjax.goodput import AcceptanceCounts
+
     a = AcceptanceCounts().add([3, 0, 2], [1, 0, 2], 3, emitted=6, draft_lens=[3, 0, 2])
     b = AcceptanceCounts().add([5], [5], 5, emitted=6)
     k0 = AcceptanceCounts().add([0, 0], [0, 0], 0, emitted=2)
