@@ -12,83 +12,32 @@ tables (``share_compiled``), so a benchmark of several drafters or policies comp
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from typing import Literal, Sequence
 
 import jax
-import numpy as np
 
 from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.base import NoDrafter
 from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
 from specjax.engine.loop import ServingEngine
-from specjax.engine.scheduler import Request, RequestOutput
+from specjax.engine.scheduler import Request
 from specjax.engine.table import StepTable
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.errors import SpecjaxError, require
 from specjax.results import GenerationResult, check_max_new_tokens, validate_request
+from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.selector import DraftPrefillGate, FixedK, GoodputPolicy, Policy
 from specjax.models import llama
 from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
 
-@dataclasses.dataclass
-class SpecStats:
-    """vLLM-style speculative metrics over row-steps of active rows."""
-
-    steps: int = 0  # row-steps
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    pos_drafted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    pos_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        """Tokens committed per verify step, bonus included (vLLM's mean acceptance length)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
-
-    @staticmethod
-    def merged(stats: Sequence["SpecStats"]) -> "SpecStats":
-        """The counts of several runs added up (per-position counts aligned by position)."""
-        out = SpecStats()
-        for s in stats:
-            out.steps += s.steps
-            out.drafted += s.drafted
-            out.accepted += s.accepted
-            out.emitted += s.emitted
-            m = max(len(out.pos_drafted), len(s.pos_drafted))
-            out.pos_drafted = np.pad(out.pos_drafted, (0, m - len(out.pos_drafted))) + np.pad(
-                s.pos_drafted, (0, m - len(s.pos_drafted)))
-            out.pos_accepted = np.pad(out.pos_accepted, (0, m - len(out.pos_accepted))) + np.pad(
-                s.pos_accepted, (0, m - len(s.pos_accepted)))
-        return out
-
-    def add_run(self, engine: ServingEngine, outputs: Sequence[RequestOutput]) -> None:
-        """Add an engine run's counts (row-steps, drafts, acceptances, per-position)."""
-        run = SpecStats(steps=sum(o.steps for o in outputs), drafted=sum(o.drafted for o in outputs),
-                        accepted=sum(o.accepted for o in outputs),
-                        emitted=sum(max(len(o.tokens) - 1, 0) for o in outputs),  # the first comes from prefill
-                        pos_drafted=np.asarray(engine.pos_drafted, np.int64),
-                        pos_accepted=np.asarray(engine.pos_accepted, np.int64))
-        self.__dict__.update(SpecStats.merged([self, run]).__dict__)
-
-    def summary(self) -> dict:
-        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_tokens": self.mean_accepted_tokens,
-                "per_position_acceptance": self.per_position_acceptance}
+# vLLM-style speculative metrics over generate calls (``generate(stats=...)`` adds each call's
+# engine counts): the one AcceptanceCounts, under the name the Python API and launch scripts use.
+SpecStats = AcceptanceCounts
 
 
 class _Compiled:
@@ -287,6 +236,6 @@ class SpecGenerator:
             if o.error is not None:
                 raise SpecjaxError(o.error)
         if stats is not None:
-            stats.add_run(engine, outs)
+            stats.merge(engine.counts)
         return [GenerationResult(o.tokens, o.finish_reason, o.prompt_len, o.first_token - o.admitted,
                                  o.finished - o.first_token) for o in outs]

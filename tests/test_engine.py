@@ -5,6 +5,8 @@ and the event clock."""
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import numpy as np
 import pytest
 
@@ -284,6 +286,41 @@ def test_simulator_smartspec_tracks_load():
     assert oracle["mean_latency_s"] <= light["smart"]["mean_latency_s"] * 1.02
 
 
+def test_engine_counts_are_the_requests_summed():
+    """The engine's acceptance counts (its step observer's) equal the sum of its requests'
+    own counts, and every step reached the step log, the counts and a subscribed observer: its
+    event before the step's finished requests left, between_steps after."""
+    from specjax.engine.observers import Observer
+    from specjax.simulate import SimBackend
+
+    class Seen(Observer):
+        def __init__(self):
+            self.log = []
+
+        def on_step(self, ev):
+            self.log.append(("step", ev.k, sum(ev.accepted), sum(r.done for r in ev.rows)))
+
+        def between_steps(self, engine):
+            self.log.append(("between", all(not r.done for r in engine.sched.running)))
+
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), draft=LinearCost(0.0, 0.0, 0.001))
+    reqs = [Request(f"r{i}", [1] * 8, 5 + 3 * i, arrival=0.01 * i, ignore_eos=True) for i in range(5)]
+    be = SimBackend(cost, AcceptanceProfile((0.8, 0.5)), device_draft=True, k_buckets=(0, 3), batch_buckets=(1, 2, 4))
+    seen = Seen()
+    eng = ServingEngine(be, FixedK(3), clock=EventClock(), observers=[seen])
+    outs = eng.run(reqs)
+    assert seen.log[0::2] == [("step", 3, s.accepted, ANY) for s in eng.steps]
+    assert seen.log[1::2] == [("between", True)] * len(eng.steps)
+    assert sum(done for _, _, _, done in seen.log[0::2]) == len(reqs)  # each left after its last step
+    c = eng.counts
+    assert c.steps == sum(o.steps for o in outs) == sum(s.n for s in eng.steps)
+    assert c.drafted == sum(o.drafted for o in outs) == sum(s.drafted for s in eng.steps) == 3 * c.steps
+    assert c.accepted == sum(o.accepted for o in outs) == sum(s.accepted for s in eng.steps) > 0
+    assert c.emitted == sum(len(o.tokens) - 1 for o in outs) == sum(s.generated for s in eng.steps)
+    assert c.pos_drafted.sum() == c.drafted and c.pos_accepted.sum() == c.accepted
+    assert c.offered == c.proposed == c.steps and c.propose_rate == 1.0
+
+
 def test_live_bucket_rule():
     """Grow at once; shrink to the batch's bucket only after `patience` consecutive small
     steps; peek predicts the bucket of the next step without changing anything."""
@@ -413,10 +450,9 @@ def test_measured_acceptance_profile_is_conditional():
     proposal lengths are measured and drawn with their frequencies."""
     cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01))
     _, eng = simulate([Request("a", [1, 2], 2)], FixedK(0), cost, AcceptanceProfile(), device_draft=False)
-    eng._record_positions([3, 3, 2], [0, 3, 1])
-    eng._count_draft_lens([0, 0, 2, 5])
-    assert eng.per_position_acceptance() == pytest.approx([2 / 3, 1 / 3, 1 / 2])
-    assert eng.conditional_acceptance() == pytest.approx([2 / 3, 1 / 2, 1.0])
+    eng.counts.add([3, 3, 2], [0, 3, 1], 3, draft_lens=[0, 0, 2, 5])
+    assert eng.counts.per_position_acceptance == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    assert eng.counts.conditional_acceptance == pytest.approx([2 / 3, 1 / 2, 1.0])
     prof = AcceptanceProfile.measured([eng, eng])
     assert prof.per_position == pytest.approx((2 / 3, 1 / 2, 1.0))
     assert prof.draft_len_dist == pytest.approx((0.5, 0.0, 0.25, 0.0, 0.0, 0.25))

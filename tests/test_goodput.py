@@ -146,6 +146,36 @@ def test_moving_average_window_and_prior():
         MovingAverage(window=0)
 
 
+def test_acceptance_counts_add_merge_and_metrics():
+    """One step's counts and their metrics, and merge = the counts of both steps taken at once
+    (per-position counts aligned by position, whatever their lengths)."""
+    from specjax.goodput import AcceptanceCounts
+
+    a = AcceptanceCounts().add([3, 0, 2], [1, 0, 2], 3, emitted=6, draft_lens=[3, 0, 2])
+    b = AcceptanceCounts().add([5], [5], 5, emitted=6)
+    k0 = AcceptanceCounts().add([0, 0], [0, 0], 0, emitted=2)
+    assert (a.steps, a.offered, a.proposed, a.drafted, a.accepted, a.examined) == (3, 3, 2, 5, 3, 4)
+    assert a.acceptance_rate == pytest.approx(3 / 5) and a.examined_rate == pytest.approx(3 / 4)
+    assert a.per_position_acceptance == pytest.approx([1.0, 0.5, 0.0])
+    assert a.conditional_acceptance == pytest.approx([1.0, 0.5, 0.0])
+    assert a.mean_accepted_tokens == pytest.approx(2.0) and a.propose_rate == pytest.approx(2 / 3)
+    assert a.draft_len_dist == pytest.approx((1 / 3, 0.0, 1 / 3, 1 / 3)) and b.draft_len_dist is None
+    m = AcceptanceCounts.merged([a, b, k0])
+    whole = AcceptanceCounts().add([3, 0, 2, 5], [1, 0, 2, 5], 3, emitted=12, draft_lens=[3, 0, 2])
+    whole.add([0, 0], [0, 0], 0, emitted=2)
+    for f in ("steps", "offered", "proposed", "drafted", "accepted", "examined", "emitted"):
+        assert getattr(m, f) == getattr(whole, f), f
+    for f in ("pos_drafted", "pos_accepted", "pos_examined", "draft_lens"):
+        assert getattr(m, f).tolist() == getattr(whole, f).tolist(), f
+    assert m.steps == 6 and m.offered == 4 and m.mean_accepted_tokens == pytest.approx((8 + 6) / 6)
+    assert m.summary() == {"steps": 6, "drafted": 10, "accepted": 8, "acceptance_rate": 0.8,
+                           "mean_accepted_tokens": m.mean_accepted_tokens,
+                           "per_position_acceptance": m.per_position_acceptance}
+    assert a.merge(b) is a and a.drafted == 10  # in place
+    empty = AcceptanceCounts()
+    assert (empty.acceptance_rate, empty.examined_rate, empty.mean_accepted_tokens, empty.propose_rate) == (0, 0, 0, 0)
+
+
 def test_acceptance_estimator_observe():
     est = AcceptanceEstimator(window=4, prior_alpha=0.3)
     assert est.alpha.value == 0.3 and est.rho.value == 1.0

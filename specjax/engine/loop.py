@@ -12,8 +12,10 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
   3. host drafters propose for every running request (free next to a forward pass);
   4. the policy picks K among the K values compiled for the bucket the live state will run the
      step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
-  5. the backend runs the draft+verify step; accepted tokens are emitted, finished requests
-     leave and free their rows at once, and the policy observes the acceptance.
+  5. the backend runs the draft+verify step and the accepted tokens are emitted; the step's
+     ``StepEvent`` goes to the observers (``engine.observers``: the policy's feedback, the
+     acceptance counts, the step log, then any given), finished requests leave and free their
+     rows at once, and the observers' between-steps work runs.
 
 With several device drafts (``drafts``: a DraftGroups, say distill.routing.MultiDraft) each
 request belongs to one; a batch runs one draft's params, so admission takes the FCFS prefix of
@@ -33,10 +35,12 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from specjax.engine.observers import (BetweenSteps, CountAcceptance, Observer, PolicyFeedback, StepEvent, StepLog,
+                                      StepRecord)
 from specjax.engine.scheduler import Request, RequestOutput, Running, Scheduler
 from specjax.errors import SpecjaxError
+from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
-from specjax.tree import DraftTree
 
 
 class WallClock:
@@ -127,25 +131,6 @@ class Backend(Protocol):
     def release(self, r: Running) -> None: ...
 
 
-@dataclasses.dataclass
-class StepRecord:
-    """One engine step, for profiling, fidelity checks and plots."""
-
-    t: float
-    n: int
-    bucket: int  # the live state's bucket the step ran at (>= the bucket of n until compacted)
-    k: int  # chosen by the policy
-    k_step: int  # compiled block actually run (host drafts shrink it)
-    ctx_lens: list[int]
-    elapsed: float  # backend-reported (device or modelled) seconds
-    wall: float  # whole iteration incl. host work (== elapsed in the simulator)
-    generated: int
-    drafted: int
-    accepted: int
-    row_ops: tuple = ()  # (op, bucket from, bucket to): cache resizes / clears the step also ran
-    tokens: int = 0  # verify rows the step ran (a packed size, or bucket x (k_step + 1))
-
-
 class DraftGroups(Protocol):
     """Several drafts for one backend: which serves a request, and making one the live draft."""
 
@@ -159,7 +144,8 @@ class ServingEngine:
                  prefill_gate: DraftPrefillGate | None = None, max_prefill_batch: int | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, prefill_budget: int | None = None,
-                 on_step: Callable[["ServingEngine"], None] | None = None, drafts: DraftGroups | None = None):
+                 on_step: Callable[["ServingEngine"], None] | None = None, drafts: DraftGroups | None = None,
+                 observers: Sequence[Observer] = ()):
         self.backend = backend
         self.policy = policy
         self.eos = frozenset(int(e) for e in eos_ids)
@@ -171,26 +157,18 @@ class ServingEngine:
         self.prefill_budget = prefill_budget  # None: whole prompts at admission; else chunked prefill
         self.on_finish = on_finish
         self.should_stop = should_stop  # polled between iterations: True ends run() early (Ctrl-C)
-        self.on_step = on_step  # called after every step (between steps: the load is self.load())
         self.drafts = drafts
         self.active_group = None  # the draft the backend runs (with ``drafts``)
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
         self._t0 = self.clock.now()
-        # Per-position acceptance over row-steps that drafted (P(draft j accepted | drafted j)),
-        # and how often a row of a speculative step got any draft: what a simulator needs.
-        self.pos_drafted = np.zeros(0, np.int64)
-        self.pos_accepted = np.zeros(0, np.int64)
-        # Position j is *examined* when it was drafted and drafts < j were all accepted:
-        # pos_accepted / pos_examined is the conditional rate a simulator chains position by position.
-        self.pos_examined = np.zeros(0, np.int64)
-        self.rows_offered = 0
-        self.rows_proposed = 0
-        # Host drafters: how long the proposals were (asked for the largest compiled K), per row-step.
-        self.draft_len_counts = np.zeros(0, np.int64)
-        # Shadow verification of host drafts a K = 0 step did not verify: uid -> [draft, matched].
-        self._shadow: dict[int, list] = {}
+        self.counts = AcceptanceCounts()  # every step's, K = 0 included
+        # each step's event goes to these in order; on_step: called between steps (self.load())
+        self.observers: list[Observer] = [PolicyFeedback(self.gate), CountAcceptance(self.counts),
+                                          StepLog(self.steps), *observers]
+        if on_step is not None:
+            self.observers.append(BetweenSteps(on_step))
 
     def _now(self) -> float:
         """Seconds since the current run started (arrival times are on this axis)."""
@@ -222,7 +200,6 @@ class ServingEngine:
             self.sched.release(r)
             self.backend.release(r)
             self.policy.finish(r.uid)
-            self._shadow.pop(r.uid, None)
             finished.append(r.out)
             if self.on_finish:
                 self.on_finish(r.out)
@@ -260,10 +237,12 @@ class ServingEngine:
             self._prefill()
             self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill
             if any(not r.prefilling for r in self.sched.running):
-                self._step()
+                ev = self._step()
+                for o in self.observers:
+                    o.on_step(ev)
                 self._retire(finished)
-                if self.on_step:
-                    self.on_step(self)
+                for o in self.observers:
+                    o.between_steps(self)
         by_id: dict = {}
         for o in finished:
             by_id.setdefault(o.id, []).append(o)
@@ -306,7 +285,7 @@ class ServingEngine:
             if done or decoding or self.prefill_budget is None:
                 return
 
-    def _step(self) -> None:
+    def _step(self) -> StepEvent:
         t0 = time.perf_counter()
         rs = [r for r in self.sched.running if not r.prefilling]
         be = self.backend
@@ -320,104 +299,30 @@ class ServingEngine:
                          draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
                          drafted_ahead=prop.drafted_ahead,
                          token_options={k: tuple(be.token_options(bucket, k)) for k in opts})
-        if prop.drafts is not None and prop.draft_lens is not None:
-            self._count_draft_lens(prop.draft_lens)
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
         results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
-        if self.gate:
-            self.gate.record(k, prop.draft_lens is None or any(d > 0 for d in prop.draft_lens))
-        drafted = [res.drafted for res in results]
-        accepted = [res.accepted for res in results]
-        self.policy.observe(k, drafted, accepted, [r.uid for r in rs])
-        if k > 0:
-            self._record_positions(drafted, accepted)
-        self._shadow_verify(rs, prop, results)
-        gen = 0
-        for r, res in zip(rs, results):
-            r.ctx_len += len(res.tokens)
-            before = len(r.out.tokens)
-            self._emit(r, res.tokens)
-            if res.teacher is not None:
-                r.out.record_teacher(before, len(r.out.tokens) - before, res.teacher, res.drafted, res.accepted)
-            gen += len(r.out.tokens) - before
-            r.out.steps += 1
-            r.out.drafted += res.drafted
-            r.out.accepted += res.accepted
+        emitted = [self._take(r, res) for r, res in zip(rs, results)]
         k_step = getattr(be, "last_k_step", k)
         tokens = getattr(be, "last_tokens", bucket * (k_step + 1))
         wall = time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed
-        self.policy.observe_time(view, k_step, tokens, wall)
-        self.steps.append(StepRecord(self._now(), len(rs), bucket, k, k_step, view.ctx_lens, elapsed, wall,
-                                     gen, sum(drafted), sum(accepted), tuple(be.take_row_ops()), tokens))
+        return StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted, elapsed,
+                         wall, tuple(be.take_row_ops()))
 
-
-    def _shadow_verify(self, rs, prop: Proposal, results) -> None:
-        """Host drafts cost nothing to make, so their acceptance can be learnt even when the
-        step verified none of them: a greedy verifier accepts a draft token iff it equals the
-        token the target generates there, so a draft offered but not verified is compared with
-        the tokens the following steps generate (for a token tree: the path those tokens walk
-        down it). Without this, a moving average that once dropped to ~0 would keep K = 0
-        forever (nothing new is ever observed). Exact for greedy requests; for sampled ones it
-        is the acceptance of a greedy-matching verifier."""
-        if prop.drafts is None:
-            return
-        classes = prop.draft_classes or [None] * len(rs)
-        for r, d, res, cls in zip(rs, prop.drafts, results, classes):
-            sh = self._shadow.get(r.uid)
-            if sh is None:
-                if res.drafted > 0 or not len(d):
-                    continue  # verified for real (observed above), or nothing was drafted
-                d = d if isinstance(d, DraftTree) else DraftTree.chain(d)
-                # tree, node reached (-1: root), depth matched, the proposal's class
-                sh = self._shadow[r.uid] = [d, -1, 0, cls]
-            draft, node, m, cls = sh
-            for t in res.tokens:
-                nxt = draft.child(node, int(t))
-                if nxt is None:
-                    break
-                node, m = nxt, m + 1
-            else:
-                if np.any(draft.parents == node):  # still matching and the tree goes on: wait
-                    sh[1], sh[2] = node, m
-                    continue
-            del self._shadow[r.uid]
-            self.policy.observe(len(draft), [len(draft)], [m], [r.uid], [cls])
-
-    def _count_draft_lens(self, lens) -> None:
-        m = max(lens, default=0) + 1
-        if m > len(self.draft_len_counts):
-            self.draft_len_counts = np.pad(self.draft_len_counts, (0, m - len(self.draft_len_counts)))
-        for n in lens:
-            self.draft_len_counts[n] += 1
-
-    def _record_positions(self, drafted, accepted) -> None:
-        m = max(drafted, default=0)
-        if m > len(self.pos_drafted):
-            grow = m - len(self.pos_drafted)
-            self.pos_drafted = np.pad(self.pos_drafted, (0, grow))
-            self.pos_accepted = np.pad(self.pos_accepted, (0, grow))
-            self.pos_examined = np.pad(self.pos_examined, (0, grow))
-        for d, a in zip(drafted, accepted):
-            self.pos_drafted[:d] += 1
-            self.pos_accepted[:a] += 1
-            self.pos_examined[:min(a + 1, d)] += 1
-        self.rows_offered += len(drafted)
-        self.rows_proposed += sum(d > 0 for d in drafted)
-
-    def per_position_acceptance(self) -> list[float]:
-        """P(draft j accepted | j drafted): the share of row-steps with a j-th draft that accepted it."""
-        return [float(a / d) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
-
-    def conditional_acceptance(self) -> list[float]:
-        """P(draft j accepted | j drafted and drafts < j accepted)."""
-        return [float(a / e) if e else 0.0 for a, e in zip(self.pos_accepted, self.pos_examined)]
-
-    @property
-    def propose_rate(self) -> float:
-        return self.rows_proposed / self.rows_offered if self.rows_offered else 0.0
+    def _take(self, r: Running, res: RowResult) -> int:
+        """A row's step result into its request (tokens, teacher signal, its own counts); returns
+        how many tokens its output took."""
+        r.ctx_len += len(res.tokens)
+        before = len(r.out.tokens)
+        self._emit(r, res.tokens)
+        if res.teacher is not None:
+            r.out.record_teacher(before, len(r.out.tokens) - before, res.teacher, res.drafted, res.accepted)
+        r.out.steps += 1
+        r.out.drafted += res.drafted
+        r.out.accepted += res.accepted
+        return len(r.out.tokens) - before
 
 
 def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()) -> dict:
@@ -448,7 +353,7 @@ def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()
         "p90_max_gap_s": pct(np.array([o.max_gap for o in ok]), 90),
         "max_gap_s": max((o.max_gap for o in ok), default=float("nan")),
         "tokens": toks, "throughput_tok_s": toks / span if span > 0 else float("nan"),
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_rate": AcceptanceCounts(drafted=drafted, accepted=accepted).acceptance_rate,
         "mean_batch": float(np.mean([s.n for s in steps])) if steps else 0.0,
         "mean_k": float(np.mean([s.k for s in steps])) if steps else 0.0,
         "steps": len(steps),

@@ -7,6 +7,7 @@ so a step that proposes nothing generates exactly 1 token per request.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ def expected_len(alpha: float, k: int) -> float:
 
 def expected_len_from_positions(rates: Sequence[float], k: int) -> float:
     """Generated tokens of a k-draft chain when draft j is accepted with probability rates[j] given
-    drafts < j were (per-position rates, as measured by SpecStats); positions past the measured
+    drafts < j were (``AcceptanceCounts.conditional_acceptance``); positions past the measured
     ones reuse the last rate."""
     out, p = 1.0, 1.0
     for j in range(k):
@@ -87,14 +88,143 @@ class MovingAverage:
         return float(np.mean(self._xs)) if self._xs else self.prior
 
 
-def examined_rate(drafted, accepted) -> float:
-    """accepted / (accepted + rejections) over rows with drafts: each row examines its drafts in
-    order until the first rejection, so it contributes ``accepted`` successes and one failure
-    unless it accepted everything."""
-    d = np.asarray(drafted)
-    a = np.asarray(accepted)
-    trials = a.sum() + (a < d).sum()
-    return float(a.sum() / trials) if trials else 0.0
+def _ratio(num, den):
+    """num / den, 0 where nothing was counted (elementwise for per-row or per-position counts)."""
+    if np.ndim(den):
+        return [float(a / b) if b else 0.0 for a, b in zip(num, den)]
+    return num / den if den else 0.0
+
+
+def _plus(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Per-position counts added, aligned by position (the shorter padded with zeros)."""
+    if len(u) == len(v):
+        return u + v
+    if len(u) < len(v):
+        u, v = v, u
+    out = u.copy()
+    out[:len(v)] += v
+    return out
+
+
+def _over(x: np.ndarray, n: int) -> np.ndarray:
+    """[j] = how many of ``x`` (each <= n) exceed j, j < n: the rows whose count reaches position j."""
+    return np.bincount(x, minlength=n + 1)[::-1].cumsum()[::-1][1:]
+
+
+def examined(drafted, accepted) -> np.ndarray:
+    """Per row, the draft positions its verifier examined: in order, up to and including the
+    first rejection."""
+    return np.minimum(np.asarray(accepted, np.int64) + 1, np.asarray(drafted, np.int64))
+
+
+def _counts() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
+@dataclasses.dataclass
+class AcceptanceCounts:
+    """What verify steps did, counted per row-step (one request in one step): the one place
+    speculative decoding's acceptance is counted (``add``) and its metrics defined. The engine
+    keeps one (``ServingEngine.counts``), ``SpecStats`` is this class, the estimator reads the
+    counts of one step, the simulator's measured profile the pooled counts of real runs.
+
+    A row examines its drafts in order up to and including the first rejection, so it examines
+    min(accepted + 1, drafted) positions. Hence two acceptance rates, both needed:
+      acceptance_rate = accepted / drafted (vLLM's), what reports state;
+      examined_rate = accepted / examined: the maximum-likelihood per-token alpha of Eq. 8's
+        i.i.d. model, which the goodput selector needs; accepted / drafted also counts the
+        positions after a rejection, never examined, as rejections (it reads 0.54 for a true
+        alpha of 0.8 at K = 5).
+    Per position likewise: per_position_acceptance = P(j accepted | j drafted) (vLLM's) and
+    conditional_acceptance = P(j accepted | j examined), the rates the simulator chains.
+    """
+
+    steps: int = 0  # row-steps, K = 0 steps included (each generates accepted + 1 tokens)
+    offered: int = 0  # row-steps of speculative steps (K > 0)
+    proposed: int = 0  # row-steps that drafted anything
+    drafted: int = 0
+    accepted: int = 0
+    examined: int = 0
+    emitted: int = 0  # tokens the steps added to outputs (EOS and max_new_tokens cut accepted + 1)
+    pos_drafted: np.ndarray = dataclasses.field(default_factory=_counts)
+    pos_accepted: np.ndarray = dataclasses.field(default_factory=_counts)
+    pos_examined: np.ndarray = dataclasses.field(default_factory=_counts)
+    # host drafters: how many proposals (asked for the largest compiled K) had each length
+    draft_lens: np.ndarray = dataclasses.field(default_factory=_counts)
+
+    def add(self, drafted: Sequence[int], accepted: Sequence[int], k: int, emitted: int = 0,
+            draft_lens: Sequence[int] | None = None) -> "AcceptanceCounts":
+        """Count one verify step of K = ``k``: per row, drafts verified and accepted; ``emitted``
+        tokens; ``draft_lens``: the host drafter's proposal lengths. Returns self."""
+        d = np.asarray(drafted, np.int64).reshape(-1)
+        a = np.asarray(accepted, np.int64).reshape(-1)
+        e = examined(d, a)
+        self.steps += len(d)
+        self.offered += len(d) if k > 0 else 0
+        self.proposed += int(np.count_nonzero(d))
+        self.drafted += int(d.sum())
+        self.accepted += int(a.sum())
+        self.examined += int(e.sum())
+        self.emitted += int(emitted)
+        n = int(d.max(initial=0))  # (the three per-position counts stay as long as the longest draft)
+        self.pos_drafted = _plus(self.pos_drafted, _over(d, n))
+        self.pos_accepted = _plus(self.pos_accepted, _over(a, n))
+        self.pos_examined = _plus(self.pos_examined, _over(e, n))
+        if draft_lens is not None:
+            self.draft_lens = _plus(self.draft_lens, np.bincount(np.asarray(draft_lens, np.int64).reshape(-1)))
+        return self
+
+    def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        """Add ``other``'s counts to these (per-position counts aligned by position). Returns self."""
+        for f in dataclasses.fields(self):
+            x, y = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, _plus(x, y) if isinstance(x, np.ndarray) else x + y)
+        return self
+
+    @classmethod
+    def merged(cls, counts: Iterable["AcceptanceCounts"]) -> "AcceptanceCounts":
+        """The counts of several runs added up."""
+        out = cls()
+        for c in counts:
+            out.merge(c)
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def examined_rate(self) -> float:
+        return _ratio(self.accepted, self.examined)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens generated per verify step of a row, bonus included (vLLM's mean acceptance length)."""
+        return _ratio(self.accepted + self.steps, self.steps)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return _ratio(self.pos_accepted, self.pos_drafted)
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        return _ratio(self.pos_accepted, self.pos_examined)
+
+    @property
+    def propose_rate(self) -> float:
+        """How often a row of a speculative step got any draft (prompt lookup often finds none)."""
+        return _ratio(self.proposed, self.offered)
+
+    @property
+    def draft_len_dist(self) -> tuple[float, ...] | None:
+        """P(a host proposal has n tokens), n = 0, 1, ...; None without host proposals."""
+        total = self.draft_lens.sum()
+        return tuple(float(c / total) for c in self.draft_lens) if total else None
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_tokens": self.mean_accepted_tokens,
+                "per_position_acceptance": self.per_position_acceptance}
 
 
 class AcceptanceEstimator:
@@ -136,23 +266,22 @@ class AcceptanceEstimator:
         """Record one verify step: per row, drafts verified and drafts accepted; ``offered``: K of
         the step (0 = nothing to learn about acceptance); ``classes``: per row, the draft class
         of its proposal (None: none)."""
-        drafted = np.asarray(drafted)
-        accepted = np.asarray(accepted)
-        if offered <= 0 or drafted.size == 0:
+        if offered <= 0 or len(drafted) == 0:
             return
-        proposed = drafted > 0
-        self.rho.add(float(proposed.mean()))
-        if proposed.any():
-            self.alpha.add(examined_rate(drafted[proposed], accepted[proposed]))
+        step = AcceptanceCounts().add(drafted, accepted, offered)
+        self.rho.add(step.propose_rate)
+        if step.proposed:
+            self.alpha.add(step.examined_rate)
+        # per request and per class: each row's own examined rate
+        rates = _ratio(accepted, examined(drafted, accepted))
         if self.per_request:
-            for rid, d, a in zip(request_ids, drafted, accepted):
+            for rid, d, r in zip(request_ids, drafted, rates):
                 if d > 0:
-                    self._req.setdefault(rid, MovingAverage(self.window, self.alpha.value)).add(
-                        examined_rate([d], [a]))
+                    self._req.setdefault(rid, MovingAverage(self.window, self.alpha.value)).add(r)
         if classes is not None:
-            for c, d, a in zip(classes, drafted, accepted):
+            for c, d, r in zip(classes, drafted, rates):
                 if d > 0 and c is not None:
-                    self._cls.setdefault(c, MovingAverage(self.window, self.alpha.value)).add(examined_rate([d], [a]))
+                    self._cls.setdefault(c, MovingAverage(self.window, self.alpha.value)).add(r)
 
     def request_alpha(self, rid: Hashable, cls: Hashable | None = None) -> float:
         """The request's alpha for a proposal of class ``cls``: the class's own estimate, else

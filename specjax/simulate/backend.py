@@ -30,6 +30,7 @@ from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.prefill_jobs import PrefillQueue, make_jobs
 from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput, Running
+from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.perf_model import StepCostModel
 from specjax.goodput.selector import DraftPrefillGate, Policy
 
@@ -51,22 +52,12 @@ class AcceptanceProfile:
 
     @staticmethod
     def measured(engines: Sequence[ServingEngine]) -> "AcceptanceProfile":
-        """Pooled from real engine runs: the conditional per-position rates (accepted / examined,
-        which is what ``rate`` chains; accepted / drafted would count the positions after a
-        rejection as rejections too) and, for host drafters, the proposal-length distribution."""
-        acc, exam, lens = np.zeros(0), np.zeros(0), np.zeros(0)
-        off = prop = 0
-        for e in engines:
-            n = max(len(acc), len(e.pos_accepted))
-            acc = np.pad(acc, (0, n - len(acc))) + np.pad(e.pos_accepted, (0, n - len(e.pos_accepted)))
-            exam = np.pad(exam, (0, n - len(exam))) + np.pad(e.pos_examined, (0, n - len(e.pos_examined)))
-            m = max(len(lens), len(e.draft_len_counts))
-            lens = np.pad(lens, (0, m - len(lens))) + np.pad(e.draft_len_counts, (0, m - len(e.draft_len_counts)))
-            off += e.rows_offered
-            prop += e.rows_proposed
-        rates = tuple(float(a / x) if x else 0.0 for a, x in zip(acc, exam)) or (0.0,)
-        dist = tuple(float(c) for c in lens / lens.sum()) if lens.sum() > 0 else None
-        return AcceptanceProfile(per_position=rates, propose_prob=prop / off if off else 1.0, draft_len_dist=dist)
+        """Pooled from real engine runs' counts: the conditional per-position rates (accepted /
+        examined, which is what ``rate`` chains; accepted / drafted would count the positions
+        after a rejection as rejections too) and, for host drafters, the proposal lengths."""
+        c = AcceptanceCounts.merged(e.counts for e in engines)
+        return AcceptanceProfile(per_position=tuple(c.conditional_acceptance) or (0.0,),
+                                 propose_prob=c.propose_rate if c.offered else 1.0, draft_len_dist=c.draft_len_dist)
 
 
 class SimBackend:
