@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from specjax.benchtime import median_seconds, prefill_fn, steady_step  # noqa: E402
+from specjax.goodput.acceptance import AcceptanceCounts  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "/tmp/specjax_device_check", "Folder for the JSON results and report.md.")
@@ -283,11 +284,10 @@ def section_engine(out):
             # where each request first leaves the reference's tokens (None: never)
             first_diff = [next((i for i, (a, b) in enumerate(zip(o.tokens, r)) if a != b), None)
                           for o, r in zip(outs, ref_tokens)]
-            drafted = sum(o.drafted for o in outs)
-            accepted = sum(o.accepted for o in outs)
+            counts = AcceptanceCounts.of_requests(outs)
             steps = len(eng.steps)
             runs.append(dict(attention=impl, policy=name, wall_s=wall, tok_s=n_req * new / wall, steps=steps,
-                             drafted=drafted, accepted=accepted, identical=all(same), warmup_s=warm_s,
+                             drafted=counts.drafted, accepted=counts.accepted, identical=all(same), warmup_s=warm_s,
                              first_diff=first_diff))
             say(f"  {impl} {name}: {wall:.2f} s, identical {all(same)}, first differing token per request {first_diff}")
         be = eng = None

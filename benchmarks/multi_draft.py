@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from benchmarks.task_stream import define_stream_flags, online_configs, stream, stream_backend  # noqa: E402
+from specjax.goodput.acceptance import AcceptanceCounts  # noqa: E402
 
 FLAGS = flags.FLAGS
 define_stream_flags(["gsm8k:200", "humaneval:164", "specbench:200"], draft_layers=8, every=32, steps=2, lr=6e-4)
@@ -117,10 +118,10 @@ def main(argv):
         for t in tasks:
             mine = [o for o, (tt, _) in zip(outs, items) if tt == t]
             tail = mine[-FLAGS.tail:]
-            row[t] = sum(o.accepted for o in tail) / max(sum(o.drafted for o in tail), 1)
+            row[t] = AcceptanceCounts.of_requests(tail).acceptance_rate
             curves[(routing, t)] = acceptance_curve(mine, 50).tolist()
         last = outs[-150:]
-        row["all"] = sum(o.accepted for o in last) / max(sum(o.drafted for o in last), 1)
+        row["all"] = AcceptanceCounts.of_requests(last).acceptance_rate
         purity = None
         if "groups" in info:
             g = np.array([info["groups"][f"r{i}"] for i in range(len(items))])

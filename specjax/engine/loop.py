@@ -331,8 +331,6 @@ def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()
     ok = [o for o in outputs if o.error is None]
     lat = np.array([o.latency for o in ok]) if ok else np.zeros(0)
     toks = sum(len(o.tokens) for o in ok)
-    drafted = sum(o.drafted for o in ok)
-    accepted = sum(o.accepted for o in ok)
     span = (max(o.finished for o in ok) - min(o.arrival for o in ok)) if ok else 0.0
     ttft = np.array([o.first_token - o.arrival for o in ok])
     # time per output token after the first: what a streaming reader waits between tokens
@@ -353,7 +351,7 @@ def summarize(outputs: Sequence[RequestOutput], steps: Sequence[StepRecord] = ()
         "p90_max_gap_s": pct(np.array([o.max_gap for o in ok]), 90),
         "max_gap_s": max((o.max_gap for o in ok), default=float("nan")),
         "tokens": toks, "throughput_tok_s": toks / span if span > 0 else float("nan"),
-        "acceptance_rate": AcceptanceCounts(drafted=drafted, accepted=accepted).acceptance_rate,
+        "acceptance_rate": AcceptanceCounts.of_requests(ok).acceptance_rate,
         "mean_batch": float(np.mean([s.n for s in steps])) if steps else 0.0,
         "mean_k": float(np.mean([s.k for s in steps])) if steps else 0.0,
         "steps": len(steps),

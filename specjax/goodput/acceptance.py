@@ -189,6 +189,14 @@ class AcceptanceCounts:
             out.merge(c)
         return out
 
+    @classmethod
+    def of_requests(cls, outputs: Iterable) -> "AcceptanceCounts":
+        """The totals of finished requests (RequestOutput: each keeps its own row-steps, drafts
+        and acceptances); no per-position counts."""
+        outputs = list(outputs)
+        return cls(steps=sum(o.steps for o in outputs), drafted=sum(o.drafted for o in outputs),
+                   accepted=sum(o.accepted for o in outputs))
+
     @property
     def acceptance_rate(self) -> float:
         return _ratio(self.accepted, self.drafted)
