@@ -142,8 +142,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
                   draft_checkpoint: str | None = None) -> dict:
-    """The drafter of ``drafter`` on ``model`` as the keyword arguments of SpecGenerator /
-    JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
+    """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
+    SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
@@ -199,9 +199,16 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             td, trainable = load_draft(draft_checkpoint, cfg, model.params, draft_model=draft)
             return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
         return {"drafter": DeviceDrafter(ModelDraft(dcfg), draft.params)}
-    if drafter == "none":
+    entry = DRAFTERS.get(drafter)
+    if entry is None:
+        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    if entry.build is None:
         return {}
-    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    # a kind registered elsewhere: its entry builds it, from its DrafterSpec (the knobs above are
+    # the built-in kinds' own)
+    from specjax.engine.spec import DrafterSpec
+
+    return {"drafter": entry.build(model, DrafterSpec(name=drafter, k=k), draft)}
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
