@@ -18,9 +18,9 @@ params are a params tree of its own whose arrays are, until the draft is trained
 reduced-vocabulary head (``reduced_vocab``: the draft's vocab projection over N chosen target
 tokens, ``frequent_tokens``), which cuts the draft's largest matmul to N / V of its size; the
 draft's logits are scattered back to the target's ids with -inf elsewhere, so tokens outside
-the N are never proposed and q, the distribution drafts are drawn from, stays exact. Host drafters (prompt
-lookup, suffix trees) are a different protocol (``drafters.base.HostDrafter``): they propose on
-the host and pass tokens in.
+the N are never proposed and q, the distribution drafts are drawn from, stays exact.
+``DeviceDrafter`` is this kind of the engine's drafter protocol (``drafters.protocol``), the
+draft-ahead path of confidence policies included.
 
 Draft-cache invariant: at the start of a step the draft cache holds at least the first
 ``L_t - 1`` committed tokens (L_t = the target's length), so the draft first re-feeds

@@ -355,7 +355,7 @@ class JaxBackend:
             pack[:len(idx)] = idx
             pack = self.to_device(pack)
         exe = inp.kind.exe(self.table, B, k_step, self.slots, self.greedy(), P)
-        put = [self.to_device(a) if isinstance(a, np.ndarray) else a for a in inp.inputs]  # (device drafts pass)
+        put = [self.to_device(a) if isinstance(a, np.ndarray) else a for a in inp.inputs]  # (device arrays pass)
         o = self.run(exe, *inp.kind.args(tuple(put), self.to_device(inp.num_draft), self.to_device(active),
                                          self.sampling(), pack))
         return self._results(rs, o), time.perf_counter() - t0
@@ -435,8 +435,7 @@ class JaxBackend:
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
         later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
         if later:
-            require(not execute and all(isinstance(j, StepJob) for j in steps),
-                    "later_ks cannot be combined with execute or draft_first")
+            require(not execute and not self.options.draft_first, "later_ks cannot be combined with execute or draft_first")
             deferred = [j for j in steps if j.k in later]
             steps = [j for j in steps if j.k not in later]
         it = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
