@@ -298,7 +298,8 @@ def bench() -> int:
                                  policy=copy.deepcopy(pols[m["name"]]))
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
     for g in gens.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
-        for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
+        host = getattr(g.drafter, "host", None)  # (a host drafter, as the engine wraps it)
+        for dr in (host, getattr(host, "suffix", None)):
             if hasattr(dr, "clear_cache"):
                 dr.clear_cache()
     print("[warm-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()) + "; timing starts now]",

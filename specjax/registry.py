@@ -17,10 +17,11 @@ from specjax.models.options import ForwardOptions
 @dataclasses.dataclass(frozen=True)
 class DrafterEntry:
     """One drafter kind as the registry knows it: the only place that does.
-    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs
-    (``draft``: an already loaded draft model). device: it drafts inside the compiled step (its
-    own draft forward), so its step costs need a performance model of their own. reads: the
-    DrafterSpec fields it uses (a setting given for a drafter that does not read it is refused)."""
+    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs, a
+    drafters.protocol.Drafter (``draft``: an already loaded draft model). device: it drafts inside
+    the compiled step (its own draft forward), so its step costs need a performance model of their
+    own. reads: the DrafterSpec fields it uses (a setting given for a drafter that does not read it
+    is refused)."""
 
     name: str
     build: Callable | None
@@ -42,7 +43,7 @@ def _build_parts(model, spec, draft=None):
                              cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
                          suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint,
                          suffix_history=load_suffix_history(spec.suffix_history_jsonl, model.tokenizer)
-                         if spec.suffix_history_jsonl and spec.name in SUFFIX_DRAFTERS else ())
+                         if spec.suffix_history_jsonl and spec.name in SUFFIX_DRAFTERS else ())["drafter"]
 
 
 DRAFTERS: dict[str, DrafterEntry] = {}
@@ -141,21 +142,23 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
                   draft_checkpoint: str | None = None) -> dict:
-    """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
-    ``drafter`` (a host drafter) or ``draft`` (a device drafter) + ``draft_params``. ``draft``: an
+    """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
+    SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
     (distill.checkpoint)."""
+    from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
+    from specjax.drafters.host import host_drafter
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
-    from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.errors import SpecjaxError
     from specjax.models.loader import load_model
 
     cfg = model.cfg
     if drafter == "prompt_lookup":
-        return {"drafter": PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))}
+        pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
+        return {"drafter": host_drafter(pld)}
     if drafter in SUFFIX_DRAFTERS:
         import dataclasses
 
@@ -170,18 +173,17 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             if suffix_tau < 0:
                 raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
             sd = HybridDrafter(sd, pld, tau=suffix_tau)
-        return {"drafter": sd}
+        return {"drafter": host_drafter(sd)}
     if drafter == "layer_skip":
         if draft_checkpoint:  # (its draft.json says how many layers)
             from specjax.distill.checkpoint import load_draft
 
             td, trainable = load_draft(draft_checkpoint, cfg, model.params)
-            return {"draft": td.draft, "draft_params": td.params(trainable)}
+            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
-        d, dparams = layer_skip(cfg, model.params, draft_layers)
-        return {"draft": d, "draft_params": dparams}
+        return {"drafter": DeviceDrafter(*layer_skip(cfg, model.params, draft_layers))}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -195,11 +197,18 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             from specjax.distill.checkpoint import load_draft
 
             td, trainable = load_draft(draft_checkpoint, cfg, model.params, draft_model=draft)
-            return {"draft": td.draft, "draft_params": td.params(trainable)}
-        return {"draft": ModelDraft(dcfg), "draft_params": draft.params}
-    if drafter == "none":
+            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
+        return {"drafter": DeviceDrafter(ModelDraft(dcfg), draft.params)}
+    entry = DRAFTERS.get(drafter)
+    if entry is None:
+        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    if entry.build is None:
         return {}
-    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    # a kind registered elsewhere: its entry builds it, from its DrafterSpec (the knobs above are
+    # the built-in kinds' own)
+    from specjax.engine.spec import DrafterSpec
+
+    return {"drafter": entry.build(model, DrafterSpec(name=drafter, k=k), draft)}
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
@@ -258,14 +267,15 @@ def format_spec_stats(stats) -> str:
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
                  draft_first: bool = False, packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
-                 parts: dict | None = None, teacher_topk: int = 0, layout=None, **drafter_kw):
+                 parts=None, teacher_topk: int = 0, layout=None, **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
-    verify blocks, for per-request draft counts; see backend_options). ``parts``: the device draft
-    given ({"draft", "draft_params"}, say a distill.train.TrainableDraft's) instead of built from the
-    flags; ``teacher_topk``: the steps keep the target's top-k (online distillation); ``layout``:
-    shard the engine (sharding.Layout)."""
+    verify blocks, for per-request draft counts; see backend_options). ``parts``: the drafter
+    given instead of built from the flags (a drafters.protocol.Drafter, or JaxBackend's drafter
+    keywords such as {"draft", "draft_params"} of a distill.train.TrainableDraft); ``teacher_topk``:
+    the steps keep the target's top-k (online distillation); ``layout``: shard the engine
+    (sharding.Layout)."""
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
@@ -276,7 +286,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     fwd = fwd or ForwardOptions()
     return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
                       fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
-                      teacher_topk=teacher_topk, layout=layout, **parts)
+                      teacher_topk=teacher_topk, layout=layout, **(parts if isinstance(parts, dict) else {"drafter": parts}))
 
 
 def model_name(spec: str) -> str:
