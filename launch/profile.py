@@ -1,6 +1,7 @@
 """Profile forward passes on this hardware and fit SmartSpec's performance model.
 
   python launch/profile.py --out perf_models.json                        # SmolLM2, prompt lookup + layer skip
+  python launch/profile.py --drafters suffix --rows_kernel 0             # host drafters share the target-only model
   python launch/profile.py --drafters prompt_lookup --batch_buckets 1,2,4 --plot docs/perf_fit.png
   python launch/profile.py --model target.gguf --drafters draft_model --draft_model draft.gguf
 
@@ -15,8 +16,11 @@ verify of a K + 1 block; with a device drafter also the draft's K forwards), fit
 
 by least squares, reports R^2 on held-out grid cells, fits the prefill cost, then serves a
 burst of requests through the real engine to calibrate the loop's host overhead per step and per
-request (scored on held-out engine steps). Coefficients go to ``--out`` under the key
-'<model>|<drafter>|<platform>:<device>', next to any other models already in the file.
+request (scored on held-out engine steps). It profiles the code serving runs: the same forward
+flags (``--rows_kernel -1`` resolved the same way), dtype and buckets. Coefficients go to ``--out``
+under the key '<model>|<drafter>|<platform>:<device>|<code>' (registry.perf_key; <code> the
+forward options, dtype and layout), next to any other models already in the file; a serving run
+of other code does not use them (``--policy smartspec`` refuses, ``auto`` says so and runs a fixed K).
 
 User mistakes print one line ("error: ...") and exit with status 2.
 """
@@ -34,8 +38,6 @@ from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry  # noqa: E402
 
-from specjax.registry import make_backend  # noqa: E402
-
 FLAGS = flags.FLAGS
 
 CALIBRATION_PROMPTS = [
@@ -51,14 +53,10 @@ CALIBRATION_PROMPTS = [
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("model", "smollm2-135m", "Target model (name in configs/, .gguf file or HF dir).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup (the target-only model "
-                        "every host drafter uses; its uncalibrated fit is always saved) and device drafters (layer_skip, draft_model: add "
-                        "the draft's coefficients).")
-    cli.define_device_draft_flags()
-    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets (the engine's KV rows = the largest).")
-    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
-    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
+    cli.define_model_flags()
+    cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"], k_buckets="0,1,2,3,4,5")
+    cli.define_engine_flags()
+    cli.define_forward_flags()
     flags.DEFINE_string("contexts", "32,150,280", "Context lengths to time steps at.")
     flags.DEFINE_string("prefill_lens", "24,50,100,200,400", "Prompt lengths to time prefills at (one per "
                         "prompt bucket serving will use: the simulator looks the medians up).")
@@ -101,39 +99,35 @@ def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, StepCostModel
     from specjax.goodput.perf_model import ProfiledCost, hardware_key, prefill_table_cells, save_table, table_cells
-    from specjax.models.loader import load_model
 
-    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
-    for d in drafters:
-        if d not in ("prompt_lookup",) + registry.DEVICE_DRAFTERS:
-            hint = " (host drafters use the prompt_lookup model)" if d in registry.SPEC_DRAFTERS else ""
-            raise SpecjaxError(f"--drafters: {d!r} is not profiled here{hint}; use prompt_lookup, "
-                               + ", ".join(registry.DEVICE_DRAFTERS))
-    cli.check_device_draft_flags(drafters)
-    devs = [d for d in drafters if d in registry.DEVICE_DRAFTERS]
-    ks, bbs = registry.number_list("k_buckets", FLAGS.k_buckets, minimum=0), registry.number_list("batch_buckets", FLAGS.batch_buckets, minimum=0)
-    if 0 not in ks:
-        raise SpecjaxError("--k_buckets must include 0")
+    # Host drafters add nothing to the device step: they share the target-only model, profiled
+    # under prompt_lookup; each device drafter gets its own.
+    names = cli.drafters_from_flags(allow_none=False)
+    specs = {}
+    for d in ["prompt_lookup"] + [d for d in names if registry.DRAFTERS[d].device]:
+        specs[d] = cli.engine_spec_from_flags(drafter=d, policy="auto")
+    drafters, devs = list(specs), list(specs)[1:]
+    ks, bbs = list(specs["prompt_lookup"].k_buckets), list(specs["prompt_lookup"].batch_buckets)
     contexts, plens = registry.number_list("contexts", FLAGS.contexts, minimum=0), registry.number_list("prefill_lens", FLAGS.prefill_lens, minimum=0)
     if max(contexts) + (FLAGS.reps + 1) * (max(ks) + 1) * len(ks) + max(ks) + 1 > FLAGS.slots:
         raise SpecjaxError(f"--contexts up to {max(contexts)} leave no room for the timed steps in --slots "
                            f"{FLAGS.slots}; lower the contexts or raise --slots")
     if not 0 < FLAGS.holdout < 1:
         raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
-    if min(bbs) < 1:
-        raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
-    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("slots", 16), ("seed", 0)):
+    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("seed", 0)):
         cli.check_range(name, lo)
-    model = load_model(FLAGS.model)
+    model, _ = cli.load_target(specs["prompt_lookup"])
+    # serving's forward options, the rows kernel resolved the same way: the profile is of its code
+    specs = {d: sp.resolved(model) for d, sp in specs.items()}
     hw = hardware_key()
     base = StepCostModel(target=None, context_mode="padded")  # XLA:CPU chunked attention reads padded rows
-    geom = dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
-    print(f"[{model.cfg.name} on {hw}; batches {bbs}, K {ks}, contexts {contexts}]", file=sys.stderr)
+    print(f"[{model.cfg.name} on {hw}, {specs['prompt_lookup'].code_key()}; batches {bbs}, K {ks}, contexts "
+          f"{contexts}]", file=sys.stderr)
 
     t0 = time.perf_counter()
     cal_reqs = calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens)
     warm_lens = contexts + plens + [len(r.prompt) for r in cal_reqs]
-    tgt_be = make_backend(model, "prompt_lookup", profiling=True, **geom)
+    tgt_be = registry.build_backend(specs["prompt_lookup"], model, profiling=True)
     tgt_be.warmup(prompt_lens=warm_lens, progress=True)
     cells = len(bbs) * len(contexts) * len(ks)
     with tqdm(total=cells, desc="target steps", disable=None) as bar:
@@ -141,18 +135,17 @@ def run():
     pre = profile_prefills(tgt_be, bbs, plens)
     row_ops = {"prompt_lookup": profile_row_ops(tgt_be)}
     fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
-    _save(model, hw, "prompt_lookup", fits["prompt_lookup"], bbs, ks, contexts)  # before the (long) rest
+    _save(model, specs["prompt_lookup"], fits["prompt_lookup"], contexts)  # before the (long) rest
     dev_be, dev_pre = {}, {}
     for d in devs:
-        be = dev_be[d] = make_backend(model, d, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model,
-                                      **geom)
+        be = dev_be[d] = registry.build_backend(specs[d], model)
         be.warmup(prompt_lens=warm_lens, progress=True)
         with tqdm(total=cells, desc=f"{d} steps", disable=None) as bar:
             dr = profile_steps(be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
         dev_pre[d] = profile_prefills(be, bbs, plens)
         row_ops[d] = profile_row_ops(be)  # its state holds the draft's cache too
         fits[d] = fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
-        _save(model, hw, d, fits[d], bbs, ks, contexts)
+        _save(model, specs[d], fits[d], contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
         recs = {"target": tgt, "prefill": pre, "row_ops": row_ops}
@@ -164,8 +157,8 @@ def run():
     for d in drafters:
         m, rep, tg, dr = fits[d]
         if cal_reqs:
-            if d == "prompt_lookup":
-                be = make_backend(model, d, **geom)
+            if not specs[d].device_draft:
+                be = registry.build_backend(specs[d], model)
                 be.table = tgt_be.table  # same compiled executables; only the drafter differs
             else:
                 be = dev_be[d]
@@ -179,7 +172,7 @@ def run():
             rep.update(cal)
         # The simulator's profiled table: medians of the timed steps (K = 0 from the target grid)
         # with its own host calibration on the same engine steps.
-        table = ProfiledCost(m, table_cells([r for r in tg if d == "prompt_lookup" or r["K"] == 0] + dr,
+        table = ProfiledCost(m, table_cells([r for r in tg if d not in dev_be or r["K"] == 0] + dr,
                                             m.chunk), row_op_cells(row_ops[d]),
                              # a device drafter's request admitted without its draft prefills the target only
                              prefill_plain=fits["prompt_lookup"][0].prefill if d in dev_be else None,
@@ -188,9 +181,9 @@ def run():
         if cal_reqs:
             table, tcal = calibrate_host(steps, table, FLAGS.seed)
             rep.update({f"table_{k}": v for k, v in tcal.items() if k != "calibration_steps"})
-        key = _save(model, hw, d, (m, rep), bbs, ks, contexts)
+        key = _save(model, specs[d], (m, rep), contexts)
         save_table(FLAGS.out, key, table)
-        label = cli.perf_model_label_from_flags(d)
+        label = key.split("|")[1]
         print(f"\n{key}")
         print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")
         if m.draft:
@@ -205,12 +198,13 @@ def run():
     print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
 
 
-def _save(model, hw, drafter, fit, bbs, ks, contexts) -> str:
-    from specjax.goodput.perf_model import model_key, save_model
+def _save(model, spec, fit, contexts) -> str:
+    from specjax.goodput.perf_model import save_model
 
     m, rep = fit[0], fit[1]
-    key = model_key(model.cfg.name, cli.perf_model_label_from_flags(drafter), hw)
-    meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
+    key = registry.perf_key(spec, model.cfg.name)
+    meta = {"report": rep, "batch_buckets": list(spec.batch_buckets), "k_buckets": list(spec.k_buckets),
+            "slots": spec.slots, "contexts": contexts,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     save_model(FLAGS.out, key, m, meta)
     return key

@@ -62,14 +62,14 @@ SCALES = {
 def define_flags() -> None:
     flags.DEFINE_enum("mode", "real", ["real", "sim", "both"], "real engine, simulator, or both on the same "
                       "requests (simulator fidelity).")
-    flags.DEFINE_string("model", "smollm2-135m", "Target model (real mode).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list of drafters (every drafter of "
-                        "launch/generate.py; suffix/hybrid run token trees, K = the node budget).")
-    cli.define_device_draft_flags()
+    cli.define_model_flags()
+    cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"], k_buckets="0,1,2,3,4,5")
+    cli.define_engine_flags()
+    cli.define_forward_flags()
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
                        "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
-    cli.define_confidence_flag()
-    cli.define_prefill_flags()
+    flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
+                       "draft's probability under the draft model exceeds this, in [0, 1).")
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
@@ -77,9 +77,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_prompt_tokens", 300, "Skip prompts longer than this (chat-templated tokens).")
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request (EOS ends earlier unless --ignore_eos).")
     flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
-    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; KV rows = the largest.")
-    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (SmartSpec chooses among them).")
-    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
     flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
     flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
@@ -169,15 +166,15 @@ def run_summary(eng, outs) -> dict:
     return s
 
 
-def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=None):
-    from specjax.registry import make_backend
+def run_real(model, spec, policies, rates, prompts, geom, cost, seed, table=None):
     from specjax.engine.loop import ServingEngine
+    from specjax.engine.spec import PolicySpec
     from specjax.goodput import DraftPrefillGate
 
-    prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
-    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model, **geom,
-                      prefill_chunk=prefill_chunk,
-                      **registry.backend_options(policies))
+    drafter, prefill_budget = spec.drafter.name, cli.prefill_budget_from_flags()
+    pols = [PolicySpec(p) for p in policies]  # one backend compiles what every policy needs
+    be = registry.build_backend(spec, model, draft_first=any(p.draft_first for p in pols),
+                                packed=any(p.packed for p in pols))
     t0 = time.perf_counter()
     be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
     print(f"[{drafter}: compiled and ran {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]",
@@ -194,7 +191,7 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
                     probe = probe_speed(be, table, context=min(len(p) for p in prompts), seed=seed + rep)
                 be.reset()
                 policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if PolicySpec(pol).goodput else None
                 eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate,
                                     prefill_budget=prefill_budget)
                 outs = eng.run(reqs)
@@ -228,14 +225,14 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
             reqs = reqs_for_rate(rate, rep)
             for pol in policies:
                 policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if PolicySpec(pol).goodput else None
                 charge = sim_cost or cost
                 if speed is not None:
                     charge = charge.with_speed(speed.get((rate, rep, policy_label(pol))))
                 outs, eng = simulate(reqs, policy, charge, accept, device_draft=device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
                                      slots=geom["slots"], seed=seed + rep, prefill_gate=gate,
-                                     packed=registry.backend_options(policies)["packed"],
+                                     packed=any(PolicySpec(p).packed for p in policies),
                                      prefill_chunk=FLAGS.prefill_chunk, prefill_budget=FLAGS.prefill_budget or None)
                 rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
                                  policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
@@ -263,17 +260,21 @@ def main(argv):
 def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import LinearCost, StepCostModel
-    from specjax.goodput.perf_model import ProfiledCost, hardware_key, load_model as load_perf, load_profiled, model_key
+    from specjax.goodput.perf_model import ProfiledCost, load_model as load_perf, load_profiled
     from specjax.simulate import AcceptanceProfile
 
-    policies = [p.strip().lower() for p in FLAGS.policies.split(",") if p.strip()]
-    cli.check_policy_flags()
-    cli.prefill_options_from_flags()
+    from specjax.engine.spec import PolicySpec
+
+    policies = [PolicySpec(p, threshold=FLAGS.confidence_threshold).name for p in FLAGS.policies.split(",")
+                if p.strip()]
+    cli.prefill_budget_from_flags()
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
-    geom = dict(k_buckets=registry.number_list("k_buckets", FLAGS.k_buckets), batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets),
-                slots=FLAGS.slots)
-    if 0 not in geom["k_buckets"]:
-        raise SpecjaxError("--k_buckets must include 0")
+    base = cli.engine_spec_from_flags(drafter="none", policy="none")
+    geom = dict(k_buckets=list(cli.engine_spec_from_flags(drafter="prompt_lookup", policy="auto").k_buckets),
+                batch_buckets=list(base.batch_buckets), slots=base.slots)
+    for p in policies:
+        if p.isdigit() and int(p) not in geom["k_buckets"]:
+            raise SpecjaxError(f"policy K={p} is not in --k_buckets {geom['k_buckets']}")
     if FLAGS.num_requests < 1:
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
@@ -284,7 +285,6 @@ def run():
     cli.check_range("prefill_disable", 0, 1)
     for name in ("max_prompt_tokens", "max_new_tokens", "sim_input_len", "sim_output_len", "window", "draft_layers"):
         cli.check_range(name, 1)
-    cli.check_range("slots", 16)
     cli.check_range("seed", 0)
     if FLAGS.burst > 0 and int(FLAGS.burst * max(geom["batch_buckets"])) < 1:
         raise SpecjaxError(f"--burst {FLAGS.burst} x {max(geom['batch_buckets'])} KV rows is less than one request")
@@ -325,23 +325,20 @@ def run():
 
     from specjax.models.loader import load_model
 
-    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
-    for d in drafters:
-        if d not in registry.SPEC_DRAFTERS:
-            raise SpecjaxError(f"--drafters: unknown {d!r} ({', '.join(registry.SPEC_DRAFTERS)})")
-    cli.check_device_draft_flags(drafters)
-    model = load_model(FLAGS.model)
-    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
-    hw = hardware_key()
-    for p in policies:
-        if registry.backend_options([p])["draft_first"] and set(drafters) - set(registry.DEVICE_DRAFTERS):
-            raise SpecjaxError("policy smartspec-conf (confidence-based proposal) needs device drafters "
-                               f"({', '.join(registry.DEVICE_DRAFTERS)}); got --drafters {FLAGS.drafters}")
+    drafters = cli.drafters_from_flags(allow_none=False)
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
+    for d in drafters:  # every (drafter, policy) pair checked before the load (smartspec-conf: device drafters)
+        for p in policies:
+            if p != "oracle":
+                cli.engine_spec_from_flags(drafter=d, policy=p)
+    specs = {d: cli.engine_spec_from_flags(drafter=d, policy="auto") for d in drafters}
+    model = load_model(FLAGS.model, FLAGS.dtype)
+    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
     perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
     for d in drafters:
-        key = model_key(model.cfg.name, cli.perf_model_label_from_flags(d), hw)
+        spec = specs[d].resolved(model)
+        key = registry.perf_key(spec, model.cfg.name)
         cost = load_perf(perf_path, key)
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
         if FLAGS.sim_cost == "table" and not sim_cost.cells:
@@ -349,7 +346,7 @@ def run():
         lens = {}  # (rate, repeat) -> output lengths the real run produced (EOS included)
         accept = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
         if FLAGS.mode in ("real", "both"):
-            r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed,
+            r, real_runs = run_real(model, spec, policies, rates, prompts, geom, cost, FLAGS.seed,
                                     table=sim_cost if FLAGS.sim_cost == "table" else None)
             rows += r
             lens = {(x["rate"], x["repeat"]): x["out_lens"] for x in r if x["policy"] == policy_label(policies[0])}
@@ -367,12 +364,12 @@ def run():
                             for q, n in zip(reqs, lens[(rate, rep)])]
                 return reqs
 
-            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
+            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, spec.device_draft, geom, FLAGS.seed,
                             label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
             probes = {(x["rate"], x["repeat"], x["policy"]): {int(b): f for b, f in x["speed_probe"].items()}
                       for x in rows if x["mode"] == "real" and x["drafter"] == d and x.get("speed_probe")}
             if probes and isinstance(sim_cost, ProfiledCost):
-                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
+                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, spec.device_draft, geom, FLAGS.seed,
                                 label=f"{d}+probe", sim_cost=sim_cost, repeats=FLAGS.repeats, speed=probes)
     finish(rows)
 
