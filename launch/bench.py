@@ -79,7 +79,7 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry, specbench  # noqa: E402
-from specjax.engine.spec import DrafterSpec, PolicySpec  # noqa: E402
+from specjax.engine.spec import POLICY_HELP, DrafterSpec, PolicySpec  # noqa: E402
 
 FLAGS = flags.FLAGS
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
@@ -110,7 +110,7 @@ flags.DEFINE_string("distilled_draft", None, "Also run each device drafter of --
                     "into this checkpoint directory (launch/distill.py, --online_distill) as method <drafter>-distilled, "
                     "next to the untrained one.")
 flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
-                  f"{registry.POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
+                  f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
 # ---------------------------------------------------------------- inputs
@@ -301,7 +301,7 @@ def bench() -> int:
                                  policy=copy.deepcopy(pols[m["name"]]))
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
     for g in gens.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
-        for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
+        for dr in (g.drafter, *vars(g.drafter).values()) if g.drafter is not None else ():  # (a hybrid's parts too)
             if hasattr(dr, "clear_cache"):
                 dr.clear_cache()
     print("[warm-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()) + "; timing starts now]",
@@ -406,8 +406,8 @@ def bench() -> int:
                           "categories": cat_order, "per_category": FLAGS.per_category, "max_new_tokens": mnt,
                           "drafters": drafters, "num_spec_tokens": K, "k_buckets": list(k_buckets),
                           "policies": policy_names, "methods": methods,
-                          "draft_layers": FLAGS.draft_layers, "draft_model": FLAGS.draft_model,
-                          "pld_min_ngram": FLAGS.pld_min_ngram, "pld_max_ngram": FLAGS.pld_max_ngram,
+                          **{f: FLAGS[f].value for f in sorted(set().union(*(registry.DRAFTERS[d].reads
+                                                                              for d in drafters)))},
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
                           "greedy": True, "batch_size": 1, "command": command_line()},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),

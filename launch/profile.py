@@ -104,10 +104,11 @@ def run():
     # under prompt_lookup; each device drafter gets its own.
     names = cli.drafters_from_flags(allow_none=False)
     specs = {}
-    for d in ["prompt_lookup"] + [d for d in names if registry.DRAFTERS[d].device]:
+    host = registry.TARGET_ONLY
+    for d in [host] + [d for d in names if registry.DRAFTERS[d].device]:
         specs[d] = cli.engine_spec_from_flags(drafter=d, policy="auto")
     drafters, devs = list(specs), list(specs)[1:]
-    ks, bbs = list(specs["prompt_lookup"].k_buckets), list(specs["prompt_lookup"].batch_buckets)
+    ks, bbs = list(specs[host].k_buckets), list(specs[host].batch_buckets)
     contexts, plens = registry.number_list("contexts", FLAGS.contexts, minimum=0), registry.number_list("prefill_lens", FLAGS.prefill_lens, minimum=0)
     if max(contexts) + (FLAGS.reps + 1) * (max(ks) + 1) * len(ks) + max(ks) + 1 > FLAGS.slots:
         raise SpecjaxError(f"--contexts up to {max(contexts)} leave no room for the timed steps in --slots "
@@ -116,7 +117,7 @@ def run():
         raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
     for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("seed", 0)):
         cli.check_range(name, lo)
-    model, _ = cli.load_target(specs["prompt_lookup"])
+    model, _ = cli.load_target(specs[host])
     # serving's forward options, the rows kernel resolved the same way: the profile is of its code
     specs = {d: sp.resolved(model) for d, sp in specs.items()}
     hw = hardware_key()
@@ -127,15 +128,15 @@ def run():
     t0 = time.perf_counter()
     cal_reqs = calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens)
     warm_lens = contexts + plens + [len(r.prompt) for r in cal_reqs]
-    tgt_be = registry.build_backend(specs["prompt_lookup"], model, profiling=True)
+    tgt_be = registry.build_backend(specs[host], model, profiling=True)
     tgt_be.warmup(prompt_lens=warm_lens, progress=True)
     cells = len(bbs) * len(contexts) * len(ks)
     with tqdm(total=cells, desc="target steps", disable=None) as bar:
         tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
     pre = profile_prefills(tgt_be, bbs, plens)
-    row_ops = {"prompt_lookup": profile_row_ops(tgt_be)}
-    fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
-    _save(model, specs["prompt_lookup"], fits["prompt_lookup"], contexts)  # before the (long) rest
+    row_ops = {host: profile_row_ops(tgt_be)}
+    fits = {host: fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
+    _save(model, specs[host], fits[host], contexts)  # before the (long) rest
     dev_be, dev_pre = {}, {}
     for d in devs:
         be = dev_be[d] = registry.build_backend(specs[d], model)
@@ -175,7 +176,7 @@ def run():
         table = ProfiledCost(m, table_cells([r for r in tg if d not in dev_be or r["K"] == 0] + dr,
                                             m.chunk), row_op_cells(row_ops[d]),
                              # a device drafter's request admitted without its draft prefills the target only
-                             prefill_plain=fits["prompt_lookup"][0].prefill if d in dev_be else None,
+                             prefill_plain=fits[host][0].prefill if d in dev_be else None,
                              prefill_cells=prefill_table_cells(pre, False)
                              + (prefill_table_cells(dev_pre[d], True) if d in dev_be else ()))
         if cal_reqs:

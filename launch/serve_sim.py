@@ -216,6 +216,8 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
     """``cost``: the linear model the selector plans with; ``sim_cost``: what the event clock
     charges (a profiled table, or ``cost`` itself when None); ``speed``: (rate, repeat, policy
     label) -> the speed probe of that real run, to scale the table by."""
+    from specjax.engine.spec import PolicySpec
+
     from specjax.goodput import DraftPrefillGate
     from specjax.simulate import simulate
 
@@ -269,9 +271,9 @@ def run():
                 if p.strip()]
     cli.prefill_budget_from_flags()
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
-    base = cli.engine_spec_from_flags(drafter="none", policy="none")
-    geom = dict(k_buckets=list(cli.engine_spec_from_flags(drafter="prompt_lookup", policy="auto").k_buckets),
-                batch_buckets=list(base.batch_buckets), slots=base.slots)
+    drafters = cli.drafters_from_flags(allow_none=False)
+    base = cli.engine_spec_from_flags(drafter=drafters[0], policy="auto")
+    geom = dict(k_buckets=list(base.k_buckets), batch_buckets=list(base.batch_buckets), slots=base.slots)
     for p in policies:
         if p.isdigit() and int(p) not in geom["k_buckets"]:
             raise SpecjaxError(f"policy K={p} is not in --k_buckets {geom['k_buckets']}")
@@ -325,7 +327,6 @@ def run():
 
     from specjax.models.loader import load_model
 
-    drafters = cli.drafters_from_flags(allow_none=False)
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
     for d in drafters:  # every (drafter, policy) pair checked before the load (smartspec-conf: device drafters)

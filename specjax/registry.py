@@ -266,11 +266,14 @@ def drafter_label(drafter: str, draft_layers: int = 8, draft_model: str | None =
     return drafter
 
 
+TARGET_ONLY = "prompt_lookup"  # the host drafter launch/profile.py times the target-only steps with
+
+
 def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
     """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
     suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
-    which launch/profile.py fits under the name prompt_lookup."""
-    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
+    which launch/profile.py fits under the name TARGET_ONLY."""
+    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else TARGET_ONLY
 
 
 def default_perf_models() -> str:
@@ -322,7 +325,7 @@ def profile_command(spec) -> str:
     d, f = spec.drafter, spec.fwd
     label = perf_model_label(d.name, d.draft_layers, d.draft_model)
     dev = DRAFTERS[d.name].device
-    args = [f"--model {spec.model}", f"--drafters {d.name if dev else 'prompt_lookup'}", f"--dtype {spec.dtype}",
+    args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
             f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
     args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + ["--scan_layers"] * f.scan_layers
     args += [f"--draft_layers {d.draft_layers}"] * (label.startswith("layer_skip")) + \
