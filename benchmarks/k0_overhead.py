@@ -36,7 +36,7 @@ def main(argv):
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.goodput.perf_model import load_model as load_perf
     from specjax.goodput.selector import BatchView, FixedK, GoodputPolicy
     from specjax.models.loader import load_model
 
@@ -66,8 +66,10 @@ def main(argv):
     for k, (pf, st) in res.items():
         print(f"| {k} | {1e3 * statistics.median(pf):.1f} | {1e3 * statistics.median(st):.2f} |")
 
-    label = registry.perf_model_label("layer_skip", FLAGS.draft_layers)
-    pol = GoodputPolicy(load_perf(registry.default_perf_models(), model_key(cfg.name, label, hardware_key())))
+    from specjax.engine.spec import DrafterSpec, EngineSpec
+
+    spec = EngineSpec(drafter=DrafterSpec("layer_skip", k=8, draft_layers=FLAGS.draft_layers))  # (the plain backends' code)
+    pol = GoodputPolicy(load_perf(registry.default_perf_models(), registry.perf_key(spec, cfg.name)))
     view = BatchView(ctx_lens=[P], bucket=1, k_options=(0, 1, 2, 4, 8), request_ids=[1], draft_lens=[8],
                      token_options={k: () for k in (0, 1, 2, 4, 8)})
     n = 2000
