@@ -3,62 +3,8 @@
   python launch/bench.py --per_category 10 --max_new_tokens 256 \
       --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python]
 
-Protocol (Spec-Bench conventions where they apply; differences are stated):
-
-- Questions: ``--question_file`` (default ``../shared/data/spec_bench/question.jsonl`` relative
-  to the repo root), **first turn only**, wrapped in the model's chat template (``--nochat`` to
-  feed raw text); ``--categories`` filters, ``--per_category N`` keeps the first N of each
-  category (file order). Prompts longer than ``--max_prompt_tokens``, or that cannot fit
-  prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
-  (per category in the table, listed in the JSON), never dropped silently.
-- Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
-  (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
-  ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
-  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
-  policy (``smartspec``, ``smartspec-req``, ``smartspec-conf``: device drafters only), ``none``
-  or an integer K; every goodput policy is checked against the best fixed K. For each prompt the AR baseline runs first, then every pair, in an
-  order rotated by one pair per prompt (interleaving per prompt keeps slow machine drift out of
-  the ratios; rotating keeps any pair from always running right after AR).
-- Each pair has its own generator and drafter (a suffix tree learns only from the outputs of
-  its own pair), whose proposals are capped at the largest K the policy may run (a fixed K,
-  or the largest K bucket for a goodput policy), and ONE policy object for the whole timed run: SmartSpec learns acceptance
-  across prompts, as a server would; with a device drafter its prefill gate persists too, so
-  once drafts are learnt not to pay, later prompts skip the draft prefill. Generators that
-  differ only in their host drafter share compiled executables (AR included).
-- Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
-  compiled ahead of time (shape-exact, from the same bucket rules the generators use; every K
-  bucket for a goodput policy, K buckets <= K for a fixed K), then each method generates the
-  first prompt once untimed (Spec-Bench warms up on its first question too), under a copy of
-  its policy: the timed policies start from their prior. **Compilation is excluded from every
-  timing.** The script counts JAX trace/compile events during the timed runs and reports the
-  number (expected 0).
-- Wall time per prompt is measured around the whole ``generate`` call, **prefill included**
-  (as Spec-Bench does).
-- Losslessness check: every drafter's output token ids must equal the AR baseline's; each
-  mismatch is printed as ``MISMATCH ...`` when it happens, counted per category and listed in
-  the JSON (``--fail_on_mismatch`` makes the exit status 1).
-
-Metrics per category and overall:
-
-- speedup = (total AR wall time) / (total drafter wall time) over the category's prompts
-  (Spec-Bench instead averages per-prompt tok/s and takes the ratio of the means; with
-  identical outputs the two differ only in how prompts are weighted);
-- mean accepted tokens per step = tokens committed per verify step, bonus included
-  (Spec-Bench's "#Mean accepted tokens"; 1.0 = no gain possible);
-- tok/s = total new tokens / total wall time.
-
-With a goodput (SmartSpec) policy and at least one fixed K per drafter (``--policies
-auto,2,4,8``), the notes end with the issue's checks: PASS/FAIL per drafter for "no category
-below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a verdict over all
-drafters; with several policies a compact table of every pair's speedup per category precedes
-them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
-
-Peer column (``--hf_python``): before the specjax runs (never concurrently) a subprocess runs
-``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
-on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
-lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
-``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
-(ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+The protocol (questions, warm-up, interleaved timing, the losslessness check), the metrics and
+the peer column: specjax/specbench.py's docstring.
 """
 
 from __future__ import annotations
@@ -82,6 +28,7 @@ from specjax import cli, registry, specbench  # noqa: E402
 from specjax.engine.spec import POLICY_HELP, DrafterSpec, PolicySpec  # noqa: E402
 
 FLAGS = flags.FLAGS
+COMMAND = "python launch/bench.py " + " ".join(sys.argv[1:])
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
 cli.define_model_flags()
 flags.DEFINE_string("question_file", DEFAULT_QUESTIONS,
@@ -113,27 +60,6 @@ flags.DEFINE_list("policies", None, "Several policies per drafter in one run (co
                   f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
-# ---------------------------------------------------------------- inputs
-
-
-def resolve_question_file(path: str) -> str:
-    from specjax.errors import SpecjaxError
-
-    p = path if os.path.isabs(path) else os.path.join(ROOT, path)
-    p = os.path.normpath(p)
-    if not os.path.isfile(p):
-        raise SpecjaxError(f"question file not found: {p} (Spec-Bench's question.jsonl; pass --question_file)")
-    return p
-
-
-# ---------------------------------------------------------------- runs
-
-
-def command_line() -> str:
-    args = [a for a in sys.argv[1:]]
-    return "python launch/bench.py " + " ".join(args)
-
-
 def run_hf(prompts, eos_ids, gguf: str) -> dict:
     from specjax.errors import SpecjaxError
 
@@ -158,13 +84,6 @@ def run_hf(prompts, eos_ids, gguf: str) -> dict:
             res = json.load(f)
         res["env"]["subprocess_s"] = time.perf_counter() - t0
         return res
-
-
-def _first_diff(a, b) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def validate_flags():
@@ -214,7 +133,7 @@ def bench() -> int:
     policy_names = list(dict.fromkeys(s.policy.name for s in specs.values()))
     k_buckets = next(iter(specs.values())).k_buckets
     K = FLAGS.num_spec_tokens
-    qfile = resolve_question_file(FLAGS.question_file)
+    qfile = specbench.resolve_question_file(FLAGS.question_file, ROOT)
     questions, cat_order = specbench.load_questions(qfile, FLAGS.categories, FLAGS.per_category)
     gguf = specbench.hf_gguf_path(FLAGS.model) if FLAGS.hf_python else None
 
@@ -334,7 +253,7 @@ def bench() -> int:
                              "draft_prefill": g.last_draft_prefill, "step_records": specbench.step_records(g.last_engine),
                              "_stats": st, **st.summary()}
                 if not eq:
-                    j = _first_diff(s.tokens, r.tokens)
+                    j = specbench.first_diff(s.tokens, r.tokens)
                     msg = (f"MISMATCH {name} {p['key']}: output differs from the AR baseline at token {j} "
                            f"(AR {len(r.tokens)} tokens, {name} {len(s.tokens)} tokens)")
                     tqdm.write(msg, file=sys.stderr)
@@ -396,7 +315,7 @@ def bench() -> int:
         with open(FLAGS.markdown_out, "w") as f:
             f.write(md)
     if FLAGS.benchmarks_md:
-        specbench.update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}",
+        specbench.update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{COMMAND}\n```\n\n{md}",
                                        FLAGS.benchmarks_md_section)
     if FLAGS.json_out:
         for r in rows:
@@ -409,7 +328,7 @@ def bench() -> int:
                           **{f: FLAGS[f].value for f in sorted(set().union(*(registry.DRAFTERS[d].reads
                                                                               for d in drafters)))},
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
-                          "greedy": True, "batch_size": 1, "command": command_line()},
+                          "greedy": True, "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli, registry  # noqa: E402
+from specjax import cli, plots, registry  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -202,29 +202,10 @@ def run(spec) -> int:
     print(f"[{time.perf_counter() - t0:.0f} s; draft {sd.draft.label} saved to {FLAGS.checkpoint_dir}]",
           file=sys.stderr)
     if FLAGS.plot:
-        _plot(losses, accs)
+        plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,
+                             f"warm-up distillation: {FLAGS.drafter} draft" + (f", {FLAGS.draft_vocab}-token head"
+                             if FLAGS.draft_vocab else "") + f", {FLAGS.sampling} sampling")
     return 0
-
-
-def _plot(losses, accs) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
-    a.plot(np.arange(1, len(losses) + 1), losses, lw=0.8)
-    a.set_xlabel("optimizer step")
-    a.set_ylabel(f"{FLAGS.distill_divergence} loss")
-    b.plot(np.arange(len(accs)), accs, marker="o")
-    b.set_xlabel("round (0: before training)")
-    b.set_ylabel(f"held-out acceptance, K={FLAGS.k}")
-    fig.suptitle(f"warm-up distillation: {FLAGS.drafter} draft"
-                 + (f", {FLAGS.draft_vocab}-token head" if FLAGS.draft_vocab else "") + f", {FLAGS.sampling} sampling")
-    fig.tight_layout()
-    fig.savefig(FLAGS.plot, dpi=120)
-    print(f"plot: {FLAGS.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

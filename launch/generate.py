@@ -6,28 +6,13 @@
   python launch/generate.py --prompt "..." --drafter draft_model --draft_model /path/to/small_model
   python launch/generate.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat [--drafter ...]
 
-Drafters (``--drafter``):
-  none           the autoregressive ``Generator`` (default; unchanged behaviour)
-  prompt_lookup  n-gram copy drafting on the host (``--pld_min_ngram`` / ``--pld_max_ngram``)
-  draft_model    an independent draft model sharing the target's vocabulary (``--draft_model``)
-  layer_skip     self-drafting with the target's first ``--draft_layers`` layers
-  suffix         SuffixDecoding: suffix trees over the prompt, the live output and past outputs
-                 (``--suffix_*`` knobs; ``--suffix_tree`` token trees vs ``--nosuffix_tree`` paths;
-                 ``--suffix_history_jsonl`` preloads the global tree from past outputs)
-  suffix_path    suffix with single-path drafts whatever ``--suffix_tree`` says (to compare both in one bench)
-  hybrid         suffix when its score > ``--suffix_tau``, else prompt lookup
-
-For suffix/hybrid, K (``--num_spec_tokens``) is the draft-node budget per step, e.g.
-``--num_spec_tokens 16 --k_buckets 0,1,2,4,8,16``.
-
-Speculative runs use ``SpecGenerator`` (the serving engine with every prompt at t = 0) under
-``--policy``: ``auto`` (default) is SmartSpec's goodput choice of K per step among
-``--k_buckets`` when a performance model for this model, drafter and hardware exists (shipped
-for SmolLM2 on CPU; launch/profile.py makes one), else a fixed K = ``--num_spec_tokens`` (said
-on stderr); ``smartspec`` requires the model; an integer is that fixed K; ``none`` is K = 0.
-So a prompt where drafts do not pay falls back to plain decoding instead of paying for
-verification. K must be one of ``--k_buckets`` (the precompiled K variants, which also size the
-cache headroom).
+Drafters (``--drafter``, registry.DRAFTERS; their knobs: ``--helpfull``): none (the
+autoregressive ``Generator``, default), prompt_lookup, draft_model, layer_skip, suffix,
+suffix_path, hybrid; for the suffix drafters K is the draft-node budget per step. Speculative
+runs use ``SpecGenerator`` under ``--policy`` (auto: SmartSpec where a performance model of this
+model, drafter, hardware and compiled code exists, else fixed K = ``--num_spec_tokens``, said on
+stderr; smartspec requires the model; an integer is that fixed K; none is K = 0), K one of
+``--k_buckets``.
 
 Compilation: with ``--prompt`` and a drafter, only what the answer starts with compiles before
 generation (its prefill chunks, the K = 0 step, and a fixed K's step); that time is printed and
@@ -37,9 +22,8 @@ speed; the script waits at the end only for the one in progress). The persistent
 (``$SPECJAX_CACHE_DIR``, specjax.engine.exe_cache) stores every executable keyed without tracing,
 so a later run loads them instead.
 
-Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / drafted;
-mean accepted tokens per step = tokens committed per verify step, bonus token included
-(1.0 = no speedup possible); per-position acceptance = P(draft j accepted | drafted).
+Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / drafted; mean
+accepted tokens per step, bonus included; per-position acceptance = P(draft j accepted | drafted).
 
 JSONL mode serves the job exactly as launch/batch.py does (specjax.serve_job: the continuous
 batching engine with ``--batch_buckets`` rows of ``--slots`` KV slots; README "JSONL jobs"): one

@@ -36,21 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli, registry  # noqa: E402
+from specjax import cli, plots, registry  # noqa: E402
+from specjax.sweep import calibration_requests  # noqa: E402
 
 FLAGS = flags.FLAGS
-
-CALIBRATION_PROMPTS = [
-    "Repeat this list exactly, one item per line: apples, pears, plums, cherries, grapes, lemons.",
-    "Rewrite in the passive voice: The committee approved the budget. The mayor signed the law.",
-    "Explain what a hash table is in two sentences.",
-    "Write a Python function that returns the squares of a list of numbers.",
-    "Summarise: The river rose overnight after heavy rain, and the town closed two bridges as a precaution.",
-    "Translate to French: Good morning. How are you today? I am fine, thank you.",
-    "List five prime numbers and say why each is prime.",
-    "Fix the grammar: me and him goes to the store yesterday and buyed three apple.",
-]
-
 
 def define_flags() -> None:
     cli.define_model_flags()
@@ -68,22 +57,6 @@ def define_flags() -> None:
     flags.DEFINE_string("plot", None, "Optional PNG: predicted vs measured step time (held-out cells marked).")
     flags.DEFINE_integer("seed", 0, "Random seed (prompts, held-out split).")
     flags.DEFINE_string("records_out", None, "Optional JSON: every timed step and prefill (for refits).")
-
-
-def calibration_requests(tok, n: int, max_new: int) -> list:
-    """A burst of n requests whose lengths cycle through max_new x (1/4, 1/2, 3/4, 1): rows free
-    up at different steps, so the batch runs full, then drains through every size (the host
-    overhead per request is only identifiable across batch sizes)."""
-    from specjax.engine.scheduler import Request
-
-    from specjax.errors import SpecjaxError
-
-    try:
-        prompts = [tok.encode_chat(p) for p in CALIBRATION_PROMPTS]
-    except SpecjaxError:  # no chat template (e.g. the byte-level test tokenizer)
-        prompts = [tok.encode(p) for p in CALIBRATION_PROMPTS]
-    return [Request(f"cal{i}", prompts[i % len(prompts)], max(1, max_new * (i % 4 + 1) // 4), ignore_eos=True)
-            for i in range(n)]
 
 
 def main(argv):
@@ -195,7 +168,8 @@ def run():
         print("  row ops (ms): " + ", ".join(f"{op} {a}->{b} {t * 1e3:.1f}" for op, a, b, t in table.row_ops))
         print("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rep.items()}))
         if FLAGS.plot:
-            _plot(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg, dr, label)
+            plots.perf_fit(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg,
+                           dr, label)
     print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
 
 
@@ -209,32 +183,6 @@ def _save(model, spec, fit, contexts) -> str:
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     save_model(FLAGS.out, key, m, meta)
     return key
-
-
-def _plot(path, m, tgt, dr, label):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    for recs, dev, color, name in ((tgt, False, "tab:blue", "target verify"), (dr, True, "tab:orange", label)):
-        if not recs:
-            continue
-        meas = [r["t"] * 1e3 for r in recs]
-        pred = [(m.device_time(r["B"], r["K"], r["ctx_lens"]) if dev else m.target_time(r["B"], r["K"], r["ctx_lens"]))
-                * 1e3 for r in recs]
-        ax.scatter(meas, pred, s=8, alpha=0.6, color=color, label=name)
-    lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
-    ax.plot([0, lim], [0, lim], "r-", lw=1)
-    ax.set_xlabel("measured step time (ms)")
-    ax.set_ylabel("predicted (ms)")
-    ax.set_title(f"perf model fit: {label}")
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"[plot: {path}]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,28 @@ launch/batch.py and launch/generate.py's JSONL mode both end here, so a job's re
 outputs and summary lines are the same whichever script serves it. The caller loads the model
 and builds the backend and policy from its EngineSpec (specjax.registry); online distillation
 hooks in through ``drafts`` (distill.routing.MultiDraft).
+
+Input: one JSON object per line with a ``prompt`` (string), an optional ``id`` (a string or an
+integer; default ``#<line number>``) and optional per-record overrides of the sampling flags
+(``temperature``, ``top_k``, ``top_p``, ``seed``, ``max_new_tokens``). Output: exactly one line
+per non-blank input line, {"id", "prompt", "output",
+"output_ids", "num_prompt_tokens", "num_tokens", "finish_reason"}, or {"id", "error"} for a
+line that is not valid UTF-8 or JSON, a bad or repeated id, a bad override, an empty prompt or a
+prompt that does not fit the engine's ``--slots`` KV slots. None of these stops the job. The job
+layer (``specjax.jobs``; README "JSONL jobs") holds the rules: ids, duplicates, resume, the lock
+on the output, retries and exit statuses.
+
+Every record arrives at t = 0 and the engine (``specjax.engine``) serves them with continuous
+batching: the first ``max(--batch_buckets)`` run, the rest queue and are admitted as rows free
+up. Each finished request is appended to ``--output_jsonl`` (flushed and fsynced) the moment it
+finishes, so a killed job loses only its in-flight requests: run the same command again and it
+skips every id already in the output (error records included; delete those lines to retry them).
+Ctrl-C stops after the current engine step (exit status 130); the same command resumes.
+
+Everything the run needs (every batch bucket x compiled K x the prompt buckets present, greedy
+and/or sampled) is compiled once before serving; the compile time is printed separately and is
+not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
+run's compilation fast.
 """
 
 from __future__ import annotations

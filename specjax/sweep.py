@@ -1,6 +1,6 @@
 """Request streams and the bookkeeping of a serving sweep (launch/serve_sim.py): Spec-Bench
-prompts, Poisson arrivals, the order policies run in, each run's summary row, and the real runs
-an earlier sweep saved (to re-simulate them)."""
+prompts, Poisson arrivals, the order policies run in, each run's summary row, the real runs
+an earlier sweep saved (to re-simulate them); and the calibration burst launch/profile.py serves."""
 
 from __future__ import annotations
 
@@ -114,3 +114,29 @@ def load_replay(path, drafter, rates, policies, repeats: int):
                              draft_len_cap=acc.get("draft_len_cap"),
                              draft_len_dist=tuple(acc["draft_len_dist"]) if acc.get("draft_len_dist") else None)
     return [r for r in real if r["rate"] in rates], lens, prof
+
+
+CALIBRATION_PROMPTS = [
+    "Repeat this list exactly, one item per line: apples, pears, plums, cherries, grapes, lemons.",
+    "Rewrite in the passive voice: The committee approved the budget. The mayor signed the law.",
+    "Explain what a hash table is in two sentences.",
+    "Write a Python function that returns the squares of a list of numbers.",
+    "Summarise: The river rose overnight after heavy rain, and the town closed two bridges as a precaution.",
+    "Translate to French: Good morning. How are you today? I am fine, thank you.",
+    "List five prime numbers and say why each is prime.",
+    "Fix the grammar: me and him goes to the store yesterday and buyed three apple.",
+]
+
+
+def calibration_requests(tok, n: int, max_new: int) -> list:
+    """A burst of n requests whose lengths cycle through max_new x (1/4, 1/2, 3/4, 1): rows free
+    up at different steps, so the batch runs full, then drains through every size (the host
+    overhead per request is only identifiable across batch sizes)."""
+    from specjax.engine.scheduler import Request
+
+    try:
+        prompts = [tok.encode_chat(p) for p in CALIBRATION_PROMPTS]
+    except SpecjaxError:  # no chat template (e.g. the byte-level test tokenizer)
+        prompts = [tok.encode(p) for p in CALIBRATION_PROMPTS]
+    return [Request(f"cal{i}", prompts[i % len(prompts)], max(1, max_new * (i % 4 + 1) // 4), ignore_eos=True)
+            for i in range(n)]
