@@ -283,9 +283,6 @@ def default_perf_models() -> str:
     return str(resources.files("specjax.configs").joinpath("perf", "perf_models.json"))
 
 
-_GOODPUT_LABELS = {"smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req", "smartspec-conf": "SmartSpec-conf"}
-
-
 def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold: float = 0.5):
     """The policy object of an explicit name (parsed by engine.spec.PolicySpec): 'none' (K = 0),
     'smartspec' (goodput, moving average), 'smartspec-req' (per-request draft counts),
@@ -346,7 +343,7 @@ def build_policy(spec, target_name: str):
     if spec.drafter.name == "none" or pol.fixed_k == 0:
         return policy_for("none"), "no-SD", None
     if pol.fixed_k is not None:
-        return policy_for(pol.name), f"K={pol.fixed_k}", None
+        return policy_for(pol.name), pol.label, None
     path = pol.perf_models or default_perf_models()
     key = perf_key(spec, target_name)
     try:
@@ -364,8 +361,7 @@ def build_policy(spec, target_name: str):
         return policy_for(str(k)), f"K={k} (auto)", f"{why}; using fixed K={k} instead of SmartSpec ({todo})"
     if pol.name == "smartspec-conf":
         return policy_for(pol.name, cost, threshold=pol.threshold), f"SmartSpec-conf (T={pol.threshold:g})", None
-    name = "smartspec" if pol.name == "auto" else pol.name
-    return policy_for(name, cost), _GOODPUT_LABELS[name], None
+    return policy_for("smartspec" if pol.name == "auto" else pol.name, cost), pol.label, None
 
 
 def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:

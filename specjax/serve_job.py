@@ -53,14 +53,14 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     from specjax.engine.scheduler import Request, Scheduler
     from specjax.errors import SpecjaxError
     from specjax.generate import validate_request
-    from specjax.goodput import DraftPrefillGate
+    from specjax.goodput import DraftPrefillGate, GoodputPolicy
     from specjax.registry import format_spec_stats
     from specjax.spec_generate import SpecStats
 
     tok = model.tokenizer
     if chat:
         tok.encode_chat("hi", system)  # a model without a chat template fails here, not on every record
-    gate = DraftPrefillGate() if policy_label.startswith("SmartSpec") else None
+    gate = DraftPrefillGate() if isinstance(policy, GoodputPolicy) else None
     check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
 
     def prepare(rec):

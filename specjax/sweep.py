@@ -62,8 +62,9 @@ def make_requests(prompts, n: int, rate: float | None, max_new: int, ignore_eos:
 
 
 def policy_label(name: str) -> str:
-    return {"none": "no-SD", "smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req",
-            "smartspec-conf": "SmartSpec-conf", "oracle": "oracle"}.get(name, f"K={name}")
+    from specjax.engine.spec import PolicySpec
+
+    return PolicySpec(name).label
 
 
 def rotated(policies, rep: int):

@@ -110,6 +110,15 @@ class PolicySpec:
         return 0 if self.name == "none" else int(self.name) if self.name.isdigit() else None
 
     @property
+    def label(self) -> str:
+        """How reports name it: no-SD, K=<k>, SmartSpec[-req|-conf], oracle (auto: SmartSpec once
+        a performance model is found; registry.build_policy says when it falls back)."""
+        if self.fixed_k is not None:
+            return "no-SD" if self.fixed_k == 0 else f"K={self.fixed_k}"
+        return {"auto": "SmartSpec", "smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req",
+                "smartspec-conf": "SmartSpec-conf"}.get(self.name, self.name)
+
+    @property
     def goodput(self) -> bool:
         """A policy that needs a performance model (auto only when one exists)."""
         return self.fixed_k is None
