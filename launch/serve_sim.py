@@ -53,8 +53,7 @@ def define_flags() -> None:
     cli.define_forward_flags()
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
                        "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
-    flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
-                       "draft's probability under the draft model exceeds this, in [0, 1).")
+    cli.define_policy_flags(single=False)
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
@@ -62,7 +61,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_prompt_tokens", 300, "Skip prompts longer than this (chat-templated tokens).")
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request (EOS ends earlier unless --ignore_eos).")
     flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
-    flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
     flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
     flags.DEFINE_integer("sim_input_len", 256, "sim --scale: prompt tokens per request.")
@@ -247,7 +245,7 @@ def run():
     specs = {d: cli.engine_spec_from_flags(drafter=d, policy="auto") for d in drafters}
     model = load_model(FLAGS.model, FLAGS.dtype)
     prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens, ROOT)
-    perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
+    perf_path = FLAGS.perf_models or registry.default_perf_models()
     for d in drafters:
         spec = specs[d].resolved(model)
         key = registry.perf_key(spec, model.cfg.name)

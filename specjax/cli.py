@@ -202,12 +202,14 @@ def prefill_budget_from_flags() -> int | None:
     return FLAGS.prefill_budget or None
 
 
-def define_policy_flags() -> None:
-    """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K."""
+def define_policy_flags(single: bool = True) -> None:
+    """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K (``single``:
+    the --policy flag; a script running a list of policies defines its own list)."""
     from specjax.engine.spec import POLICY_HELP
 
-    flags.DEFINE_string("policy", "auto", POLICY_HELP + ": auto = SmartSpec when --perf_models has a model of "
-                        "this model, drafter, hardware and compiled code, else fixed K = --num_spec_tokens.")
+    if single:
+        flags.DEFINE_string("policy", "auto", POLICY_HELP + ": auto = SmartSpec when --perf_models has a model of "
+                            "this model, drafter, hardware and compiled code, else fixed K = --num_spec_tokens.")
     flags.DEFINE_string("perf_models", None, "Performance models from launch/profile.py (default: the ones "
                         "shipped in configs/perf/).")
     flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
