@@ -99,8 +99,6 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
     (default: --drafter, --policy). The drafter proposes at most a fixed-K policy's K, else the
     largest K bucket. ``mesh_ok``: the script serves a ``--mesh`` (the batch job); elsewhere one
     is refused rather than ignored. SpecjaxError on the first bad setting."""
-    import dataclasses
-
     from specjax.engine.spec import EngineSpec, PolicySpec
     from specjax.errors import SpecjaxError
     from specjax.models.options import ForwardOptions
@@ -124,10 +122,9 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         kw.update(fwd=ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows,
                                      rows_kernel=max(FLAGS.rows_kernel, 0), scan_layers=FLAGS.scan_layers),
                   rows_kernel_auto=FLAGS.rows_kernel < 0, mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
-    k = pol.fixed_k if pol.fixed_k else max(ks)
-    spec = EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
-                      drafter=drafter_spec_from_flags(name, k), k_buckets=tuple(ks), policy=pol, **kw)
-    return spec if pol.fixed_k != 0 else dataclasses.replace(spec, drafter=drafter_spec_from_flags(name, max(ks)))
+    return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
+                      drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,
+                      **kw)
 
 
 def sampling_from_flags():

@@ -389,13 +389,14 @@ def layout(spec):
 
 def build_backend(spec, model, *, draft=None, **kw):
     """The serving engine's JaxBackend for ``spec`` (resolved) on ``model``; ``kw`` as for
-    make_backend (profiling, parts, teacher_topk, layout: the one the model was loaded with);
+    make_backend (profiling, parts, teacher_topk, layout: the one the model was loaded with;
+    draft_first / packed: what several policies on one backend need, else the spec's policy's);
     ``draft``: a loaded draft model."""
     kw.setdefault("layout", layout(spec))
+    kw.setdefault("draft_first", spec.policy.draft_first)
+    kw.setdefault("packed", spec.policy.packed)
     return make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
-                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
-                        draft_first=spec.policy.draft_first, packed=spec.policy.packed,
-                        **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
 
 
 def build_generator(spec, model, draft=None):

@@ -29,7 +29,8 @@ SCALES = {
 
 
 def load_prompts(path: str, tok, max_tokens: int, root: str = ".") -> list[list[int]]:
-    """First turns of Spec-Bench questions, chat-templated, at most ``max_tokens`` long (a relative
+    """First turns of Spec-Bench questions, chat-templated (raw text for a model without a chat
+    template), at most ``max_tokens`` long (a relative
     ``path``: relative to ``root``)."""
     path = path if os.path.isabs(path) else os.path.join(root, path)
     if not os.path.exists(path):
@@ -39,7 +40,7 @@ def load_prompts(path: str, tok, max_tokens: int, root: str = ".") -> list[list[
         for line in f:
             if line.strip():
                 q = json.loads(line)
-                ids = tok.encode_chat(q["turns"][0])
+                ids = tok.encode_chat(q["turns"][0]) if tok.chat_template else tok.encode(q["turns"][0])
                 if len(ids) <= max_tokens:
                     out.append(ids)
     if not out:
