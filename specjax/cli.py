@@ -341,7 +341,7 @@ def run_job(job, argv) -> None:
     """A launch script's main: quiet absl logging, the persistent XLA cache, the checks every
     script shares (``check_common_flags``), and a user mistake (SpecjaxError) printed as one
     ``error:`` line with exit status 2; Ctrl-C outside a job's serving loop (which handles it
-    itself, specjax.jobs) is one line and status 130. ``job()`` returns the exit status (None = 0)."""
+    itself, specjax.jobs) is one line and status 130, SIGTERM there 143. ``job()`` returns the exit status (None = 0)."""
     import sys
 
     from absl import logging
@@ -353,6 +353,11 @@ def run_job(job, argv) -> None:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     logging.set_verbosity(logging.WARNING)
+    import signal
+
+    from specjax.jobs import Terminated, raise_terminated
+
+    signal.signal(signal.SIGTERM, raise_terminated)  # (a job's serving loop handles it as Ctrl-C)
     try:
         check_common_flags()
         enable_compilation_cache()
@@ -360,6 +365,9 @@ def run_job(job, argv) -> None:
     except SpecjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Terminated:
+        print("\nterminated (SIGTERM)", file=sys.stderr)
+        sys.exit(143)
     except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C) before anything was generated", file=sys.stderr)
         sys.exit(130)

@@ -33,7 +33,8 @@ record against the model, and ``generate(items, emit)``, which generates a batch
 it did not finish is retried alone, once. A record that fails again gets an error record,
 naming both failures, so nothing is lost. The first Ctrl-C stops the job after the current
 step: what finished is written, the counts are printed, and the exit status is 130. A second
-Ctrl-C stops it at once, but never in the middle of writing a line.
+Ctrl-C stops it at once, but never in the middle of writing a line. SIGTERM (a scheduler's
+preemption) does the same with exit status 143.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ ID_RANGE = (-(2**63), 2**63 - 1)
 _BLANK = b" \t\r"
 _BOM = b"\xef\xbb\xbf"
 INTERRUPTED = 130  # the exit status of a job stopped by Ctrl-C
+TERMINATED = 143  # ... and by SIGTERM (a scheduler's preemption: 128 + 15)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a job's serving loop (cli.run_job turns it into exit status 143)."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated
 
 
 class LineError(ValueError):
@@ -490,6 +500,7 @@ class Job:
         self.written: collections.Counter = collections.Counter()  # status -> records written now
         self.stopping = False  # Ctrl-C: finish the current step, then stop
         self.interrupted = False
+        self.stop_signal = None  # the signal that stopped serving (SIGINT or SIGTERM)
         self._abort = False  # a second Ctrl-C arrived while a line was being written
         self._bar = None
 
@@ -569,19 +580,24 @@ class Job:
         def handler(signum, frame):
             if not self.stopping:
                 self.stopping = True  # polled between steps (should_stop) and between batches
+                self.stop_signal = signum
                 if self.log is sys.stderr:  # os.write: print() is not safe inside a signal handler
                     with contextlib.suppress(OSError):
-                        os.write(2, b"\nstopping after the current step (Ctrl-C again: stop now)\n")
+                        os.write(2, f"\n{_signal_name(signum)}: stopping after the current step (again: stop "
+                                    "now)\n".encode())
             elif self.out.writing:
                 self._abort = True  # let the line finish; _write raises right after
             else:
                 raise KeyboardInterrupt
 
-        old = signal.signal(signal.SIGINT, handler)
+        # SIGTERM (preemption on a pod) is handled as Ctrl-C: the current step finishes, what
+        # finished is written, the caller checkpoints, and the status says which signal it was.
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, old)
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
     # ------------------------------------------------------------ serving
 
@@ -591,7 +607,8 @@ class Job:
     def serve(self, prepare: Callable[[Record], object],
               generate: Callable[[Sequence, Callable], None], *, batch: int = 0) -> int:
         """Serve ``todo`` (see the module docstring); ``batch``: items per ``generate`` call (0 = all
-        in one). Returns the exit status: 0, or 130 when stopped by Ctrl-C. Prints the summary."""
+        in one). Returns the exit status: 0, or 130 / 143 when stopped by Ctrl-C / SIGTERM. Prints
+        the summary."""
         from tqdm import tqdm
 
         self.notes()
@@ -626,7 +643,9 @@ class Job:
             self._bar = None
         self.interrupted = self.stopping
         print(self.summary(), file=self.log, flush=True)
-        return INTERRUPTED if self.interrupted else 0
+        if not self.interrupted:
+            return 0
+        return TERMINATED if self.stop_signal == signal.SIGTERM else INTERRUPTED
 
     def _run(self, batch: Sequence, generate) -> tuple[BaseException | None, list]:
         """One generate call; returns (the exception it raised or None, the items not written)."""
@@ -666,3 +685,7 @@ class Job:
                     # (the first failure is not named: it may have been another record's)
                     msg = f"generation failed, and again when retried alone: {_describe(exc2)}"
                 self._write(rec, error=f"line {rec.line}: {msg}")
+
+
+def _signal_name(signum) -> str:
+    return "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"

@@ -42,9 +42,9 @@ def _served(path) -> int:
         return sum(1 for line in f if line.endswith("\n") and '"output_ids"' in line)
 
 
-def _kill_when(ready, args, log_path) -> None:
-    """Start the job with ``args`` and SIGKILL it as soon as ``ready()`` holds (it must not
-    have ended by then)."""
+def _kill_when(ready, args, log_path, sig=signal.SIGKILL) -> int:
+    """Start the job with ``args`` and send it ``sig`` as soon as ``ready()`` holds (it must not
+    have ended by then). Returns its exit status."""
     log = open(log_path, "w")
     p = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=log, stderr=log, env=_env())
     try:
@@ -52,8 +52,8 @@ def _kill_when(ready, args, log_path) -> None:
         while not ready() and p.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         assert p.poll() is None, "the job ended before it could be killed; give it more work"
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
+        p.send_signal(sig)
+        return p.wait(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
@@ -181,10 +181,21 @@ def test_online_distillation_survives_a_kill(tmp_path):
     at_kill, saved = _served(out), _checkpoints(ck)
     assert saved and at_kill < 40, (at_kill, saved)
 
+    # SIGTERM (a pod's preemption) at a random later point: the step finishes, what finished is
+    # written, the draft is checkpointed, exit status 143; the next run resumes from that checkpoint.
+    term_at = at_kill + random.Random(seed + 1).randint(1, 6)
+    code = _kill_when(lambda: _served(out) >= term_at, ["--input_jsonl", inp, "--output_jsonl", out, *geom, *distill],
+                      tmp_path / "terminated.log", signal.SIGTERM)
+    log = (tmp_path / "terminated.log").read_text()
+    assert code == 143 and "Traceback" not in log, log[-3000:]
+    assert f"resumed from checkpoint {saved[-1]} ({saved[-1]} updates" in log and "interrupted: " in log, log[-3000:]
+    at_term, saved = _served(out), _checkpoints(ck)
+    assert f"checkpoint {saved[-1]} in {ck}" in log and at_term < 40, (at_term, log[-2000:])
+
     r = run("--input_jsonl", inp, "--output_jsonl", out, *geom, *distill)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from checkpoint {saved[-1]} ({saved[-1]} updates" in r.stderr, (seed, r.stderr[-2000:])
-    assert f"written now: {40 - at_kill} results" in r.stderr, (seed, r.stderr[-2000:])
+    assert f"written now: {40 - at_term} results" in r.stderr, (seed, r.stderr[-2000:])
     assert _checkpoints(ck)[-1] > saved[-1]  # it went on training from there
     recs = _read(out)
     assert len(recs) == 40 and {x["id"]: x for x in recs} == want, f"seed {seed}"

@@ -347,17 +347,20 @@ def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path):
     assert sorted(map(json.dumps, read_out(out))) == sorted(map(json.dumps, read_out(ref))), f"seed {seed}"
 
 
-def test_ctrl_c_stops_after_the_current_batch_and_resumes(tmp_path):
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_after_the_current_batch_and_resumes(tmp_path, sig, status):
+    """SIGTERM (a pod scheduler's preemption) is handled as Ctrl-C, with exit status 143."""
     inp, ref, out = (str(tmp_path / n) for n in ("in.jsonl", "ref.jsonl", "out.jsonl"))
     _input(inp, n=12)
     assert _run(inp, ref, batch=3)[0] == 0
-    sigint = lambda n: os.kill(os.getpid(), signal.SIGINT) if n == 2 else None  # noqa: E731
-    rc, log = _run(inp, out, batch=3, model=FakeModel(on_emit=sigint))
-    assert rc == 130 and log.strip().splitlines()[-1].startswith("interrupted: "), log
+    before = signal.getsignal(sig)
+    stop = lambda n: os.kill(os.getpid(), sig) if n == 2 else None  # noqa: E731
+    rc, log = _run(inp, out, batch=3, model=FakeModel(on_emit=stop))
+    assert rc == status and log.strip().splitlines()[-1].startswith("interrupted: "), log
     got = read_out(out)
     served = [r for r in got if "output" in r]
-    assert len(served) == 3, "the batch under way when Ctrl-C came is finished, then the job stops"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert len(served) == 3, "the batch under way when the signal came is finished, then the job stops"
+    assert signal.getsignal(sig) is before  # the handler is put back
     rc, log = _run(inp, out, batch=3)
     assert rc == 0, log
     assert sorted(map(json.dumps, read_out(out))) == sorted(map(json.dumps, read_out(ref)))
