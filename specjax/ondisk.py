@@ -54,18 +54,19 @@ def _files(path: str) -> list[str]:
     return out
 
 
+def _record(path: str, entries) -> str:
+    """The record of ``path`` whose files are ``entries`` ((size, sha256, relative path), ...)."""
+    return "".join([_HEADER + os.path.basename(path) + "\n"] + [f"{n} {sha} {rel}\n" for n, sha, rel in entries])
+
+
 def _record_text(path: str) -> str:
-    lines = [_HEADER + os.path.basename(path)]
-    for rel in _files(path):
-        size, sha = _digest(os.path.normpath(os.path.join(path, rel)))
-        lines.append(f"{size} {sha} {rel}")
-    return "\n".join(lines) + "\n"
+    return _record(path, [(*_digest(os.path.normpath(os.path.join(path, rel))), rel) for rel in _files(path)])
 
 
 def _replace(path: str, data: bytes) -> None:
     """``data`` into ``path`` through a temporary file in its directory (readers see the old file
     or the whole new one), flushed to disk before the rename."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=RECORD)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -79,13 +80,14 @@ def _replace(path: str, data: bytes) -> None:
 
 
 def write(path: str, data: bytes) -> bool:
-    """Write ``data`` to ``path`` and its record; False (one warning) if the disk refuses."""
+    """Write ``data`` to ``path`` and its record; False if the disk refuses (one warning per
+    directory: a full disk is one line, not one per entry)."""
     try:
         _replace(path, data)
         _replace(path + RECORD, _record_text(path).encode())
         return True
     except OSError as e:
-        warn_once("write:" + path, "could not write %s (%s); going on without it", path, e)
+        warn_once("write:" + os.path.dirname(path), "could not write %s (%s); going on without it", path, e)
         return False
 
 
@@ -96,7 +98,7 @@ def seal(path: str) -> bool:
         _replace(path + RECORD, _record_text(path).encode())
         return True
     except OSError as e:
-        warn_once("write:" + path, "could not record %s (%s); it will not be reused", path, e)
+        warn_once("write:" + os.path.dirname(path), "could not record %s (%s); it will not be reused", path, e)
         return False
 
 
@@ -128,8 +130,7 @@ def read(path: str) -> bytes | None:
             data = f.read()
     except OSError:
         return None
-    line = f"{len(data)} {hashlib.sha256(data).hexdigest()} ."
-    return data if _check(path, lambda: f"{_HEADER}{os.path.basename(path)}\n{line}\n") else None
+    return data if _check(path, lambda: _record(path, [(len(data), hashlib.sha256(data).hexdigest(), ".")])) else None
 
 
 def cache_dir(sub: str, root: str | None = None) -> str | None:
