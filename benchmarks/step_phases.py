@@ -69,7 +69,10 @@ def main(argv):
     qs, _ = load_questions(FLAGS.question_file, cats, FLAGS.per_category)
     prompts = [m.tokenizer.encode_chat(q["text"]) for q in qs]
     ar = Generator(m.cfg, m.params, eos_ids=m.tokenizer.eos_ids)
-    pol, label, note = registry.make_policy("auto", m.cfg.name, FLAGS.drafter)
+    from specjax.engine.spec import DrafterSpec, EngineSpec
+
+    pol, label, note = registry.build_policy(EngineSpec(model=FLAGS.model, drafter=DrafterSpec(FLAGS.drafter, k=8)),
+                                             m.cfg.name)
     if note:
         print(f"note: {note}", file=sys.stderr)
     g = registry.build_spec_generator(m, FLAGS.drafter, k=8, k_buckets=(0, 1, 2, 4, 8))

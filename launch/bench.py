@@ -3,66 +3,13 @@
   python launch/bench.py --per_category 10 --max_new_tokens 256 \
       --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python]
 
-Protocol (Spec-Bench conventions where they apply; differences are stated):
-
-- Questions: ``--question_file`` (default ``../shared/data/spec_bench/question.jsonl`` relative
-  to the repo root), **first turn only**, wrapped in the model's chat template (``--nochat`` to
-  feed raw text); ``--categories`` filters, ``--per_category N`` keeps the first N of each
-  category (file order). Prompts longer than ``--max_prompt_tokens``, or that cannot fit
-  prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
-  (per category in the table, listed in the JSON), never dropped silently.
-- Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
-  (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
-  ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
-  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
-  policy (``smartspec``, ``smartspec-req``, ``smartspec-conf``: device drafters only), ``none``
-  or an integer K; every goodput policy is checked against the best fixed K. For each prompt the AR baseline runs first, then every pair, in an
-  order rotated by one pair per prompt (interleaving per prompt keeps slow machine drift out of
-  the ratios; rotating keeps any pair from always running right after AR).
-- Each pair has its own generator and drafter (a suffix tree learns only from the outputs of
-  its own pair), whose proposals are capped at the largest K the policy may run (a fixed K,
-  or the largest K bucket for a goodput policy), and ONE policy object for the whole timed run: SmartSpec learns acceptance
-  across prompts, as a server would; with a device drafter its prefill gate persists too, so
-  once drafts are learnt not to pay, later prompts skip the draft prefill. Generators that
-  differ only in their host drafter share compiled executables (AR included).
-- Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
-  compiled ahead of time (shape-exact, from the same bucket rules the generators use; every K
-  bucket for a goodput policy, K buckets <= K for a fixed K), then each method generates the
-  first prompt once untimed (Spec-Bench warms up on its first question too), under a copy of
-  its policy: the timed policies start from their prior. **Compilation is excluded from every
-  timing.** The script counts JAX trace/compile events during the timed runs and reports the
-  number (expected 0).
-- Wall time per prompt is measured around the whole ``generate`` call, **prefill included**
-  (as Spec-Bench does).
-- Losslessness check: every drafter's output token ids must equal the AR baseline's; each
-  mismatch is printed as ``MISMATCH ...`` when it happens, counted per category and listed in
-  the JSON (``--fail_on_mismatch`` makes the exit status 1).
-
-Metrics per category and overall:
-
-- speedup = (total AR wall time) / (total drafter wall time) over the category's prompts
-  (Spec-Bench instead averages per-prompt tok/s and takes the ratio of the means; with
-  identical outputs the two differ only in how prompts are weighted);
-- mean accepted tokens per step = tokens committed per verify step, bonus included
-  (Spec-Bench's "#Mean accepted tokens"; 1.0 = no gain possible);
-- tok/s = total new tokens / total wall time.
-
-With a goodput (SmartSpec) policy and at least one fixed K per drafter (``--policies
-auto,2,4,8``), the notes end with the issue's checks: PASS/FAIL per drafter for "no category
-below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a verdict over all
-drafters; with several policies a compact table of every pair's speedup per category precedes
-them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
-
-Peer column (``--hf_python``): before the specjax runs (never concurrently) the ``hf_pld`` peer (specjax.peers) runs
-``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
-on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
-lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
-``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
-(ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+The protocol (questions, warm-up, interleaved timing, the losslessness check), the metrics and
+the peer column: specjax/specbench.py's docstring.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -76,18 +23,17 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry, specbench  # noqa: E402
+from specjax.engine.spec import POLICY_HELP, DrafterSpec, PolicySpec  # noqa: E402
 
 FLAGS = flags.FLAGS
+COMMAND = "python launch/bench.py " + " ".join(sys.argv[1:])
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
-flags.DEFINE_string("model", "smollm2-135m", "Target model: name (see configs/), .gguf file or HF safetensors dir.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
+cli.define_model_flags()
 flags.DEFINE_string("question_file", DEFAULT_QUESTIONS,
                     "Spec-Bench question.jsonl (a relative path is resolved against the repo root).")
 flags.DEFINE_list("categories", None, "Only these categories (comma list); default all.")
 flags.DEFINE_integer("per_category", 0, "Keep the first N questions of each category; 0 = all.")
 flags.DEFINE_integer("max_new_tokens", 256, "New tokens per prompt (Spec-Bench uses 1024).")
-flags.DEFINE_list("drafters", ["prompt_lookup", "layer_skip"],
-                  f"Drafters to compare with the AR baseline, from {', '.join(registry.SPEC_DRAFTERS)}.")
 flags.DEFINE_bool("chat", True, "Wrap questions in the model's chat template (--nochat: raw text).")
 flags.DEFINE_string("system", None, "System message for the chat template.")
 flags.DEFINE_integer("max_prompt_tokens", 2048, "Skip (and count) prompts longer than this many tokens.")
@@ -102,35 +48,14 @@ flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transf
 flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens.")
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size; 0 = HF's default (2).")
 flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
-cli.define_spec_flags()
+cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"])
 cli.define_forward_flags()
 cli.define_policy_flags()
-flags.DEFINE_string("distilled_draft", None, "Also run the layer-skip self-draft distilled into this checkpoint "
-                    "directory (launch/distill.py, --online_distill) as method layer_skip-distilled, next to the "
-                    "untrained one.")
+flags.DEFINE_string("distilled_draft", None, "Also run each device drafter of --drafters with the draft distilled "
+                    "into this checkpoint directory (launch/distill.py, --online_distill) as method <drafter>-distilled, "
+                    "next to the untrained one.")
 flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
-                  f"{registry.POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def resolve_question_file(path: str) -> str:
-    from specjax.errors import SpecjaxError
-
-    p = path if os.path.isabs(path) else os.path.join(ROOT, path)
-    p = os.path.normpath(p)
-    if not os.path.isfile(p):
-        raise SpecjaxError(f"question file not found: {p} (Spec-Bench's question.jsonl; pass --question_file)")
-    return p
-
-
-# ---------------------------------------------------------------- runs
-
-
-def command_line() -> str:
-    args = [a for a in sys.argv[1:]]
-    return "python launch/bench.py " + " ".join(args)
+                  f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
 def run_hf(prompts, eos_ids, gguf: str) -> dict:
@@ -145,13 +70,6 @@ def run_hf(prompts, eos_ids, gguf: str) -> dict:
     return run_peer("hf_pld", FLAGS.hf_python, job)
 
 
-def _first_diff(a, b) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
 def validate_flags():
     from specjax.errors import SpecjaxError
 
@@ -161,29 +79,19 @@ def validate_flags():
         raise SpecjaxError(f"--per_category must be >= 0 (0 = all), got {FLAGS.per_category}")
     if FLAGS.max_prompt_tokens < 1:
         raise SpecjaxError(f"--max_prompt_tokens must be >= 1, got {FLAGS.max_prompt_tokens}")
-    drafters = [d.strip() for d in FLAGS.drafters if d.strip()]
-    if not drafters:
-        raise SpecjaxError("--drafters is empty; give at least one of " + ", ".join(registry.SPEC_DRAFTERS))
-    if len(set(drafters)) != len(drafters):
-        raise SpecjaxError(f"--drafters lists a drafter twice: {drafters}")
-    if "none" in drafters:
-        raise SpecjaxError("--drafters: 'none' is the AR baseline every run already has; list speculative drafters")
+    drafters = cli.drafters_from_flags(allow_none=False)
     if FLAGS.distilled_draft and not os.path.isfile(os.path.join(FLAGS.distilled_draft, "draft.json")):
         raise SpecjaxError(f"--distilled_draft {FLAGS.distilled_draft} holds no distilled draft (no draft.json)")
-    k_buckets = cli.validate_spec_flags(drafters)
-    cli.check_policy_flags()
     if FLAGS.policies is not None and FLAGS["policy"].present:
         raise SpecjaxError("give --policy or --policies, not both")
     raw = FLAGS.policies if FLAGS.policies is not None else [FLAGS.policy]
     if not [p for p in raw if p.strip()]:
         raise SpecjaxError("--policies is empty; give e.g. auto,2,4,8")
-    policies = []
-    for p in (p for p in raw if p.strip()):
-        for d in drafters:
-            name = registry.check_policy(p, k_buckets, d, FLAGS.num_spec_tokens)
-        policies.append(name)
-    if len(set(policies)) != len(policies):
-        raise SpecjaxError(f"--policies lists a policy twice: {policies}")
+    # one EngineSpec per (drafter, policy) pair, each validated
+    specs = {(d, p.strip()): cli.engine_spec_from_flags(drafter=d, policy=p) for p in raw if p.strip() for d in drafters}
+    policies = list(dict.fromkeys(s.policy.name for s in specs.values()))
+    if len(policies) != len([p for p in raw if p.strip()]):
+        raise SpecjaxError(f"--policies lists a policy twice: {[p.strip().lower() for p in raw if p.strip()]}")
     if FLAGS.hf_python:
         if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
             raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
@@ -191,7 +99,7 @@ def validate_flags():
             raise SpecjaxError("--hf_prompt_lookup_num_tokens must be >= 1")
         if FLAGS.hf_threads < 1:
             raise SpecjaxError("--hf_threads must be >= 1")
-    return drafters, k_buckets, policies
+    return drafters, specs
 
 
 def bench() -> int:
@@ -201,24 +109,24 @@ def bench() -> int:
     from tqdm import tqdm
 
     from specjax.errors import SpecjaxError
-    from specjax.generate import Generator
     from specjax.goodput import GoodputPolicy
     from specjax.models.loader import load_model
     from specjax.spec_generate import SpecStats
 
-    drafters, k_buckets, policy_names = validate_flags()
+    drafters, specs = validate_flags()
+    policy_names = list(dict.fromkeys(s.policy.name for s in specs.values()))
+    k_buckets = next(iter(specs.values())).k_buckets
     K = FLAGS.num_spec_tokens
-    qfile = resolve_question_file(FLAGS.question_file)
+    qfile = specbench.resolve_question_file(FLAGS.question_file, ROOT)
     questions, cat_order = specbench.load_questions(qfile, FLAGS.categories, FLAGS.per_category)
     gguf = specbench.hf_gguf_path(FLAGS.model) if FLAGS.hf_python else None
 
-    model = load_model(FLAGS.model, FLAGS.dtype)
+    model, _ = cli.load_target(next(iter(specs.values())))
+    specs = {pair: sp.resolved(model) for pair, sp in specs.items()}
     cfg, tok = model.cfg, model.tokenizer
-    print(f"[loaded {cfg.name} ({cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) in {model.load_seconds:.1f} s]",
-          file=sys.stderr)
     if FLAGS.chat and not tok.chat_template:
         raise SpecjaxError(f"model {cfg.name} has no chat template; pass --nochat to feed the raw question text")
-    draft = load_model(FLAGS.draft_model, FLAGS.dtype) if "draft_model" in drafters else None
+    draft = load_model(FLAGS.draft_model, FLAGS.dtype) if FLAGS.draft_model else None  # (shared by its pairs)
 
     # Tokenize and apply the guards (skipped prompts are counted, never silently dropped).
     kmax = max(k_buckets)
@@ -251,25 +159,23 @@ def bench() -> int:
 
     # One generator and one policy object per (drafter, policy) pair; generators whose steps
     # compile to the same code (same device draft or none) share their executables.
-    fwd = cli.forward_options_from_flags(model)
-    ar = Generator(cfg, model.params_for(fwd), eos_ids=tok.eos_ids, fwd=fwd)
+    ar = registry.build_generator(dataclasses.replace(next(iter(specs.values())), drafter=DrafterSpec(),
+                                                      policy=PolicySpec("none")), model)
     several = len(policy_names) > 1
     methods, gens, pols = [], {}, {}
     compiled_by = {"host": ar}  # the AR baseline is the host drafters' K = 0 step
-    variants = [(d, None) for d in drafters] + ([("layer_skip", FLAGS.distilled_draft)] if FLAGS.distilled_draft else [])
+    variants = [(d, None) for d in drafters] + [(d, FLAGS.distilled_draft) for d in drafters
+                                                 if FLAGS.distilled_draft and registry.DRAFTERS[d].device]
     for d, distilled in variants:
         for pn in policy_names:
             name = specbench.method_name(d, pn, several) + ("-distilled" if distilled else "")
-            pol, label = cli.policy_from_flags(model, d, pn)
+            spec = specs[(d, pn)]
+            if distilled:
+                spec = dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter, draft_checkpoint=distilled))
+            pol, label = cli.policy_from_spec(spec, model)
             goodput = isinstance(pol, GoodputPolicy)
-            # The drafter proposes up to the largest K its policy may choose (every compiled K
-            # for a goodput policy), as the serving engine's drafters do.
-            kd = max(k_buckets) if goodput else (getattr(pol, "k", 0) or max(k_buckets))
-            g = registry.build_spec_generator(model, d, k=kd, k_buckets=k_buckets, fwd=fwd,
-                                              **registry.backend_options([pn]),
-                                              **(cli.drafter_kwargs(model, d, kd, draft=draft)
-                                                 | ({"draft_checkpoint": distilled} if distilled else {})))
-            group = (d + (distilled or "")) if d in registry.DEVICE_DRAFTERS else "host"  # (compile keys tell packed etc. apart)
+            g = registry.build_generator(spec, model, draft=draft)
+            group = (d + (distilled or "")) if spec.device_draft else "host"  # (compile keys tell packed etc. apart)
             if group in compiled_by:
                 g.share_compiled(compiled_by[group])
             else:
@@ -298,7 +204,8 @@ def bench() -> int:
                                  policy=copy.deepcopy(pols[m["name"]]))
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
     for g in gens.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
-        for dr in (g.drafter, getattr(g.drafter, "suffix", None)):
+        host = getattr(g.drafter, "host", None)  # (a host drafter, as the engine wraps it)
+        for dr in (host, getattr(host, "suffix", None)):
             if hasattr(dr, "clear_cache"):
                 dr.clear_cache()
     print("[warm-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()) + "; timing starts now]",
@@ -331,7 +238,7 @@ def bench() -> int:
                              "draft_prefill": g.last_draft_prefill, "step_records": specbench.step_records(g.last_engine),
                              "_stats": st, **st.summary()}
                 if not eq:
-                    j = _first_diff(s.tokens, r.tokens)
+                    j = specbench.first_diff(s.tokens, r.tokens)
                     msg = (f"MISMATCH {name} {p['key']}: output differs from the AR baseline at token {j} "
                            f"(AR {len(r.tokens)} tokens, {name} {len(s.tokens)} tokens)")
                     tqdm.write(msg, file=sys.stderr)
@@ -364,11 +271,10 @@ def bench() -> int:
         notes.append(f"{m['name']} ({m['label']}): acceptance rate {x['acceptance_rate']:.3f}, per-position "
                      f"acceptance [{pos}], {spec_steps}/{sum(x['k_step_counts'].values())} steps verified drafts"
                      + (f", draft prefill on {x['draft_prefills']}/{over['prompts']} prompts"
-                        if d in registry.DEVICE_DRAFTERS else "")
-                     + (f" (distilled draft from {m['distilled']})" if m["distilled"] else
-                        f" (draft_layers={FLAGS.draft_layers})" if d == "layer_skip" else "")
-                     + (f" (draft_model={FLAGS.draft_model})" if d == "draft_model" else "")
-                     + (f" (ngram {FLAGS.pld_min_ngram}..{FLAGS.pld_max_ngram})" if d == "prompt_lookup" else ""))
+                        if registry.DRAFTERS[d].device else "")
+                     + (f" (distilled draft from {m['distilled']})" if m["distilled"] else "")
+                     + " (" + ", ".join(f"{f}={FLAGS[f].value}" for f in sorted(registry.DRAFTERS[d].reads)
+                                        if f != "draft_checkpoint") + ")")
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "
                  f"({len(mismatches)} mismatches).")
     if hf:
@@ -394,7 +300,7 @@ def bench() -> int:
         with open(FLAGS.markdown_out, "w") as f:
             f.write(md)
     if FLAGS.benchmarks_md:
-        specbench.update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{command_line()}\n```\n\n{md}",
+        specbench.update_benchmarks_md(FLAGS.benchmarks_md, f"Command:\n\n```bash\n{COMMAND}\n```\n\n{md}",
                                        FLAGS.benchmarks_md_section)
     if FLAGS.json_out:
         for r in rows:
@@ -404,10 +310,10 @@ def bench() -> int:
                           "categories": cat_order, "per_category": FLAGS.per_category, "max_new_tokens": mnt,
                           "drafters": drafters, "num_spec_tokens": K, "k_buckets": list(k_buckets),
                           "policies": policy_names, "methods": methods,
-                          "draft_layers": FLAGS.draft_layers, "draft_model": FLAGS.draft_model,
-                          "pld_min_ngram": FLAGS.pld_min_ngram, "pld_max_ngram": FLAGS.pld_max_ngram,
+                          **{f: FLAGS[f].value for f in sorted(set().union(*(registry.DRAFTERS[d].reads
+                                                                              for d in drafters)))},
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
-                          "greedy": True, "batch_size": 1, "command": command_line()},
+                          "greedy": True, "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},

@@ -1,6 +1,7 @@
 """Warm-up distillation of a self-draft before serving (seed 003, Algorithm 1 line 2).
 
   python launch/distill.py --input_jsonl prompts.jsonl --checkpoint_dir ck --chat --draft_layers 8
+  python launch/distill.py --input_jsonl prompts.jsonl --checkpoint_dir ck --drafter draft_model --draft_model d.gguf
   python launch/distill.py --input_jsonl prompts.jsonl --checkpoint_dir ck --chat --draft_vocab 8192 \\
       --sampling mixed --mix_beta 0.5 --rounds 3 --plot distill.png
   # then serve with it, and go on training online:
@@ -40,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli  # noqa: E402
+from specjax import cli, plots, registry  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -49,10 +50,10 @@ def define_flags() -> None:
     flags.DEFINE_string("input_jsonl", None, "Prompts: one JSON object with a --field text per line.")
     flags.DEFINE_string("field", "prompt", "The text field of each --input_jsonl line.")
     flags.DEFINE_string("checkpoint_dir", None, "Where the trained draft goes (orbax checkpoints + draft.json).")
-    flags.DEFINE_string("model", "smollm2-135m", "Target model: a name (see configs/), a .gguf file or a HF dir.")
+    cli.define_model_flags()
+    cli.define_drafter_flags("layer_skip")
     flags.DEFINE_bool("chat", False, "Wrap prompts in the model's chat template.")
     flags.DEFINE_string("system", None, "System message for --chat.")
-    flags.DEFINE_integer("draft_layers", 8, "The self-draft's layers (the target's first N, own copies).")
     flags.DEFINE_integer("draft_vocab", 0, "Reduced-vocabulary head of this many tokens (0: the full head).")
     flags.DEFINE_integer("limit", 0, "Use the first N prompts (0: all).")
     flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens keep their last ones.")
@@ -72,7 +73,7 @@ def define_flags() -> None:
     cli.define_distill_flags(online=False)
 
 
-def validate_flags() -> None:
+def validate_flags():
     from specjax.errors import SpecjaxError
 
     for name in ("input_jsonl", "checkpoint_dir"):
@@ -89,13 +90,20 @@ def validate_flags() -> None:
     cli.check_range("mix_beta", 0.0, 1.0)
     cli.check_range("sample_temperature", 0.0)
     cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps, full_teacher=FLAGS.teacher == "full")
+    spec = cli.engine_spec_from_flags(policy="none")
+    if not spec.device_draft:  # (a host drafter has no parameters)
+        raise SpecjaxError(f"launch/distill.py trains a device draft ({', '.join(registry.DEVICE_DRAFTERS)}); "
+                           f"drafter {spec.drafter.name} drafts on the host and has nothing to train")
+    if spec.drafter.draft_checkpoint:
+        raise SpecjaxError("--draft_checkpoint serves a distilled draft; distill.py writes one to --checkpoint_dir")
+    return spec
 
 
 def main(argv):
     cli.run_job(lambda: run(validate_flags()), argv)
 
 
-def run(_) -> int:
+def run(spec) -> int:
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
@@ -105,7 +113,7 @@ def run(_) -> int:
     from specjax.distill.buffer import ReplayBuffer
     from specjax.distill.checkpoint import open_draft
     from specjax.distill.divergences import TopK
-    from specjax.drafters.device import frequent_tokens, layer_skip
+    from specjax.drafters.device import ModelDraft, frequent_tokens, layer_skip
     from specjax.errors import SpecjaxError
     from specjax.jobs import read_outputs
     from specjax.models.loader import load_model
@@ -115,9 +123,10 @@ def run(_) -> int:
     if len(texts) < FLAGS.eval_prompts + 1:
         raise SpecjaxError(f"{FLAGS.input_jsonl} has {len(texts)} prompts: need more than --eval_prompts "
                            f"({FLAGS.eval_prompts}) to train on")
-    model = load_model(FLAGS.model)
+    model, _ = cli.load_target(spec)
     cfg, tok = model.cfg, model.tokenizer
-    if not 1 <= FLAGS.draft_layers < cfg.num_layers:
+    draft = load_model(spec.drafter.draft_model, spec.dtype) if spec.drafter.draft_model else None
+    if draft is None and not 1 <= FLAGS.draft_layers < cfg.num_layers:
         raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, "
                            f"got {FLAGS.draft_layers}")
     if FLAGS.draft_vocab > cfg.vocab_size:
@@ -129,7 +138,7 @@ def run(_) -> int:
         raise SpecjaxError(f"{FLAGS.input_jsonl} has an empty prompt")
     train_p, eval_p = prompts[:-FLAGS.eval_prompts], prompts[-FLAGS.eval_prompts:]
     print(f"[{cfg.name}: {len(train_p)} training prompts, {len(eval_p)} held out; {FLAGS.sampling} sampling, "
-          f"{FLAGS.draft_layers}-layer self-draft]", file=sys.stderr)
+          f"{draft.cfg.name if draft else f'{FLAGS.draft_layers}-layer self-'} draft]", file=sys.stderr)
     tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps, full_teacher=FLAGS.teacher == "full")
     opt = tr.make_optimizer(tc)
 
@@ -142,17 +151,18 @@ def run(_) -> int:
 
     records, vocab = None, None
     if FLAGS.draft_vocab:  # the target's most frequent first choices on round 1's data
-        records = sample(*layer_skip(cfg, model.params, FLAGS.draft_layers), 1)
+        records = sample(*((ModelDraft(draft.cfg), draft.params) if draft else
+                           layer_skip(cfg, model.params, FLAGS.draft_layers)), 1)
         vocab = frequent_tokens([r.ids[:, 0] for r in records], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
-    sd, checkpoints = open_draft(FLAGS.checkpoint_dir, cfg, model.params, FLAGS.draft_layers, vocab)
+    sd, checkpoints = open_draft(FLAGS.checkpoint_dir, cfg, model.params, FLAGS.draft_layers, vocab, draft_model=draft)
     trainable, state = sd.trainable, opt.init(sd.trainable)
 
-    spec = SpecGenerator(cfg, model.params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, FLAGS.k),
+    gen = SpecGenerator(cfg, model.params, draft=sd.draft, draft_params=sd.params(trainable), k_buckets=(0, FLAGS.k),
                          eos_ids=tok.eos_ids)
 
     def acceptance():
         stats = SpecStats()
-        spec.generate(eval_p, max_new_tokens=FLAGS.max_new_tokens, num_spec_tokens=FLAGS.k, stats=stats)
+        gen.generate(eval_p, max_new_tokens=FLAGS.max_new_tokens, num_spec_tokens=FLAGS.k, stats=stats)
         return stats.acceptance_rate
 
     t0 = time.perf_counter()
@@ -182,7 +192,7 @@ def run(_) -> int:
                 dropped += 1
                 continue
             losses.append(float(loss))
-        spec.swap_draft_params(sd.params(trainable))
+        gen.swap_draft_params(sd.params(trainable))
         accs.append(acceptance())
         print(f"round {rnd}: mean loss {np.mean(losses[-FLAGS.steps:]):.4f}, held-out acceptance {accs[-1]:.3f}"
               + (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
@@ -192,29 +202,10 @@ def run(_) -> int:
     print(f"[{time.perf_counter() - t0:.0f} s; draft {sd.draft.label} saved to {FLAGS.checkpoint_dir}]",
           file=sys.stderr)
     if FLAGS.plot:
-        _plot(losses, accs)
+        plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,
+                             f"warm-up distillation: {FLAGS.drafter} draft" + (f", {FLAGS.draft_vocab}-token head"
+                             if FLAGS.draft_vocab else "") + f", {FLAGS.sampling} sampling")
     return 0
-
-
-def _plot(losses, accs) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
-    a.plot(np.arange(1, len(losses) + 1), losses, lw=0.8)
-    a.set_xlabel("optimizer step")
-    a.set_ylabel(f"{FLAGS.distill_divergence} loss")
-    b.plot(np.arange(len(accs)), accs, marker="o")
-    b.set_xlabel("round (0: before training)")
-    b.set_ylabel(f"held-out acceptance, K={FLAGS.k}")
-    fig.suptitle(f"warm-up distillation: {FLAGS.draft_layers}-layer self-draft"
-                 + (f", {FLAGS.draft_vocab}-token head" if FLAGS.draft_vocab else "") + f", {FLAGS.sampling} sampling")
-    fig.tight_layout()
-    fig.savefig(FLAGS.plot, dpi=120)
-    print(f"plot: {FLAGS.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

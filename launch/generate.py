@@ -6,45 +6,30 @@
   python launch/generate.py --prompt "..." --drafter draft_model --draft_model /path/to/small_model
   python launch/generate.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat [--drafter ...]
 
-Drafters (``--drafter``):
-  none           the autoregressive ``Generator`` (default; unchanged behaviour)
-  prompt_lookup  n-gram copy drafting on the host (``--pld_min_ngram`` / ``--pld_max_ngram``)
-  draft_model    an independent draft model sharing the target's vocabulary (``--draft_model``)
-  layer_skip     self-drafting with the target's first ``--draft_layers`` layers
-  suffix         SuffixDecoding: suffix trees over the prompt, the live output and past outputs
-                 (``--suffix_*`` knobs; ``--suffix_tree`` token trees vs ``--nosuffix_tree`` paths;
-                 ``--suffix_history_jsonl`` preloads the global tree from past outputs)
-  suffix_path    suffix with single-path drafts whatever ``--suffix_tree`` says (to compare both in one bench)
-  hybrid         suffix when its score > ``--suffix_tau``, else prompt lookup
-
-For suffix/hybrid, K (``--num_spec_tokens``) is the draft-node budget per step, e.g.
-``--num_spec_tokens 16 --k_buckets 0,1,2,4,8,16``.
-
-Speculative runs use ``SpecGenerator`` (the serving engine with every prompt at t = 0) under
-``--policy``: ``auto`` (default) is SmartSpec's goodput choice of K per step among
-``--k_buckets`` when a performance model for this model, drafter and hardware exists (shipped
-for SmolLM2 on CPU; launch/profile.py makes one), else a fixed K = ``--num_spec_tokens`` (said
-on stderr); ``smartspec`` requires the model; an integer is that fixed K; ``none`` is K = 0.
-So a prompt where drafts do not pay falls back to plain decoding instead of paying for
-verification. K must be one of ``--k_buckets`` (the precompiled K variants, which also size the
-cache headroom).
+Drafters (``--drafter``, registry.DRAFTERS; their knobs: ``--helpfull``): none (the
+autoregressive ``Generator``, default), prompt_lookup, draft_model, layer_skip, suffix,
+suffix_path, hybrid; for the suffix drafters K is the draft-node budget per step. Speculative
+runs use ``SpecGenerator`` under ``--policy`` (auto: SmartSpec where a performance model of this
+model, drafter, hardware and compiled code exists, else fixed K = ``--num_spec_tokens``, said on
+stderr; smartspec requires the model; an integer is that fixed K; none is K = 0), K one of
+``--k_buckets``.
 
 Compilation: with ``--prompt`` and a drafter, only what the answer starts with compiles before
 generation (its prefill chunks, the K = 0 step, and a fixed K's step); that time is printed and
 excluded from tok/s. SmartSpec's other K buckets compile in a background thread while the answer
 is generated and join the policy's choices as they finish (their cost is inside the reported
-speed; the script waits at the end only for the one in progress). In JSONL mode every variant is
-compiled lazily, the first time a batch needs it, so the summary's tok/s includes compilation (as
-for the autoregressive path). The persistent cache (``$SPECJAX_CACHE_DIR``, specjax.engine.exe_cache)
-stores every executable keyed without tracing, so a later run loads them instead.
+speed; the script waits at the end only for the one in progress). The persistent cache
+(``$SPECJAX_CACHE_DIR``, specjax.engine.exe_cache) stores every executable keyed without tracing,
+so a later run loads them instead.
 
-Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / drafted;
-mean accepted tokens per step = tokens committed per verify step, bonus token included
-(1.0 = no speedup possible); per-position acceptance = P(draft j accepted | drafted).
+Speculative metrics (vLLM-style, over row-steps): acceptance rate = accepted / drafted; mean
+accepted tokens per step, bonus included; per-position acceptance = P(draft j accepted | drafted).
 
-JSONL mode is a ``specjax.jobs`` job (README "JSONL jobs"): one output line per non-blank input
-line (a result or an error record), ids and duplicates, resume, a lock on the output, one lone
-retry after a generation failure; Ctrl-C stops after the current batch with exit status 130.
+JSONL mode serves the job exactly as launch/batch.py does (specjax.serve_job: the continuous
+batching engine with ``--batch_buckets`` rows of ``--slots`` KV slots; README "JSONL jobs"): one
+output line per non-blank input line (a result or an error record), ids and duplicates, resume,
+a lock on the output, one lone retry after a failure; Ctrl-C stops after the current engine step
+with exit status 130.
 
 User mistakes print one line ("error: ...") and exit with status 2.
 """
@@ -65,26 +50,14 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_string("prompt", None, "Prompt text.")
     cli.define_job_flags()
-    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
-    flags.DEFINE_integer("batch_size", 8, "Prompts per batch in JSONL mode.")
-    flags.DEFINE_enum("drafter", "none", list(registry.DRAFTERS), "Speculative drafter; none = autoregressive decoding.")
+    cli.define_model_flags()
+    cli.define_drafter_flags()
+    cli.define_engine_flags()
     cli.define_request_flags()
-    cli.define_spec_flags()
     cli.define_forward_flags()
     cli.define_distributed_flags()
     cli.define_policy_flags()
-
-
-# ---------------------------------------------------------------- generation
-
-
-def _encode(tok, text: str, chat: bool, system: str | None):
-    return tok.encode_chat(text, system) if chat else tok.encode(text)
-
-
-def _spec_kw(stats, policy):
-    return {} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats, "policy": policy}
 
 
 # Steps a single answer runs before the other K buckets start loading or compiling beside it:
@@ -96,7 +69,7 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     from specjax.generate import validate_request
 
     tok = model.tokenizer
-    ids = _encode(tok, FLAGS.prompt, FLAGS.chat, FLAGS.system)
+    ids = tok.encode_chat(FLAGS.prompt, FLAGS.system) if FLAGS.chat else tok.encode(FLAGS.prompt)
     samp = cli.sampling_from_flags()
     compile_s = None
     if stats is not None:
@@ -109,7 +82,8 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
         compile_s = registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], k_warm,
                                        greedy=samp.greedy, later=later, later_after_steps=LATER_AFTER_STEPS)
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
-                       **_spec_kw(stats, policy))[0]
+                       **({} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats,
+                                                    "policy": policy}))[0]
     if stats is not None:
         t = time.perf_counter()
         in_time = [k for k in later if k in gen.k_options()]
@@ -131,99 +105,52 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
         print(f"[spec {FLAGS.drafter}, policy {policy_label}: {registry.format_spec_stats(stats)}]", file=sys.stderr)
 
 
-def run_jsonl(job, model, gen, stats=None, policy=None, policy_label="") -> int:
-    """Serve the job in batches of --batch_size (specjax.jobs: errors, retries, Ctrl-C)."""
-    from specjax.generate import validate_request
-
-    tok = model.tokenizer
-    n_tok = 0
-
-    def prepare(rec):
-        ids = _encode(tok, rec.prompt, FLAGS.chat, FLAGS.system)
-        validate_request(ids, rec.fields["max_new_tokens"], model.cfg)
-        return ids, rec.fields["max_new_tokens"], cli.sampling_from_flags(rec.fields)
-
-    def generate(items, emit):
-        nonlocal n_tok
-        groups: dict[int, list[int]] = {}  # rows of one generate call share max_new_tokens
-        for i, (_, mnt, _) in enumerate(items):
-            groups.setdefault(mnt, []).append(i)
-        for mnt, idx in groups.items():
-            results = gen.generate([items[i][0] for i in idx], [items[i][2] for i in idx], max_new_tokens=mnt,
-                                   ignore_eos=FLAGS.ignore_eos, **_spec_kw(stats, policy))
-            for i, res in zip(idx, results):
-                n_tok += len(res.tokens)
-                emit(i, result={"output": tok.decode(res.tokens), "output_ids": [int(t) for t in res.tokens],
-                                "num_prompt_tokens": res.prompt_len, "num_tokens": len(res.tokens),
-                                "finish_reason": res.finish_reason})
-
-    t0 = time.perf_counter()
-    code = job.serve(prepare, generate, batch=FLAGS.batch_size)
-    dt = time.perf_counter() - t0
-    print(f"{n_tok} tokens in {dt:.1f} s = {n_tok / max(dt, 1e-9):.1f} tok/s (compilation included)", file=sys.stderr)
-    if stats is not None:
-        print(f"spec {FLAGS.drafter}, policy {policy_label} (compilation included in the time above): "
-              f"{registry.format_spec_stats(stats)}", file=sys.stderr)
-    return code
-
-
 def job() -> int:
     from specjax.errors import SpecjaxError
-    from specjax.generate import Generator
-    from specjax.models.loader import load_model
 
     if (FLAGS.prompt is None) == (FLAGS.input_jsonl is None):
         raise SpecjaxError("give exactly one of --prompt or --input_jsonl")
     if FLAGS.prompt is not None and not FLAGS.prompt.strip():
         raise SpecjaxError("empty prompt: --prompt must contain some text")
     cli.request_defaults()  # --max_new_tokens and the sampling flags, before the (slow) model load
-    if FLAGS.batch_size < 1:
-        raise SpecjaxError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
-    k_buckets = cli.validate_spec_flags([FLAGS.drafter])
-    registry.check_policy(FLAGS.policy, k_buckets or (0,), FLAGS.drafter, FLAGS.num_spec_tokens)
-    cli.check_policy_flags()
-    cli.forward_options_from_flags()  # (refuses --mesh before the model load)
+    cli.prefill_budget_from_flags()
+    cli.drafters_from_flags()
+    spec = cli.engine_spec_from_flags()
     if FLAGS.num_processes > 1 and FLAGS.input_jsonl is None:
         raise SpecjaxError("--num_processes > 1 splits a JSONL job (--input_jsonl) between processes")
-    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
-    # The output is locked, repaired and scanned before the model load: a second job on it, or
-    # an unwritable path, is a one-line error at once.
-    jobfile = cli.open_job(replica=replica) if FLAGS.input_jsonl is not None else None
-    try:
-        if jobfile is not None and not jobfile.todo:
-            jobfile.notes()
-            print(jobfile.summary() + " (nothing to generate)", file=sys.stderr)
-            jobfile.close()
-            cli.merge_job_replicas(replica)
-            return 0
-        model = load_model(FLAGS.model, FLAGS.dtype)
-        print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {FLAGS.dtype}) "
-              f"in {model.load_seconds:.1f} s]", file=sys.stderr)
-        stats = policy = None
-        label = ""
-        if FLAGS.drafter == "none":
-            fwd = cli.forward_options_from_flags(model)
-            gen = Generator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, fwd=fwd)
+    if FLAGS.input_jsonl is None:
+        model, spec = cli.load_target(spec)
+        gen = registry.build_generator(spec, model)
+        if spec.drafter.name == "none":
+            run_single(model, gen)
         else:
             from specjax.spec_generate import SpecStats
 
-            gen = registry.build_spec_generator(model, FLAGS.drafter, k=FLAGS.num_spec_tokens, k_buckets=k_buckets,
-                                                fwd=cli.forward_options_from_flags(model),
-                                                **registry.backend_options([FLAGS.policy]),
-                                                **cli.drafter_kwargs(model, FLAGS.drafter, FLAGS.num_spec_tokens))
-            stats = SpecStats()
-            policy, label = cli.policy_from_flags(model, FLAGS.drafter)
-        if jobfile is None:
-            run_single(model, gen, stats, policy, label)
-            return 0
-        code = run_jsonl(jobfile, model, gen, stats, policy, label)
-        jobfile.close()
-        if code == 0:
-            cli.merge_job_replicas(replica)
-        return code
-    finally:
-        if jobfile is not None:
-            jobfile.close()
+            run_single(model, gen, SpecStats(), *cli.policy_from_spec(spec, model))
+        return 0
+    return run_jsonl(spec)
+
+
+def run_jsonl(spec) -> int:
+    """The JSONL job on the serving engine, as launch/batch.py serves it (specjax.serve_job)."""
+    from specjax.serve_job import serve_job
+
+    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
+    # The output is locked, repaired and scanned before the model load: a second job on it, or
+    # an unwritable path, is a one-line error at once.
+    with cli.open_job(replica=replica) as job:
+        if not job.todo:
+            job.notes()
+            print(job.summary() + " (nothing to generate)", file=sys.stderr)
+            code = 0
+        else:
+            model, spec = cli.load_target(spec)
+            code = serve_job(job, model, registry.build_backend(spec, model), *cli.policy_from_spec(spec, model),
+                             drafter=spec.drafter.name, chat=FLAGS.chat, system=FLAGS.system,
+                             ignore_eos=FLAGS.ignore_eos, prefill_budget=cli.prefill_budget_from_flags())
+    if code == 0:
+        cli.merge_job_replicas(replica)
+    return code
 
 
 def main(argv):

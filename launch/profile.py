@@ -1,6 +1,7 @@
 """Profile forward passes on this hardware and fit SmartSpec's performance model.
 
   python launch/profile.py --out perf_models.json                        # SmolLM2, prompt lookup + layer skip
+  python launch/profile.py --drafters suffix --rows_kernel 0             # host drafters share the target-only model
   python launch/profile.py --drafters prompt_lookup --batch_buckets 1,2,4 --plot docs/perf_fit.png
   python launch/profile.py --model target.gguf --drafters draft_model --draft_model draft.gguf
 
@@ -15,8 +16,11 @@ verify of a K + 1 block; with a device drafter also the draft's K forwards), fit
 
 by least squares, reports R^2 on held-out grid cells, fits the prefill cost, then serves a
 burst of requests through the real engine to calibrate the loop's host overhead per step and per
-request (scored on held-out engine steps). Coefficients go to ``--out`` under the key
-'<model>|<drafter>|<platform>:<device>', next to any other models already in the file.
+request (scored on held-out engine steps). It profiles the code serving runs: the same forward
+flags (``--rows_kernel -1`` resolved the same way), dtype and buckets. Coefficients go to ``--out``
+under the key '<model>|<drafter>|<platform>:<device>|<code>' (registry.perf_key; <code> the
+forward options, dtype and layout), next to any other models already in the file; a serving run
+of other code does not use them (``--policy smartspec`` refuses, ``auto`` says so and runs a fixed K).
 
 User mistakes print one line ("error: ...") and exit with status 2.
 """
@@ -32,33 +36,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli, registry  # noqa: E402
-
-from specjax.registry import make_backend  # noqa: E402
+from specjax import cli, plots, registry  # noqa: E402
+from specjax.sweep import calibration_requests  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-CALIBRATION_PROMPTS = [
-    "Repeat this list exactly, one item per line: apples, pears, plums, cherries, grapes, lemons.",
-    "Rewrite in the passive voice: The committee approved the budget. The mayor signed the law.",
-    "Explain what a hash table is in two sentences.",
-    "Write a Python function that returns the squares of a list of numbers.",
-    "Summarise: The river rose overnight after heavy rain, and the town closed two bridges as a precaution.",
-    "Translate to French: Good morning. How are you today? I am fine, thank you.",
-    "List five prime numbers and say why each is prime.",
-    "Fix the grammar: me and him goes to the store yesterday and buyed three apple.",
-]
-
-
 def define_flags() -> None:
-    flags.DEFINE_string("model", "smollm2-135m", "Target model (name in configs/, .gguf file or HF dir).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list: prompt_lookup (the target-only model "
-                        "every host drafter uses; its uncalibrated fit is always saved) and device drafters (layer_skip, draft_model: add "
-                        "the draft's coefficients).")
-    cli.define_device_draft_flags()
-    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets (the engine's KV rows = the largest).")
-    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (must include 0).")
-    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
+    cli.define_model_flags()
+    cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"], k_buckets="0,1,2,3,4,5")
+    cli.define_engine_flags()
+    cli.define_forward_flags()
     flags.DEFINE_string("contexts", "32,150,280", "Context lengths to time steps at.")
     flags.DEFINE_string("prefill_lens", "24,50,100,200,400", "Prompt lengths to time prefills at (one per "
                         "prompt bucket serving will use: the simulator looks the medians up).")
@@ -70,22 +57,6 @@ def define_flags() -> None:
     flags.DEFINE_string("plot", None, "Optional PNG: predicted vs measured step time (held-out cells marked).")
     flags.DEFINE_integer("seed", 0, "Random seed (prompts, held-out split).")
     flags.DEFINE_string("records_out", None, "Optional JSON: every timed step and prefill (for refits).")
-
-
-def calibration_requests(tok, n: int, max_new: int) -> list:
-    """A burst of n requests whose lengths cycle through max_new x (1/4, 1/2, 3/4, 1): rows free
-    up at different steps, so the batch runs full, then drains through every size (the host
-    overhead per request is only identifiable across batch sizes)."""
-    from specjax.engine.scheduler import Request
-
-    from specjax.errors import SpecjaxError
-
-    try:
-        prompts = [tok.encode_chat(p) for p in CALIBRATION_PROMPTS]
-    except SpecjaxError:  # no chat template (e.g. the byte-level test tokenizer)
-        prompts = [tok.encode(p) for p in CALIBRATION_PROMPTS]
-    return [Request(f"cal{i}", prompts[i % len(prompts)], max(1, max_new * (i % 4 + 1) // 4), ignore_eos=True)
-            for i in range(n)]
 
 
 def main(argv):
@@ -101,58 +72,54 @@ def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, StepCostModel
     from specjax.goodput.perf_model import ProfiledCost, hardware_key, prefill_table_cells, save_table, table_cells
-    from specjax.models.loader import load_model
 
-    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
-    for d in drafters:
-        if d not in ("prompt_lookup",) + registry.DEVICE_DRAFTERS:
-            hint = " (host drafters use the prompt_lookup model)" if d in registry.SPEC_DRAFTERS else ""
-            raise SpecjaxError(f"--drafters: {d!r} is not profiled here{hint}; use prompt_lookup, "
-                               + ", ".join(registry.DEVICE_DRAFTERS))
-    cli.check_device_draft_flags(drafters)
-    devs = [d for d in drafters if d in registry.DEVICE_DRAFTERS]
-    ks, bbs = registry.number_list("k_buckets", FLAGS.k_buckets, minimum=0), registry.number_list("batch_buckets", FLAGS.batch_buckets, minimum=0)
-    if 0 not in ks:
-        raise SpecjaxError("--k_buckets must include 0")
+    # Host drafters add nothing to the device step: they share the target-only model, profiled
+    # under prompt_lookup; each device drafter gets its own.
+    names = cli.drafters_from_flags(allow_none=False)
+    specs = {}
+    host = registry.TARGET_ONLY
+    for d in [host] + [d for d in names if registry.DRAFTERS[d].device]:
+        specs[d] = cli.engine_spec_from_flags(drafter=d, policy="auto")
+    drafters, devs = list(specs), list(specs)[1:]
+    ks, bbs = list(specs[host].k_buckets), list(specs[host].batch_buckets)
     contexts, plens = registry.number_list("contexts", FLAGS.contexts, minimum=0), registry.number_list("prefill_lens", FLAGS.prefill_lens, minimum=0)
     if max(contexts) + (FLAGS.reps + 1) * (max(ks) + 1) * len(ks) + max(ks) + 1 > FLAGS.slots:
         raise SpecjaxError(f"--contexts up to {max(contexts)} leave no room for the timed steps in --slots "
                            f"{FLAGS.slots}; lower the contexts or raise --slots")
     if not 0 < FLAGS.holdout < 1:
         raise SpecjaxError(f"--holdout must be in (0, 1), got {FLAGS.holdout}")
-    if min(bbs) < 1:
-        raise SpecjaxError(f"--batch_buckets must be >= 1, got {FLAGS.batch_buckets!r}")
-    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("slots", 16), ("seed", 0)):
+    for name, lo in (("reps", 1), ("calibration_requests", 0), ("max_new_tokens", 1), ("seed", 0)):
         cli.check_range(name, lo)
-    model = load_model(FLAGS.model)
+    model, _ = cli.load_target(specs[host])
+    # serving's forward options, the rows kernel resolved the same way: the profile is of its code
+    specs = {d: sp.resolved(model) for d, sp in specs.items()}
     hw = hardware_key()
     base = StepCostModel(target=None, context_mode="padded")  # XLA:CPU chunked attention reads padded rows
-    geom = dict(k_buckets=ks, batch_buckets=bbs, slots=FLAGS.slots)
-    print(f"[{model.cfg.name} on {hw}; batches {bbs}, K {ks}, contexts {contexts}]", file=sys.stderr)
+    print(f"[{model.cfg.name} on {hw}, {specs['prompt_lookup'].code_key()}; batches {bbs}, K {ks}, contexts "
+          f"{contexts}]", file=sys.stderr)
 
     t0 = time.perf_counter()
     cal_reqs = calibration_requests(model.tokenizer, FLAGS.calibration_requests, FLAGS.max_new_tokens)
     warm_lens = contexts + plens + [len(r.prompt) for r in cal_reqs]
-    tgt_be = make_backend(model, "prompt_lookup", profiling=True, **geom)
+    tgt_be = registry.build_backend(specs[host], model, profiling=True)
     tgt_be.warmup(prompt_lens=warm_lens, progress=True)
     cells = len(bbs) * len(contexts) * len(ks)
     with tqdm(total=cells, desc="target steps", disable=None) as bar:
         tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
     pre = profile_prefills(tgt_be, bbs, plens)
-    row_ops = {"prompt_lookup": profile_row_ops(tgt_be)}
-    fits = {"prompt_lookup": fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
-    _save(model, hw, "prompt_lookup", fits["prompt_lookup"], bbs, ks, contexts)  # before the (long) rest
+    row_ops = {host: profile_row_ops(tgt_be)}
+    fits = {host: fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
+    _save(model, specs[host], fits[host], contexts)  # before the (long) rest
     dev_be, dev_pre = {}, {}
     for d in devs:
-        be = dev_be[d] = make_backend(model, d, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model,
-                                      **geom)
+        be = dev_be[d] = registry.build_backend(specs[d], model)
         be.warmup(prompt_lens=warm_lens, progress=True)
         with tqdm(total=cells, desc=f"{d} steps", disable=None) as bar:
             dr = profile_steps(be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
         dev_pre[d] = profile_prefills(be, bbs, plens)
         row_ops[d] = profile_row_ops(be)  # its state holds the draft's cache too
         fits[d] = fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
-        _save(model, hw, d, fits[d], bbs, ks, contexts)
+        _save(model, specs[d], fits[d], contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
         recs = {"target": tgt, "prefill": pre, "row_ops": row_ops}
@@ -164,8 +131,8 @@ def run():
     for d in drafters:
         m, rep, tg, dr = fits[d]
         if cal_reqs:
-            if d == "prompt_lookup":
-                be = make_backend(model, d, **geom)
+            if not specs[d].device_draft:
+                be = registry.build_backend(specs[d], model)
                 be.table = tgt_be.table  # same compiled executables; only the drafter differs
             else:
                 be = dev_be[d]
@@ -179,18 +146,18 @@ def run():
             rep.update(cal)
         # The simulator's profiled table: medians of the timed steps (K = 0 from the target grid)
         # with its own host calibration on the same engine steps.
-        table = ProfiledCost(m, table_cells([r for r in tg if d == "prompt_lookup" or r["K"] == 0] + dr,
+        table = ProfiledCost(m, table_cells([r for r in tg if d not in dev_be or r["K"] == 0] + dr,
                                             m.chunk), row_op_cells(row_ops[d]),
                              # a device drafter's request admitted without its draft prefills the target only
-                             prefill_plain=fits["prompt_lookup"][0].prefill if d in dev_be else None,
+                             prefill_plain=fits[host][0].prefill if d in dev_be else None,
                              prefill_cells=prefill_table_cells(pre, False)
                              + (prefill_table_cells(dev_pre[d], True) if d in dev_be else ()))
         if cal_reqs:
             table, tcal = calibrate_host(steps, table, FLAGS.seed)
             rep.update({f"table_{k}": v for k, v in tcal.items() if k != "calibration_steps"})
-        key = _save(model, hw, d, (m, rep), bbs, ks, contexts)
+        key = _save(model, specs[d], (m, rep), contexts)
         save_table(FLAGS.out, key, table)
-        label = cli.perf_model_label_from_flags(d)
+        label = key.split("|")[1]
         print(f"\n{key}")
         print(f"  target: a={m.target.alpha:.3e} s/ctx-token  g={m.target.gamma:.3e} s/token  d={m.target.delta * 1e3:.2f} ms")
         if m.draft:
@@ -201,45 +168,21 @@ def run():
         print("  row ops (ms): " + ", ".join(f"{op} {a}->{b} {t * 1e3:.1f}" for op, a, b, t in table.row_ops))
         print("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rep.items()}))
         if FLAGS.plot:
-            _plot(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg, dr, label)
+            plots.perf_fit(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg,
+                           dr, label)
     print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
 
 
-def _save(model, hw, drafter, fit, bbs, ks, contexts) -> str:
-    from specjax.goodput.perf_model import model_key, save_model
+def _save(model, spec, fit, contexts) -> str:
+    from specjax.goodput.perf_model import save_model
 
     m, rep = fit[0], fit[1]
-    key = model_key(model.cfg.name, cli.perf_model_label_from_flags(drafter), hw)
-    meta = {"report": rep, "batch_buckets": bbs, "k_buckets": ks, "slots": FLAGS.slots, "contexts": contexts,
+    key = registry.perf_key(spec, model.cfg.name)
+    meta = {"report": rep, "batch_buckets": list(spec.batch_buckets), "k_buckets": list(spec.k_buckets),
+            "slots": spec.slots, "contexts": contexts,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     save_model(FLAGS.out, key, m, meta)
     return key
-
-
-def _plot(path, m, tgt, dr, label):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    for recs, dev, color, name in ((tgt, False, "tab:blue", "target verify"), (dr, True, "tab:orange", label)):
-        if not recs:
-            continue
-        meas = [r["t"] * 1e3 for r in recs]
-        pred = [(m.device_time(r["B"], r["K"], r["ctx_lens"]) if dev else m.target_time(r["B"], r["K"], r["ctx_lens"]))
-                * 1e3 for r in recs]
-        ax.scatter(meas, pred, s=8, alpha=0.6, color=color, label=name)
-    lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
-    ax.plot([0, lim], [0, lim], "r-", lw=1)
-    ax.set_xlabel("measured step time (ms)")
-    ax.set_ylabel("predicted (ms)")
-    ax.set_title(f"perf model fit: {label}")
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"[plot: {path}]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -37,39 +37,23 @@ from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry  # noqa: E402
 from specjax.simulate import report  # noqa: E402
+from specjax.sweep import (SCALES, load_prompts, load_replay, log_row, make_requests, policy_label,  # noqa: E402
+                           rotated, run_summary)
 
 FLAGS = flags.FLAGS
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
-
-# Stated assumptions for the simulated large-model sweeps (no GPU profile available): one A100-80G
-# class device per 7B (2 TB/s HBM, ~150 TFLOP/s achieved bf16) and 8 of them (tensor parallel)
-# for 70B. delta = weight bytes / bandwidth + launch/comm overhead; gamma = 2 * params FLOP per
-# token / achieved FLOP/s; alpha = KV bytes per context token / bandwidth.
-SCALES = {
-    "7b": dict(
-        target=dict(alpha=0.26e-6, gamma=0.09e-3, delta=8.0e-3),  # 14 GB weights, 0.5 MB KV/token
-        draft=dict(alpha=0.01e-6, gamma=0.004e-3, delta=1.5e-3),  # Llama-160M: launch-bound
-        prefill=dict(alpha=0.0, gamma=0.1e-3, delta=8.0e-3),
-        rows=64, slots=2048, desc="Vicuna-7B on 1 A100 + Llama-160M draft"),
-    "70b": dict(
-        target=dict(alpha=0.02e-6, gamma=0.12e-3, delta=14.0e-3),  # 140 GB over 8 GPUs + all-reduce
-        draft=dict(alpha=0.03e-6, gamma=0.02e-3, delta=3.0e-3),  # TinyLlama-1.1B, TP 1
-        prefill=dict(alpha=0.0, gamma=0.12e-3, delta=14.0e-3),
-        rows=64, slots=2048, desc="Llama2-70B on 8 A100 (TP8) + TinyLlama-1.1B draft"),
-}
 
 
 def define_flags() -> None:
     flags.DEFINE_enum("mode", "real", ["real", "sim", "both"], "real engine, simulator, or both on the same "
                       "requests (simulator fidelity).")
-    flags.DEFINE_string("model", "smollm2-135m", "Target model (real mode).")
-    flags.DEFINE_string("drafters", "prompt_lookup,layer_skip", "Comma list of drafters (every drafter of "
-                        "launch/generate.py; suffix/hybrid run token trees, K = the node budget).")
-    cli.define_device_draft_flags()
+    cli.define_model_flags()
+    cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"], k_buckets="0,1,2,3,4,5")
+    cli.define_engine_flags()
+    cli.define_forward_flags()
     flags.DEFINE_string("policies", "none,1,3,5,smartspec", "Comma list: none, fixed K integers, smartspec, smartspec-req "
                        "(per-request draft counts), smartspec-conf (confidence-based proposal; device drafters), oracle.")
-    cli.define_confidence_flag()
-    cli.define_prefill_flags()
+    cli.define_policy_flags(single=False)
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
@@ -77,10 +61,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_prompt_tokens", 300, "Skip prompts longer than this (chat-templated tokens).")
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request (EOS ends earlier unless --ignore_eos).")
     flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
-    flags.DEFINE_string("batch_buckets", "1,2,4,8", "Batch buckets; KV rows = the largest.")
-    flags.DEFINE_string("k_buckets", "0,1,2,3,4,5", "Compiled K values (SmartSpec chooses among them).")
-    flags.DEFINE_integer("slots", 512, "KV slots per request row.")
-    flags.DEFINE_string("perf_models", "configs/perf/perf_models.json", "Performance models from launch/profile.py.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
     flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
     flags.DEFINE_integer("sim_input_len", 256, "sim --scale: prompt tokens per request.")
@@ -105,79 +85,15 @@ def define_flags() -> None:
                       "SmartSpec selector plans with Eq. 7 either way.")
 
 
-# ---------------------------------------------------------------- inputs
-
-
-def load_prompts(path: str, tok, max_tokens: int) -> list[list[int]]:
-    """First turns of Spec-Bench questions, chat-templated, at most ``max_tokens`` long."""
-    from specjax.errors import SpecjaxError
-
-    path = path if os.path.isabs(path) else os.path.join(ROOT, path)
-    if not os.path.exists(path):
-        raise SpecjaxError(f"--question_file {path} not found")
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                q = json.loads(line)
-                ids = tok.encode_chat(q["turns"][0])
-                if len(ids) <= max_tokens:
-                    out.append(ids)
-    if not out:
-        raise SpecjaxError(f"no prompt in {path} fits --max_prompt_tokens {max_tokens}")
-    return out
-
-
-def make_requests(prompts, n: int, rate: float | None, max_new: int, ignore_eos: bool, seed: int):
-    """n requests cycling through a shuffled prompt list; Poisson arrivals at ``rate`` (None: all at 0)."""
-    import numpy as np
-
-    from specjax.engine.scheduler import Request
-
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(prompts))
-    gaps = rng.exponential(1.0 / rate, size=n) if rate else np.zeros(n)
-    t = np.cumsum(gaps) - (gaps[0] if rate else 0.0)  # the first request arrives at 0
-    return [Request(f"r{i}", prompts[order[i % len(order)]], max_new, arrival=float(t[i]), ignore_eos=ignore_eos)
-            for i in range(n)]
-
-
-def policy_label(name: str) -> str:
-    return {"none": "no-SD", "smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req",
-            "smartspec-conf": "SmartSpec-conf", "oracle": "oracle"}.get(name, f"K={name}")
-
-
-# ---------------------------------------------------------------- runs
-
-
-def rotated(policies, rep: int):
-    """Round ``rep`` runs the policies in a rotated order, so no policy is always the first run
-    after a pause or always the one that meets a slow stretch of a shared machine."""
-    i = rep % len(policies)
-    return list(policies[i:]) + list(policies[:i])
-
-
-def run_summary(eng, outs) -> dict:
-    """summarize() plus how busy the engine was: busy = step iterations + prefills; utilisation
-    = busy / (last finish - first arrival). Near 1 the queue is saturated."""
-    from specjax.engine.loop import summarize
-
-    s = summarize(outs, eng.steps)
-    busy = sum(st.wall for st in eng.steps) + eng.prefill_s
-    span = max((o.finished for o in outs if o.finished is not None), default=0.0)
-    s.update(busy_s=busy, span_s=span, utilization=busy / span if span > 0 else float("nan"))
-    return s
-
-
-def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=None):
-    from specjax.registry import make_backend
+def run_real(model, spec, policies, rates, prompts, geom, cost, seed, table=None):
     from specjax.engine.loop import ServingEngine
+    from specjax.engine.spec import PolicySpec
     from specjax.goodput import DraftPrefillGate
 
-    prefill_chunk, prefill_budget = cli.prefill_options_from_flags()
-    be = make_backend(model, drafter, draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model, **geom,
-                      prefill_chunk=prefill_chunk,
-                      **registry.backend_options(policies))
+    drafter, prefill_budget = spec.drafter.name, cli.prefill_budget_from_flags()
+    pols = [PolicySpec(p) for p in policies]  # one backend compiles what every policy needs
+    be = registry.build_backend(spec, model, draft_first=any(p.draft_first for p in pols),
+                                packed=any(p.packed for p in pols))
     t0 = time.perf_counter()
     be.warmup(prompt_lens=[len(p) for p in prompts], progress=True, execute=True)
     print(f"[{drafter}: compiled and ran {len(be.table)} executables in {time.perf_counter() - t0:.0f} s]",
@@ -194,7 +110,7 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
                     probe = probe_speed(be, table, context=min(len(p) for p in prompts), seed=seed + rep)
                 be.reset()
                 policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if PolicySpec(pol).goodput else None
                 eng = ServingEngine(be, policy, eos_ids=model.tokenizer.eos_ids, prefill_gate=gate,
                                     prefill_budget=prefill_budget)
                 outs = eng.run(reqs)
@@ -203,7 +119,7 @@ def run_real(model, drafter, policies, rates, prompts, geom, cost, seed, table=N
                 if probe:
                     rows[-1]["speed_probe"] = probe
                 engines[(rate, pol, rep)] = (eng, outs)
-                _log(rows[-1])
+                log_row(rows[-1])
     return rows, engines
 
 
@@ -219,6 +135,8 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
     """``cost``: the linear model the selector plans with; ``sim_cost``: what the event clock
     charges (a profiled table, or ``cost`` itself when None); ``speed``: (rate, repeat, policy
     label) -> the speed probe of that real run, to scale the table by."""
+    from specjax.engine.spec import PolicySpec
+
     from specjax.goodput import DraftPrefillGate
     from specjax.simulate import simulate
 
@@ -228,29 +146,19 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
             reqs = reqs_for_rate(rate, rep)
             for pol in policies:
                 policy = registry.policy_for(pol, cost, geom["k_buckets"], FLAGS.window, FLAGS.confidence_threshold)
-                gate = DraftPrefillGate(FLAGS.prefill_disable) if pol in registry.GOODPUT_POLICIES else None
+                gate = DraftPrefillGate(FLAGS.prefill_disable) if PolicySpec(pol).goodput else None
                 charge = sim_cost or cost
                 if speed is not None:
                     charge = charge.with_speed(speed.get((rate, rep, policy_label(pol))))
                 outs, eng = simulate(reqs, policy, charge, accept, device_draft=device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
                                      slots=geom["slots"], seed=seed + rep, prefill_gate=gate,
-                                     packed=registry.backend_options(policies)["packed"],
+                                     packed=any(PolicySpec(p).packed for p in policies),
                                      prefill_chunk=FLAGS.prefill_chunk, prefill_budget=FLAGS.prefill_budget or None)
                 rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
                                  policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
-                _log(rows[-1])
+                log_row(rows[-1])
     return rows
-
-
-def _log(r):
-    print(f"  {r['mode']:4s} {r['drafter']:14s} rate {r['rate']:5.2f} #{r.get('repeat', 0)} {r['policy']:9s} "
-          f"latency {r['mean_latency_s']:7.2f} s  batch {r['mean_batch']:4.1f}  K {r['mean_k']:4.2f}  "
-          f"acc {r['acceptance_rate']:.2f}  tok/s {r['throughput_tok_s']:6.1f}  busy {r['utilization']:.2f}  "
-          f"errors {r['errors']}", file=sys.stderr)
-
-
-# ---------------------------------------------------------------- reporting
 
 
 # ---------------------------------------------------------------- main
@@ -263,17 +171,21 @@ def main(argv):
 def run():
     from specjax.errors import SpecjaxError
     from specjax.goodput import LinearCost, StepCostModel
-    from specjax.goodput.perf_model import ProfiledCost, hardware_key, load_model as load_perf, load_profiled, model_key
+    from specjax.goodput.perf_model import ProfiledCost, load_model as load_perf, load_profiled
     from specjax.simulate import AcceptanceProfile
 
-    policies = [p.strip().lower() for p in FLAGS.policies.split(",") if p.strip()]
-    cli.check_policy_flags()
-    cli.prefill_options_from_flags()
+    from specjax.engine.spec import PolicySpec
+
+    policies = [PolicySpec(p, threshold=FLAGS.confidence_threshold).name for p in FLAGS.policies.split(",")
+                if p.strip()]
+    cli.prefill_budget_from_flags()
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
-    geom = dict(k_buckets=registry.number_list("k_buckets", FLAGS.k_buckets), batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets),
-                slots=FLAGS.slots)
-    if 0 not in geom["k_buckets"]:
-        raise SpecjaxError("--k_buckets must include 0")
+    drafters = cli.drafters_from_flags(allow_none=False)
+    base = cli.engine_spec_from_flags(drafter=drafters[0], policy="auto")
+    geom = dict(k_buckets=list(base.k_buckets), batch_buckets=list(base.batch_buckets), slots=base.slots)
+    for p in policies:  # a fixed K must be compiled (--scale runs check nothing else against a drafter)
+        if PolicySpec(p).fixed_k:
+            cli.engine_spec_from_flags(drafter=drafters[0], policy=p)
     if FLAGS.num_requests < 1:
         raise SpecjaxError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.repeats < 1:
@@ -284,7 +196,6 @@ def run():
     cli.check_range("prefill_disable", 0, 1)
     for name in ("max_prompt_tokens", "max_new_tokens", "sim_input_len", "sim_output_len", "window", "draft_layers"):
         cli.check_range(name, 1)
-    cli.check_range("slots", 16)
     cli.check_range("seed", 0)
     if FLAGS.burst > 0 and int(FLAGS.burst * max(geom["batch_buckets"])) < 1:
         raise SpecjaxError(f"--burst {FLAGS.burst} x {max(geom['batch_buckets'])} KV rows is less than one request")
@@ -325,23 +236,19 @@ def run():
 
     from specjax.models.loader import load_model
 
-    drafters = [d.strip() for d in FLAGS.drafters.split(",") if d.strip()]
-    for d in drafters:
-        if d not in registry.SPEC_DRAFTERS:
-            raise SpecjaxError(f"--drafters: unknown {d!r} ({', '.join(registry.SPEC_DRAFTERS)})")
-    cli.check_device_draft_flags(drafters)
-    model = load_model(FLAGS.model)
-    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens)
-    hw = hardware_key()
-    for p in policies:
-        if registry.backend_options([p])["draft_first"] and set(drafters) - set(registry.DEVICE_DRAFTERS):
-            raise SpecjaxError("policy smartspec-conf (confidence-based proposal) needs device drafters "
-                               f"({', '.join(registry.DEVICE_DRAFTERS)}); got --drafters {FLAGS.drafters}")
     if "oracle" in policies and FLAGS.mode != "sim":
         raise SpecjaxError("the oracle policy needs the true accepted lengths: simulator only (--mode sim)")
-    perf_path = FLAGS.perf_models if os.path.isabs(FLAGS.perf_models) else os.path.join(ROOT, FLAGS.perf_models)
+    for d in drafters:  # every (drafter, policy) pair checked before the load (smartspec-conf: device drafters)
+        for p in policies:
+            if p != "oracle":
+                cli.engine_spec_from_flags(drafter=d, policy=p)
+    specs = {d: cli.engine_spec_from_flags(drafter=d, policy="auto") for d in drafters}
+    model = load_model(FLAGS.model, FLAGS.dtype)
+    prompts = load_prompts(FLAGS.question_file, model.tokenizer, FLAGS.max_prompt_tokens, ROOT)
+    perf_path = FLAGS.perf_models or registry.default_perf_models()
     for d in drafters:
-        key = model_key(model.cfg.name, cli.perf_model_label_from_flags(d), hw)
+        spec = specs[d].resolved(model)
+        key = registry.perf_key(spec, model.cfg.name)
         cost = load_perf(perf_path, key)
         sim_cost = load_profiled(perf_path, key) if FLAGS.sim_cost == "table" else cost
         if FLAGS.sim_cost == "table" and not sim_cost.cells:
@@ -349,14 +256,14 @@ def run():
         lens = {}  # (rate, repeat) -> output lengths the real run produced (EOS included)
         accept = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
         if FLAGS.mode in ("real", "both"):
-            r, real_runs = run_real(model, d, policies, rates, prompts, geom, cost, FLAGS.seed,
+            r, real_runs = run_real(model, spec, policies, rates, prompts, geom, cost, FLAGS.seed,
                                     table=sim_cost if FLAGS.sim_cost == "table" else None)
             rows += r
             lens = {(x["rate"], x["repeat"]): x["out_lens"] for x in r if x["policy"] == policy_label(policies[0])}
             accept = measured_acceptance(real_runs)
             ACCEPTANCE[d] = dataclasses.asdict(accept)  # saved in --out_json for --replay_json
         elif FLAGS.replay_json:
-            r, lens, accept = load_replay(FLAGS.replay_json, d, rates, policies)
+            r, lens, accept = load_replay(FLAGS.replay_json, d, rates, policies, FLAGS.repeats)
             rows += r
         if FLAGS.mode in ("sim", "both"):
 
@@ -367,41 +274,17 @@ def run():
                             for q, n in zip(reqs, lens[(rate, rep)])]
                 return reqs
 
-            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
+            rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, spec.device_draft, geom, FLAGS.seed,
                             label=d, sim_cost=sim_cost, repeats=FLAGS.repeats)
             probes = {(x["rate"], x["repeat"], x["policy"]): {int(b): f for b, f in x["speed_probe"].items()}
                       for x in rows if x["mode"] == "real" and x["drafter"] == d and x.get("speed_probe")}
             if probes and isinstance(sim_cost, ProfiledCost):
-                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, d in registry.DEVICE_DRAFTERS, geom, FLAGS.seed,
+                rows += run_sim(d, policies, rates, reqs_for_rate, cost, accept, spec.device_draft, geom, FLAGS.seed,
                                 label=f"{d}+probe", sim_cost=sim_cost, repeats=FLAGS.repeats, speed=probes)
     finish(rows)
 
 
 ACCEPTANCE: dict = {}  # drafter -> the acceptance profile the simulator used (saved in --out_json)
-
-
-def load_replay(path, drafter, rates, policies):
-    """The real runs of an earlier ``--out_json`` (same prompts, rates, seeds, repeats): their rows,
-    output lengths and measured acceptance, so the simulator can be re-run against them."""
-    from specjax.errors import SpecjaxError
-    from specjax.simulate import AcceptanceProfile
-
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        real = [r for r in data["runs"] if r["mode"] == "real" and r["drafter"] == drafter]
-        acc = data["acceptance"][drafter]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SpecjaxError(f"--replay_json {path}: no real runs / acceptance for {drafter!r} ({e})") from None
-    lens = {(r["rate"], r["repeat"]): r["out_lens"] for r in real if r["policy"] == policy_label(policies[0])}
-    missing = [(x, rep) for x in rates for rep in range(FLAGS.repeats) if (x, rep) not in lens]
-    if missing:
-        raise SpecjaxError(f"--replay_json {path} has no real {policy_label(policies[0])} run for (rate, repeat) "
-                           f"{missing[0]}; use the rates, repeats and policies of the run that wrote it")
-    prof = AcceptanceProfile(per_position=tuple(acc["per_position"]), propose_prob=acc["propose_prob"],
-                             draft_len_cap=acc.get("draft_len_cap"),
-                             draft_len_dist=tuple(acc["draft_len_dist"]) if acc.get("draft_len_dist") else None)
-    return [r for r in real if r["rate"] in rates], lens, prof
 
 
 def measured_acceptance(real_runs):

@@ -14,13 +14,33 @@ from specjax import registry
 FLAGS = flags.FLAGS
 
 
-def define_spec_flags(num_spec_tokens: int = 4, k_buckets: str = "0,1,2,4,8") -> None:
-    """The drafter knobs every script that speculates offers (defaults of K and the K buckets
-    per script: serving compiles the small Ks SmartSpec chooses among)."""
+def define_model_flags(model: str = "smollm2-135m") -> None:
+    """The target model and its dtype."""
+    flags.DEFINE_string("model", model, "Model name (see configs/), a .gguf file or a HF safetensors dir.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter/activation dtype.")
+
+
+def define_drafter_flags(drafter: str = "none", several: list | None = None, num_spec_tokens: int = 4,
+                         k_buckets: str = "0,1,2,4,8") -> None:
+    """The drafter group every script offers: ``--drafter`` (one of registry.DRAFTERS), or with
+    ``several`` (its default list) ``--drafters``, for a script that compares or profiles several;
+    then K, the K buckets and every drafter's knobs (defaults of K and the buckets per script:
+    serving compiles the small Ks SmartSpec chooses among)."""
+    names = ", ".join(registry.SPEC_DRAFTERS)
+    if several is None:
+        flags.DEFINE_enum("drafter", drafter, list(registry.DRAFTERS), "Speculative drafter; none = plain "
+                          "(autoregressive) decoding.")
+    else:
+        flags.DEFINE_list("drafters", several, f"Comma list of drafters, from {names}.")
     flags.DEFINE_integer("num_spec_tokens", num_spec_tokens, "K: draft tokens per speculative step (one of "
                          "--k_buckets; the fixed K of a fixed-K policy).")
     flags.DEFINE_string("k_buckets", k_buckets, "Comma list of precompiled K values (must include 0).")
-    define_device_draft_flags()
+    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
+                        "(must share the target's vocabulary).")
+    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
+                         "(1..num_layers-1).")
+    flags.DEFINE_string("draft_checkpoint", None, "layer_skip / draft_model drafter: draft with the distilled draft "
+                        "in this checkpoint directory (launch/distill.py or --online_distill; its draft.json names it).")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
@@ -37,101 +57,81 @@ def define_spec_flags(num_spec_tokens: int = 4, k_buckets: str = "0,1,2,4,8") ->
                         "tree (each line has 'output_ids' (token ids) or 'output' (text)).")
 
 
-def define_device_draft_flags() -> None:
-    """What a device drafter drafts with (every script that can run one)."""
-    flags.DEFINE_string("draft_model", None, "draft_model drafter: model name, .gguf file or HF safetensors dir "
-                        "(must share the target's vocabulary).")
-    flags.DEFINE_integer("draft_layers", 8, "layer_skip drafter: draft with the target's first N layers "
-                         "(1..num_layers-1).")
-    flags.DEFINE_string("draft_checkpoint", None, "layer_skip / draft_model drafter: draft with the distilled draft "
-                        "in this checkpoint directory (launch/distill.py or --online_distill; its draft.json names it).")
-
-
-def check_device_draft_flags(drafters) -> None:
-    """--draft_model is given exactly when a draft_model drafter runs (before the slow load)."""
+def drafters_from_flags(allow_none: bool = True) -> list[str]:
+    """The drafters the flags name (``--drafter`` or ``--drafters``), checked: known, listed once,
+    and every drafter-specific flag given read by one of them (before the slow load)."""
+    from specjax.engine.spec import DrafterSpec
     from specjax.errors import SpecjaxError
 
-    if FLAGS.draft_model and "draft_model" not in drafters:
-        raise SpecjaxError("--draft_model is only used with --drafter draft_model")
-    if "draft_model" in drafters and not FLAGS.draft_model:
-        raise SpecjaxError("drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
-    if FLAGS.draft_checkpoint and not {"layer_skip", "draft_model"} & set(drafters):
-        raise SpecjaxError("--draft_checkpoint is only used with --drafter layer_skip or draft_model")
-    if "layer_skip" in drafters and FLAGS.draft_layers < 1:
-        raise SpecjaxError(f"--draft_layers must be >= 1, got {FLAGS.draft_layers}")
+    if "drafters" in FLAGS:
+        names = [d.strip() for d in FLAGS.drafters if d.strip()]
+        if not names:
+            raise SpecjaxError("--drafters is empty; give at least one of " + ", ".join(registry.SPEC_DRAFTERS))
+        bad = [d for d in names if d not in registry.SPEC_DRAFTERS]
+        if bad:
+            raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(registry.SPEC_DRAFTERS)}")
+        if len(set(names)) != len(names):
+            raise SpecjaxError(f"--drafters lists a drafter twice: {names}")
+    else:
+        names = [FLAGS.drafter]
+    if not allow_none and "none" in names:
+        raise SpecjaxError(f"--drafter none does not draft; use one of {', '.join(registry.SPEC_DRAFTERS)}")
+    defaults = DrafterSpec()
+    for field in sorted(frozenset().union(*(e.reads for e in registry.DRAFTERS.values()))):
+        if FLAGS[field].value != getattr(defaults, field) and not any(field in registry.DRAFTERS[d].reads
+                                                                       for d in names):
+            readers = [d for d, e in registry.DRAFTERS.items() if field in e.reads]
+            raise SpecjaxError(f"--{field} is only used with --drafter {', '.join(readers)}")
+    return names
 
 
-def perf_model_label_from_flags(drafter: str) -> str:
-    return registry.perf_model_label(drafter, FLAGS.draft_layers, FLAGS.draft_model)
+def drafter_spec_from_flags(name: str, k: int):
+    """The DrafterSpec of drafter ``name`` proposing at most ``k`` drafts: the knobs it reads
+    from the flags, the library defaults for the rest."""
+    from specjax.engine.spec import DrafterSpec
+
+    return DrafterSpec(name=name, k=k, **{f: FLAGS[f].value for f in registry.DRAFTERS[name].reads})
 
 
-def suffix_config_from_flags(k: int):
-    return registry.suffix_config(k, max_depth=FLAGS.suffix_max_depth, alpha=FLAGS.suffix_alpha,
-                                  min_prob=FLAGS.suffix_min_prob, tree=FLAGS.suffix_tree,
-                                  cache_requests=FLAGS.suffix_cache_requests, cache_mb=FLAGS.suffix_cache_mb)
-
-
-def prompt_lookup_config_from_flags(k: int):
-    return registry.prompt_lookup_config(k, FLAGS.pld_min_ngram, FLAGS.pld_max_ngram, FLAGS.pld_max_draft)
-
-
-def suffix_kwargs(model, drafter: str, k: int) -> dict:
-    """build_spec_generator's suffix arguments from the flags (empty for other drafters)."""
-    if drafter not in registry.SUFFIX_DRAFTERS:
-        return {}
-    hist = registry.load_suffix_history(FLAGS.suffix_history_jsonl, model.tokenizer) if FLAGS.suffix_history_jsonl else ()
-    return dict(suffix=suffix_config_from_flags(k), suffix_tau=FLAGS.suffix_tau, suffix_history=hist)
-
-
-def drafter_kwargs(model, drafter: str, k: int, draft=None) -> dict:
-    """Every drafter knob from the flags, as keyword arguments of registry.drafter_parts /
-    build_spec_generator (the flags a script did not define keep the library defaults)."""
-    kw = dict(draft_model=FLAGS.draft_model, draft_layers=FLAGS.draft_layers, pld_min_ngram=FLAGS.pld_min_ngram,
-              pld_max_ngram=FLAGS.pld_max_ngram, pld_max_draft=FLAGS.pld_max_draft, draft=draft,
-              draft_checkpoint=FLAGS.draft_checkpoint)
-    if "dtype" in FLAGS:
-        kw["dtype"] = FLAGS.dtype
-    kw.update(suffix_kwargs(model, drafter, k))
-    return kw
-
-
-def sampling_from_flags(fields=None):
-    """SamplingParams from the flags, or from a JSONL record's checked request fields."""
-    from specjax.sampling import SamplingParams
-
-    f = fields if fields is not None else request_defaults()
-    return SamplingParams(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], seed=f["seed"])
-
-
-def validate_spec_flags(drafters) -> tuple[int, ...] | None:
-    """The drafter flag checks that need no model (run before the slow load) for every drafter
-    in ``drafters`` ('none' = plain decoding). Returns the parsed K buckets (None without a
-    speculative drafter). Raises SpecjaxError on the first problem."""
+def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None, mesh_ok: bool = False):
+    """The EngineSpec the flags describe (unresolved: ``--rows_kernel -1`` is resolved with the
+    loaded model, EngineSpec.resolved). ``drafter`` / ``policy``: one entry of a script's lists
+    (default: --drafter, --policy). The drafter proposes at most a fixed-K policy's K, else the
+    largest K bucket. ``mesh_ok``: the script serves a ``--mesh`` (the batch job); elsewhere one
+    is refused rather than ignored. SpecjaxError on the first bad setting."""
+    from specjax.engine.spec import EngineSpec, PolicySpec
     from specjax.errors import SpecjaxError
+    from specjax.models.options import ForwardOptions
 
-    drafters = [d for d in drafters if d != "none"]
-    bad = [d for d in drafters if d not in registry.SPEC_DRAFTERS]
-    if bad:
-        raise SpecjaxError(f"unknown drafters {bad}; use {', '.join(registry.SPEC_DRAFTERS)}")
-    check_device_draft_flags(drafters)
-    suffix = set(drafters) & set(registry.SUFFIX_DRAFTERS)
-    if FLAGS.suffix_history_jsonl and not suffix:
-        raise SpecjaxError("--suffix_history_jsonl is only used with --drafter suffix, suffix_path or hybrid")
-    if FLAGS.suffix_history_jsonl:  # a bad history file is an error before the model load, not after
-        from specjax.jobs import read_outputs
+    name = drafter if drafter is not None else FLAGS.drafter
+    has = lambda f: f in FLAGS  # noqa: E731 (the groups a script did not define keep the library defaults)
+    pol = PolicySpec(policy if policy is not None else FLAGS.policy if has("policy") else "auto",
+                     perf_models=FLAGS.perf_models if has("perf_models") else None,
+                     threshold=FLAGS.confidence_threshold if has("confidence_threshold") else 0.5,
+                     fallback_k=FLAGS.num_spec_tokens)
+    ks = registry.number_list("k_buckets", FLAGS.k_buckets)
+    kw = {}
+    if has("batch_buckets"):
+        kw.update(batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets), slots=FLAGS.slots)
+    if has("prefill_chunk"):
+        kw["prefill_chunk"] = FLAGS.prefill_chunk
+    if has("rows_kernel"):
+        if FLAGS.mesh and not mesh_ok:
+            raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
+                               "device")
+        kw.update(fwd=ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows,
+                                     rows_kernel=max(FLAGS.rows_kernel, 0), scan_layers=FLAGS.scan_layers),
+                  rows_kernel_auto=FLAGS.rows_kernel < 0, mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
+    return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
+                      drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,
+                      **kw)
 
-        read_outputs(FLAGS.suffix_history_jsonl, flag="--suffix_history_jsonl")
-    if not drafters:
-        return None
-    k_buckets = registry.parse_k_buckets(FLAGS.k_buckets)
-    registry.check_num_spec_tokens(FLAGS.num_spec_tokens, k_buckets)
-    if "prompt_lookup" in drafters or "hybrid" in drafters:
-        prompt_lookup_config_from_flags(FLAGS.num_spec_tokens)
-    if suffix:
-        suffix_config_from_flags(FLAGS.num_spec_tokens)
-        if FLAGS.suffix_tau < 0:
-            raise SpecjaxError(f"--suffix_tau must be >= 0, got {FLAGS.suffix_tau}")
-    return k_buckets
+
+def sampling_from_flags():
+    """SamplingParams from the flags."""
+    from specjax.serve_job import sampling_of
+
+    return sampling_of(request_defaults())
 
 
 def define_forward_flags() -> None:
@@ -181,93 +181,59 @@ def init_distributed() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def layout_from_flags():
-    """The sharding.Layout ``--mesh`` asks for, or None (one device); a malformed or oversized
-    mesh is a one-line error."""
-    if not FLAGS.mesh:
-        return None
-    from specjax import sharding as sh
-    from specjax.errors import SpecjaxError
-
-    try:
-        data, model = (int(x) for x in FLAGS.mesh.lower().split("x"))
-    except ValueError:
-        raise SpecjaxError(f"--mesh must be DATAxMODEL, e.g. 1x8, got {FLAGS.mesh!r}") from None
-    return sh.Layout(sh.make_mesh(data, model), shard_draft=FLAGS.shard_draft)
-
-
-def forward_options_from_flags(model=None, mesh_ok: bool = False):
-    """ForwardOptions from the flags; ``model`` (a LoadedModel) resolves ``--rows_kernel -1``
-    (never the rows kernel on a ``--mesh``: it runs on one device). ``mesh_ok``: the script serves
-    a ``--mesh`` (the batch job); elsewhere one is refused rather than ignored."""
-    from specjax.errors import SpecjaxError
-    from specjax.models.options import ForwardOptions
-
-    if FLAGS.mesh and not mesh_ok:
-        raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one device")
-    rows = FLAGS.rows_kernel
-    if FLAGS.mesh and rows > 0:
-        raise SpecjaxError("--rows_kernel runs on one device; leave it at -1 or 0 with --mesh")
-    if rows < 0:  # (the kernel reads per-layer packs: not on a mesh, not with a scanned stack)
-        rows = model.auto_rows_kernel() if model is not None and not FLAGS.mesh and not FLAGS.scan_layers else 0
-    return ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows, rows_kernel=rows,
-                          scan_layers=FLAGS.scan_layers)
-
-
-def define_prefill_flags() -> None:
-    """How the engine prefills prompts (buckets.prefill_chunks, ServingEngine's prefill_budget)."""
+def define_engine_flags(batch_buckets: str = "1,2,4,8", slots: int = 512) -> None:
+    """The serving engine's geometry and prefill (EngineSpec; ServingEngine's prefill_budget)."""
+    flags.DEFINE_string("batch_buckets", batch_buckets, "Batch buckets; the engine's KV rows = the largest.")
+    flags.DEFINE_integer("slots", slots, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
     flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
                          "of two >= 16); each chunk attends to the cached prefix and itself.")
     flags.DEFINE_integer("prefill_budget", 0, "Chunked prefill: about this many prompt tokens prefilled per engine "
                          "iteration while other requests decode (0: each prompt whole, at admission).")
 
 
-def prefill_options_from_flags() -> tuple[int, int | None]:
-    """(prefill_chunk, prefill_budget or None) from the flags, checked."""
-    from specjax import buckets as bk
+def prefill_budget_from_flags() -> int | None:
     from specjax.errors import SpecjaxError
 
-    bk.check_prefill_chunk(FLAGS.prefill_chunk, "--prefill_chunk")
     if FLAGS.prefill_budget < 0:
         raise SpecjaxError(f"--prefill_budget must be >= 0, got {FLAGS.prefill_budget}")
-    return FLAGS.prefill_chunk, FLAGS.prefill_budget or None
+    return FLAGS.prefill_budget or None
 
 
-def define_policy_flags() -> None:
-    """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K."""
-    flags.DEFINE_string("policy", "auto", registry.POLICY_HELP + ": auto = SmartSpec when --perf_models has a "
-                        "model for this model, drafter and hardware, else fixed K = --num_spec_tokens.")
+def define_policy_flags(single: bool = True) -> None:
+    """How many drafts each step verifies: SmartSpec's goodput choice or a fixed K (``single``:
+    the --policy flag; a script running a list of policies defines its own list)."""
+    from specjax.engine.spec import POLICY_HELP
+
+    if single:
+        flags.DEFINE_string("policy", "auto", POLICY_HELP + ": auto = SmartSpec when --perf_models has a model of "
+                            "this model, drafter, hardware and compiled code, else fixed K = --num_spec_tokens.")
     flags.DEFINE_string("perf_models", None, "Performance models from launch/profile.py (default: the ones "
                         "shipped in configs/perf/).")
-    define_confidence_flag()
-
-
-def define_confidence_flag() -> None:
     flags.DEFINE_float("confidence_threshold", 0.5, "Policy smartspec-conf: a row keeps drafting while its last "
                        "draft's probability under the draft model exceeds this, in [0, 1).")
 
 
-def check_policy_flags() -> None:
-    """Range checks of the policy flags (before the model load)."""
-    from specjax.errors import SpecjaxError
-
-    t = FLAGS.confidence_threshold
-    if not 0.0 <= t < 1.0:  # (NaN fails too)
-        raise SpecjaxError(f"--confidence_threshold must be in [0, 1), got {t}")
-
-
-def policy_from_flags(model, drafter: str, policy: str | None = None):
-    """(policy, label) from --policy (or ``policy``, one entry of a script's policy list); an auto
-    fallback to fixed K is said on stderr."""
+def policy_from_spec(spec, model):
+    """(policy, label) of ``spec`` (resolved) for ``model``; an auto fallback to fixed K is said
+    on stderr."""
     import sys
 
-    pol, label, note = registry.make_policy(policy if policy is not None else FLAGS.policy, model.cfg.name, drafter,
-                                            draft_layers=FLAGS.draft_layers, draft_model=FLAGS.draft_model,
-                                            fallback_k=FLAGS.num_spec_tokens,
-                                            perf_models=FLAGS.perf_models, threshold=FLAGS.confidence_threshold)
+    pol, label, note = registry.build_policy(spec, model.cfg.name)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return pol, label
+
+
+def load_target(spec, layout=None):
+    """The target model of ``spec`` (said on stderr) and ``spec`` resolved for it."""
+    import sys
+
+    from specjax.models.loader import load_model
+
+    model = load_model(spec.model, spec.dtype, layout=layout)  # (an HF directory: straight into the shards)
+    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {spec.dtype}) in "
+          f"{model.load_seconds:.1f} s]", file=sys.stderr)
+    return model, spec.resolved(model)
 
 
 def define_distill_flags(online: bool = True) -> None:
@@ -323,9 +289,9 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    if drafter not in ("layer_skip", "draft_model"):
-        raise SpecjaxError(f"--online_distill trains a device draft: use --drafter layer_skip or draft_model, not "
-                           f"{drafter}")
+    if not registry.DRAFTERS[drafter].device:
+        raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
+                           f"{' or '.join(registry.DEVICE_DRAFTERS)}, not {drafter}")
     if FLAGS.draft_checkpoint:
         raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
                            "a distilled draft without training it")
@@ -341,9 +307,8 @@ def check_online_distill_flags(drafter: str) -> None:
 
 
 def define_request_flags(chat: bool = False) -> None:
-    """The target model, the prompt wrapping and the sampling of each request (JSONL records may
+    """The prompt wrapping and the sampling of each request (JSONL records may
     override the sampling flags and max_new_tokens)."""
-    flags.DEFINE_string("model", "smollm2-135m", "Model name (see configs/), a .gguf file or a HF safetensors dir.")
     flags.DEFINE_bool("chat", chat, "Wrap prompts in the model's chat template (--nochat: raw text).")
     flags.DEFINE_string("system", None, "System message for --chat.")
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (JSONL records may override).")

@@ -17,10 +17,11 @@ from specjax.models.options import ForwardOptions
 @dataclasses.dataclass(frozen=True)
 class DrafterEntry:
     """One drafter kind as the registry knows it: the only place that does.
-    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs
-    (``draft``: an already loaded draft model). device: it drafts inside the compiled step (its
-    own draft forward), so its step costs need a performance model of their own. reads: the
-    DrafterSpec fields it uses (a setting given for a drafter that does not read it is refused)."""
+    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs, a
+    drafters.protocol.Drafter (``draft``: an already loaded draft model). device: it drafts inside
+    the compiled step (its own draft forward), so its step costs need a performance model of their
+    own. reads: the DrafterSpec fields it uses (a setting given for a drafter that does not read it
+    is refused)."""
 
     name: str
     build: Callable | None
@@ -34,15 +35,7 @@ _SUFFIX = frozenset({"suffix_max_depth", "suffix_alpha", "suffix_min_prob", "suf
 
 
 def _build_parts(model, spec, draft=None):
-    return drafter_parts(model, spec.name, k=spec.k, draft_model=spec.draft_model, draft_layers=spec.draft_layers,
-                         pld_min_ngram=spec.pld_min_ngram, pld_max_ngram=spec.pld_max_ngram,
-                         pld_max_draft=spec.pld_max_draft, draft=draft, suffix=suffix_config(
-                             spec.k, max_depth=spec.suffix_max_depth, alpha=spec.suffix_alpha,
-                             min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
-                             cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
-                         suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint,
-                         suffix_history=load_suffix_history(spec.suffix_history_jsonl, model.tokenizer)
-                         if spec.suffix_history_jsonl and spec.name in SUFFIX_DRAFTERS else ())
+    return drafter_parts(model, spec.name, k=spec.k, **drafter_kwargs(spec, model, draft))["drafter"]
 
 
 DRAFTERS: dict[str, DrafterEntry] = {}
@@ -89,29 +82,6 @@ def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = F
     return xs
 
 
-def parse_k_buckets(text: str) -> tuple[int, ...]:
-    from specjax.errors import SpecjaxError
-
-    ks = number_list("k_buckets", text, minimum=0)
-    if 0 not in ks:
-        raise SpecjaxError(f"--k_buckets must include 0 (plain decoding), got {text!r}")
-    return tuple(ks)
-
-
-def check_num_spec_tokens(k: int, k_buckets) -> None:
-    from specjax.errors import SpecjaxError
-
-    if k < 1:
-        raise SpecjaxError(f"num_spec_tokens must be >= 1 with a drafter, got {k} (use --drafter none for plain "
-                           "decoding)")
-    if k > max(k_buckets):
-        raise SpecjaxError(f"num_spec_tokens {k} is larger than the largest bucket in k_buckets "
-                           f"({max(k_buckets)}); add it to k_buckets")
-    if k not in k_buckets:
-        raise SpecjaxError(f"num_spec_tokens {k} is not a bucket in k_buckets {list(k_buckets)}; "
-                           "use one of them or add it")
-
-
 def prompt_lookup_config(k: int, min_ngram: int = 1, max_ngram: int = 3, max_draft: int = 0):
     """Validated before the model load (raises SpecjaxError on bad n-gram bounds). max_draft:
     at most this many drafts per step; 0 means K."""
@@ -141,21 +111,23 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
                   draft_checkpoint: str | None = None) -> dict:
-    """The drafter of ``drafter`` on ``model`` as keyword arguments of SpecGenerator / JaxBackend:
-    ``drafter`` (a host drafter) or ``draft`` (a device drafter) + ``draft_params``. ``draft``: an
+    """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
+    SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
     (distill.checkpoint)."""
+    from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
+    from specjax.drafters.host import host_drafter
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
-    from specjax.drafters.device import ModelDraft, layer_skip
     from specjax.errors import SpecjaxError
     from specjax.models.loader import load_model
 
     cfg = model.cfg
     if drafter == "prompt_lookup":
-        return {"drafter": PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))}
+        pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
+        return {"drafter": host_drafter(pld)}
     if drafter in SUFFIX_DRAFTERS:
         import dataclasses
 
@@ -170,18 +142,17 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             if suffix_tau < 0:
                 raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
             sd = HybridDrafter(sd, pld, tau=suffix_tau)
-        return {"drafter": sd}
+        return {"drafter": host_drafter(sd)}
     if drafter == "layer_skip":
         if draft_checkpoint:  # (its draft.json says how many layers)
             from specjax.distill.checkpoint import load_draft
 
             td, trainable = load_draft(draft_checkpoint, cfg, model.params)
-            return {"draft": td.draft, "draft_params": td.params(trainable)}
+            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
         if not 1 <= draft_layers <= cfg.num_layers - 1:
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
-        d, dparams = layer_skip(cfg, model.params, draft_layers)
-        return {"draft": d, "draft_params": dparams}
+        return {"drafter": DeviceDrafter(*layer_skip(cfg, model.params, draft_layers))}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -195,11 +166,18 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             from specjax.distill.checkpoint import load_draft
 
             td, trainable = load_draft(draft_checkpoint, cfg, model.params, draft_model=draft)
-            return {"draft": td.draft, "draft_params": td.params(trainable)}
-        return {"draft": ModelDraft(dcfg), "draft_params": draft.params}
-    if drafter == "none":
+            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
+        return {"drafter": DeviceDrafter(ModelDraft(dcfg), draft.params)}
+    entry = DRAFTERS.get(drafter)
+    if entry is None:
+        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    if entry.build is None:
         return {}
-    raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    # a kind registered elsewhere: its entry builds it, from its DrafterSpec (the knobs above are
+    # the built-in kinds' own)
+    from specjax.engine.spec import DrafterSpec
+
+    return {"drafter": entry.build(model, DrafterSpec(name=drafter, k=k), draft)}
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
@@ -258,14 +236,15 @@ def format_spec_stats(stats) -> str:
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
                  draft_first: bool = False, packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
-                 parts: dict | None = None, teacher_topk: int = 0, layout=None, **drafter_kw):
+                 parts=None, teacher_topk: int = 0, layout=None, **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
-    verify blocks, for per-request draft counts; see backend_options). ``parts``: the device draft
-    given ({"draft", "draft_params"}, say a distill.train.TrainableDraft's) instead of built from the
-    flags; ``teacher_topk``: the steps keep the target's top-k (online distillation); ``layout``:
-    shard the engine (sharding.Layout)."""
+    verify blocks, for per-request draft counts; see backend_options). ``parts``: the drafter
+    given instead of built from the flags (a drafters.protocol.Drafter, or JaxBackend's drafter
+    keywords such as {"draft", "draft_params"} of a distill.train.TrainableDraft); ``teacher_topk``:
+    the steps keep the target's top-k (online distillation); ``layout``: shard the engine
+    (sharding.Layout)."""
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
@@ -276,7 +255,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     fwd = fwd or ForwardOptions()
     return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
                       fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
-                      teacher_topk=teacher_topk, layout=layout, **parts)
+                      teacher_topk=teacher_topk, layout=layout, **(parts if isinstance(parts, dict) else {"drafter": parts}))
 
 
 def model_name(spec: str) -> str:
@@ -297,53 +276,14 @@ def drafter_label(drafter: str, draft_layers: int = 8, draft_model: str | None =
     return drafter
 
 
+TARGET_ONLY = "prompt_lookup"  # the host drafter launch/profile.py times the target-only steps with
+
+
 def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
     """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
     suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
-    which launch/profile.py fits under the name prompt_lookup."""
-    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else "prompt_lookup"
-
-
-POLICY_HELP = ("auto, smartspec, smartspec-req (per-request draft counts), smartspec-conf (confidence-based "
-               "proposal, device drafters), none or an integer K")
-GOODPUT_POLICIES = ("smartspec", "smartspec-req", "smartspec-conf", "oracle")  # need a performance model
-_GOODPUT_LABELS = {"smartspec": "SmartSpec", "smartspec-req": "SmartSpec-req", "smartspec-conf": "SmartSpec-conf"}
-
-
-def backend_options(policies) -> dict:
-    """What a backend must compile for these policy names, as make_backend / build_spec_generator
-    arguments: ``draft_first`` for a confidence policy (SmartSpec Algorithm 3: a device drafter
-    drafts ahead of the choice), ``packed`` for per-request draft counts (verify blocks that
-    cost their real tokens)."""
-    names = {p.strip().lower() for p in policies}
-    return {"draft_first": "smartspec-conf" in names, "packed": "smartspec-req" in names}
-
-
-def check_policy(policy: str, k_buckets, drafter: str, fallback_k: int) -> str:
-    """Validate a policy name against the compiled K buckets; returns it normalised. Raises
-    SpecjaxError. ``auto``: SmartSpec when a performance model exists, else fixed ``fallback_k``;
-    ``smartspec`` requires the model; ``none`` is K = 0; an integer is that fixed K."""
-    from specjax.errors import SpecjaxError
-
-    pol = policy.strip().lower()
-    if pol == "smartspec-conf" and drafter not in DEVICE_DRAFTERS:
-        raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
-                           f"({', '.join(DEVICE_DRAFTERS)}), not {drafter}")
-    if pol not in ("auto", "none") + GOODPUT_POLICIES[:-1]:
-        try:
-            k = int(pol)
-        except ValueError:
-            raise SpecjaxError(f"--policy must be {POLICY_HELP}, got {policy!r}") from None
-        if k not in k_buckets:
-            raise SpecjaxError(f"--policy K={k} is not in --k_buckets {list(k_buckets)}")
-    if drafter == "none":
-        if pol not in ("auto", "none", "0"):
-            raise SpecjaxError(f"--policy {policy} needs a drafter; --drafter none decodes without speculation "
-                               "(use --policy auto or none)")
-    elif pol == "auto" and fallback_k not in k_buckets:
-        raise SpecjaxError(f"--num_spec_tokens {fallback_k} (the fallback K of --policy auto) is not in "
-                           f"--k_buckets {list(k_buckets)}")
-    return pol
+    which launch/profile.py fits under the name TARGET_ONLY."""
+    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else TARGET_ONLY
 
 
 def default_perf_models() -> str:
@@ -354,54 +294,128 @@ def default_perf_models() -> str:
 
 
 def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold: float = 0.5):
-    """The policy object of an explicit name: 'none' (K = 0), 'smartspec' (goodput, moving
-    average), 'smartspec-conf' (goodput, confidence-based proposal with cut ``threshold``),
-    'oracle' (goodput with the simulator's true acceptance) or an integer K."""
+    """The policy object of an explicit name (parsed by engine.spec.PolicySpec): 'none' (K = 0),
+    'smartspec' (goodput, moving average), 'smartspec-req' (per-request draft counts),
+    'smartspec-conf' (goodput, confidence-based proposal with cut ``threshold``), 'oracle'
+    (goodput with the simulator's true acceptance) or an integer K (one of ``k_buckets``)."""
+    from specjax.engine.spec import PolicySpec
     from specjax.errors import SpecjaxError
     from specjax.goodput import FixedK, GoodputPolicy
 
-    if name in ("none", "0"):
-        return FixedK(0)
-    if name in GOODPUT_POLICIES:
-        estimator = {"smartspec-conf": "confidence", "oracle": "oracle"}.get(name, "moving_average")
-        # Alphas per request (each falls back to the global one until it has its own observations):
-        # one average over every request follows a batch-1 stream's prompt-to-prompt swings too
-        # slowly. smartspec-req also sets draft counts per request.
-        return GoodputPolicy(cost, estimator, window=window, threshold=threshold, per_request=name != "oracle",
-                             per_request_k=name == "smartspec-req")
-    try:
-        k = int(name)
-    except ValueError:
-        raise SpecjaxError(f"unknown policy {name!r} (none, {', '.join(GOODPUT_POLICIES)} or an integer K)") from None
-    if k_buckets is not None and k not in k_buckets:
-        raise SpecjaxError(f"policy K={k} is not in --k_buckets {list(k_buckets)}")
-    return FixedK(k)
+    pol = PolicySpec(name, threshold=threshold)
+    if pol.fixed_k is not None:
+        if k_buckets is not None and pol.fixed_k not in k_buckets:
+            raise SpecjaxError(f"policy K={pol.fixed_k} is not in --k_buckets {list(k_buckets)}")
+        return FixedK(pol.fixed_k)
+    if pol.name == "auto":
+        raise SpecjaxError("policy auto is resolved by registry.build_policy (it needs the engine spec)")
+    estimator = {"smartspec-conf": "confidence", "oracle": "oracle"}.get(pol.name, "moving_average")
+    # Alphas per request (each falls back to the global one until it has its own observations):
+    # one average over every request follows a batch-1 stream's prompt-to-prompt swings too
+    # slowly. smartspec-req also sets draft counts per request.
+    return GoodputPolicy(cost, estimator, window=window, threshold=pol.threshold, per_request=pol.name != "oracle",
+                         per_request_k=pol.packed)
 
 
-def make_policy(policy: str, target_name: str, drafter: str, *, draft_layers: int = 8, draft_model: str | None = None,
-                fallback_k: int = 4, perf_models: str | None = None, threshold: float = 0.5):
-    """(policy object, label, note or None) for ``policy`` (see check_policy). ``note`` says when
-    ``auto`` fell back to a fixed K because no performance model matches this model, drafter and
-    hardware (make one with launch/profile.py)."""
+def perf_key(spec, target_name: str) -> str:
+    """The performance-model key of what ``spec`` (resolved) compiles for ``target_name`` on this
+    hardware: host drafters share the target-only model; the code key names the executable."""
+    from specjax.goodput.perf_model import hardware_key, model_key
+
+    d = spec.drafter
+    return model_key(target_name, perf_model_label(d.name, d.draft_layers, d.draft_model), hardware_key(),
+                     spec.code_key())
+
+
+def profile_command(spec) -> str:
+    """The launch/profile.py command that profiles what ``spec`` compiles."""
+    d, f = spec.drafter, spec.fwd
+    label = perf_model_label(d.name, d.draft_layers, d.draft_model)
+    dev = DRAFTERS[d.name].device
+    args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
+            f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
+    args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + ["--scan_layers"] * f.scan_layers
+    args += [f"--draft_layers {d.draft_layers}"] * (label.startswith("layer_skip")) + \
+        [f"--draft_model {d.draft_model}"] * (dev and bool(d.draft_model))
+    return "python launch/profile.py " + " ".join(args)
+
+
+def build_policy(spec, target_name: str):
+    """(policy object, label, note or None) for ``spec`` (an EngineSpec resolved for its model,
+    whose cfg.name is ``target_name``). A goodput policy costs steps with the performance model
+    of exactly this compiled code (``perf_key``): ``smartspec*`` without one is an error naming
+    what differs and the profile command; ``auto`` falls back to fixed K = the spec's fallback K
+    and says why in ``note``."""
     from specjax.errors import SpecjaxError
-    from specjax.goodput.perf_model import hardware_key, load_model as load_perf, model_key
+    from specjax.goodput.perf_model import code_mismatch, load_model as load_perf
 
-    pol = policy.strip().lower()
-    if drafter == "none" or pol in ("none", "0"):
+    pol = spec.policy
+    if spec.drafter.name == "none" or pol.fixed_k == 0:
         return policy_for("none"), "no-SD", None
-    if pol not in ("auto",) + GOODPUT_POLICIES[:-1]:
-        return policy_for(pol), f"K={int(pol)}", None
-    path = perf_models or default_perf_models()
-    key = model_key(target_name, perf_model_label(drafter, draft_layers, draft_model), hardware_key())
+    if pol.fixed_k is not None:
+        return policy_for(pol.name), pol.label, None
+    path = pol.perf_models or default_perf_models()
+    key = perf_key(spec, target_name)
     try:
         cost = load_perf(path, key)
-    except SpecjaxError:
-        if pol != "auto":
-            raise
-        return (policy_for(str(fallback_k)), f"K={fallback_k} (auto)",
-                f"no performance model for {key!r} in {path}; using fixed K={fallback_k} instead of SmartSpec "
-                "(make one with launch/profile.py)")
-    if pol == "smartspec-conf":
-        return policy_for(pol, cost, threshold=threshold), f"SmartSpec-conf (T={threshold:g})", None
-    pol = "smartspec" if pol == "auto" else pol
-    return policy_for(pol, cost), _GOODPUT_LABELS[pol], None
+    except SpecjaxError as e:
+        import os
+
+        diff = code_mismatch(path, key)
+        why = (str(e) if not os.path.exists(path) else f"no performance model for {key!r} in {path}"
+               + (f" (it has one for other compiled code: {diff})" if diff else ""))
+        todo = f"profile this configuration: {profile_command(spec)}"
+        if pol.name != "auto":
+            raise SpecjaxError(f"--policy {pol.name}: {why}; {todo}") from None
+        k = pol.fallback_k
+        return policy_for(str(k)), f"K={k} (auto)", f"{why}; using fixed K={k} instead of SmartSpec ({todo})"
+    if pol.name == "smartspec-conf":
+        return policy_for(pol.name, cost, threshold=pol.threshold), f"SmartSpec-conf (T={pol.threshold:g})", None
+    return policy_for("smartspec" if pol.name == "auto" else pol.name, cost), pol.label, None
+
+
+def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
+    """A DrafterSpec as drafter_parts' keyword arguments (``draft``: a loaded draft model, else
+    one is loaded in ``dtype``)."""
+    hist = spec.suffix_history_jsonl if "suffix_history_jsonl" in DRAFTERS[spec.name].reads else None
+    return dict(draft_model=spec.draft_model, draft_layers=spec.draft_layers, pld_min_ngram=spec.pld_min_ngram,
+                pld_max_ngram=spec.pld_max_ngram, pld_max_draft=spec.pld_max_draft, draft=draft, dtype=dtype,
+                suffix=suffix_config(spec.k, max_depth=spec.suffix_max_depth, alpha=spec.suffix_alpha,
+                                     min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
+                                     cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
+                suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint,
+                suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
+
+
+def layout(spec):
+    """The sharding.Layout of ``spec.mesh`` over this process's devices, or None (one device)."""
+    if not spec.mesh:
+        return None
+    from specjax import sharding as sh
+
+    data, n = (int(x) for x in spec.mesh.lower().split("x"))
+    return sh.Layout(sh.make_mesh(data, n), shard_draft=spec.shard_draft)
+
+
+def build_backend(spec, model, *, draft=None, **kw):
+    """The serving engine's JaxBackend for ``spec`` (resolved) on ``model``; ``kw`` as for
+    make_backend (profiling, parts, teacher_topk, layout: the one the model was loaded with;
+    draft_first / packed: what several policies on one backend need, else the spec's policy's);
+    ``draft``: a loaded draft model."""
+    kw.setdefault("layout", layout(spec))
+    kw.setdefault("draft_first", spec.policy.draft_first)
+    kw.setdefault("packed", spec.policy.packed)
+    return make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
+                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+
+
+def build_generator(spec, model, draft=None):
+    """The batch generator for ``spec`` (resolved) on ``model``: a SpecGenerator with the spec's
+    drafter, or the autoregressive Generator for drafter none."""
+    if spec.drafter.name == "none":
+        from specjax.generate import Generator
+
+        return Generator(model.cfg, model.params_for(spec.fwd), eos_ids=model.tokenizer.eos_ids, fwd=spec.fwd)
+    return build_spec_generator(model, spec.drafter.name, k=spec.drafter.k, k_buckets=spec.k_buckets, fwd=spec.fwd,
+                                draft_first=spec.policy.draft_first, packed=spec.policy.packed,
+                                prefill_chunk=spec.prefill_chunk, **drafter_kwargs(spec.drafter, model, draft, spec.dtype))

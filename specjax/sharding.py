@@ -199,6 +199,28 @@ class Layout:
     def put_params(self, cfg: ModelConfig, params, draft: bool = False):
         return jax.device_put(params, self.params(cfg, params, draft))
 
+    def place(self, cfg: ModelConfig, params, fwd, rows: int, slots: int, draft_cfg: ModelConfig | None = None,
+              draft_params=None):
+        """(params, draft params or None) placed by this layout for an engine of ``rows`` x
+        ``slots`` cached tokens, after one-line SpecjaxErrors for what cannot run on it: the CPU
+        rows kernel, heads or MLP columns that do not divide (``check``), weights and the KV cache
+        of every row beyond one device's memory. A draft without params of its own (None or the
+        target's) runs on the target's."""
+        from specjax.errors import require
+
+        require(not fwd.rows_kernel, f"the CPU rows kernel runs on one device; use rows_kernel 0 on {self.describe()}")
+        self.check(cfg)
+        if draft_cfg is not None and self.shard_draft:
+            self.check(draft_cfg, "draft")
+        budget = device_memory_budget()
+        if budget:
+            from specjax import aot
+
+            aot.check_fit(cfg, self, rows, slots, jax.tree_util.tree_leaves(params)[0].dtype, budget)
+        same = draft_params is None or draft_params is params
+        return (self.put_params(cfg, params),
+                None if same else self.put_params(draft_cfg or cfg, draft_params, draft=True))
+
     def abstract_params(self, cfg: ModelConfig, dtype=jax.numpy.bfloat16, stacked: bool = False):
         """A config's params as ShapeDtypeStructs placed by this layout (no memory)."""
         ab = abstract_params(cfg, dtype, stacked)
@@ -224,6 +246,16 @@ class Layout:
     def pin_state(self, st):
         """``st`` constrained to ``state``'s shardings (inside a compiled function)."""
         return jax.lax.with_sharding_constraint(st, self.state(st))
+
+
+def device_memory_budget() -> float | None:
+    """Bytes one of this process's devices may hold (an accelerator's memory limit), or None where
+    jax does not say (the CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
 
 
 def with_shardings(abstract, shardings):

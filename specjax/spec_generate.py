@@ -18,11 +18,11 @@ from typing import Literal, Sequence
 
 import jax
 
-from specjax import buckets as bk
 from specjax.config import ModelConfig
-from specjax.drafters.base import NoDrafter
+from specjax.drafters.kinds import as_drafter
 from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
 from specjax.engine.loop import ServingEngine
+from specjax.engine.options import BackendOptions, model_params
 from specjax.engine.scheduler import Request
 from specjax.engine.table import StepTable
 from specjax.drafters.device import ModelDraft, check_pair
@@ -30,8 +30,6 @@ from specjax.errors import SpecjaxError, require
 from specjax.results import GenerationResult, check_max_new_tokens, validate_request
 from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.selector import DraftPrefillGate, FixedK, GoodputPolicy, Policy
-from specjax.models import llama
-from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingParams
 
 
@@ -51,27 +49,21 @@ class _Compiled:
 
 class SpecGenerator:
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (), drafter=None,
-                 draft: ModelDraft | None = None, draft_params=None, k_buckets: Sequence[int] = (0, 1, 2, 4, 8),
-                 batch_buckets: Sequence[int] = (1, 2, 4, 8), slot_buckets: Sequence[int] = (256, 512, 1024, 2048),
-                 fwd: ForwardOptions = ForwardOptions(), shrink_to_proposal: bool = True, draft_first: bool = False,
-                 packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
-        require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
-        check_pair(cfg, draft, draft_params)
+                 draft: ModelDraft | None = None, draft_params=None,
+                 slot_buckets: Sequence[int] = (256, 512, 1024, 2048), **options):
+        """``drafter`` / ``draft`` + ``draft_params``: as for JaxBackend; ``options``: the
+        BackendOptions every cache-slot bucket's backend runs with."""
+        self.options = BackendOptions(**options)
         self.cfg = cfg
-        # the rows kernel reads packed copies of the weights (packed once here; idempotent)
-        self.params = llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params
-        self.dparams = draft_params if draft_params is not None else params
-        self.draft = draft
-        self.drafter = drafter if drafter is not None else (None if draft is not None else NoDrafter())
+        self.drafter = as_drafter(drafter, draft, draft_params)
+        check_pair(cfg, self.drafter.draft, self.drafter.params)
+        self.params = model_params(cfg, params, self.options.fwd, self.drafter.params)  # (once for every backend)
+        self.dparams = self.drafter.params if self.drafter.params is not None else self.params
         self.eos_ids = tuple(int(e) for e in eos_ids)
-        self.k_buckets = tuple(sorted(set(k_buckets)))
-        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.k_buckets = self.options.k_buckets
+        self.batch_buckets = self.options.batch_buckets
         self.slot_buckets = tuple(sorted(s for s in slot_buckets if s <= cfg.max_position)) or (cfg.max_position,)
-        self.fwd = fwd
-        self.shrink_to_proposal = shrink_to_proposal
-        self.draft_first = draft_first  # device drafter: compile the draft-ahead path (confidence policies)
-        self.packed = packed  # packed verify blocks (per-request draft counts)
-        self.prefill_chunk = prefill_chunk  # the largest prefill chunk (buckets.prefill_chunks)
+        self.shrink_to_proposal = self.options.shrink_to_proposal
         self._backends: dict[int, JaxBackend] = {}
         self._compiled = _Compiled()
         # Prefill gates created for GoodputPolicy objects (see generate), one per policy object.
@@ -82,7 +74,7 @@ class SpecGenerator:
     def swap_draft_params(self, new) -> None:
         """Generate with the device draft on ``new`` from the next call on (the same tree, shapes
         and dtypes; nothing recompiles; JaxBackend.swap_draft_params)."""
-        require(self.draft is not None, "this generator has no device draft whose params could be swapped")
+        require(self.drafter.params is not None, "this generator has no device draft whose params could be swapped")
         check_same_avals(self.dparams, new, "new draft params")
         self.dparams = new
         for be in self._backends.values():
@@ -94,12 +86,10 @@ class SpecGenerator:
         if be is None:
             # A static batch never compacts: rows of finished requests just idle until the end
             # (a resize copies the whole cache), as the batch they started in.
-            be = self._backends[slots] = JaxBackend(
-                self.cfg, self.params, drafter=self.drafter, draft=self.draft,
-                draft_params=self.dparams if self.draft is not None else None, k_buckets=self.k_buckets,
-                batch_buckets=self.batch_buckets, slots=slots, fwd=self.fwd,
-                shrink_patience=1 << 30, draft_first=self.draft_first, packed=self.packed,
-                prefill_chunk=self.prefill_chunk)
+            be = self._backends[slots] = JaxBackend(self.cfg, self.params, drafter=self.drafter, slots=slots,
+                                                    **self.options.knobs(shrink_patience=1 << 30))
+            if self.drafter.params is not None and self.dparams is not self.drafter.params:
+                be.swap_draft_params(self.dparams)  # (swapped before this bucket's backend existed)
             # (the backend's own fresh table is dropped when this slot bucket already has one)
             be.table = self._compiled.tables.setdefault(slots, be.table)
             be.table.warm = self._compiled.warm
@@ -107,8 +97,8 @@ class SpecGenerator:
         return be
 
     def _compile_signature(self):
-        return (self.cfg, self.draft, self.fwd, param_avals(self.params),
-                param_avals(self.dparams) if self.draft is not None else None)
+        return (self.cfg, self.drafter.draft, self.options.fwd, param_avals(self.params),
+                param_avals(self.dparams) if self.drafter.params is not None else None)
 
     def share_compiled(self, other: "SpecGenerator") -> None:
         """Call ``other``'s compiled executables from now on (and compile into them). A step's code
@@ -177,7 +167,7 @@ class SpecGenerator:
 
     def prefill_gate_for(self, policy: Policy, prefill_gate=None) -> DraftPrefillGate | None:
         """The gate ``generate`` uses (see there): None without a device drafter or when off."""
-        if self.draft is None or prefill_gate is False:
+        if not self.drafter.draft_prefill or prefill_gate is False:
             return None
         if prefill_gate is not None:
             return prefill_gate
@@ -227,7 +217,7 @@ class SpecGenerator:
         gate = self.prefill_gate_for(pol, prefill_gate)
         # Every prompt of a static batch is admitted at once (up to the batch rows), so this is
         # the engine's admission decision (ServingEngine._admit).
-        self.last_draft_prefill = (None if self.draft is None else
+        self.last_draft_prefill = (None if not self.drafter.draft_prefill else
                                    bool(pol.may_speculate and (gate is None or gate.speculate())))
         engine = ServingEngine(be, pol, eos_ids=self.eos_ids, prefill_gate=gate)
         self.last_engine = engine

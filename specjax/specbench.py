@@ -1,7 +1,65 @@
 """Spec-Bench-style benchmarking: the question file, per-category summaries and their markdown
 tables, the goodput policy's pass/fail checks against AR and the best fixed K, the BENCHMARKS.md
 section writer, and the guard that no compilation happens while timing. ``launch/bench.py`` is
-the command-line leaf over this module."""
+the command-line leaf over this module, and runs this protocol:
+
+Protocol (Spec-Bench conventions where they apply; differences are stated):
+
+- Questions: ``--question_file`` (default ``../shared/data/spec_bench/question.jsonl`` relative
+  to the repo root), **first turn only**, wrapped in the model's chat template (``--nochat`` to
+  feed raw text); ``--categories`` filters, ``--per_category N`` keeps the first N of each
+  category (file order). Prompts longer than ``--max_prompt_tokens``, or that cannot fit
+  prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
+  (per category in the table, listed in the JSON), never dropped silently.
+- Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
+  (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
+  ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
+  choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
+  policy (``smartspec``, ``smartspec-req``, ``smartspec-conf``: device drafters only), ``none``
+  or an integer K; every goodput policy is checked against the best fixed K. For each prompt the AR baseline runs first, then every pair, in an
+  order rotated by one pair per prompt (interleaving per prompt keeps slow machine drift out of
+  the ratios; rotating keeps any pair from always running right after AR).
+- Each pair has its own generator and drafter (a suffix tree learns only from the outputs of
+  its own pair), whose proposals are capped at the largest K the policy may run (a fixed K,
+  or the largest K bucket for a goodput policy), and ONE policy object for the whole timed run: SmartSpec learns acceptance
+  across prompts, as a server would; with a device drafter its prefill gate persists too, so
+  once drafts are learnt not to pay, later prompts skip the draft prefill. Generators that
+  differ only in their host drafter share compiled executables (AR included).
+- Warm-up before any timing: every prefill/decode/spec-step variant the selected prompts need is
+  compiled ahead of time (shape-exact, from the same bucket rules the generators use; every K
+  bucket for a goodput policy, K buckets <= K for a fixed K), then each method generates the
+  first prompt once untimed (Spec-Bench warms up on its first question too), under a copy of
+  its policy: the timed policies start from their prior. **Compilation is excluded from every
+  timing.** The script counts JAX trace/compile events during the timed runs and reports the
+  number (expected 0).
+- Wall time per prompt is measured around the whole ``generate`` call, **prefill included**
+  (as Spec-Bench does).
+- Losslessness check: every drafter's output token ids must equal the AR baseline's; each
+  mismatch is printed as ``MISMATCH ...`` when it happens, counted per category and listed in
+  the JSON (``--fail_on_mismatch`` makes the exit status 1).
+
+Metrics per category and overall:
+
+- speedup = (total AR wall time) / (total drafter wall time) over the category's prompts
+  (Spec-Bench instead averages per-prompt tok/s and takes the ratio of the means; with
+  identical outputs the two differ only in how prompts are weighted);
+- mean accepted tokens per step = tokens committed per verify step, bonus included
+  (Spec-Bench's "#Mean accepted tokens"; 1.0 = no gain possible);
+- tok/s = total new tokens / total wall time.
+
+With a goodput (SmartSpec) policy and at least one fixed K per drafter (``--policies
+auto,2,4,8``), the notes end with the issue's checks: PASS/FAIL per drafter for "no category
+below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a verdict over all
+drafters; with several policies a compact table of every pair's speedup per category precedes
+them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
+
+Peer column (``--hf_python``): before the specjax runs (never concurrently) the ``hf_pld`` peer
+(``specjax.peers``) runs ``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
+on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
+lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
+``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
+(ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +67,21 @@ import json
 import os
 
 from specjax.spec_generate import SpecStats
+
+
+def resolve_question_file(path: str, root: str) -> str:
+    """The question file (a relative path: relative to ``root``); SpecjaxError if it is missing."""
+    from specjax.errors import SpecjaxError
+
+    p = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
+    if not os.path.isfile(p):
+        raise SpecjaxError(f"question file not found: {p} (Spec-Bench's question.jsonl; pass --question_file)")
+    return p
+
+
+def first_diff(a, b) -> int:
+    """The first index where two token lists differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def load_questions(path: str, categories, per_category: int) -> tuple[list[dict], list[str]]:

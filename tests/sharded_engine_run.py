@@ -107,8 +107,7 @@ for data, model, needle in ((1, 8, "tiny-random does not fit mesh data=1 x model
     except SpecjaxError as e:
         assert needle in str(e) and "\n" not in str(e), str(e)
 # a device whose memory cannot hold the weights and every row's KV cache (a GPU's limit, faked)
-from specjax.engine import jax_backend
-jax_backend.device_memory_budget = lambda: 2e6
+sh.device_memory_budget = lambda: 2e6
 try:
     JaxBackend(cfg, params, layout=sh.Layout(sh.make_mesh(1, 2)), k_buckets=(0,), batch_buckets=(8,), slots=512)
     raise SystemExit("no error for a KV cache over the budget")

@@ -132,7 +132,7 @@ def test_kill_and_resume(tmp_path):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--top_k", "1000000000000"], "--top_k must be an integer in"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--model", "tiny-random", "--policy", "smartspec",
       "--perf_models", "/nonexistent/perf.json"], "does not exist"),
-    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK"], "use --drafter layer_skip"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK"], "trains a device draft: use --drafter"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",
       "--distill_divergence", "jsd"], "keeps its top k: use fkl or tvd"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",

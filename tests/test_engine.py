@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.drafters.protocol import TREE
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import EventClock, ServingEngine, summarize
 from specjax.engine.scheduler import Request, Scheduler
@@ -106,11 +107,11 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
     # state until it is compacted.
     eng = ServingEngine(be, pol, clock=OpClock())
     calls = []  # draft calls made ahead of the choice (the confidence path)
-    be._draft_ahead = lambda *a, _f=be._draft_ahead: calls.append(1) or _f(*a)
+    be.table.draft_call = lambda *a, _f=be.table.draft_call: calls.append(1) or _f(*a)
     try:
         outs = eng.run(_reqs(arrival_gap=0.004) + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
     finally:
-        del be._draft_ahead
+        del be.table.draft_call
     assert [o.id for o in outs] == [f"q{i}" for i in range(len(PROMPTS))] + ["late"]
     for o, ref in zip(outs, reference + [reference[1]]):
         assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"
@@ -498,7 +499,7 @@ def tree_backend(tiny):
     cfg, params = tiny
     be = JaxBackend(cfg, params, drafter=SuffixDrafter(SuffixConfig(max_depth=16, alpha=2.0, min_prob=0.05)),
                     k_buckets=(0, 4), batch_buckets=(1, 4, 8), slots=SLOTS, shrink_patience=2)
-    assert be.tree_mode
+    assert be.drafter.step is TREE
     be.warmup(prompt_lens=[16])
     return be
 

@@ -12,6 +12,7 @@ import pytest
 from specjax.errors import SpecjaxError
 from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
                                         expected_len_from_positions, tree_batched_tokens, tree_expected_len)
+from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
 from specjax.engine.profiling import row_op_cells
 from specjax.goodput.perf_model import (CostCalibration, LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
                                         fit_step_model, load_profiled, prefill_table_cells, save_table,
@@ -384,13 +385,52 @@ def test_registry_policies_are_keyed_by_their_device_draft(tmp_path):
     assert registry.model_name("smollm2-135m") == "smollm2-135m"
     path = str(tmp_path / "perf.json")
     save_model(path, "other", StepCostModel(target=LinearCost()))
-    pol, label, note = registry.make_policy("auto", "t.gguf", "draft_model", draft_model="/w/d.gguf", perf_models=path)
+
+    def spec(policy):
+        return EngineSpec(model="t.gguf", drafter=DrafterSpec("draft_model", k=8, draft_model="/w/d.gguf"),
+                          policy=PolicySpec(policy, perf_models=path))
+
+    pol, label, note = registry.build_policy(spec("auto"), "t.gguf")
     assert isinstance(pol, FixedK) and "t.gguf|draft_model:d.gguf|" in note
-    save_model(path, model_key("t.gguf", "draft_model:d.gguf", hardware_key()), StepCostModel(target=LinearCost()))
+    save_model(path, registry.perf_key(spec("auto"), "t.gguf"), StepCostModel(target=LinearCost()))
     for name, req_k in (("auto", False), ("smartspec", False), ("smartspec-req", True)):
-        pol, label, note = registry.make_policy(name, "t.gguf", "draft_model", draft_model="/w/d.gguf",
-                                                perf_models=path)
+        pol, label, note = registry.build_policy(spec(name), "t.gguf")
         assert note is None and pol.acc.per_request and pol.per_request_k == req_k
+
+
+def test_a_profile_of_other_compiled_code_is_refused_or_noted_never_used(tmp_path):
+    """The performance-model key carries the compiled code (forward options, dtype, layout): a
+    profile written for the XLA dot is not found by a serving spec with the rows kernel on.
+    --policy smartspec refuses in one line naming the difference and the profile command;
+    auto falls back to fixed K with a note saying the same; neither costs steps with it."""
+    import dataclasses
+
+    from specjax import registry
+    from specjax.models.options import ForwardOptions
+
+    path = str(tmp_path / "perf.json")
+    profiled = EngineSpec(model="tiny-random", drafter=DrafterSpec("prompt_lookup", k=8),
+                          policy=PolicySpec("smartspec", perf_models=path))
+    save_model(path, registry.perf_key(profiled, "tiny-random"), StepCostModel(target=LinearCost()))
+    assert isinstance(registry.build_policy(profiled, "tiny-random")[0], GoodputPolicy)  # the same code: used
+    serving = dataclasses.replace(profiled, fwd=ForwardOptions(rows_kernel=32))
+    with pytest.raises(SpecjaxError) as e:
+        registry.build_policy(serving, "tiny-random")
+    msg = str(e.value)
+    assert "\n" not in msg and "other compiled code" in msg and "rows_kernel 0 (profiled) vs 32" in msg
+    assert "launch/profile.py --model tiny-random --drafters prompt_lookup" in msg and "--rows_kernel 32" in msg
+    pol, label, note = registry.build_policy(dataclasses.replace(serving, policy=PolicySpec("auto", perf_models=path,
+                                                                                             fallback_k=4)),
+                                             "tiny-random")
+    assert isinstance(pol, FixedK) and pol.k == 4 and label == "K=4 (auto)"
+    assert "rows_kernel 0 (profiled) vs 32" in note and "instead of SmartSpec" in note
+    # a key of the old format (no compiled code) matches nothing
+    old = str(tmp_path / "old.json")
+    save_model(old, "tiny-random|prompt_lookup|" + registry.perf_key(profiled, "x").split("|")[2],
+               StepCostModel(target=LinearCost()))
+    with pytest.raises(SpecjaxError, match="no performance model for"):
+        registry.build_policy(dataclasses.replace(profiled, policy=PolicySpec("smartspec", perf_models=old)),
+                              "tiny-random")
 
 
 def test_load_model_errors(tmp_path):

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN = os.path.join(ROOT, "launch", "generate.py")
 BATCH = os.path.join(ROOT, "launch", "batch.py")
 SCRIPTS = {
-    "generate": (GEN, ["--model", "tiny-random", "--max_new_tokens", "8", "--batch_size", "2"]),
+    "generate": (GEN, ["--model", "tiny-random", "--max_new_tokens", "8", "--batch_buckets", "1,2"]),
     "batch": (BATCH, ["--model", "tiny-random", "--batch_buckets", "1,2", "--k_buckets", "0,1,2",
                       "--num_spec_tokens", "2", "--slots", "256", "--max_new_tokens", "8"]),
 }

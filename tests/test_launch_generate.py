@@ -72,7 +72,7 @@ def test_jsonl_records_errors_and_resumes(tmp_path):
     inp, out = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
     n = _write_input(inp)
     args = ["--input_jsonl", inp, "--output_jsonl", out, "--model", "tiny-random", "--max_new_tokens", "6",
-            "--batch_size", "3"]
+            "--batch_buckets", "1,3"]
     r = run(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = _read(out)

@@ -60,7 +60,7 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     (["--drafter", "prompt_lookup", "--num_spec_tokens", "3"], "not a bucket"),
     (["--drafter", "prompt_lookup", "--num_spec_tokens", "3", "--k_buckets", "0,1,2"],
      "larger than the largest bucket"),
-    (["--drafter", "prompt_lookup", "--k_buckets", "1,2,4"], "must include 0"),
+    (["--drafter", "prompt_lookup", "--k_buckets", "1,2,4"], "and include 0"),
     (["--drafter", "prompt_lookup", "--pld_min_ngram", "3", "--pld_max_ngram", "2"], "min_ngram <= max_ngram"),
     (["--drafter", "layer_skip"], "--draft_layers must be in 1..3"),  # default 8 > 3
     (["--drafter", "layer_skip", "--draft_layers", "4"], "--draft_layers must be in 1..3"),
@@ -104,7 +104,7 @@ def test_jsonl_with_drafter_reports_metrics(tmp_path):
     inp.write_text("\n".join(json.dumps({"id": str(i), "prompt": "ab " * (i + 2)}) for i in range(3)) + "\n"
                    + json.dumps({"id": "bad", "prompt": ""}) + "\n")
     r = run(GENERATE, "--input_jsonl", str(inp), "--output_jsonl", str(out), *TINY, "--max_new_tokens", "6",
-            "--drafter", "prompt_lookup", "--batch_size", "2")
+            "--drafter", "prompt_lookup", "--batch_buckets", "1,2", "--k_buckets", "0,4")
     assert r.returncode == 0, r.stderr[-3000:]
     recs = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert len(recs) == 4 and "empty prompt" in recs["bad"]["error"]
@@ -162,12 +162,14 @@ def test_bench_several_policies_per_drafter(tmp_path):
     for the whole run. The performance models make a layer-skip draft forward cost 100 target
     steps, so SmartSpec never speculates with it and later prompts skip the draft prefill."""
     from specjax.goodput import LinearCost, StepCostModel
+    from specjax.engine.spec import EngineSpec
     from specjax.goodput.perf_model import hardware_key, save_model
 
     perf = str(tmp_path / "perf.json")
     target = LinearCost(0.0, 1e-6, 1e-2)
-    save_model(perf, f"tiny-random|prompt_lookup|{hardware_key()}", StepCostModel(target=target))
-    save_model(perf, f"tiny-random|layer_skip2|{hardware_key()}",
+    code = EngineSpec().code_key()  # the bench's default forward options (no rows kernel for tiny-random)
+    save_model(perf, f"tiny-random|prompt_lookup|{hardware_key()}|{code}", StepCostModel(target=target))
+    save_model(perf, f"tiny-random|layer_skip2|{hardware_key()}|{code}",
                StepCostModel(target=target, draft=LinearCost(0.0, 1e-6, 1.0)))
     js = tmp_path / "b.json"
     r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",

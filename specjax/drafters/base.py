@@ -1,9 +1,7 @@
-"""The drafter protocol.
-
-A drafter is either host-side (proposes tokens from the token history: prompt
-lookup, suffix trees) or device-side (runs inside the jitted step: an independent
-draft model, or the target's own first layers; see ``drafters.device``). Host drafters
-implement ``start / extend / propose / finish`` per request (``propose_tree`` for token trees).
+"""Host drafters: proposers of tokens from each request's token history (prompt lookup,
+suffix trees). They implement ``start / extend / propose / finish`` per request
+(``propose_tree`` for token trees); the engine runs them through ``drafters.host``, one kind of
+the engine's drafter protocol (``drafters.protocol.Drafter``).
 """
 
 from __future__ import annotations

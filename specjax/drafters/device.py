@@ -18,9 +18,9 @@ params are a params tree of its own whose arrays are, until the draft is trained
 reduced-vocabulary head (``reduced_vocab``: the draft's vocab projection over N chosen target
 tokens, ``frequent_tokens``), which cuts the draft's largest matmul to N / V of its size; the
 draft's logits are scattered back to the target's ids with -inf elsewhere, so tokens outside
-the N are never proposed and q, the distribution drafts are drawn from, stays exact. Host drafters (prompt
-lookup, suffix trees) are a different protocol (``drafters.base.HostDrafter``): they propose on
-the host and pass tokens in.
+the N are never proposed and q, the distribution drafts are drawn from, stays exact.
+``DeviceDrafter`` is this kind of the engine's drafter protocol (``drafters.protocol``), the
+draft-ahead path of confidence policies included.
 
 Draft-cache invariant: at the start of a step the draft cache holds at least the first
 ``L_t - 1`` committed tokens (L_t = the target's length), so the draft first re-feeds
@@ -31,13 +31,17 @@ accepted step left out.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
+from specjax.drafters.protocol import Drafter, StepInputs, VerifyStep
+from specjax.engine.loop import Proposal
 from specjax.errors import require
 from specjax.models import llama
 from specjax.sampling import SamplingArrays, argmax, probs_from_logits
@@ -218,3 +222,97 @@ def check_pair(target: ModelConfig, draft: ModelDraft | None, draft_params) -> N
                 and tuple(head.shape) == (draft.cfg.hidden_size, draft.vocab),
                 f"draft {draft.label} has a {draft.vocab}-token head: its params need vocab_ids [{draft.vocab}] and "
                 f"lm_head [{draft.cfg.hidden_size}, {draft.vocab}] (reduced_vocab makes them)")
+
+
+class DeviceDrafter(Drafter):
+    """A device draft (``ModelDraft`` and its params) in the engine: it drafts K inside the chain
+    step, and its prefill fills the draft cache (a request admitted without it never drafts:
+    num_draft 0). Under a confidence policy (SmartSpec Algorithm 3, ``propose(threshold=...)``)
+    it drafts first instead, in a call of its own: up to the largest K per row, a row going on
+    while its last draft's confidence exceeds the threshold, the loop ending when no row goes
+    on. The policy then sees every row's confidences and proposal length, and the verify step
+    checks K of those drafts straight from the device (warm-ups compile that path when asked:
+    the backend's ``draft_first``)."""
+
+    draft_prefill = True
+
+    def __init__(self, draft: ModelDraft, params):
+        self.draft, self.params = draft, params  # (checked against the target: check_pair)
+        self._ahead = None  # the last draft call's (tokens, q, width, proposed per row, seconds)
+
+    def reset(self):
+        self._ahead = None
+
+    def propose(self, be, rs, k_max, threshold=None):
+        if threshold is not None and k_max > 0:
+            return self._draft_ahead(be, rs, k_max, float(threshold))
+        # A request admitted with the draft disabled never drafts: the policy must know.
+        return Proposal(draft_lens=[k_max if r.speculate else 0 for r in rs])
+
+    def _draft_ahead(self, be, rs, P: int, threshold: float) -> Proposal:
+        t0 = time.perf_counter()
+        be.prepare(rs)
+        drafting = np.zeros(be.B, bool)
+        for r in rs:
+            drafting[be.row_of[r.uid]] = r.speculate
+        o = be.run(be.table.draft_call(be.B, P, be.slots, be.greedy()), be.to_device(drafting), be.sampling(),
+                   np.float32(threshold))
+        host = np.asarray(o.host)  # tokens | confidences | proposed, in one transfer
+        toks, conf, n = host[:, :P].astype(np.int32), host[:, P:2 * P], host[:, 2 * P].astype(np.int32)
+        rows = [be.row_of[r.uid] for r in rs]
+        self._ahead = (o.tokens, o.q, P, n, time.perf_counter() - t0)
+        return Proposal(draft_lens=[int(n[j]) for j in rows], confidences=conf[rows],
+                        drafts=[toks[j, :n[j]] for j in rows], drafted_ahead=int(n.max(initial=0)))
+
+    def step_inputs(self, be, rs, k, cap):
+        num_draft = np.zeros(be.B, np.int32)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # the drafts were made by a draft call (confidence policy)
+            tokens, q, width, n, seconds = ahead
+            for r in rs:
+                row = be.row_of[r.uid]
+                num_draft[row] = min(cap[r.uid], int(n[row]))
+        else:
+            for r in rs:
+                num_draft[be.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
+        k_step = bk.proposal_bucket(be.k_options(be.B), int(num_draft.max(initial=0)))
+        if ahead is not None:
+            return StepInputs(VerifyStep(width), k_step, num_draft, (tokens, q), seconds)
+        return StepInputs(self.step, k_step, num_draft, (np.zeros((be.B, max(k_step, 1)), np.int32),))
+
+    def warm_steps(self, B, ks, greedy, tokens, ahead):
+        jobs = super().warm_steps(B, ks, greedy, tokens, ahead)
+        if ahead > 0:
+            jobs.append(DraftAheadJob(B, ahead, greedy, tuple((K, t) for K in ks for t in (0,) + tuple(tokens(K)))))
+        return jobs
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftAheadJob:
+    """Warm-up of the draft-ahead path at batch B: the draft call of up to P drafts and the
+    verify steps (K, packed size) that check its drafts."""
+
+    B: int
+    P: int
+    greedy: bool
+    verifies: tuple
+
+    @property
+    def heavy(self) -> int:
+        return 1 + len(self.verifies)
+
+    def compile(self, be, compile_if_missing: bool = False):
+        for k, t in self.verifies:
+            VerifyStep(self.P).exe(be.table, self.B, k, be.slots, self.greedy, t, compile_if_missing)
+        return be.table.draft_call(self.B, self.P, be.slots, self.greedy, compile_if_missing)
+
+    def run(self, be, state, samp):
+        act = jax.device_put(np.ones(self.B, bool))
+        state, d = self.compile(be)(be.params, be.dparams, state, act, samp, np.float32(0.0))
+        for k, t in self.verifies:
+            pack = jax.device_put(np.arange(t, dtype=np.int32)) if t else None
+            exe = VerifyStep(self.P).exe(be.table, self.B, k, be.slots, self.greedy, t)
+            state, _ = exe(be.params, be.dparams, state, d.tokens, jax.device_put(np.zeros(self.B, np.int32)), act,
+                           samp, d.q, pack)
+        jax.block_until_ready(state)
+        return state

@@ -10,19 +10,10 @@ allocations, resizes and clears a step runs are listed in ``take_row_ops`` for c
 Every executable (prefills, steps of every compiled K, inserts, resizes) comes from a
 ``StepTable`` and is compiled by ``warmup``; serving never compiles.
 
-Host drafters (prompt lookup, suffix trees in path mode) propose up to the largest K for
-every request before the policy chooses; the step then runs the smallest compiled block that
-holds the longest draft cut to K. Host drafters with ``propose_tree`` (SuffixDecoding in tree
-mode, hybrid) propose token trees instead: K is then the node budget, a tree is cut to its first
-K nodes (nodes are topologically ordered, so any prefix is a tree) and verified by the tree step.
-K = 0 always runs the chain step: plain decoding is one executable whatever the drafter.
-Device drafters (draft model, layer skip) draft K inside the step; a request admitted with the
-draft disabled gets num_draft = 0. Under a confidence-based policy (SmartSpec Algorithm 3,
-``propose(threshold=...)``) a device drafter instead drafts first, in a call of its own: up to
-the largest K per row, a row going on while its last draft's confidence exceeds the threshold,
-the loop ending when no row goes on. The policy then sees every row's confidences and proposal
-length, and the verify step checks K of those drafts straight from the device
-(``draft_first``: compile that path in ``warmup``).
+The backend is that state, the table and a drafter (``drafters.protocol.Drafter``): the drafter
+proposes, gives each step its inputs and the compiled step that runs them, and names the steps a
+warm-up compiles for it, so nothing here depends on the drafter's kind. K = 0 always runs the
+chain step: plain decoding is one executable whatever the drafter.
 """
 
 from __future__ import annotations
@@ -35,20 +26,18 @@ import jax
 import numpy as np
 
 from specjax import buckets as bk
-from specjax import tree
 from specjax.config import ModelConfig
-from specjax.drafters.base import NoDrafter
 from specjax.drafters.device import ModelDraft, check_pair
+from specjax.drafters.kinds import as_drafter
+from specjax.drafters.protocol import CHAIN, StepInputs, StepJob
 from specjax.engine.live_bucket import LiveBucket
-from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.loop import Proposal, RowResult
+from specjax.engine.options import BackendOptions, model_params
+from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.scheduler import Running
 from specjax.engine.table import StepTable
-from specjax.models import llama
-from specjax.models.options import ForwardOptions
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
-from specjax.sharding import Layout
 
 
 def _zeros_like_info(info):
@@ -75,16 +64,6 @@ def check_same_avals(compiled, new, what: str) -> None:
                                f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
 
 
-def device_memory_budget() -> float | None:
-    """Bytes one of this process's devices may hold (an accelerator's memory limit), or None where
-    jax does not say (the CPU)."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        return None
-    return float(stats["bytes_limit"]) if stats.get("bytes_limit") else None
-
-
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
     """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
     in its own memory mappings (~22 per layer), and Linux caps a process at
@@ -106,58 +85,29 @@ def check_map_budget(n_heavy: int, num_layers: int) -> None:
 
 class JaxBackend:
     def __init__(self, cfg: ModelConfig, params, *, drafter=None, draft: ModelDraft | None = None, draft_params=None,
-                 k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
-                 slots: int = 512, fwd: ForwardOptions = ForwardOptions(), shrink_patience: int = 8,
-                 shrink_to_proposal: bool = True, draft_first: bool = False, packed: bool = False,
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, teacher_topk: int = 0, layout: Layout | None = None):
-        """``layout``: shard the engine over a mesh (sharding.Layout; the params are placed by its
-        rules here, every executable is compiled for them). None: one device."""
-        require(0 in k_buckets, "k_buckets must include 0 (plain decoding)")
-        require(0 <= teacher_topk <= cfg.vocab_size, f"teacher_topk must be in 0..{cfg.vocab_size}, got {teacher_topk}")
+                 slots: int = 512, **options):
+        """``drafter``: a protocol Drafter or a host drafter; ``draft`` + ``draft_params``: a
+        device draft (drafters.kinds.as_drafter). ``options``: BackendOptions' fields."""
+        opt = self.options = BackendOptions(**options)
+        require(0 <= opt.teacher_topk <= cfg.vocab_size,
+                f"teacher_topk must be in 0..{cfg.vocab_size}, got {opt.teacher_topk}")
         require(slots <= cfg.max_position, f"{slots} KV slots exceed the model's context ({cfg.max_position})")
         self.cfg = cfg
-        check_pair(cfg, draft, draft_params)
-        if fwd.scan_layers:  # the target's layers as one scanned stack (drafts keep their list form)
-            require(draft_params is None or draft_params is not params, "a draft sharing the target's params (the "
-                    "same pytree) cannot run beside a scanned target; pass the draft its own params")
-            params = llama.stack_layers(params)
-        if layout is not None:
-            require(not fwd.rows_kernel,
-                    f"the CPU rows kernel runs on one device; use rows_kernel 0 on {layout.describe()}")
-            layout.check(cfg)
-            if draft is not None and layout.shard_draft:
-                layout.check(draft.cfg, "draft")
-            budget = device_memory_budget()
-            if budget:  # weights and the KV cache of every row must fit one device (one line if not)
-                from specjax import aot
-
-                dtype = jax.tree_util.tree_leaves(params)[0].dtype
-                aot.check_fit(cfg, layout, max(batch_buckets), slots, dtype, budget)
-            same = draft_params is None or draft_params is params
-            params = layout.put_params(cfg, params)
-            draft_params = None if same else layout.put_params(draft.cfg if draft else cfg, draft_params, draft=True)
-        self.layout = layout
-        # the rows kernel reads packed copies of the weights (packed once here; idempotent)
-        self.params = llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params
-        self.draft = draft
-        self.device_draft = draft is not None
-        self.dparams = draft_params if draft_params is not None else params
-        self.drafter = drafter if drafter is not None else NoDrafter()
-        if self.device_draft and drafter is not None:
-            raise SpecjaxError("give either a host drafter or a device draft model, not both")
-        # Host drafts: run the smallest compiled block holding the longest proposal (False: always
-        # the chosen K, for measuring a fixed block's cost).
-        self.shrink_to_proposal = shrink_to_proposal
-        # Device drafter under a confidence policy: a draft call before the choice (Algorithm 3).
-        self.draft_first = bool(draft_first) and self.device_draft
-        # Verify blocks of per-row draft counts run their real tokens only (buckets.token_buckets):
-        # per-request K then costs what it verifies.
-        self.packed = bool(packed)
-        self.tree_mode = not self.device_draft and bool(
-            getattr(self.drafter, "proposes_trees", hasattr(self.drafter, "propose_tree")))
-        require(not (teacher_topk and self.tree_mode),
+        self.drafter = as_drafter(drafter, draft, draft_params)
+        d = self.drafter
+        check_pair(cfg, d.draft, d.params)
+        require(not (opt.teacher_topk and not d.step.teacher),
                 "a teacher signal (teacher_topk) comes from chain steps; this drafter proposes token trees")
-        self.k_buckets = tuple(sorted(set(int(k) for k in k_buckets)))
+        self.params = model_params(cfg, params, opt.fwd, d.params)
+        dparams = d.params
+        if opt.layout is not None:
+            self.params, dparams = opt.layout.place(cfg, self.params, opt.fwd, max(opt.batch_buckets), slots,
+                                                    getattr(d.draft, "cfg", None), dparams)
+        self.layout = opt.layout
+        self.dparams = dparams if dparams is not None else self.params
+        self.device_draft = d.draft_prefill  # (the loop's Backend field: admission may skip the draft prefill)
+        self.shrink_to_proposal = opt.shrink_to_proposal
+        self.k_buckets = opt.k_buckets
         self.k_max = self.k_buckets[-1]
         self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
         self._later: threading.Thread | None = None
@@ -165,12 +115,12 @@ class JaxBackend:
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
         self._later_after = 0  # ... after this many steps (warmup's later_after_steps)
         self._steps_run = 0
-        self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        self.batch_buckets = opt.batch_buckets
         self.num_rows = self.batch_buckets[-1]
         self.slots = slots
-        self.live = LiveBucket(self.batch_buckets, shrink_patience)
-        self.max_chunk = bk.largest_chunk(prefill_chunk, slots)  # prompts run in chunks of at most this
-        self.table = StepTable(cfg, params, self.dparams, draft, fwd, teacher_topk, layout)
+        self.live = LiveBucket(self.batch_buckets, opt.shrink_patience)
+        self.max_chunk = bk.largest_chunk(opt.prefill_chunk, slots)  # prompts run in chunks of at most this
+        self.table = StepTable(cfg, self.params, self.dparams, d.draft, opt.fwd, opt.teacher_topk, opt.layout)
         self.reset()
 
     # ------------------------------------------------------------ state
@@ -184,15 +134,13 @@ class JaxBackend:
         self.samp_of: dict[int, SamplingParams] = {}
         self._to_clear: set[int] = set()
         self._samp = None
-        self._drafts: dict[int, np.ndarray] = {}
-        self._ahead = None  # this step's device drafts from a draft call: (tokens, q, width, proposed per row)
-        self._ahead_s = 0.0  # seconds the draft call took (charged to the step that verifies it)
+        self.drafter.reset()
         self._prepared = False  # the live state was resized / cleared for the coming step
         self.last_k_step = 0
         self.last_tokens = 0  # the last step's verify rows (packed size, or bucket x (k_step + 1))
         self.resizes = 0
         self.live.reset()
-        self._inputs: dict = {}  # step inputs already on the device, by value (see _to_device)
+        self._inputs: dict = {}  # step inputs already on the device, by value (see to_device)
         self.prefills = PrefillQueue()  # admitted prompts not yet (fully) prefilled
         # Row operations (op, bucket from, bucket to) done since the loop last asked, so that
         # calibration can tell the loop's own overhead from the cache copies it triggered.
@@ -212,7 +160,7 @@ class JaxBackend:
         recompiles; call it between steps. Requests in flight keep the draft cache their prompts
         were prefilled into with the old params: their drafts may be worse until they finish,
         while verification keeps every output exact. Tell the policy too (Policy.draft_changed)."""
-        require(self.device_draft, "this backend has no device draft whose params could be swapped")
+        require(self.drafter.params is not None, "this backend has no device draft whose params could be swapped")
         check_same_avals(self.dparams, new, "new draft params")
         self.dparams = new
 
@@ -280,13 +228,13 @@ class JaxBackend:
         self.state = self.table.clear(self.B, self.slots)(self.state, jax.device_put(free))
         jax.block_until_ready(self.state)
 
-    def _sampling(self):
+    def sampling(self):
         if self._samp is None:
             ps = [self.samp_of[u] if u is not None else SamplingParams() for u in self.rows]
             self._samp = SamplingArrays.build(ps, self.B)
         return self._samp
 
-    def _greedy(self) -> bool:
+    def greedy(self) -> bool:
         return all(p.greedy for p in self.samp_of.values())
 
     # ------------------------------------------------------------ backend protocol
@@ -302,7 +250,7 @@ class JaxBackend:
             self.row_of[r.uid] = row
             self.samp_of[r.uid] = r.req.sampling
         self._samp = None
-        self.prefills.add(make_jobs(rs, self.device_draft, self.batch_buckets[-1], self.max_chunk))
+        self.prefills.add(make_jobs(rs, self.drafter.draft_prefill, self.batch_buckets[-1], self.max_chunk))
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """Run queued prefill chunks (PrefillQueue.run: ``budget`` tokens, at least one chunk;
@@ -322,9 +270,8 @@ class JaxBackend:
             job.state = None
             for b, r in enumerate(job.rs):
                 done.append((r, int(pend[b])))
-                if not self.device_draft:
-                    self.drafter.start(r.uid, list(r.req.prompt))
-                    self.drafter.extend(r.uid, [int(pend[b])])
+                self.drafter.start(r.uid, list(r.req.prompt))
+                self.drafter.extend(r.uid, [int(pend[b])])
         return done, time.perf_counter() - t0
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
@@ -348,7 +295,7 @@ class JaxBackend:
         args = (self.params, self.dparams, jax.device_put(toks), jax.device_put(n), samp)
         job.state = exe(*args) if job.state is None else exe(*args, job.state)
 
-    def _prepare(self, rs: Sequence[Running]) -> None:
+    def prepare(self, rs: Sequence[Running]) -> None:
         """Resize / clear the live state for the coming step (once per step, before any call
         that reads row indices)."""
         if self._prepared:
@@ -365,55 +312,16 @@ class JaxBackend:
     def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal:
         """``threshold``: a confidence policy's cut (Algorithm 3); a device drafter then drafts
         ahead of the choice, and the proposal carries every row's confidences."""
-        if self.device_draft:
-            if threshold is not None and k_max > 0:
-                return self._draft_ahead(rs, k_max, float(threshold))
-            # A request admitted with the draft disabled never drafts: the policy must know.
-            return Proposal(draft_lens=[k_max if r.speculate else 0 for r in rs])
-        self._drafts = {}
-        lens = []
-        for r in rs:
-            if k_max <= 0:
-                d = np.zeros(0, np.int32)
-            elif self.tree_mode:
-                # (parents, tokens) or (parents, tokens, node probabilities) for drafters that
-                # estimate their acceptance (SuffixDecoding): the goodput policy's predictor
-                t = self.drafter.propose_tree(r.uid, k_max)
-                probs = None if len(t) < 3 or t[2] is None else np.asarray(t[2], np.float64)
-                d = tree.DraftTree(np.asarray(t[0], np.int32), np.asarray(t[1], np.int32), probs)
-            else:
-                d = np.asarray(self.drafter.propose(r.uid, k_max), np.int32)
-            self._drafts[r.uid] = d
-            lens.append(len(d))
-        drafts = [self._drafts[r.uid] for r in rs]
-        scores = [d.probs if isinstance(d, tree.DraftTree) else None for d in drafts]
-        cls_of = getattr(self.drafter, "draft_class", None)
-        classes = [cls_of(r.uid) if n else None for r, n in zip(rs, lens)] if cls_of and k_max > 0 else []
-        return Proposal(draft_lens=lens, drafts=drafts,
-                        draft_scores=scores if any(x is not None for x in scores) else None,
-                        draft_classes=classes if any(c is not None for c in classes) else None)
+        return self.drafter.propose(self, rs, k_max, threshold)
 
-    def _draft_ahead(self, rs: Sequence[Running], P: int, threshold: float) -> Proposal:
-        t0 = time.perf_counter()
-        self._prepare(rs)
-        B = self.B
-        drafting = np.zeros(B, bool)
-        for r in rs:
-            drafting[self.row_of[r.uid]] = r.speculate
-        exe = self.table.draft_call(B, P, self.slots, self._greedy())
-        self.state, o = exe(self.params, self.dparams, self.state, self._to_device(drafting), self._sampling(),
-                            np.float32(threshold))
-        host = np.asarray(o.host)  # tokens | confidences | proposed, in one transfer
-        toks, conf, n = host[:, :P].astype(np.int32), host[:, P:2 * P], host[:, 2 * P].astype(np.int32)
-        rows = [self.row_of[r.uid] for r in rs]
-        self._ahead = (o.tokens, o.q, P, n)
-        self._ahead_s = time.perf_counter() - t0
-        return Proposal(draft_lens=[int(n[j]) for j in rows], confidences=conf[rows],
-                        drafts=[toks[j, :n[j]] for j in rows], drafted_ahead=int(n.max(initial=0)))
+    def run(self, exe, *args):
+        """Run a compiled model executable on the live state; returns its output."""
+        self.state, out = exe(self.params, self.dparams, self.state, *args)
+        return out
 
     def token_options(self, bucket: int, k: int) -> tuple[int, ...]:
         """Packed-token sizes compiled for a (bucket, k) step (``packed`` backends; buckets.token_buckets)."""
-        return bk.token_buckets(bucket, k, self.k_buckets) if self.packed else ()
+        return bk.token_buckets(bucket, k, self.k_buckets) if self.options.packed else ()
 
     def step(self, rs: Sequence[Running], k: int, row_k: Sequence[int] | None = None
              ) -> tuple[list[RowResult], float]:
@@ -424,70 +332,32 @@ class JaxBackend:
         self._steps_run += 1
         if self._steps_run >= self._later_after:
             self._later_gate.set()
-        self._prepare(rs)
+        self.prepare(rs)
         self._prepared = False  # the next step prepares again
         B = self.B
         active = np.zeros(B, bool)
-        num_draft = np.zeros(B, np.int32)
         cap = {}
         for i, r in enumerate(rs):
             active[self.row_of[r.uid]] = True
             cap[r.uid] = k if row_k is None else min(k, int(row_k[i]))
-        ahead, self._ahead = self._ahead, None
-        op = "step"
-        if ahead is not None:  # the drafts were made by a draft call (confidence policy)
-            t0 -= self._ahead_s  # which belongs to this step's time
-            d_tok, d_q, width, n = ahead
-            for r in rs:
-                row = self.row_of[r.uid]
-                num_draft[row] = min(cap[r.uid], int(n[row]))
-            k_step = bk.proposal_bucket(self.k_options(B), int(num_draft.max(initial=0)))
-            if k_step > 0:
-                op, inputs = "verify", (d_tok, num_draft)
-        elif self.device_draft:
-            for r in rs:
-                num_draft[self.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
-            k_step = bk.proposal_bucket(self.k_options(B), int(num_draft.max(initial=0)))
-            inputs = (np.zeros((B, max(k_step, 1)), np.int32), num_draft)
-        else:
-            cut = {u: d[:cap[u]] for u, d in self._drafts.items() if u in cap}
-            longest = max((len(d) for d in cut.values()), default=0)
-            k_step = bk.proposal_bucket(self.k_options(B), longest) if self.shrink_to_proposal else k
-            if self.tree_mode:  # (a tree cut to 0 nodes is the plain step below)
-                if k_step > 0:
-                    op, inputs = "tree", self._tree_inputs(B, k_step, cut)
-                    num_draft = inputs[2][:, 1:].sum(axis=1).astype(np.int32)
-            else:
-                draft_tokens = np.zeros((B, max(k_step, 1)), np.int32)
-                for u, d in cut.items():
-                    row = self.row_of[u]
-                    draft_tokens[row, : len(d)] = d
-                    num_draft[row] = len(d)
-                inputs = (draft_tokens, num_draft)
-        if k_step == 0:
-            op, num_draft[:] = "step", 0
-            inputs = (np.zeros((B, 1), np.int32), num_draft)
-        self.last_k_step = k_step
-        real = np.where(active, num_draft + 1, 0)  # each active row's pending token and its drafts
-        P = bk.token_bucket(B, k_step, self.k_buckets, int(real.sum())) if (self.packed and k_step > 0) else 0
+        inp = self.drafter.step_inputs(self, rs, k, cap)
+        t0 -= inp.seconds  # drafting done for this step before it
+        if inp.k == 0:
+            inp = StepInputs.plain(B)
+        self.last_k_step = k_step = inp.k
+        real = np.where(active, inp.num_draft + 1, 0)  # each active row's pending token and its drafts
+        P = bk.token_bucket(B, k_step, self.k_buckets, int(real.sum())) if (self.options.packed and k_step > 0) else 0
         self.last_tokens = P or B * (k_step + 1)
         pack = None
         if P:
             idx = np.concatenate([row * (k_step + 1) + np.arange(real[row]) for row in range(B)]).astype(np.int32)
             pack = np.full(P, B * (k_step + 1), np.int32)  # out of range: padding
             pack[:len(idx)] = idx
-            pack = self._to_device(pack)
-        greedy = self._greedy()
-        if op == "verify":
-            exe = self.table.verify(B, k_step, width, self.slots, greedy, tokens=P)
-            args = (d_tok, self._to_device(num_draft), self._to_device(active), self._sampling(), d_q, pack)
-        elif op == "tree":
-            exe = self.table.tree_step(B, k_step, self.slots, greedy, tokens=P)
-            args = (*(self._to_device(a) for a in inputs), self._to_device(active), self._sampling(), pack)
-        else:
-            exe = self.table.step(B, k_step, self.slots, greedy, tokens=P)
-            args = (*(self._to_device(a) for a in inputs), self._to_device(active), self._sampling(), None, pack)
-        self.state, o = exe(self.params, self.dparams, self.state, *args)
+            pack = self.to_device(pack)
+        exe = inp.kind.exe(self.table, B, k_step, self.slots, self.greedy(), P)
+        put = [self.to_device(a) if isinstance(a, np.ndarray) else a for a in inp.inputs]  # (device arrays pass)
+        o = self.run(exe, *inp.kind.args(tuple(put), self.to_device(inp.num_draft), self.to_device(active),
+                                         self.sampling(), pack))
         return self._results(rs, o), time.perf_counter() - t0
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
@@ -503,11 +373,10 @@ class JaxBackend:
             new = [int(t) for t in toks[row, :m]]
             teacher = None if ids is None else (ids[row, :m], lg[row, :m])
             out.append(RowResult(new, int(nd[row]), int(n_acc[row]), teacher))
-            if not self.device_draft:
-                self.drafter.extend(r.uid, new)
+            self.drafter.extend(r.uid, new)
         return out
 
-    def _to_device(self, a: np.ndarray):
+    def to_device(self, a: np.ndarray):
         """A step input on the device. Inputs repeat from step to step (no drafts, the same rows
         active), and a host-to-device copy costs tens of microseconds next to a millisecond step
         on small models, so recent inputs are kept by value."""
@@ -519,38 +388,13 @@ class JaxBackend:
             x = self._inputs[key] = jax.device_put(a)
         return x
 
-    def _tree_inputs(self, B: int, k_step: int, trees: dict) -> tuple:
-        """(tokens, parents, valid) [B, k_step + 1] of the tree step: node 0 is each row's pending
-        token (the root), draft node i is tree node i + 1."""
-        parents = np.zeros((B, k_step + 1), np.int32)
-        parents[:, 0] = -1
-        tokens = np.zeros((B, k_step + 1), np.int32)
-        valid = np.zeros((B, k_step + 1), bool)
-        for u, t in trees.items():
-            row, m = self.row_of[u], len(t)
-            if m == 0:
-                continue
-            parents[row, 1:m + 1] = t.parents + 1  # parent -1 (the root) becomes node 0
-            tokens[row, 1:m + 1] = t.tokens
-            valid[row, 1:m + 1] = True
-            tree.validate_parents(parents[row])  # a drafter bug must fail loudly here, not corrupt the cache
-        return tokens, parents, valid
-
-    def _step_exe(self, B: int, k: int, greedy: bool, tokens: int = 0, compile_if_missing: bool = False):
-        """The compiled step for k drafts (tree mode: k draft nodes); k = 0 is the chain step."""
-        if self.tree_mode and k > 0:
-            return self.table.tree_step(B, k, self.slots, greedy, tokens, compile_if_missing)
-        return self.table.step(B, k, self.slots, greedy, tokens, compile_if_missing)
-
     def release(self, r: Running) -> None:
         row = self.row_of.pop(r.uid)
         self.rows[row] = None
         self.samp_of.pop(r.uid, None)
         self._to_clear.add(row)
         self._samp = None
-        if not self.device_draft:
-            self.drafter.finish(r.uid)
-        self._drafts.pop(r.uid, None)
+        self.drafter.finish(r.uid)
 
     # ------------------------------------------------------------ compilation
 
@@ -574,40 +418,36 @@ class JaxBackend:
         t0 = time.perf_counter()
         S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
-        draft_modes = (True, False) if self.device_draft else (False,)
+        draft_modes = (True, False) if self.drafter.draft_prefill else (False,)
         bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
         kbs = sorted(k_buckets) if k_buckets is not None else self.k_buckets
-        jobs = []
+        ahead = self.k_max if self.options.draft_first else 0  # the draft-ahead call's width
+        prefills, steps, row_ops = [], [], []
         for B in bbs:
             for g in greedy_modes:
-                jobs += [("prefill", B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
-                jobs += [("step", B, K, g, t) for K in kbs for t in (0,) + self.token_options(B, K)]
-                if self.draft_first and self.k_max > 0:
-                    jobs.append(("draft", B, self.k_max, g))
-                    jobs += [("verify", B, K, g, t) for K in kbs if K > 0 for t in (0,) + self.token_options(B, K)]
-            jobs += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]
-            jobs += [("take", B, B2) for B2 in bbs if B2 != B]
-            jobs.append(("clear", B))
-        check_map_budget(sum(j[0] in ("prefill", "step", "draft", "verify") for j in jobs), self.cfg.num_layers)
+                prefills += [(B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
+                steps += [StepJob(CHAIN, B, 0, g, t) for t in (0,) + self.token_options(B, 0)]  # plain decoding
+                steps += self.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: self.token_options(B, K),
+                                                 ahead)
+            row_ops += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]
+            row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
+            row_ops.append(("clear", B))
+        check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
         later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
         if later:
-            require(not execute and not self.draft_first, "later_ks cannot be combined with execute or draft_first")
-            jobs, deferred = [j for j in jobs if not (j[0] == "step" and j[2] in later)], \
-                [j for j in jobs if j[0] == "step" and j[2] in later]
-        it = jobs
+            require(not execute and not self.options.draft_first, "later_ks cannot be combined with execute or draft_first")
+            deferred = [j for j in steps if j.k in later]
+            steps = [j for j in steps if j.k not in later]
+        it = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(jobs, desc="compiling", unit="exe", disable=None)
-        for j in it:
-            if j[0] == "prefill":
-                self.table.prefill(j[1], j[2], S, j[3], j[4], first=j[5])
-            elif j[0] == "step":
-                self._step_exe(j[1], j[2], j[3], j[4])
-            elif j[0] == "draft":
-                self.table.draft_call(j[1], j[2], S, j[3])
-            elif j[0] == "verify":
-                self.table.verify(j[1], j[2], self.k_max, S, j[3], j[4])
+            it = tqdm(it, desc="compiling", unit="exe", disable=None)
+        for what, j in it:
+            if what == "prefill":
+                self.table.prefill(j[0], j[1], S, j[2], j[3], first=j[4])
+            elif what == "step":
+                j.compile(self)
             elif j[0] == "insert":
                 self.table.insert(j[1], j[2], S, j[3])
             elif j[0] == "take":
@@ -627,17 +467,17 @@ class JaxBackend:
                                            name="specjax-compile-later")
             self._later.start()
         if execute:
-            self._execute_once(jobs)
+            self._execute_once(prefills, steps, row_ops)
         return time.perf_counter() - t0
 
     def _compile_later(self, jobs, ks) -> None:
         """The background half of warmup(later_ks): each K's steps, then K joins k_options."""
         self._later_gate.wait()
         for k in ks:
-            for j in (j for j in jobs if j[2] == k):
+            for j in (j for j in jobs if j.k == k):
                 if self._stop_later.is_set():
                     return
-                self._step_exe(j[1], j[2], j[3], j[4], compile_if_missing=True)
+                j.compile(self, compile_if_missing=True)
             self._ready_k = self._ready_k | {k}  # (a new set: readers never see one mid-update)
         self._ready_k = None  # everything is in
 
@@ -652,11 +492,10 @@ class JaxBackend:
         ready = self._ready_k
         return [] if ready is None else [k for k in self.k_buckets if k not in ready]
 
-    def _execute_once(self, jobs) -> None:
+    def _execute_once(self, prefills, steps, row_ops) -> None:
         S = self.slots
         fresh = {}  # (B, run_draft) -> a prefill output of that batch (for the inserts)
-        for j in sorted((j for j in jobs if j[0] == "prefill"), key=lambda j: not j[5]):  # first chunks first
-            _, B, C, g, rd, first = j
+        for B, C, g, rd, first in sorted(prefills, key=lambda j: not j[4]):  # first chunks first
             exe = self.table.prefill(B, C, S, g, rd, first=first)
             args = (self.params, self.dparams, jax.device_put(np.zeros((B, C), np.int32)),
                     jax.device_put(np.ones(B, np.int32)), SamplingArrays.build([], B))
@@ -666,36 +505,14 @@ class JaxBackend:
                 out = exe(*args, fresh.pop((B, rd)))
             jax.block_until_ready(out)
             fresh[(B, rd)] = out
-        for B in sorted({j[1] for j in jobs}):
+        for B in sorted({j[0] for j in prefills} | {j.B for j in steps} | {j[1] for j in row_ops}):
             state = _zeros_like_info(self.table.state_info(B, S))
             samp = SamplingArrays.build([], B)
-            for j in jobs:
-                if j[0] == "step" and j[1] == B:
-                    K, P = j[2], j[4]
-                    pack = jax.device_put(np.arange(P, dtype=np.int32)) if P else None
-                    if self.tree_mode and K > 0:  # a chain tree of K nodes on every row
-                        inputs = self._tree_inputs(B, K, {})
-                        inputs[1][:, 1:] = np.arange(K)
-                        tail = (pack,)
-                    else:
-                        inputs = (np.zeros((B, max(K, 1)), np.int32), np.full(B, K, np.int32))
-                        tail = (None, pack)
-                    state, o = self._step_exe(B, K, j[3], P)(self.params, self.dparams, state,
-                                                             *(jax.device_put(a) for a in inputs),
-                                                             jax.device_put(np.ones(B, bool)), samp, *tail)
-                    jax.block_until_ready(o)
-                elif j[0] == "draft" and j[1] == B:
-                    act = jax.device_put(np.ones(B, bool))
-                    state, d = self.table.draft_call(B, j[2], S, j[3])(self.params, self.dparams, state, act, samp,
-                                                                      np.float32(0.0))
-                    for v in (v for v in jobs if v[0] == "verify" and v[1] == B and v[3] == j[3]):
-                        pack = jax.device_put(np.arange(v[4], dtype=np.int32)) if v[4] else None
-                        state, o = self.table.verify(B, v[2], j[2], S, j[3], v[4])(
-                            self.params, self.dparams, state, d.tokens, jax.device_put(np.zeros(B, np.int32)), act,
-                            samp, d.q, pack)
-                    jax.block_until_ready(state)
+            for j in steps:
+                if j.B == B:
+                    state = j.run(self, state, samp)
             # The row operations too: their first run would otherwise land on a served request.
-            for j in jobs:
+            for j in row_ops:
                 if j[0] == "insert" and j[1] == B and (j[2], j[3]) in fresh:
                     rows = jax.device_put(np.full(j[2], B, np.int32))  # all out of range: dropped
                     state = self.table.insert(B, j[2], S, j[3])(state, fresh[(j[2], j[3])], rows)

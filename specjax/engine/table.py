@@ -195,7 +195,7 @@ class StepTable:
 
         return self._get(key, build, key.describe(), compile_if_missing)
 
-    def draft_call(self, B: int, P: int, S: int, greedy_only: bool):
+    def draft_call(self, B: int, P: int, S: int, greedy_only: bool, compile_if_missing: bool = False):
         """A device drafter's confidence-cut proposal of up to P drafts (Algorithm 3)."""
         key = self.key("draft", B, S, greedy_only, k=P)
 
@@ -205,9 +205,10 @@ class StepTable:
             return self._compile(key, spec_draft_jit, self.params, self.dparams, self.state_info(B, S), act,
                                  self._abstract_samp(B), thr)
 
-        return self._get(key, build, key.describe())
+        return self._get(key, build, key.describe(), compile_if_missing)
 
-    def verify(self, B: int, K: int, P: int, S: int, greedy_only: bool, tokens: int = 0):
+    def verify(self, B: int, K: int, P: int, S: int, greedy_only: bool, tokens: int = 0,
+               compile_if_missing: bool = False):
         """The chain step verifying K of the P drafts a draft call left on the device."""
         key = self.key("verify", B, S, greedy_only, k=K, width=P, tokens=tokens)
 
@@ -220,7 +221,7 @@ class StepTable:
             return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
                                  self._abstract_samp(B), q, pack)
 
-        return self._get(key, build, key.describe())
+        return self._get(key, build, key.describe(), compile_if_missing)
 
     def tree_step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0, compile_if_missing: bool = False):
         key = self.key("tree", B, S, greedy_only, k=K, tokens=tokens)

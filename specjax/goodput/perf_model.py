@@ -9,7 +9,8 @@ those); ``"padded"`` is batch bucket x max context rounded up to the chunk (the 
 attention here reads that many slots, padding rows included). N_batched is always the padded
 block: bucket x tokens per row, because a compiled static-shape step computes padding rows too.
 
-The JSON file holds one entry per (model, hardware) key so one file serves several machines.
+The JSON file holds one entry per (model, drafter, hardware, compiled code) key (``model_key``) so one
+file serves several machines and configurations.
 """
 
 from __future__ import annotations
@@ -259,8 +260,32 @@ def load_model(path: str, key: str) -> StepCostModel:
     return StepCostModel.from_dict(data[key]["model"])
 
 
-def model_key(target: str, drafter: str, hardware: str) -> str:
-    return f"{target}|{drafter}|{hardware}"
+def model_key(target: str, drafter: str, hardware: str, code: str) -> str:
+    """'<target>|<drafter's perf label>|<hardware>|<code>': ``code`` is EngineSpec.code_key(), the
+    settings that change the compiled step (forward options, dtype, layout), so a model profiled
+    for one executable is never found for another."""
+    return f"{target}|{drafter}|{hardware}|{code}"
+
+
+def code_mismatch(path: str, key: str) -> str | None:
+    """When ``path`` has no model under ``key`` but has ones for the same target, drafter and
+    hardware profiled for other compiled code: which code settings differ (else None)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    head, _, code = key.rpartition("|")
+    ours = dict(x.split("=", 1) for x in code.split(","))
+    diffs = []
+    for other in sorted(data):
+        h, _, c = other.rpartition("|")
+        if other.count("|") != key.count("|") or h != head:
+            continue
+        theirs = dict(x.split("=", 1) for x in c.split(",") if "=" in x)
+        diffs.append(" ".join(f"{k} {theirs.get(k, '?')} (profiled) vs {v}" for k, v in ours.items()
+                              if theirs.get(k) != v))
+    return "; or ".join(diffs) or None
 
 
 # ---------------------------------------------------------------- profiled tables

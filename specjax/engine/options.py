@@ -1,0 +1,50 @@
+"""The knobs of a serving backend, once: ``JaxBackend`` takes them and ``SpecGenerator`` passes
+them through to its backends; and the one preparation of the target's params for a forward."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax import buckets as bk
+from specjax.errors import require
+from specjax.models import llama
+from specjax.models.options import ForwardOptions
+from specjax.sharding import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    k_buckets: tuple = (0, 1, 2, 4, 8)  # compiled drafts per row (or tree nodes); 0 = plain decoding
+    batch_buckets: tuple = (1, 2, 4, 8)
+    fwd: ForwardOptions = ForwardOptions()
+    # host drafts run the smallest compiled block holding the longest proposal (False: always
+    # the chosen K, for measuring a fixed block's cost)
+    shrink_to_proposal: bool = True
+    draft_first: bool = False  # compile a device drafter's draft-ahead path (confidence policies, Algorithm 3)
+    # verify blocks of per-row draft counts run their real tokens only (buckets.token_buckets):
+    # per-request K then costs what it verifies
+    packed: bool = False
+    prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK  # prompts run in chunks of at most this
+    teacher_topk: int = 0  # chain steps also return the target's top-k (online distillation)
+    layout: Layout | None = None  # shard over a mesh (params placed by its rules); None: one device
+    shrink_patience: int = 8  # steps a batch must fit a smaller bucket before it is compacted
+
+    def __post_init__(self):
+        require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
+        object.__setattr__(self, "k_buckets", tuple(sorted({int(k) for k in self.k_buckets})))
+        object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in self.batch_buckets})))
+
+    def knobs(self, **changes) -> dict:
+        """These options as keyword arguments (with ``changes``)."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}
+
+
+def model_params(cfg, params, fwd: ForwardOptions, draft_params=None):
+    """The target's params in the form ``fwd`` runs: the layers as one scanned stack
+    (``scan_layers``; drafts keep their list form) and packed copies of the weights for the CPU
+    rows kernel. Idempotent, so a generator's backends share what it prepared once."""
+    if fwd.scan_layers:
+        require(draft_params is not params, "a draft sharing the target's params (the same pytree) cannot run "
+                "beside a scanned target; pass the draft its own params")
+        params = llama.stack_layers(params)
+    return llama.pack_for_rows(params, cfg) if fwd.rows_kernel else params

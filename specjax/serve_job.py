@@ -1,0 +1,134 @@
+"""The one JSONL serving path: a ``specjax.jobs.Job`` served by the continuous-batching engine.
+
+launch/batch.py and launch/generate.py's JSONL mode both end here, so a job's records, errors,
+outputs and summary lines are the same whichever script serves it. The caller loads the model
+and builds the backend and policy from its EngineSpec (specjax.registry); online distillation
+hooks in through ``drafts`` (distill.routing.MultiDraft).
+
+Input: one JSON object per line with a ``prompt`` (string), an optional ``id`` (a string or an
+integer; default ``#<line number>``) and optional per-record overrides of the sampling flags
+(``temperature``, ``top_k``, ``top_p``, ``seed``, ``max_new_tokens``). Output: exactly one line
+per non-blank input line, {"id", "prompt", "output",
+"output_ids", "num_prompt_tokens", "num_tokens", "finish_reason"}, or {"id", "error"} for a
+line that is not valid UTF-8 or JSON, a bad or repeated id, a bad override, an empty prompt or a
+prompt that does not fit the engine's ``--slots`` KV slots. None of these stops the job. The job
+layer (``specjax.jobs``; README "JSONL jobs") holds the rules: ids, duplicates, resume, the lock
+on the output, retries and exit statuses.
+
+Every record arrives at t = 0 and the engine (``specjax.engine``) serves them with continuous
+batching: the first ``max(--batch_buckets)`` run, the rest queue and are admitted as rows free
+up. Each finished request is appended to ``--output_jsonl`` (flushed and fsynced) the moment it
+finishes, so a killed job loses only its in-flight requests: run the same command again and it
+skips every id already in the output (error records included; delete those lines to retry them).
+Ctrl-C stops after the current engine step (exit status 130); the same command resumes.
+
+Everything the run needs (every batch bucket x compiled K x the prompt buckets present, greedy
+and/or sampled) is compiled once before serving; the compile time is printed separately and is
+not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
+run's compilation fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+
+def sampling_of(fields: dict):
+    """SamplingParams of a record's checked request fields (results.request_fields)."""
+    from specjax.sampling import SamplingParams
+
+    return SamplingParams(temperature=fields["temperature"], top_k=fields["top_k"], top_p=fields["top_p"],
+                          seed=fields["seed"])
+
+
+def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, chat: bool = False,
+              system: str | None = None, ignore_eos: bool = False, prefill_budget: int | None = None,
+              drafts=None) -> int:
+    """Serve every record of ``job`` at t = 0 on ``backend`` under ``policy``; each finished
+    request is written the moment it finishes. Compiles what the records need first (timed
+    apart). Prints the serving, latency and speculation summaries. Returns the job's exit status."""
+    from specjax.engine.loop import ServingEngine, summarize
+    from specjax.engine.scheduler import Request, Scheduler
+    from specjax.errors import SpecjaxError
+    from specjax.generate import validate_request
+    from specjax.goodput import DraftPrefillGate, GoodputPolicy
+    from specjax.registry import format_spec_stats
+    from specjax.spec_generate import SpecStats
+
+    tok = model.tokenizer
+    if chat:
+        tok.encode_chat("hi", system)  # a model without a chat template fails here, not on every record
+    gate = DraftPrefillGate() if isinstance(policy, GoodputPolicy) else None
+    check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
+
+    def prepare(rec):
+        ids = tok.encode_chat(rec.prompt, system) if chat else tok.encode(rec.prompt)
+        f = rec.fields
+        validate_request(ids, f["max_new_tokens"], model.cfg)
+        req = Request("r", ids, f["max_new_tokens"], sampling_of(f), arrival=0.0, ignore_eos=ignore_eos,
+                      tag=f["tag"])
+        try:
+            check(req)
+        except SpecjaxError as e:  # (the job layer names the line; the engine's request id means nothing here)
+            raise SpecjaxError(str(e).removeprefix("request r: ")) from None
+        return req
+
+    warmed: set = set()
+    runs = []  # (engine, outputs) of every engine run (one, unless a failure was retried)
+    t = dict(compile=0.0, serve=0.0)
+    stats = SpecStats()
+
+    def generate(items, emit):
+        shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed
+        if shapes:  # everything this run needs, compiled before serving (a retry needs nothing new)
+            t0 = time.perf_counter()
+            backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
+                           greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True)
+            t["compile"] += time.perf_counter() - t0
+            warmed.update(shapes)
+            job.note(f"[compiled {len(backend.table)} executables in {t['compile']:.1f} s; serving {len(items)} "
+                     f"requests, policy {policy_label}, drafter {drafter}, {backend.num_rows} KV rows x "
+                     f"{backend.slots} slots]")
+
+        def on_finish(o):
+            i = int(o.id)
+            if o.error is not None:
+                emit(i, error=o.error)
+            else:
+                emit(i, result={"output": tok.decode(o.tokens), "output_ids": [int(x) for x in o.tokens],
+                                "num_prompt_tokens": o.prompt_len, "num_tokens": len(o.tokens),
+                                "finish_reason": o.finish_reason})
+            if drafts is not None:  # after the record is on disk: an update never delays a result
+                drafts.on_finish(o)
+
+        backend.reset()  # a fresh live state (also after a failed run)
+        reqs = [dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)]
+        if drafts is not None:
+            drafts.expect(reqs)
+        engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
+                               prefill_budget=prefill_budget, should_stop=job.should_stop,
+                               on_step=None if drafts is None else drafts.on_step, drafts=drafts)
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.run(reqs)
+            runs.append((engine, outputs))
+            stats.merge(engine.counts)
+        finally:
+            t["serve"] += time.perf_counter() - t0
+
+    wall0 = time.perf_counter()
+    code = job.serve(prepare, generate)
+    outputs = [o for _, outs in runs for o in outs]
+    n_tok = sum(len(o.tokens) for o in outputs if o.error is None)
+    print(f"{n_tok} tokens in {t['serve']:.1f} s serving = {n_tok / max(t['serve'], 1e-9):.1f} tok/s "
+          f"(+ {t['compile']:.1f} s compilation; {time.perf_counter() - wall0:.1f} s for the job)", file=sys.stderr)
+    s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
+    if s and s["requests"] - s["errors"]:
+        print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "
+              f"mean K {s['mean_k']:.2f}; mean batch {s['mean_batch']:.2f} over {s['steps']} steps; policy "
+              f"{policy_label}", file=sys.stderr)
+        if backend.k_max:
+            print(f"spec {drafter}, policy {policy_label}: {format_spec_stats(stats)}", file=sys.stderr)
+    return code

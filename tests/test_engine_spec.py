@@ -1,0 +1,60 @@
+"""EngineSpec from the Python API: one frozen description, validated once (one-line errors),
+the policy name parsed once (PolicySpec), and the code key that names the compiled engine."""
+
+import dataclasses
+
+import pytest
+
+from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
+from specjax.errors import SpecjaxError
+from specjax.models.options import ForwardOptions
+
+
+def test_policy_names_are_parsed_once():
+    assert PolicySpec(" SmartSpec-Req ").name == "smartspec-req" and PolicySpec("smartspec-req").packed
+    assert PolicySpec("0").name == "none" and PolicySpec("none").fixed_k == 0 and PolicySpec("4").fixed_k == 4
+    assert PolicySpec("smartspec-conf").draft_first and PolicySpec("auto").goodput
+    assert [PolicySpec(p).label for p in ("none", "3", "auto", "smartspec-conf")] == ["no-SD", "K=3", "SmartSpec",
+                                                                                     "SmartSpec-conf"]
+    for bad, msg in (("fast", "--policy must be auto"), ("-1", "--policy must be auto")):
+        with pytest.raises(SpecjaxError, match=msg):
+            PolicySpec(bad)
+    with pytest.raises(SpecjaxError, match="confidence_threshold"):
+        PolicySpec("smartspec-conf", threshold=1.0)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(k_buckets=(1, 2)), "include 0"),
+    (dict(drafter=DrafterSpec("prompt_lookup", k=2), policy=PolicySpec("3", fallback_k=2), k_buckets=(0, 2)),
+     "--policy K=3 is not in --k_buckets"),
+    (dict(drafter=DrafterSpec("prompt_lookup", k=8), policy=PolicySpec("auto", fallback_k=3)), "not a bucket"),
+    (dict(policy=PolicySpec("2")), "needs a drafter"),
+    (dict(drafter=DrafterSpec("suffix", k=8), policy=PolicySpec("smartspec-conf")), "needs a device drafter"),
+    (dict(drafter=DrafterSpec("draft_model", k=8)), "needs --draft_model"),
+    (dict(drafter=DrafterSpec("prompt_lookup", k=8, pld_min_ngram=3, pld_max_ngram=2)), "min_ngram <= max_ngram"),
+    (dict(mesh="2by4"), "--mesh must be DATAxMODEL"),
+    (dict(mesh="1x2", fwd=ForwardOptions(rows_kernel=32)), "--rows_kernel runs on one device"),
+    (dict(batch_buckets=(0, 2)), "--batch_buckets must be >= 1"),
+    (dict(prefill_chunk=100), "power of two"),
+])
+def test_a_bad_spec_is_a_one_line_error(kw, msg):
+    with pytest.raises(SpecjaxError, match=msg) as e:
+        EngineSpec(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_the_code_key_follows_what_is_compiled():
+    class Model:  # (what resolved() asks of a LoadedModel)
+        def auto_rows_kernel(self):
+            return 32
+
+    spec = EngineSpec(drafter=DrafterSpec("layer_skip", k=8), k_buckets=(8, 0, 4, 4), rows_kernel_auto=True)
+    assert spec.k_buckets == (0, 4, 8)  # sorted, once each
+    with pytest.raises(SpecjaxError, match="resolved"):
+        spec.code_key()
+    run = spec.resolved(Model())
+    assert run.fwd.rows_kernel == 32 and "rows_kernel=32" in run.code_key()
+    assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
+    assert dataclasses.replace(run, dtype="bfloat16").code_key() != run.code_key()
+    # a host drafter and a device drafter of the same forward options run the same target code
+    assert dataclasses.replace(run, drafter=DrafterSpec("suffix", k=8)).code_key() == run.code_key()
