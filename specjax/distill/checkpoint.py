@@ -149,11 +149,17 @@ class DistillCheckpoints:
                 except OSError:
                     pass
 
+    def poll(self) -> None:
+        """Record a background save that has finished, without waiting for one that has not (the
+        serving loop calls this as requests finish, so a kill finds the latest step recorded)."""
+        if self._unrecorded and not self.mgr.is_saving_in_progress():
+            self._settle()
+
     def save(self, step: int, trainable, opt_state, record: dict, wait: bool = True) -> None:
         """Write checkpoint ``step``; with ``wait``, return once it is on disk and recorded (a
         kill after that loses nothing up to ``step``), else while it is written in the background
-        (serving goes on; it is recorded by the next save, ``wait`` or ``restore``, and a kill
-        before that leaves the previous checkpoint the one restored). A save or restore first
+        (serving goes on; it is recorded by the first ``poll``, save, ``wait`` or ``restore`` after
+        it finished, and a kill before that leaves the previous checkpoint the one restored). A save or restore first
         waits for a save in progress."""
         self._settle()
         self.mgr.save(step, args=ocp.args.Composite(
