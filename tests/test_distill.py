@@ -234,6 +234,14 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     shutil.rmtree(tmp_path / "ck" / "2" / "state")
     assert ck.restore(trainable, state) is None
     assert "no intact checkpoint" in caplog.text
+    # a save in the background is recorded by the first poll after it has finished (the online
+    # distiller polls per request), and only then restored
+    ck.save(4, trainable, state, {"requests_seen": 40, "buffer": {"records": 4}}, wait=False)
+    ck.mgr.wait_until_finished()
+    assert (tmp_path / "ck" / "4").is_dir() and not (tmp_path / "ck" / "4.sha256").exists()
+    ck.poll()
+    assert (tmp_path / "ck" / "4.sha256").exists()
+    assert ck.restore(fresh.trainable, opt.init(fresh.trainable))[0] == 4
 
 
 
