@@ -22,10 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from specjax import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
-flags.DEFINE_string("drafter", "prompt_lookup", "A host drafter (prompt_lookup, suffix, hybrid) or layer_skip.")
-flags.DEFINE_string("question_file", "../shared/data/spec_bench/question.jsonl", "Spec-Bench questions.")
+cli.define_model_flags()
+cli.define_drafter_flags("prompt_lookup")
+cli.define_question_flags(max_prompt_tokens=2048)
 flags.DEFINE_string("categories", "reasoning,roleplay", "Comma list of categories.")
 flags.DEFINE_integer("per_category", 3, "Prompts per category.")
 flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
@@ -37,7 +39,7 @@ def main(argv):
     del argv
     from specjax import registry
     from specjax.benchtime import rounds, summarize
-    from specjax.engine import jax_backend, loop
+    from specjax.engine import jax_backend, loop, observers
     from specjax.generate import Generator
     from specjax.goodput import selector
     from specjax.models.loader import load_model
@@ -58,7 +60,7 @@ def main(argv):
                 acc[label] += time.perf_counter() - t
         setattr(cls, name, g)
 
-    for cls, name, label in ((loop.ServingEngine, "_step", "whole step"), (loop.ServingEngine, "_shadow_verify", "shadow"),
+    for cls, name, label in ((loop.ServingEngine, "_step", "whole step"), (observers.PolicyFeedback, "_shadow_verify", "shadow"),
                              (jax_backend.JaxBackend, "propose", "propose"), (jax_backend.JaxBackend, "step", "backend step"),
                              (jax_backend.JaxBackend, "_results", "result transfer"),
                              (selector.GoodputPolicy, "choose", "choose"), (selector.GoodputPolicy, "observe", "observe"),

@@ -94,19 +94,7 @@ def main(argv):
 
 
 def run(spec) -> int:
-    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
-    # The output is locked, repaired and scanned before the model load: a second job on it, or
-    # an unwritable path, is a one-line error at once.
-    with cli.open_job(replica=replica) as job:
-        if not job.todo:
-            job.notes()
-            print(job.summary() + " (nothing to serve)", file=sys.stderr)
-            code = 0
-        else:
-            code = serve(job, spec)
-    if code == 0:
-        cli.merge_job_replicas(replica)
-    return code
+    return cli.run_jsonl_job(lambda job: serve(job, spec))
 
 
 def serve(job, spec) -> int:

@@ -27,16 +27,12 @@ from specjax.engine.spec import POLICY_HELP, DrafterSpec, PolicySpec  # noqa: E4
 
 FLAGS = flags.FLAGS
 COMMAND = "python launch/bench.py " + " ".join(sys.argv[1:])
-DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
 cli.define_model_flags()
-flags.DEFINE_string("question_file", DEFAULT_QUESTIONS,
-                    "Spec-Bench question.jsonl (a relative path is resolved against the repo root).")
+cli.define_prompt_flags(chat=True)
+cli.define_question_flags(max_prompt_tokens=2048)
 flags.DEFINE_list("categories", None, "Only these categories (comma list); default all.")
 flags.DEFINE_integer("per_category", 0, "Keep the first N questions of each category; 0 = all.")
 flags.DEFINE_integer("max_new_tokens", 256, "New tokens per prompt (Spec-Bench uses 1024).")
-flags.DEFINE_bool("chat", True, "Wrap questions in the model's chat template (--nochat: raw text).")
-flags.DEFINE_string("system", None, "System message for the chat template.")
-flags.DEFINE_integer("max_prompt_tokens", 2048, "Skip (and count) prompts longer than this many tokens.")
 flags.DEFINE_string("json_out", None, "Write all results (config, per-prompt rows, table) as JSON here.")
 flags.DEFINE_string("markdown_out", None, "Write the markdown table here.")
 flags.DEFINE_string("benchmarks_md", None, "Also put the run (command, table, notes) into this BENCHMARKS.md, "

@@ -135,22 +135,13 @@ def run_jsonl(spec) -> int:
     """The JSONL job on the serving engine, as launch/batch.py serves it (specjax.serve_job)."""
     from specjax.serve_job import serve_job
 
-    replica = cli.init_distributed()  # (this process, processes): each serves its share of the records
-    # The output is locked, repaired and scanned before the model load: a second job on it, or
-    # an unwritable path, is a one-line error at once.
-    with cli.open_job(replica=replica) as job:
-        if not job.todo:
-            job.notes()
-            print(job.summary() + " (nothing to generate)", file=sys.stderr)
-            code = 0
-        else:
-            model, spec = cli.load_target(spec)
-            code = serve_job(job, model, registry.build_backend(spec, model), *cli.policy_from_spec(spec, model),
-                             drafter=spec.drafter.name, chat=FLAGS.chat, system=FLAGS.system,
-                             ignore_eos=FLAGS.ignore_eos, prefill_budget=cli.prefill_budget_from_flags())
-    if code == 0:
-        cli.merge_job_replicas(replica)
-    return code
+    def serve(job):
+        model, loaded = cli.load_target(spec)
+        return serve_job(job, model, registry.build_backend(loaded, model), *cli.policy_from_spec(loaded, model),
+                         drafter=loaded.drafter.name, chat=FLAGS.chat, system=FLAGS.system,
+                         ignore_eos=FLAGS.ignore_eos, prefill_budget=cli.prefill_budget_from_flags())
+
+    return cli.run_jsonl_job(serve)
 
 
 def main(argv):

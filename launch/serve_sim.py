@@ -41,7 +41,6 @@ from specjax.sweep import (SCALES, load_prompts, load_replay, log_row, make_requ
                            rotated, run_summary)
 
 FLAGS = flags.FLAGS
-DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
 
 
 def define_flags() -> None:
@@ -57,8 +56,7 @@ def define_flags() -> None:
     flags.DEFINE_string("rates", "0.5,1,2,3,4", "Poisson request rates (requests/s).")
     flags.DEFINE_integer("num_requests", 20, "Requests per (rate, policy) run.")
     flags.DEFINE_float("burst", 0.0, "If > 0: a single burst of burst x KV rows requests at t=0 (load test).")
-    flags.DEFINE_string("question_file", DEFAULT_QUESTIONS, "Spec-Bench question.jsonl (relative: to the repo root).")
-    flags.DEFINE_integer("max_prompt_tokens", 300, "Skip prompts longer than this (chat-templated tokens).")
+    cli.define_question_flags(max_prompt_tokens=300)
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens per request (EOS ends earlier unless --ignore_eos).")
     flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")

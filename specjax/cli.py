@@ -7,6 +7,8 @@ absl ``FLAGS``; they are only called after the flags are parsed.
 
 from __future__ import annotations
 
+import os
+
 from absl import flags
 
 from specjax import registry
@@ -306,11 +308,28 @@ def check_online_distill_flags(drafter: str) -> None:
     distill_configs_from_flags()  # (online distillation keeps the target's top k)
 
 
+DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench", "question.jsonl")
+
+
+def define_prompt_flags(chat: bool = False) -> None:
+    """How prompt text becomes tokens: the chat template or raw text."""
+    flags.DEFINE_bool("chat", chat, "Wrap prompts in the model's chat template (--nochat: raw text).")
+    flags.DEFINE_string("system", None, "System message for --chat.")
+
+
+def define_question_flags(max_prompt_tokens: int) -> None:
+    """Spec-Bench questions as prompts (bench, serve_sim, benchmarks): the file and the longest
+    prompt kept (longer ones are skipped and counted)."""
+    flags.DEFINE_string("question_file", DEFAULT_QUESTIONS, "Spec-Bench question.jsonl (a relative path is resolved "
+                        "against the repo root; ../shared is beside a development checkout, not an install).")
+    flags.DEFINE_integer("max_prompt_tokens", max_prompt_tokens, "Skip (and count) prompts longer than this many "
+                         "tokens (chat-templated).")
+
+
 def define_request_flags(chat: bool = False) -> None:
     """The prompt wrapping and the sampling of each request (JSONL records may
     override the sampling flags and max_new_tokens)."""
-    flags.DEFINE_bool("chat", chat, "Wrap prompts in the model's chat template (--nochat: raw text).")
-    flags.DEFINE_string("system", None, "System message for --chat.")
+    define_prompt_flags(chat)
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (JSONL records may override).")
     flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off (JSONL records may override).")
     flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (JSONL records may override).")
@@ -418,6 +437,26 @@ def open_job(**kw):
     if not FLAGS.output_jsonl:
         raise SpecjaxError("--output_jsonl is required")
     return Job(FLAGS.input_jsonl, FLAGS.output_jsonl, request_defaults(), **kw)
+
+
+def run_jsonl_job(serve) -> int:
+    """The JSONL job of the flags, served by ``serve(job) -> exit status`` (the batch job and
+    generate.py's JSONL mode): this process's share of the records (--num_processes), the output
+    locked, repaired and scanned before the model load (a second job on it, or an unwritable path,
+    is a one-line error at once), the replicas' parts merged once every one is done."""
+    import sys
+
+    replica = init_distributed()  # (this process, processes): each serves its share of the records
+    with open_job(replica=replica) as job:
+        if not job.todo:
+            job.notes()
+            print(job.summary() + " (nothing to serve)", file=sys.stderr)
+            code = 0
+        else:
+            code = serve(job)
+    if code == 0:
+        merge_job_replicas(replica)
+    return code
 
 
 def merge_job_replicas(replica: tuple[int, int]) -> None:

@@ -1,14 +1,57 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules, and the ``--shared_dir`` option.
+
+Tests marked ``shared_data`` read the public prompt sets (Spec-Bench, GSM8K, HumanEval) from the
+folder given by ``--shared_dir`` (or $SPECJAX_SHARED_DIR; default ``../shared`` beside the
+repository), through the ``shared_data_dir`` fixture (its ``data/`` subfolder). Without that folder
+they are skipped with a reason saying how to run them, except in CI ($CI set, or ``--shared_dir``
+given explicitly), where a missing folder is an error."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import jax
 import pytest
 
 from specjax.config import get_model_config
 from specjax.models import llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SHARED = os.path.join(ROOT, "..", "shared")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shared_dir", default=None,
+                     help="the shared folder holding data/spec_bench, data/gsm8k, data/humaneval, read by tests "
+                          "marked shared_data (default: $SPECJAX_SHARED_DIR, else ../shared beside the repository); "
+                          "given explicitly, a missing folder is an error")
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _shared_dir(config) -> tuple[str, bool]:
+    """(the shared folder, whether it was asked for: --shared_dir, $SPECJAX_SHARED_DIR or CI)."""
+    given = config.getoption("shared_dir") or os.environ.get("SPECJAX_SHARED_DIR")
+    return os.path.abspath(given or DEFAULT_SHARED), bool(given) or _ci()
+
+
+@pytest.fixture
+def shared_data_dir(request):
+    """The shared ``data/`` folder, for tests marked shared_data (skipped without it outside CI)."""
+    if request.node.get_closest_marker("shared_data") is None:
+        pytest.fail("a test using shared_data_dir must be marked @pytest.mark.shared_data", pytrace=False)
+    path, required = _shared_dir(request.config)
+    data = os.path.join(path, "data")
+    if not os.path.isdir(data):
+        msg = (f"needs the shared prompt data: {data} not found; run with --shared_dir PATH "
+               f"(or SPECJAX_SHARED_DIR=PATH), PATH holding data/spec_bench, data/gsm8k, data/humaneval")
+        if required:
+            pytest.fail(msg + " (required here: --shared_dir, $SPECJAX_SHARED_DIR or $CI is set)", pytrace=False)
+        pytest.skip(msg)
+    return data
 
 
 @pytest.fixture(scope="module")

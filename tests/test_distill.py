@@ -11,9 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from specjax.distill import divergences as dv
+from specjax.distill import train as _train
 from specjax.errors import SpecjaxError
 
 T = 1.7  # a temperature != 1: forgetting it changes every value below
+
+
+# train.sequence_logits jitted: one compilation per shape instead of op-by-op dispatch
+seq_logits = jax.jit(_train.sequence_logits, static_argnums=0)
 
 
 def _np_probs(z, t):
@@ -119,7 +124,7 @@ def test_self_draft_distillation_raises_acceptance_and_stays_lossless(tiny):
     gen = Generator(cfg, params, batch_buckets=(8,))
     outs = [r.tokens for r in gen.generate(prompts, max_new_tokens=24, ignore_eos=True)]
     tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)  # [8, 30]
-    teacher = tr.sequence_logits(cfg, params, tokens)
+    teacher = seq_logits(cfg, params, tokens)
     mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= len(prompts[0]) - 1, tokens.shape)  # predict the outputs
 
     sd = tr.TrainableDraft.of(cfg, params, 1)
@@ -189,7 +194,7 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     opt = tr.make_optimizer(tc)
     trainable, state = sd.trainable, opt.init(sd.trainable)
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 250, (2, 12)), jnp.int32)
-    teacher = tr.sequence_logits(cfg, params, tokens)
+    teacher = seq_logits(cfg, params, tokens)
     mask = jnp.ones(tokens.shape, bool)
     fp = fingerprint(cfg, sd.draft.cfg, trainable)
     ck = DistillCheckpoints(str(tmp_path / "ck"), fp, max_to_keep=2)
@@ -274,7 +279,7 @@ def test_the_teacher_signal_comes_from_verification(tiny):
         assert o.tokens == w
         ids, logits = np.concatenate(o.teacher_ids), np.concatenate(o.teacher_logits)
         assert o.teacher_from == 1 and len(ids) == len(o.tokens) - 1 and ids.shape[1] == k  # 8 k bytes a token
-        full = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([p + o.tokens], jnp.int32)))[0]
+        full = np.asarray(seq_logits(cfg, params, jnp.asarray([p + o.tokens], jnp.int32)))[0]
         at = full[len(p):len(p) + len(o.tokens) - 1]  # the positions that predicted outputs 1..n-1
         top = np.argsort(-at, axis=-1)[:, :k]
         np.testing.assert_array_equal(ids, top)
@@ -414,7 +419,7 @@ def test_trained_reduced_vocab_draft_stays_lossless(tiny):
     vocab = frequent_tokens(outs, cfg.vocab_size, 64)
     sd = tr.TrainableDraft.of(cfg, params, 1, vocab_ids=vocab)
     tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)
-    teacher = dv.TopK.of(tr.sequence_logits(cfg, params, tokens), 8)
+    teacher = dv.TopK.of(seq_logits(cfg, params, tokens), 8)
     mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= 5, tokens.shape)
     tc = tr.TrainConfig(lr=3e-3, warmup_steps=2, total_steps=40)
     opt = tr.make_optimizer(tc)
@@ -432,7 +437,7 @@ def test_trained_reduced_vocab_draft_stays_lossless(tiny):
     prompt, T, k = prompts[0], 1.3, 6
 
     def warped(seq):
-        z = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([seq], jnp.int32)))[0, -1] / T
+        z = np.asarray(seq_logits(cfg, params, jnp.asarray([seq], jnp.int32)))[0, -1] / T
         p = np.zeros_like(z, np.float64)
         top = np.argsort(-z)[:k]
         p[top] = np.exp(z[top] - z[top].max())
@@ -456,7 +461,7 @@ def test_trained_reduced_vocab_draft_stays_lossless(tiny):
 
     def warped_q(seq):
         z = np.full(V, -np.inf)
-        z[vocab] = np.asarray(tr.sequence_logits(sd.draft.cfg, dparams, jnp.asarray([seq], jnp.int32)))[0, -1] / T
+        z[vocab] = np.asarray(seq_logits(sd.draft.cfg, dparams, jnp.asarray([seq], jnp.int32)))[0, -1] / T
         p = np.zeros(V)
         top = np.argsort(-z)[:k]
         p[top] = np.exp(z[top] - z[top].max())
@@ -485,28 +490,33 @@ def test_distillation_data_by_teacher_student_and_mixed_sampling(tiny):
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (4, 9, 6)]
     d, dparams = layer_skip(cfg, params, 1)
+    # batch 2 throughout (3 prompts: a full batch and a padded one), so every call shares its shapes
     teach = dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=10, mode="teacher", temperature=0,
                               topk=4, batch=2)
     want = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=10, ignore_eos=True)]
     stud = dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=10, mode="student", temperature=0,
-                             topk=4, batch=4)
+                             topk=4, batch=2)
     dwant = [r.tokens for r in reference_generate(d.cfg, dparams, prompts, max_new_tokens=10, ignore_eos=True)]
     assert want != dwant  # the two writers differ, so each check below tells them apart
-    for p, t, w, s, dw in zip(prompts, teach, want, stud, dwant):
+    recs = [rec for t, s in zip(teach, stud) for rec in (t, s)]
+    padded = np.full((len(recs), max(len(r.tokens) for r in recs)), 3, np.int32)  # (causal: padding is harmless)
+    for i, rec in enumerate(recs):
+        padded[i, :len(rec.tokens)] = rec.tokens
+    full = np.asarray(seq_logits(cfg, params, jnp.asarray(padded)))  # one forward for every record
+    for i, (p, t, w, s, dw) in enumerate(zip(prompts, teach, want, stud, dwant)):
         assert list(t.tokens) == p + w and list(s.tokens) == p + dw
-        for rec in (t, s):  # the target's top 4 where each output token was predicted
-            full = np.asarray(tr.sequence_logits(cfg, params, jnp.asarray([rec.tokens], jnp.int32)))[0]
-            at = full[rec.positions]
+        for j, rec in enumerate((t, s)):  # the target's top 4 where each output token was predicted
+            at = full[2 * i + j][rec.positions]
             np.testing.assert_array_equal(rec.ids, np.argsort(-at, -1)[:, :4])
             np.testing.assert_allclose(rec.logits, np.take_along_axis(at, rec.ids, -1), rtol=1e-4, atol=1e-4)
     mixed = dd.sample_records(cfg, params, d, dparams, prompts[:1], max_new_tokens=1, mode="mixed", beta=0.3,
-                              temperature=0, batch=1)[0]
+                              temperature=0, batch=2)[0]
     P = len(prompts[0])
-    lp = jax.nn.softmax(tr.sequence_logits(cfg, params, jnp.asarray([prompts[0]]))[0, -1])
-    lq = jax.nn.softmax(tr.sequence_logits(d.cfg, dparams, jnp.asarray([prompts[0]]))[0, -1])
+    lp = jax.nn.softmax(seq_logits(cfg, params, jnp.asarray([prompts[0]]))[0, -1])
+    lq = jax.nn.softmax(seq_logits(d.cfg, dparams, jnp.asarray([prompts[0]]))[0, -1])
     assert int(mixed.tokens[P]) == int(jnp.argmax(0.3 * lp + 0.7 * lq))
     cut = dd.sample_records(cfg, params, d, dparams, prompts[:1], max_new_tokens=10, mode="teacher", temperature=0,
-                            eos_ids=[want[0][3]], batch=1)[0]
+                            eos_ids=[want[0][3]], batch=2)[0]
     assert list(cut.tokens) == prompts[0] + want[0][:want[0].index(want[0][3]) + 1] and cut.rows == len(cut.tokens) - P
     with pytest.raises(SpecjaxError, match="teacher, student or mixed"):
         dd.sample_records(cfg, params, d, dparams, prompts, max_new_tokens=4, mode="both")
@@ -682,7 +692,7 @@ def test_an_independent_draft_model_trains_and_serves_from_its_checkpoint(tiny, 
     outs = [r.tokens for r in Generator(cfg, params, batch_buckets=(8,)).generate(prompts, max_new_tokens=24,
                                                                                    ignore_eos=True)]
     tokens = jnp.asarray([p + o for p, o in zip(prompts, outs)], jnp.int32)
-    teacher = dv.TopK.of(tr.sequence_logits(cfg, params, tokens), 8)
+    teacher = dv.TopK.of(seq_logits(cfg, params, tokens), 8)
     mask = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= 5, tokens.shape)
     tc = tr.TrainConfig(lr=3e-3, warmup_steps=5, total_steps=80)
     opt = tr.make_optimizer(tc)

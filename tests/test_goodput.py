@@ -409,9 +409,9 @@ def test_a_profile_of_other_compiled_code_is_refused_or_noted_never_used(tmp_pat
     from specjax.models.options import ForwardOptions
 
     path = str(tmp_path / "perf.json")
-    profiled = EngineSpec(model="tiny-random", drafter=DrafterSpec("prompt_lookup", k=8),
-                          policy=PolicySpec("smartspec", perf_models=path))
+    profiled = EngineSpec(model="tiny-random", drafter=DrafterSpec("prompt_lookup", k=8))
     save_model(path, registry.perf_key(profiled, "tiny-random"), StepCostModel(target=LinearCost()))
+    profiled = dataclasses.replace(profiled, policy=PolicySpec("smartspec", perf_models=path))
     assert isinstance(registry.build_policy(profiled, "tiny-random")[0], GoodputPolicy)  # the same code: used
     serving = dataclasses.replace(profiled, fwd=ForwardOptions(rows_kernel=32))
     with pytest.raises(SpecjaxError) as e:
@@ -431,6 +431,19 @@ def test_a_profile_of_other_compiled_code_is_refused_or_noted_never_used(tmp_pat
     with pytest.raises(SpecjaxError, match="no performance model for"):
         registry.build_policy(dataclasses.replace(profiled, policy=PolicySpec("smartspec", perf_models=old)),
                               "tiny-random")
+
+
+def test_a_named_perf_models_file_that_is_not_one_is_an_error(tmp_path):
+    """--perf_models naming a file that is not a performance-model store is a one-line error when
+    the spec is built (before any model load), never a silent fixed K (issue 33)."""
+    for text in ('{"runs": [1, 2]}', '[1, 2]', '{"k": {"model": {"target": {"nope": 1}}}}', 'not json'):
+        path = tmp_path / "perf.json"
+        path.write_text(text)
+        with pytest.raises(SpecjaxError, match="--perf_models") as e:
+            PolicySpec("auto", perf_models=str(path))
+        assert "\n" not in str(e.value)
+    save_model(str(path := tmp_path / "good.json"), "k", StepCostModel(target=LinearCost()))
+    assert PolicySpec("auto", perf_models=str(path)).perf_models == str(path)
 
 
 def test_load_model_errors(tmp_path):

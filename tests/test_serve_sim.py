@@ -66,7 +66,25 @@ def test_rotated_policy_order():
     assert rotated(pols, 5) == orders[1]
 
 
-def test_replay_of_saved_real_runs(tmp_path):
+def _questions(path):
+    """A small Spec-Bench-format question file (the replay only needs prompts of some lengths)."""
+    turns = ["What is the capital of France?", "Write a haiku about the sea.", "Summarize: " + "the cat sat. " * 12,
+             "Explain recursion to a child in two sentences.", "def add(a, b):\n    return a + b\n# test it",
+             "List three prime numbers greater than ten."]
+    path.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) + "\n"
+                            for i, t in enumerate(turns)))
+    return str(path)
+
+
+@pytest.fixture(params=["synthetic", pytest.param("spec_bench", marks=pytest.mark.shared_data)])
+def question_file(request, tmp_path):
+    """A synthetic question file, and Spec-Bench's own (from the shared data)."""
+    if request.param == "synthetic":
+        return _questions(tmp_path / "q.jsonl")
+    return os.path.join(request.getfixturevalue("shared_data_dir"), "spec_bench", "question.jsonl")
+
+
+def test_replay_of_saved_real_runs(tmp_path, question_file):
     """--mode sim --replay_json re-simulates saved real runs (their output lengths and measured
     acceptance) and prints the fidelity table against them; a file without the asked-for runs
     is a one-line error."""
@@ -78,7 +96,8 @@ def test_replay_of_saved_real_runs(tmp_path):
     path = tmp_path / "real.json"
     path.write_text(json.dumps({"runs": real, "acceptance": acc}))
     common = ["--mode", "sim", "--drafters", "prompt_lookup", "--num_requests", "4", "--max_prompt_tokens", "120",
-              "--replay_json", str(path)]
+              "--replay_json", str(path), "--question_file", question_file,
+              "--rows_kernel", "0"]  # the shipped SmolLM2 profile's code (-1 is 32 on an AVX-512 CPU)
     p = run(*common, "--rates", "1", "--policies", "none,smartspec")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Simulator fidelity" in p.stdout and "| prompt_lookup | 1 | SmartSpec | 0.50 | 0.90 |" in p.stdout

@@ -103,6 +103,10 @@ class PolicySpec:
                 raise SpecjaxError(f"--policy must be {POLICY_HELP}, got {self.name!r}") from None
         if not 0.0 <= self.threshold < 1.0:  # (NaN fails too)
             raise SpecjaxError(f"--confidence_threshold must be in [0, 1), got {self.threshold}")
+        if self.perf_models is not None:  # a file the user named is read as one now, never ignored later
+            from specjax.goodput.perf_model import read_store
+
+            read_store(self.perf_models, "--perf_models")
 
     @property
     def fixed_k(self) -> int | None:

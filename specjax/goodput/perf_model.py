@@ -246,14 +246,32 @@ def save_model(path: str, key: str, model: StepCostModel, meta: dict | None = No
     os.replace(tmp, path)
 
 
-def load_model(path: str, key: str) -> StepCostModel:
-    if not os.path.exists(path):
-        raise SpecjaxError(f"performance-model file {path} does not exist (make one with launch/profile.py)")
+def read_store(path: str, flag: str = "performance-model file") -> dict:
+    """The performance models in ``path`` ({key: {"model": ..., "meta": ..., "table": ...}}),
+    every one checked to load: a file that is missing, unreadable, not JSON or not such a store is
+    a one-line SpecjaxError naming ``flag``, so a file the user named is never silently ignored."""
     try:
         with open(path) as f:
             data = json.load(f)
+    except FileNotFoundError:
+        raise SpecjaxError(f"{flag} {path} does not exist (make one with launch/profile.py)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecjaxError(f"{flag} {path} cannot be read: {e}") from None
     except json.JSONDecodeError as e:
-        raise SpecjaxError(f"performance-model file {path} is not valid JSON: {e}") from None
+        raise SpecjaxError(f"{flag} {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SpecjaxError(f"{flag} {path} is not a performance-model file (launch/profile.py writes one)")
+    for key, entry in data.items():
+        try:
+            StepCostModel.from_dict(entry["model"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SpecjaxError(f"{flag} {path} is not a performance-model file: its entry {key!r} is not a "
+                               f"model ({type(e).__name__}: {e})"[:400]) from None
+    return data
+
+
+def load_model(path: str, key: str) -> StepCostModel:
+    data = read_store(path)
     if key not in data:
         raise SpecjaxError(f"{path} has no performance model for {key!r} (it has: {', '.join(sorted(data)) or 'none'}); "
                            "profile this model on this hardware with launch/profile.py")
