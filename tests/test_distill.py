@@ -181,7 +181,8 @@ def test_a_draft_swap_makes_the_policy_forget_the_old_acceptance():
     assert acc.alpha.value == 0.5 and not acc._req and len(acc.alpha) == 0
 
 
-def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tmp_path):
+def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tmp_path, caplog):
+    import logging
     import shutil
 
     from specjax.distill import train as tr
@@ -198,10 +199,12 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     fp = fingerprint(cfg, sd.draft.cfg, trainable)
     ck = DistillCheckpoints(str(tmp_path / "ck"), fp, max_to_keep=2)
     assert ck.restore(trainable, state) is None  # nothing yet
+    saved = {}
     for i in range(1, 4):
         trainable, state, _, _ = tr.train_step(trainable, state, sd.frozen, tokens, teacher, mask, cfg=sd.draft.cfg,
                                                tc=tc, optimizer=opt)
         ck.save(i, trainable, state, {"requests_seen": 10 * i, "buffer": {"records": i}})
+        saved[i] = (trainable, state)
     assert ck.latest_step() == 3 and sorted(ck.mgr.all_steps()) == [2, 3]  # the last two kept
     # restore into fresh templates (a new process after a kill starts from the initial draft)
     fresh = tr.TrainableDraft.of(cfg, params, 1)
@@ -215,11 +218,37 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
     ck2 = DistillCheckpoints(str(tmp_path / "ck"), fingerprint(cfg, other.draft.cfg, other.trainable))
     with pytest.raises(SpecjaxError, match="belongs to another draft"):
         ck2.restore(other.trainable, opt.init(other.trainable))
-    # a damaged checkpoint: a one-line error
-    shutil.rmtree(tmp_path / "ck" / "3" / "state")
-    with pytest.raises(SpecjaxError, match="cannot be read") as e:
-        ck.restore(trainable, state)
+    # a damaged newest checkpoint (one flipped byte of its largest file): logged once, never
+    # loaded; the one before it is restored exactly
+    big = max((p for p in (tmp_path / "ck" / "3").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(big.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    big.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        step, t2, s2, record = ck.restore(fresh.trainable, opt.init(fresh.trainable))
+    assert step == 2 and record == {"requests_seen": 20, "buffer": {"records": 2}}
+    for a, b in zip(jax.tree_util.tree_leaves((t2, s2)), jax.tree_util.tree_leaves(saved[2])):
+        np.testing.assert_array_equal(a, b)
+    assert [r.getMessage() for r in caplog.records if "ck/3" in r.getMessage()] == [
+        f"ignoring {tmp_path / 'ck' / '3'}: it does not match the size and hash recorded when it was written "
+        "(damaged or incomplete)"]
+    with pytest.raises(SpecjaxError, match="damaged or incomplete") as e:  # asked for by number: an error
+        ck.restore(trainable, state, step=3)
     assert "\n" not in str(e.value)
+    # every checkpoint damaged: a fresh start, said once
+    shutil.rmtree(tmp_path / "ck" / "2" / "state")
+    assert ck.restore(trainable, state) is None
+    assert "no intact checkpoint" in caplog.text
+    # a save in the background is recorded by the first poll after it has finished (the online
+    # distiller polls per request), and only then restored
+    ck.save(4, trainable, state, {"requests_seen": 40, "buffer": {"records": 4}}, wait=False)
+    ck.mgr.wait_until_finished()
+    assert (tmp_path / "ck" / "4").is_dir() and not (tmp_path / "ck" / "4.sha256").exists()
+    ck.poll()
+    assert (tmp_path / "ck" / "4.sha256").exists()
+    assert ck.restore(fresh.trainable, opt.init(fresh.trainable))[0] == 4
+
+
 
 
 def test_the_teacher_signal_comes_from_verification(tiny):

@@ -11,20 +11,31 @@ Each checkpoint carries a fingerprint of the draft it belongs to (the target's a
 config and every trainable leaf's shape and dtype). Restoring a checkpoint of another model, or
 one that cannot be read, is a one-line SpecjaxError that changes nothing: the caller's params
 stay as they were.
+
+Once orbax has finished a step, every file of it is recorded (size and hash, specjax.ondisk:
+``<step>.sha256`` beside the step's directory), and so is ``draft.json``. A step that does not
+match its record (damaged, or cut off before it was recorded) is never restored: ``restore``
+logs it once and takes the newest step that matches, or none (a fresh start). A ``draft.json``
+that does not match is logged once and written again for the draft being opened (a checkpoint
+of another draft is then still refused by its fingerprint).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 import numpy as np
 import orbax.checkpoint as ocp
 
+from specjax import ondisk
 from specjax.config import ModelConfig
 from specjax.engine.jax_backend import param_avals
 from specjax.errors import SpecjaxError
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(target: ModelConfig, draft: ModelConfig, trainable, vocab_ids=None) -> dict:
@@ -54,13 +65,13 @@ def open_draft(directory: str, cfg: ModelConfig, params, draft_layers: int = 8, 
 
     path = os.path.join(directory, DRAFT_FILE)
     model_name = None if draft_model is None else draft_model.cfg.name
-    if os.path.exists(path):
+    blob = ondisk.read(path)  # None: no file, or one that is damaged (logged; written again below)
+    if blob is not None:
         try:
-            with open(path, encoding="utf-8") as f:
-                spec = json.load(f)
+            spec = json.loads(blob)
             target, draft_layers, vocab = spec["target"], spec["draft_layers"], spec["vocab_ids"]
             named = spec.get("draft_model")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise SpecjaxError(f"{path} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
         if target != cfg.name or spec.get("vocab_size") != cfg.vocab_size:
             raise SpecjaxError(f"{directory} holds a draft of {target} ({spec.get('vocab_size')} tokens), not of "
@@ -76,18 +87,16 @@ def open_draft(directory: str, cfg: ModelConfig, params, draft_layers: int = 8, 
         d = ModelDraft(draft_model.cfg)
         check_pair(cfg, d, draft_model.params)
         td = TrainableDraft.of_model(d, draft_model.params, vocab_ids)
-    if not os.path.exists(path):
+    if blob is None:
         try:
             os.makedirs(directory, exist_ok=True)
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"target": cfg.name, "vocab_size": cfg.vocab_size,
-                           "draft_layers": None if draft_model is not None else draft_layers,
-                           "draft_model": model_name,
-                           "vocab_ids": None if vocab_ids is None else [int(t) for t in vocab_ids]}, f)
-            os.replace(tmp, path)
         except OSError as e:
             raise SpecjaxError(f"cannot use {directory} for checkpoints: {e}".splitlines()[0]) from None
+        spec = {"target": cfg.name, "vocab_size": cfg.vocab_size,
+                "draft_layers": None if draft_model is not None else draft_layers, "draft_model": model_name,
+                "vocab_ids": None if vocab_ids is None else [int(t) for t in vocab_ids]}
+        if not ondisk.write(path, json.dumps(spec).encode()):
+            raise SpecjaxError(f"cannot use {directory} for checkpoints: {path} cannot be written")
     fp = fingerprint(cfg, td.draft.cfg, td.trainable, vocab_ids)
     return td, DistillCheckpoints(directory, fp, max_to_keep)
 
@@ -112,6 +121,7 @@ class DistillCheckpoints:
     def __init__(self, directory: str, fp: dict, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
         self.fp = fp
+        self._unrecorded: list[int] = []  # steps saved in the background, recorded once finished
         try:
             self.mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True))
@@ -121,40 +131,76 @@ class DistillCheckpoints:
     def latest_step(self) -> int | None:
         return self.mgr.latest_step()
 
-    def save(self, step: int, trainable, opt_state, record: dict, wait: bool = True) -> None:
-        """Write checkpoint ``step``; with ``wait``, return once it is on disk (a kill after that
-        loses nothing up to ``step``), else while it is written in the background (serving goes
-        on; a kill meanwhile leaves the previous checkpoint: orbax writes to a temporary name and
-        renames). A save or restore first waits for a save in progress."""
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _settle(self) -> None:
+        """Wait for a save in progress, then record the steps finished since (their files'
+        sizes and hashes), and drop the records of steps orbax has since removed."""
         self.mgr.wait_until_finished()
+        for step in self._unrecorded:
+            if os.path.isdir(self._step_dir(step)):
+                ondisk.seal(self._step_dir(step))
+        self._unrecorded.clear()
+        for f in os.listdir(self.directory):
+            if f.endswith(ondisk.RECORD) and not os.path.exists(os.path.join(self.directory, f[:-len(ondisk.RECORD)])):
+                try:
+                    os.unlink(os.path.join(self.directory, f))
+                except OSError:
+                    pass
+
+    def poll(self) -> None:
+        """Record a background save that has finished, without waiting for one that has not (the
+        serving loop calls this as requests finish, so a kill finds the latest step recorded)."""
+        if self._unrecorded and not self.mgr.is_saving_in_progress():
+            self._settle()
+
+    def save(self, step: int, trainable, opt_state, record: dict, wait: bool = True) -> None:
+        """Write checkpoint ``step``; with ``wait``, return once it is on disk and recorded (a
+        kill after that loses nothing up to ``step``), else while it is written in the background
+        (serving goes on; it is recorded by the first ``poll``, save, ``wait`` or ``restore`` after
+        it finished, and a kill before that leaves the previous checkpoint the one restored). A save or restore first
+        waits for a save in progress."""
+        self._settle()
         self.mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
             record=ocp.args.JsonSave({"fingerprint": self.fp, **record})))
+        self._unrecorded.append(step)
         if wait:
-            self.mgr.wait_until_finished()
+            self._settle()
 
     def save_next(self, trainable, opt_state, record: dict, wait: bool = True) -> int:
         """``save`` as the step after the latest (one in progress included); returns it."""
-        self.mgr.wait_until_finished()
+        self._settle()
         step = (self.latest_step() or 0) + 1
         self.save(step, trainable, opt_state, record, wait)
         return step
 
     def wait(self) -> None:
-        self.mgr.wait_until_finished()
+        self._settle()
 
     def restore(self, trainable, opt_state, step: int | None = None):
-        """(step, trainable, opt_state, record) of checkpoint ``step`` (default: the latest),
-        with ``trainable`` / ``opt_state`` as the templates of its structure; None when there is
-        no checkpoint. A checkpoint of another draft or one that cannot be read: SpecjaxError."""
-        self.mgr.wait_until_finished()
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
+        """(step, trainable, opt_state, record) of checkpoint ``step`` (default: the newest that
+        matches its record; a newer one that does not is logged once and passed over), with
+        ``trainable`` / ``opt_state`` as the templates of its structure; None when there is no
+        intact checkpoint. A checkpoint of another draft, or ``step`` damaged or unreadable:
+        SpecjaxError."""
+        self._settle()
+        steps = sorted(self.mgr.all_steps(), reverse=True) if step is None else [step]
+        for s in steps:
+            if ondisk.verified(self._step_dir(s)):  # (a damaged one is logged there)
+                return self._restore(s, trainable, opt_state)
+            if step is not None:
+                raise SpecjaxError(f"checkpoint {step} in {self.directory} cannot be read: it is damaged or incomplete")
+        if steps:
+            log.warning("no intact checkpoint in %s; starting from the initial draft", self.directory)
+        return None
+
+    def _restore(self, step: int, trainable, opt_state):
         where = f"checkpoint {step} in {self.directory}"
         try:
             record = self.mgr.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
-        except Exception as e:  # orbax raises many kinds for a missing or damaged file
+        except Exception as e:  # orbax raises many kinds for a file it cannot read
             raise SpecjaxError(f"{where} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) from None
         if not isinstance(record, dict) or record.get("fingerprint") != self.fp:
             got = record.get("fingerprint") if isinstance(record, dict) else record

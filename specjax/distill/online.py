@@ -94,6 +94,8 @@ class OnlineDistiller:
             self.buffer.add(rec)
             self.new += 1
         self.finished += 1
+        if self.checkpoints is not None:
+            self.checkpoints.poll()  # (a checkpoint written in the background counts once recorded)
         if self.finished % self.oc.every == 0 and len(self.buffer):
             self.update()
 

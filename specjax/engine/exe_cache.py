@@ -13,9 +13,10 @@ determines that module instead, so a hit skips tracing, lowering and compiling:
 
 Launch scripts turn it on through ``runtime.enable_compilation_cache``, which leaves jax's own
 persistent cache off (see ``default``).
-Only single-device executables are stored: a sharded one's placement is not in its key. An
-entry that cannot be written (an executable holding a host callback, say) or read (a truncated
-file) is simply compiled again.
+Only single-device executables are stored: a sharded one's placement is not in its key. Each
+entry is written atomically with its size and hash recorded beside it (specjax.ondisk) and read
+back only if it matches; one that cannot be written (an executable holding a host callback, say)
+or that does not verify (truncated, flipped, another entry's file) is compiled again and replaced.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 
 import jax
 import jaxlib
+
+from specjax import ondisk
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,12 @@ def _aval(x) -> str:
 
 
 class ExecutableCache:
+    """Executables in ``path`` (a directory that exists and is writable: ``default``), each
+    written and read back through ``specjax.ondisk`` (verified against the size and hash recorded
+    beside it)."""
+
     def __init__(self, path: str):
         self.path = path
-        os.makedirs(path, exist_ok=True)
 
     def entry(self, what, args) -> str:
         """The file name of an executable described by ``what`` (hashable, a stable repr) compiled
@@ -77,19 +82,19 @@ class ExecutableCache:
 
     def load(self, name: str):
         path = os.path.join(self.path, name)
-        if not os.path.exists(path):
+        blob = ondisk.read(path)  # None when absent or damaged (logged once): compiled again and replaced
+        if blob is None:
             return None
         try:
             from jax.experimental.serialize_executable import deserialize_and_load
 
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+            payload, in_tree, out_tree = pickle.loads(blob)
             # on the one device it was compiled for: by default jax would spread it over every
             # device of the process (a machine with several GPUs, or fake CPU devices), and each
             # call would then fail for want of a shard per device
             return deserialize_and_load(payload, in_tree, out_tree, execution_devices=jax.local_devices()[:1])
-        except Exception as e:  # a partial or foreign file: compile again (and overwrite it)
-            log.warning("ignoring unreadable cached executable %s (%s: %s)", path, type(e).__name__, e)
+        except Exception as e:  # intact but not loadable here (jaxlib refuses it): compile again
+            log.warning("ignoring unloadable cached executable %s (%s: %s)", path, type(e).__name__, e)
             return None
 
     def save(self, name: str, exe) -> None:
@@ -100,15 +105,7 @@ class ExecutableCache:
         except Exception as e:  # not serializable (e.g. a host callback inside): just not cached
             log.info("executable not cached (%s: %s)", type(e).__name__, e)
             return
-        fd, tmp = tempfile.mkstemp(dir=self.path, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, os.path.join(self.path, name))  # atomic: readers never see half a file
-        except OSError as e:
-            log.warning("could not write cached executable (%s)", e)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        ondisk.write(os.path.join(self.path, name), blob)
 
 
 _DIRECTORY: str | None = None

@@ -13,7 +13,8 @@ dequantization gives, so the model is the same; only the summation order differs
 
 It is compiled on first use with the system C++ compiler (``g++ -O3 -march=native``) into
 ``$SPECJAX_CACHE_DIR/ext`` (default ``~/.cache/specjax/ext``), keyed by its source, the
-compiler, jaxlib and this CPU's feature flags, and registered as the FFI target
+compiler, jaxlib and this CPU's feature flags, verified against its recorded hash before it is
+loaded (``_build``), and registered as the FFI target
 ``specjax_rows_packed`` (and ``specjax_rows_q4_1`` / ``specjax_rows_q8_0``). ``ensure()`` raises a one-line SpecjaxError where that is impossible.
 ``rows_dot_reference`` is the plain-XLA definition the tests hold it to.
 """
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from specjax import ondisk
 from specjax.errors import SpecjaxError
 
 LANES = 16  # output columns per packed block
@@ -59,30 +61,35 @@ def _compiler() -> str | None:
 def _build(cxx: str, march: str | None = "native") -> str:
     """The shared library's path, compiled for ``-march=<march>`` now unless an identical build is
     cached (None: no -march, the kernel's portable loops; the tests and rows_builds.py compare
-    other builds with the default one)."""
+    other builds with the default one). A cached build is loaded only if it matches the size and
+    hash recorded beside it (specjax.ondisk): loading a damaged library is no Python exception
+    but a crash (a truncated one: SIGBUS), so one that does not match is built again and replaced.
+    Where the cache cannot be used, the build goes to a private temporary directory."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     with open(_SRC, "rb") as f:
         src = f.read()
     key = hashlib.sha256(b"\n".join([src, repr(version).encode(), jaxlib.__version__.encode(),
-                                     _cpu_flags().encode(), repr(march).encode()])).hexdigest()[:24]
-    base = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    out_dir = os.path.join(base, "ext")
-    path = os.path.join(out_dir, f"rows_dot_{key}.so")
-    if os.path.exists(path):
+                                     _cpu_flags().encode(), repr(march).encode(), b"recorded"])).hexdigest()[:24]
+    cache = ondisk.cache_dir("ext")
+    path = None if cache is None else os.path.join(cache, f"rows_dot_{key}.so")
+    if path is not None and ondisk.verified(path):
         return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
-    os.close(fd)
+    build_dir = tempfile.mkdtemp(prefix="specjax-rows-")
+    tmp = os.path.join(build_dir, f"rows_dot_{key}.so")
     cmd = [cxx, "-O3", *([f"-march={march}"] if march else []), "-std=c++17", "-shared", "-fPIC",
            f"-I{jax.ffi.include_dir()}", _SRC, "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        os.unlink(tmp)
+        shutil.rmtree(build_dir, ignore_errors=True)
         lines = r.stderr.strip().splitlines() or ["no output"]
         first = next((line for line in lines if "error" in line), lines[-1])
         raise SpecjaxError(f"could not compile the rows kernel ({' '.join(cmd[:2])} ...): {first.strip()[:300]}")
-    os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none
-    return path
+    with open(tmp, "rb") as f:
+        built = f.read()
+    if path is not None and ondisk.write(path, built):
+        shutil.rmtree(build_dir, ignore_errors=True)
+        return path
+    return tmp  # (no usable cache: loaded from the private build directory, left for the process)
 
 
 def register(path: str, suffix: str = "") -> None:
