@@ -235,10 +235,7 @@ def hardware_key() -> str:
 
 def save_model(path: str, key: str, model: StepCostModel, meta: dict | None = None) -> None:
     """Store ``model`` under ``key`` in the JSON file at ``path`` (other keys are kept)."""
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
+    data = read_store(path) if os.path.exists(path) else {}  # (a damaged store: one line, never overwritten)
     data[key] = {"model": model.to_dict(), "meta": meta or {}}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
