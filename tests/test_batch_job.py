@@ -85,6 +85,8 @@ def _write_input(path):
 
 
 def test_kill_and_resume(tmp_path):
+    """SIGKILL or SIGTERM at a random point, then the same command: every record once, equal to
+    an uninterrupted run's."""
     inp, ref, out = (str(tmp_path / n) for n in ("in.jsonl", "ref.jsonl", "out.jsonl"))
     served, errors = _write_input(inp)
     args = ["--input_jsonl", inp, *GEOM]
@@ -96,8 +98,12 @@ def test_kill_and_resume(tmp_path):
     assert sorted(want) == sorted(served + list(errors)) and len(_read(ref)) == len(want)
 
     seed = random.randrange(2**32)
-    threshold = random.Random(seed).randint(1, 6)  # a random point of the job to kill it at
-    _kill_when(lambda: _served(out) >= threshold, [*args, "--output_jsonl", out], tmp_path / "killed.log")
+    rng = random.Random(seed)
+    threshold = rng.randint(1, 6)  # a random point of the job to stop it at
+    # SIGKILL, or SIGTERM (a preemption: the step finishes, what finished is written, exit 143)
+    sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
+    code = _kill_when(lambda: _served(out) >= threshold, [*args, "--output_jsonl", out], tmp_path / "killed.log", sig)
+    assert code == (143 if sig == signal.SIGTERM else -signal.SIGKILL), (seed, code)
     at_kill = _served(out)
     assert threshold <= at_kill < len(served), f"kill did not interrupt the job ({at_kill} of {len(served)} served)"
 
