@@ -86,12 +86,16 @@ def spec_gens(tiny, draft_model):
     cfg, params = tiny
     dcfg, dparams = draft_model
     kw = dict(batch_buckets=BATCH_BUCKETS, k_buckets=K_BUCKETS, slot_buckets=SLOTS)
-    return {
+    gens = {
         "none": SpecGenerator(cfg, params, drafter=NoDrafter(), **kw),
         "prompt_lookup": SpecGenerator(cfg, params, drafter=RecordingLookup(), **kw),
         "draft_model": SpecGenerator(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, **kw),
         "layer_skip": SpecGenerator(cfg, params, **_ls(cfg, params, 2), **kw),
     }
+    # The two host drafters compile the same code (share_compiled): prompt lookup's K = 0 steps
+    # and prefills are the ones the no-draft generator compiled.
+    gens["prompt_lookup"].share_compiled(gens["none"])
+    return gens
 
 
 # ---------------------------------------------------------------- greedy losslessness (tiny model)
