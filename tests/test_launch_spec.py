@@ -41,10 +41,11 @@ def _assert_metrics(stderr):
 
 @pytest.mark.parametrize("extra", [
     ["--drafter", "prompt_lookup", "--pld_max_ngram", "2"],
-    ["--drafter", "layer_skip", "--draft_layers", "2", "--num_spec_tokens", "2"],
     ["--drafter", "draft_model", "--draft_model", "two_layers"],
-], ids=["prompt_lookup", "layer_skip", "draft_model"])
+], ids=["prompt_lookup", "draft_model"])
 def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
+    """A host and a device drafter through generate.py as a user runs it (every drafter's tokens
+    against AR: tests/test_launch_matrix.py)."""
     extra = [draft_dirs.get(a, a) for a in extra]
     r = run(GENERATE, "--prompt", "abc abc abc abc", *TINY, "--max_new_tokens", "12", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
