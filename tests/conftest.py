@@ -54,6 +54,28 @@ def shared_data_dir(request):
     return data
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _executable_cache(tmp_path_factory):
+    """One fresh executable cache for the whole run (specjax.engine.exe_cache): a test whose
+    engine compiles what an earlier test compiled (same compile key and argument shapes) loads it
+    instead, as a warm launch does. Launch scripts run as subprocesses share it through
+    $SPECJAX_CACHE_DIR, so the suite neither reads nor fills the user's ~/.cache/specjax, and a run
+    starts cold wherever it runs (CI and a developer's machine time the same work)."""
+    from specjax import ondisk
+    from specjax.engine import exe_cache
+
+    root = str(tmp_path_factory.mktemp("specjax-cache"))
+    old = os.environ.get("SPECJAX_CACHE_DIR")
+    os.environ["SPECJAX_CACHE_DIR"] = root
+    exe_cache.set_directory(ondisk.cache_dir("executables", root=root))
+    yield
+    exe_cache.set_directory(None)
+    if old is None:
+        os.environ.pop("SPECJAX_CACHE_DIR", None)
+    else:
+        os.environ["SPECJAX_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny random-weight Llama (configs/tiny-random.json) and its params, seed 0."""
