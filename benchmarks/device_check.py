@@ -13,9 +13,12 @@ Sections (each is independent; a failing one is reported and the others still ru
   env            jax version, backend, devices, a device copy bandwidth
   kernels        tree-attention kernel (compiled for this device) vs the plain-jnp reference
                  over a grid of row lengths (0, off the tile grid, full), tree shapes (chain, star,
-                 random), GQA ratios and dtypes; max abs error against a tolerance per dtype
+                 random), GQA ratios and dtypes, under each --kernel_variants grid configuration
+                 (tuning's split-KV / query-tile defaults, forced ones); max abs error against a
+                 tolerance per dtype
   kernel_timing  kernel vs the jitted XLA reference over context x tree size x batch
-                 (kernels_pallas/tree_attention/bench.py, the notebook's sweep)
+                 (kernels_pallas/tree_attention/bench.py, the notebook's sweep), and vs the
+                 --timing_variants configurations (default: the unsplit grid, and no split-KV)
   engine         a 7B-shaped Llama (llama2-7b shapes, random bf16 weights drawn on device):
                  step cost per K (xla and pallas attention) against the K = 0 step, and the
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
@@ -65,7 +68,22 @@ flags.DEFINE_list("engine_parts", ["step_cost", "e2e"], "Parts of the engine sec
 flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip"],
                   "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; layer skip as K = 4).")
 
+flags.DEFINE_list("kernel_variants", ["auto", "no_split", "split5_q16"],
+                  "GPU kernel configurations the kernels section checks (names in KERNEL_VARIANTS).")
+flags.DEFINE_list("timing_variants", ["unsplit", "no_split"],
+                  "GPU kernel configurations kernel_timing times beside the default one (names in KERNEL_VARIANTS).")
+
 REPORT: list[str] = []
+
+# Tree-attention GPU kernel configurations (tree_attention keyword arguments; block_q above the
+# packed query rows means one tile).
+KERNEL_VARIANTS = {
+    "auto": {},  # tuning's defaults: query tiles by dtype and shared memory, splits to fill the SMs
+    "unsplit": dict(num_splits=1, block_q=512),  # the grid before split-KV and query tiles: (row, KV head)
+    "no_split": dict(num_splits=1),  # query tiles only
+    "one_tile": dict(block_q=512),  # split-KV only (fp32 64 nodes x 8 heads exceeds an H100's shared memory)
+    "split5_q16": dict(num_splits=5, block_q=16),  # splits that do not divide the tiles, the smallest tile
+}
 
 
 def say(line: str = "") -> None:
@@ -107,9 +125,11 @@ def section_kernels(out):
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels_pallas.tree_attention import mask_from_parents, tree_attention, tree_attention_reference
+    from kernels_pallas.tree_attention import gpu_config, mask_from_parents, tree_attention, tree_attention_reference
 
     on_cpu = jax.default_backend() == "cpu"
+    gpu_kernel = jax.default_backend() != "tpu"  # the CPU runs the GPU kernel in interpret mode
+    variants = {v: KERNEL_VARIANTS[v] for v in FLAGS.kernel_variants} if gpu_kernel else {"auto": {}}
     rng = np.random.default_rng(0)
     S = 256 if FLAGS.tiny else 2048
     hd = 32 if FLAGS.tiny else 128
@@ -131,33 +151,44 @@ def section_kernels(out):
         mask = np.stack([mask_from_parents(_random_parents(rng, N, kind)) for _ in range(B)])
         args = (r(B, N, H, hd), r(B, N, Hkv, hd), r(B, N, Hkv, hd), r(2, B, Hkv, S, hd), r(2, B, Hkv, S, hd))
         lens, m = jnp.asarray(lengths), jnp.asarray(mask)
-        row = dict(dtype=dtype, heads=H, kv_heads=Hkv, N=N, tree=kind, slots=S, head_dim=hd, tol=TOL[dtype])
-        try:
-            got = tree_attention(*args, lens, m, layer=1, backend="gpu" if on_cpu else "auto",
-                                 interpret=True if on_cpu else None)
-            want = tree_attention_reference(args[0], args[1], args[2], args[3][1], args[4][1], lens, m)
-            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            row.update(max_abs_err=err, ok=bool(np.isfinite(err) and err <= TOL[dtype]))
-        except Exception as e:  # one case that does not compile must not hide the others
-            row.update(max_abs_err=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-        ok_all &= row["ok"]
-        rows.append(row)
+        want = tree_attention_reference(args[0], args[1], args[2], args[3][1], args[4][1], lens, m)
+        for variant, kw in variants.items():
+            row = dict(dtype=dtype, heads=H, kv_heads=Hkv, N=N, tree=kind, slots=S, head_dim=hd, tol=TOL[dtype],
+                       variant=variant)
+            try:
+                if gpu_kernel:
+                    _, row["block_q"], row["num_splits"] = gpu_config((B, N, H, hd), Hkv, S, dt, interpret=on_cpu, **kw)
+                got = tree_attention(*args, lens, m, layer=1, backend="gpu" if on_cpu else "auto",
+                                     interpret=True if on_cpu else None, **kw)
+                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+                row.update(max_abs_err=err, ok=bool(np.isfinite(err) and err <= TOL[dtype]))
+            except Exception as e:  # one case that does not compile must not hide the others
+                row.update(max_abs_err=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            ok_all &= row["ok"]
+            rows.append(row)
     say(f"tree-attention kernel vs reference: {sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance "
         f"(fp32 {TOL['float32']}, bf16 {TOL['bfloat16']}); rows of length 0, 1, S/2+7 and S-N; "
         f"{S} slots, head_dim {hd}, stacked 2-layer cache")
-    say("| dtype | heads / KV heads | N | tree | max abs err | ok |")
-    say("|---|---|---|---|---|---|")
+    for v in variants:
+        sel = [r for r in rows if r["variant"] == v]
+        say(f"- {v} ({KERNEL_VARIANTS.get(v) or 'defaults'}): {sum(r['ok'] for r in sel)}/{len(sel)}")
+    say("| dtype | heads / KV heads | N | tree | variant | block_q / splits | max abs err | ok |")
+    say("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        say(f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['N']} | {r['tree']} | {r['max_abs_err']:.1e} | "
-            f"{'yes' if r['ok'] else '**NO** ' + r.get('error', '')} |")
+        tiles = f"{r['block_q']} / {r['num_splits']}" if "num_splits" in r else "-"
+        say(f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['N']} | {r['tree']} | {r['variant']} | {tiles} | "
+            f"{r['max_abs_err']:.1e} | {'yes' if r['ok'] else '**NO** ' + r.get('error', '')} |")
     if not ok_all:
         raise AssertionError("some kernel cases exceed the tolerance (see the table)")
     return rows
 
 
 def section_kernel_timing(out):
+    import jax
+
     from kernels_pallas.tree_attention import bench
 
+    variants = {v: KERNEL_VARIANTS[v] for v in FLAGS.timing_variants} if jax.default_backend() != "tpu" else {}
     size = dict(bench.SIZES["tiny"]) if FLAGS.tiny else dict(
         contexts=(1024, 4096, 16384), tree_sizes=(1, 8, 32, 64), batches=(1, 8), heads=(32, 8), head_dim=128,
         reps=FLAGS.reps)
@@ -165,10 +196,11 @@ def section_kernel_timing(out):
     res = {}
     for label, heads in (("GQA 32/8", (32, 8)), ("MHA 32/32", (32, 32))) if not FLAGS.tiny else (("tiny", size["heads"]),):
         size["heads"] = heads
-        rows = bench.sweep(**size, dtype="bfloat16")
+        rows = bench.sweep(**size, dtype="bfloat16", variants=variants)
         res[label] = rows
-        say(f"tree attention, bf16, {label} heads, head_dim {size['head_dim']}: kernel vs jitted XLA reference "
-            f"(median of {size['reps']}); copy bandwidth {copy:.0f} GB/s")
+        also = "".join(f", {v} {KERNEL_VARIANTS[v]}" for v in variants)
+        say(f"tree attention, bf16, {label} heads, head_dim {size['head_dim']}: kernel (tuning's defaults) vs "
+            f"jitted XLA reference{also} (median of {size['reps']}); copy bandwidth {copy:.0f} GB/s")
         say(bench.markdown_table(rows, copy))
         if not FLAGS.tiny:
             bench.plot(rows, copy, os.path.join(out, f"kernel_timing_{label.split()[0]}.png"))
@@ -470,6 +502,9 @@ def main(argv):
     unknown = [s for s in FLAGS.sections if s not in SECTIONS]
     if unknown:
         raise app.UsageError(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    unknown = [v for v in FLAGS.kernel_variants + FLAGS.timing_variants if v not in KERNEL_VARIANTS]
+    if unknown:
+        raise app.UsageError(f"unknown kernel variants {unknown}; choose from {list(KERNEL_VARIANTS)}")
     failed = []
     for name in FLAGS.sections:
         say(f"\n## {name}\n")
