@@ -90,7 +90,8 @@ def gpu_config(q_shape, kv_heads: int, num_slots: int, dtype, *, block_kv: int |
     if bq < layout.MIN_TILE or bq & (bq - 1):
         raise ValueError(f"block_q must be a power of two >= {layout.MIN_TILE}, got {block_q}")
     if num_splits is None:
-        num_splits = 1 if interpret else pick_num_splits(B, kv_heads, R // bq, num_slots, bk, target_programs())
+        num_splits = 1 if interpret else pick_num_splits(B, kv_heads, R // bq, num_slots, bk, bq,
+                                                         np.dtype(dtype).itemsize, target_programs())
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return bk, bq, num_splits

@@ -30,9 +30,11 @@ GPU_SMEM_BYTES = 232448
 # the registers of GPU_NUM_WARPS warps; float32 q rows take twice the bytes of bf16 ones.
 BLOCK_Q_MAX = {4: 64, 2: 128}
 MIN_BLOCK_Q = 16  # the smallest M of a tensor-core dot (and layout.MIN_TILE)
-# KV splits: at least this many K/V tiles per split (less and the merge costs more than the split
-# saves), at most MAX_SPLITS; the target is about one program per SM.
+# KV splits: each split reads at least MIN_TILES_PER_SPLIT K/V tiles and at least
+# KV_BYTES_PER_PARTIAL times the bytes of the float32 partial output it writes (the merge reads
+# them back), at most MAX_SPLITS; the target is about one program per SM.
 MIN_TILES_PER_SPLIT = 4
+KV_BYTES_PER_PARTIAL = 8
 MAX_SPLITS = 32
 DEFAULT_TARGET_PROGRAMS = 132  # an H100's SM count, where the device does not say its own
 
@@ -72,14 +74,17 @@ def target_programs() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_TARGET_PROGRAMS)
 
 
-def pick_num_splits(batch: int, kv_heads: int, q_tiles: int, num_slots: int, block_kv: int,
-                    target: int) -> int:
+def pick_num_splits(batch: int, kv_heads: int, q_tiles: int, num_slots: int, block_kv: int, block_q: int,
+                    itemsize: int, target: int) -> int:
     """KV splits per (row, KV head, query tile): enough programs to reach `target`, but no more
-    than the cache's slots allow at MIN_TILES_PER_SPLIT tiles a split. The splits divide each
-    row's own length at run time; the slot count only bounds how many are worth launching."""
+    than the cache's slots allow at the minimum split (MIN_TILES_PER_SPLIT tiles, and K/V bytes
+    KV_BYTES_PER_PARTIAL times the split's partial output). The splits divide each row's own
+    length at run time; the slot count only bounds how many are worth launching."""
     programs = batch * kv_heads * q_tiles
     want = math.ceil(target / programs)
-    cap = max(1, num_slots // (block_kv * MIN_TILES_PER_SPLIT))
+    # K + V of a split: 2 * slots * hd * itemsize; its partial output: block_q * hd * 4
+    min_slots = max(MIN_TILES_PER_SPLIT * block_kv, KV_BYTES_PER_PARTIAL * block_q * 4 // (2 * itemsize))
+    cap = max(1, num_slots // min_slots)
     return max(1, min(want, cap, MAX_SPLITS))
 
 
