@@ -11,7 +11,8 @@ writes its unnormalized accumulator with its running max and sum, and `merge_spl
 them exactly. Tiles are loaded straight out of the stacked [layers, B, Hkv, S, hd] cache (the
 layer is a static block index), so no per-layer copy of the cache is made. Query tiles bound
 a program's shared memory (tuning.pick_block_q): fp32 trees of 64 nodes under 8 query heads
-per KV head, in one 512-row tile, asked an H100 for 360 KB of its 227.
+per KV head, in one 512-row tile, asked an H100 for 360 KB of shared memory (232 KB is the
+limit).
 
 Why Triton and not Mosaic GPU: this kernel is a per-program loop over tiles with
 data-dependent bounds, which the Triton lowering expresses directly, and it is the path
