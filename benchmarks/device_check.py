@@ -2,6 +2,7 @@
 
   python benchmarks/device_check.py --out /tmp/devcheck                    # everything (~15 min on an H100)
   python benchmarks/device_check.py --sections kernels,kernel_timing       # a part
+  python benchmarks/device_check.py --sections kernels --kernel_variants auto,unsplit,one_tile  # grid configs
   python benchmarks/device_check.py --sections engine --engine_parts e2e --num_layers 8 \
       --dtype float32 --matmul_precision highest                          # token identity, exact numerics
   python benchmarks/device_check.py --tiny                                 # CPU smoke run (interpret mode)
