@@ -71,7 +71,7 @@ def test_one_token_block_matches_reference(chunk):
 
 
 def test_every_k_lowers_to_the_same_op_kinds():
-    """The K = 0 step compiles to the op kinds of a K >= 1 step (shapes aside). It did not: its
+    """An MHA model's K = 0 step compiles to the op kinds of a K >= 1 step (shapes aside). It did not: its
     one-token block's dots became multiply + reduce and its transposes vanished, and on an H100
     the reduces' layouts made XLA transpose the whole stacked cache twice per layer (a K = 0 step
     took 2.7-10.9x a K = 2 step; BENCHMARKS.md "The K = 0 step's program"). Batch 2: at batch 1
@@ -79,7 +79,7 @@ def test_every_k_lowers_to_the_same_op_kinds():
     from specjax.config import get_model_config
     from specjax.engine.profiling import step_op_kinds
 
-    cfg = get_model_config("tiny-random").replace(num_layers=1)
+    cfg = get_model_config("tiny-random").replace(num_layers=1, num_kv_heads=4)  # MHA: one query row per KV head
     kinds = step_op_kinds(cfg, [0, 1], batch=2, slots=256)
     assert set(kinds[0]) == set(kinds[1]), set(kinds[0]) ^ set(kinds[1])
     for op in ("dot", "transpose", "scatter", "while"):
