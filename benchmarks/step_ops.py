@@ -65,8 +65,8 @@ def main(argv):
         cache = B * cfg.num_kv_heads * FLAGS.slots * cfg.head_dim  # one layer's K (or V) of the batch
         kinds = {K: profiling.hlo_op_kinds(t) for K, t in texts.items()}
         plumbing = ("parameter", "get-tuple-element", "bitcast", "tuple")  # no work of their own
-        big = {K: collections.Counter({op: n for op, n in profiling.hlo_op_kinds(t, cache).items() if op not in plumbing})
-               for K, t in texts.items()}
+        big = {K: collections.Counter({op: n for op, n in profiling.hlo_op_kinds(t, cache).items()
+                                       if op not in plumbing}) for K, t in texts.items()}
         what = "lowered" if FLAGS.lowered else f"compiled for {where}"
         print(f"\n{cfg.name} ({cfg.num_layers} layers), batch {B}, {FLAGS.slots} slots, {FLAGS.dtype}, "
               f"attention {FLAGS.attention} (attn_chunk {FLAGS.attn_chunk}), {what}")
