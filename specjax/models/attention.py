@@ -168,9 +168,9 @@ def _two_positions(q, k_blk, v_blk, block_mask):
     transposed copies of the whole [L, B, Hkv, S, hd] cache per layer (an H100 K = 0 step took
     2.7-10.9x a K = 2 step). With two rows the K = 0 step lowers to the op kinds of K >= 1
     (profiling.step_op_kinds; tested). Under GQA a decode step already has G >= 2 query rows per
-    KV head: its prefix dots stay matrix-matrix and it is left as it is (its program, CPU and GPU,
-    has no cache-sized op a K >= 1 step lacks; padding it measured 6-9% on tiny-random's CPU
-    K = 0 step, whose one-token block dot XLA reduces on fresh tokens only)."""
+    KV head: its prefix dots stay matrix-matrix and it is left as it is (compiled for the CPU or
+    an H100 it has no whole-cache transpose or copy; padding it too cost 6-9% of tiny-random's
+    CPU K = 0 step)."""
     pad = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
     return pad(q), pad(k_blk), pad(v_blk), jnp.tile(block_mask, (1, 2, 2)) & jnp.eye(2, dtype=bool)
 
