@@ -21,7 +21,8 @@ Sections (each is independent; a failing one is reported and the others still ru
                  (kernels_pallas/tree_attention/bench.py, the notebook's sweep), and vs the
                  --timing_variants configurations (default: the unsplit grid, and no split-KV)
   engine         a 7B-shaped Llama (llama2-7b shapes, random bf16 weights drawn on device):
-                 step cost per K (xla and pallas attention) against the K = 0 step, and the
+                 the compiled K = 0 and K = 2 steps' cache-sized ops (no whole-cache transpose or
+                 copy only in K = 0), step cost per K (xla and pallas attention) against the K = 0 step, and the
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
                  every output compared token-for-token with the plain AR loop (specjax.reference_ar)
                  (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
@@ -65,7 +66,7 @@ flags.DEFINE_integer("num_layers", 0, "Override the model's layer count in the e
 flags.DEFINE_string("matmul_precision", "", "jax_default_matmul_precision for the whole run ('' = jax's default; "
                     "'highest' rules out TF32 when checking fp32 token identity).")
 flags.DEFINE_integer("probe_layers", 4, "Layers of the model the probe section's whole-step timings use.")
-flags.DEFINE_list("engine_parts", ["step_cost", "e2e"], "Parts of the engine section to run.")
+flags.DEFINE_list("engine_parts", ["programs", "step_cost", "e2e"], "Parts of the engine section to run.")
 flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip"],
                   "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; layer skip as K = 4).")
 
@@ -215,6 +216,35 @@ def _step_ms(table, B, K, ctx, S, rng, reps) -> float:
     return 1e3 * median_seconds(steady_step(table, B, K, ctx, S, rng), reps)
 
 
+def _step_programs(cfg, dtype, S, impls) -> list:
+    """Cache- and weight-sized ops of the K = 0 and K = 2 steps as XLA compiled them for this device
+    (engine.profiling.step_op_kinds on 2 layers): a K = 0 step with a whole-cache transpose or copy
+    a K = 2 step lacks is what made the H100's XLA decode step 2.7-10.9x a K = 2 step (fixed by
+    attention._two_positions; BENCHMARKS.md "The K = 0 step's program")."""
+    import jax.numpy as jnp
+
+    from specjax.engine.profiling import step_op_kinds
+    from specjax.models.options import ForwardOptions
+
+    pcfg = cfg.replace(num_layers=min(2, cfg.num_layers))
+    rows = []
+    say(f"compiled step programs, {pcfg.name} shapes on 2 layers, {S} slots: ops with a result of at least one "
+        "layer's cache of the batch (weight-sized ones too), K = 0 vs K = 2")
+    say("| attention | batch | K = 0 | K = 2 | whole-cache transposes/copies only in K = 0 |")
+    say("|---|---|---|---|---|")
+    for impl in impls:
+        for B in (1,) if FLAGS.tiny else (1, 8):  # (the tiny smoke run keeps the default test suite short)
+            big = step_op_kinds(pcfg, [0, 2], batch=B, slots=S, fwd=ForwardOptions(attention=impl),
+                                dtype=jnp.dtype(dtype).name, min_elements=B * cfg.num_kv_heads * S * cfg.head_dim)
+            big = {K: {op: n for op, n in c.items() if op not in ("parameter", "get-tuple-element", "bitcast", "tuple")}
+                   for K, c in big.items()}
+            extra = {op: n - big[2].get(op, 0) for op, n in big[0].items()
+                     if op in ("transpose", "copy") and n > big[2].get(op, 0)}
+            rows.append(dict(attention=impl, batch=B, k0=big[0], k2=big[2], k0_extra=extra))
+            say(f"| {impl} | {B} | {big[0]} | {big[2]} | {extra or 'none'} |")
+    return rows
+
+
 def section_engine(out):
     import jax
     import jax.numpy as jnp
@@ -251,6 +281,10 @@ def section_engine(out):
     ks = (0, 2, 4, 8)
     ctx = 200 if FLAGS.tiny else 1024
     rng = np.random.default_rng(0)
+
+    # --- the step's compiled program per K (2 layers of the model): the ops of a whole cache's size
+    if "programs" in FLAGS.engine_parts:
+        result["programs"] = _step_programs(cfg, dtype, S, impls)
 
     # --- step cost per K at a fixed context, against the K = 0 step of the same table
     cost = []
