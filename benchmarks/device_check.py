@@ -2,6 +2,7 @@
 
   python benchmarks/device_check.py --out /tmp/devcheck                    # everything (~15 min on an H100)
   python benchmarks/device_check.py --sections kernels,kernel_timing       # a part
+  python benchmarks/device_check.py --sections kernels --kernel_variants auto,unsplit,one_tile  # grid configs
   python benchmarks/device_check.py --sections engine --engine_parts e2e --num_layers 8 \
       --dtype float32 --matmul_precision highest                          # token identity, exact numerics
   python benchmarks/device_check.py --tiny                                 # CPU smoke run (interpret mode)
@@ -13,11 +14,15 @@ Sections (each is independent; a failing one is reported and the others still ru
   env            jax version, backend, devices, a device copy bandwidth
   kernels        tree-attention kernel (compiled for this device) vs the plain-jnp reference
                  over a grid of row lengths (0, off the tile grid, full), tree shapes (chain, star,
-                 random), GQA ratios and dtypes; max abs error against a tolerance per dtype
+                 random), GQA ratios and dtypes, under each --kernel_variants grid configuration
+                 (tuning's split-KV / query-tile defaults, forced ones); max abs error against a
+                 tolerance per dtype
   kernel_timing  kernel vs the jitted XLA reference over context x tree size x batch
-                 (kernels_pallas/tree_attention/bench.py, the notebook's sweep)
+                 (kernels_pallas/tree_attention/bench.py, the notebook's sweep), and vs the
+                 --timing_variants configurations (default: the unsplit grid, and no split-KV)
   engine         a 7B-shaped Llama (llama2-7b shapes, random bf16 weights drawn on device):
-                 step cost per K (xla and pallas attention) against the K = 0 step, and the
+                 the compiled K = 0 and K = 2 steps' cache-sized ops (no whole-cache transpose or
+                 copy only in K = 0), step cost per K (xla and pallas attention) against the K = 0 step, and the
                  serving engine end to end (no-SD, prompt lookup, layer skip; xla and pallas),
                  every output compared token-for-token with the plain AR loop (specjax.reference_ar)
                  (asserted where numerics are exact: float32 at 'highest' precision, or the CPU)
@@ -61,11 +66,26 @@ flags.DEFINE_integer("num_layers", 0, "Override the model's layer count in the e
 flags.DEFINE_string("matmul_precision", "", "jax_default_matmul_precision for the whole run ('' = jax's default; "
                     "'highest' rules out TF32 when checking fp32 token identity).")
 flags.DEFINE_integer("probe_layers", 4, "Layers of the model the probe section's whole-step timings use.")
-flags.DEFINE_list("engine_parts", ["step_cost", "e2e"], "Parts of the engine section to run.")
+flags.DEFINE_list("engine_parts", ["programs", "step_cost", "e2e"], "Parts of the engine section to run.")
 flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip"],
                   "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; layer skip as K = 4).")
 
+flags.DEFINE_list("kernel_variants", ["auto", "no_split", "split5_q16"],
+                  "GPU kernel configurations the kernels section checks (names in KERNEL_VARIANTS).")
+flags.DEFINE_list("timing_variants", ["unsplit", "no_split"],
+                  "GPU kernel configurations kernel_timing times beside the default one (names in KERNEL_VARIANTS).")
+
 REPORT: list[str] = []
+
+# Tree-attention GPU kernel configurations (tree_attention keyword arguments; block_q above the
+# packed query rows means one tile).
+KERNEL_VARIANTS = {
+    "auto": {},  # tuning's defaults: query tiles by dtype and shared memory, splits to fill the SMs
+    "unsplit": dict(num_splits=1, block_q=512),  # the grid before split-KV and query tiles: (row, KV head)
+    "no_split": dict(num_splits=1),  # query tiles only
+    "one_tile": dict(block_q=512),  # split-KV only (fp32 64 nodes x 8 heads exceeds an H100's shared memory)
+    "split5_q16": dict(num_splits=5, block_q=16),  # splits that do not divide the tiles, the smallest tile
+}
 
 
 def say(line: str = "") -> None:
@@ -107,9 +127,11 @@ def section_kernels(out):
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels_pallas.tree_attention import mask_from_parents, tree_attention, tree_attention_reference
+    from kernels_pallas.tree_attention import gpu_config, mask_from_parents, tree_attention, tree_attention_reference
 
     on_cpu = jax.default_backend() == "cpu"
+    gpu_kernel = jax.default_backend() != "tpu"  # the CPU runs the GPU kernel in interpret mode
+    variants = {v: KERNEL_VARIANTS[v] for v in FLAGS.kernel_variants} if gpu_kernel else {"auto": {}}
     rng = np.random.default_rng(0)
     S = 256 if FLAGS.tiny else 2048
     hd = 32 if FLAGS.tiny else 128
@@ -131,33 +153,44 @@ def section_kernels(out):
         mask = np.stack([mask_from_parents(_random_parents(rng, N, kind)) for _ in range(B)])
         args = (r(B, N, H, hd), r(B, N, Hkv, hd), r(B, N, Hkv, hd), r(2, B, Hkv, S, hd), r(2, B, Hkv, S, hd))
         lens, m = jnp.asarray(lengths), jnp.asarray(mask)
-        row = dict(dtype=dtype, heads=H, kv_heads=Hkv, N=N, tree=kind, slots=S, head_dim=hd, tol=TOL[dtype])
-        try:
-            got = tree_attention(*args, lens, m, layer=1, backend="gpu" if on_cpu else "auto",
-                                 interpret=True if on_cpu else None)
-            want = tree_attention_reference(args[0], args[1], args[2], args[3][1], args[4][1], lens, m)
-            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            row.update(max_abs_err=err, ok=bool(np.isfinite(err) and err <= TOL[dtype]))
-        except Exception as e:  # one case that does not compile must not hide the others
-            row.update(max_abs_err=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-        ok_all &= row["ok"]
-        rows.append(row)
+        want = tree_attention_reference(args[0], args[1], args[2], args[3][1], args[4][1], lens, m)
+        for variant, kw in variants.items():
+            row = dict(dtype=dtype, heads=H, kv_heads=Hkv, N=N, tree=kind, slots=S, head_dim=hd, tol=TOL[dtype],
+                       variant=variant)
+            try:
+                if gpu_kernel:
+                    _, row["block_q"], row["num_splits"] = gpu_config((B, N, H, hd), Hkv, S, dt, interpret=on_cpu, **kw)
+                got = tree_attention(*args, lens, m, layer=1, backend="gpu" if on_cpu else "auto",
+                                     interpret=True if on_cpu else None, **kw)
+                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+                row.update(max_abs_err=err, ok=bool(np.isfinite(err) and err <= TOL[dtype]))
+            except Exception as e:  # one case that does not compile must not hide the others
+                row.update(max_abs_err=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            ok_all &= row["ok"]
+            rows.append(row)
     say(f"tree-attention kernel vs reference: {sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance "
         f"(fp32 {TOL['float32']}, bf16 {TOL['bfloat16']}); rows of length 0, 1, S/2+7 and S-N; "
         f"{S} slots, head_dim {hd}, stacked 2-layer cache")
-    say("| dtype | heads / KV heads | N | tree | max abs err | ok |")
-    say("|---|---|---|---|---|---|")
+    for v in variants:
+        sel = [r for r in rows if r["variant"] == v]
+        say(f"- {v} ({KERNEL_VARIANTS.get(v) or 'defaults'}): {sum(r['ok'] for r in sel)}/{len(sel)}")
+    say("| dtype | heads / KV heads | N | tree | variant | block_q / splits | max abs err | ok |")
+    say("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        say(f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['N']} | {r['tree']} | {r['max_abs_err']:.1e} | "
-            f"{'yes' if r['ok'] else '**NO** ' + r.get('error', '')} |")
+        tiles = f"{r['block_q']} / {r['num_splits']}" if "num_splits" in r else "-"
+        say(f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['N']} | {r['tree']} | {r['variant']} | {tiles} | "
+            f"{r['max_abs_err']:.1e} | {'yes' if r['ok'] else '**NO** ' + r.get('error', '')} |")
     if not ok_all:
         raise AssertionError("some kernel cases exceed the tolerance (see the table)")
     return rows
 
 
 def section_kernel_timing(out):
+    import jax
+
     from kernels_pallas.tree_attention import bench
 
+    variants = {v: KERNEL_VARIANTS[v] for v in FLAGS.timing_variants} if jax.default_backend() != "tpu" else {}
     size = dict(bench.SIZES["tiny"]) if FLAGS.tiny else dict(
         contexts=(1024, 4096, 16384), tree_sizes=(1, 8, 32, 64), batches=(1, 8), heads=(32, 8), head_dim=128,
         reps=FLAGS.reps)
@@ -165,10 +198,11 @@ def section_kernel_timing(out):
     res = {}
     for label, heads in (("GQA 32/8", (32, 8)), ("MHA 32/32", (32, 32))) if not FLAGS.tiny else (("tiny", size["heads"]),):
         size["heads"] = heads
-        rows = bench.sweep(**size, dtype="bfloat16")
+        rows = bench.sweep(**size, dtype="bfloat16", variants=variants)
         res[label] = rows
-        say(f"tree attention, bf16, {label} heads, head_dim {size['head_dim']}: kernel vs jitted XLA reference "
-            f"(median of {size['reps']}); copy bandwidth {copy:.0f} GB/s")
+        also = "".join(f", {v} {KERNEL_VARIANTS[v]}" for v in variants)
+        say(f"tree attention, bf16, {label} heads, head_dim {size['head_dim']}: kernel (tuning's defaults) vs "
+            f"jitted XLA reference{also} (median of {size['reps']}); copy bandwidth {copy:.0f} GB/s")
         say(bench.markdown_table(rows, copy))
         if not FLAGS.tiny:
             bench.plot(rows, copy, os.path.join(out, f"kernel_timing_{label.split()[0]}.png"))
@@ -180,6 +214,35 @@ def section_kernel_timing(out):
 def _step_ms(table, B, K, ctx, S, rng, reps) -> float:
     """Median ms of the table's greedy K-draft step for B rows held at ``ctx`` committed tokens."""
     return 1e3 * median_seconds(steady_step(table, B, K, ctx, S, rng), reps)
+
+
+def _step_programs(cfg, dtype, S, impls) -> list:
+    """Cache- and weight-sized ops of the K = 0 and K = 2 steps as XLA compiled them for this device
+    (engine.profiling.step_op_kinds on 2 layers): a K = 0 step with a whole-cache transpose or copy
+    a K = 2 step lacks is what made the H100's XLA decode step 2.7-10.9x a K = 2 step (fixed by
+    attention._two_positions; BENCHMARKS.md "The K = 0 step's program")."""
+    import jax.numpy as jnp
+
+    from specjax.engine.profiling import step_op_kinds
+    from specjax.models.options import ForwardOptions
+
+    pcfg = cfg.replace(num_layers=min(2, cfg.num_layers))
+    rows = []
+    say(f"compiled step programs, {pcfg.name} shapes on 2 layers, {S} slots: ops with a result of at least one "
+        "layer's cache of the batch (weight-sized ones too), K = 0 vs K = 2")
+    say("| attention | batch | K = 0 | K = 2 | whole-cache transposes/copies only in K = 0 |")
+    say("|---|---|---|---|---|")
+    for impl in impls:
+        for B in (1,) if FLAGS.tiny else (1, 8):  # (the tiny smoke run keeps the default test suite short)
+            big = step_op_kinds(pcfg, [0, 2], batch=B, slots=S, fwd=ForwardOptions(attention=impl),
+                                dtype=jnp.dtype(dtype).name, min_elements=B * cfg.num_kv_heads * S * cfg.head_dim)
+            big = {K: {op: n for op, n in c.items() if op not in ("parameter", "get-tuple-element", "bitcast", "tuple")}
+                   for K, c in big.items()}
+            extra = {op: n - big[2].get(op, 0) for op, n in big[0].items()
+                     if op in ("transpose", "copy") and n > big[2].get(op, 0)}
+            rows.append(dict(attention=impl, batch=B, k0=big[0], k2=big[2], k0_extra=extra))
+            say(f"| {impl} | {B} | {big[0]} | {big[2]} | {extra or 'none'} |")
+    return rows
 
 
 def section_engine(out):
@@ -218,6 +281,10 @@ def section_engine(out):
     ks = (0, 2, 4, 8)
     ctx = 200 if FLAGS.tiny else 1024
     rng = np.random.default_rng(0)
+
+    # --- the step's compiled program per K (2 layers of the model): the ops of a whole cache's size
+    if "programs" in FLAGS.engine_parts:
+        result["programs"] = _step_programs(cfg, dtype, S, impls)
 
     # --- step cost per K at a fixed context, against the K = 0 step of the same table
     cost = []
@@ -470,6 +537,9 @@ def main(argv):
     unknown = [s for s in FLAGS.sections if s not in SECTIONS]
     if unknown:
         raise app.UsageError(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    unknown = [v for v in FLAGS.kernel_variants + FLAGS.timing_variants if v not in KERNEL_VARIANTS]
+    if unknown:
+        raise app.UsageError(f"unknown kernel variants {unknown}; choose from {list(KERNEL_VARIANTS)}")
     failed = []
     for name in FLAGS.sections:
         say(f"\n## {name}\n")

@@ -19,14 +19,15 @@ from kernels_pallas.tree_attention.gpu import tree_attention_gpu
 from kernels_pallas.tree_attention.masks import chain_mask, check_tree_mask, mask_from_parents
 from kernels_pallas.tree_attention.reference import tree_attention_reference
 from kernels_pallas.tree_attention.tpu import tree_attention_tpu
-from kernels_pallas.tree_attention.tuning import autotune_block_kv, pick_block_kv
+from kernels_pallas.tree_attention.tuning import (autotune_block_kv, pick_block_kv, pick_block_q, pick_num_splits,
+                                                  target_programs)
 
 __all__ = ["tree_attention", "tree_attention_reference", "check_tree_mask", "mask_from_parents", "chain_mask",
-           "MAX_TREE_TOKENS", "pick_block_kv", "autotune_block_kv"]
+           "MAX_TREE_TOKENS", "gpu_config", "pick_block_kv", "pick_block_q", "pick_num_splits", "autotune_block_kv"]
 
-# The largest tree (or chain) a compiled kernel variant takes. The packed query tile is
-# N * G rows; 64 nodes x 8 query heads per KV head = 512 rows is as large as one program's
-# registers/VMEM comfortably hold. Larger blocks (prefill) use the XLA path.
+# The largest tree (or chain) a compiled kernel variant takes. The packed query rows are
+# N * G; 64 nodes x 8 query heads per KV head = 512 rows (the GPU kernel tiles them; the TPU
+# kernel holds them in one VMEM tile). Larger blocks (prefill) use the XLA path.
 MAX_TREE_TOKENS = 64
 
 
@@ -77,15 +78,41 @@ def _validate(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, layer, max
         check_tree_mask(mask_np)
 
 
+def gpu_config(q_shape, kv_heads: int, num_slots: int, dtype, *, block_kv: int | None = None,
+               block_q: int | None = None, num_splits: int | None = None, interpret: bool = False):
+    """(block_kv, block_q, num_splits) the GPU kernel runs with for q of `q_shape` [B, N, H, hd]
+    over a cache of `num_slots` slots in `dtype`: the given values, checked, else tuning's defaults
+    (in interpret mode one split: there is no device to fill)."""
+    B, N, H, hd = q_shape
+    bk = block_kv or pick_block_kv(num_slots, "gpu")
+    R, _ = layout.padded_sizes(N, H // kv_heads)
+    bq = min(block_q or pick_block_q(R, hd, bk, dtype), R)
+    if bq < layout.MIN_TILE or bq & (bq - 1):
+        raise ValueError(f"block_q must be a power of two >= {layout.MIN_TILE}, got {block_q}")
+    if num_splits is None:
+        num_splits = 1 if interpret else pick_num_splits(B, kv_heads, R // bq, num_slots, bk, bq,
+                                                         np.dtype(dtype).itemsize, target_programs())
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return bk, bq, num_splits
+
+
 def tree_attention(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, *, layer: int | None = None,
                    backend: str = "auto", interpret: bool | None = None, block_kv: int | None = None,
+                   block_q: int | None = None, num_splits: int | None = None,
                    max_tree_tokens: int = MAX_TREE_TOKENS):
     """q: [B, N, H, hd]; k_blk, v_blk: [B, N, Hkv, hd] (the new tokens' keys/values);
     k_cache, v_cache: [B, Hkv, S, hd], or the model's stacked [L, B, Hkv, S, hd] with
     `layer`; lengths: [B] committed prefix per row (slots at or past it are never read);
-    block_mask: [B, N, N] ancestor mask. Returns [B, N, H, hd] in q's dtype."""
+    block_mask: [B, N, N] ancestor mask. Returns [B, N, H, hd] in q's dtype.
+
+    GPU kernel only: `block_q` query rows per program (a power of two >= 16; larger than the
+    packed rows means one tile) and `num_splits` KV splits per row (flash-decoding); None picks
+    tuning's defaults (see gpu_config)."""
     _validate(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, layer, max_tree_tokens)
     backend, interpret = _resolve_backend(backend, interpret)
+    if backend == "tpu" and (block_q is not None or num_splits is not None):
+        raise ValueError("block_q and num_splits are the GPU kernel's (the TPU kernel tiles the prefix by its grid)")
     if k_cache.ndim == 4:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     if backend == "reference":
@@ -97,7 +124,12 @@ def tree_attention(q, k_blk, v_blk, k_cache, v_cache, lengths, block_mask, *, la
     q_rows, kb, vb, bias = layout.pack(q, k_blk, v_blk, block_mask)
     kb, vb = kb.astype(k_cache.dtype), vb.astype(v_cache.dtype)
     q_rows = q_rows.astype(k_cache.dtype)
-    run = tree_attention_gpu if backend == "gpu" else tree_attention_tpu
-    o_rows = run(lengths, q_rows, kb, vb, bias, k_cache, v_cache, layer, block_kv=bk,
-                 interpret=interpret)
+    if backend == "gpu":
+        _, bq, splits = gpu_config(q.shape, k_blk.shape[2], k_cache.shape[3], k_cache.dtype, block_kv=bk,
+                                   block_q=block_q, num_splits=num_splits, interpret=interpret)
+        o_rows = tree_attention_gpu(lengths, q_rows, kb, vb, bias, k_cache, v_cache, layer, block_kv=bk,
+                                    block_q=bq, num_splits=splits, interpret=interpret)
+    else:
+        o_rows = tree_attention_tpu(lengths, q_rows, kb, vb, bias, k_cache, v_cache, layer, block_kv=bk,
+                                    interpret=interpret)
     return layout.unpack(o_rows, N, H).astype(q.dtype)

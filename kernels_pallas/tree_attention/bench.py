@@ -5,7 +5,8 @@ against the bytes that must move and against a measured device copy bandwidth.
 Bytes that must move per call: the K and V prefix of every (row, KV head) once, plus the
 queries, the new block's K/V, the mask bias and the output. At verification sizes the
 prefix dominates, so attention is bandwidth-bound and "fraction of copy bandwidth" is the
-honest efficiency figure.
+honest efficiency figure. `variants` times further kernel configurations beside the default
+one (e.g. the grid before split-KV and query tiles: ``dict(num_splits=1, block_q=512)``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.tree_attention import mask_from_parents, tree_attention, tree_attention_reference
+from kernels_pallas.tree_attention import gpu_config, mask_from_parents, tree_attention, tree_attention_reference
 
 SIZES = {
     # tiny: runs on CPU in interpret mode in the test suite; full: for a GPU/TPU.
@@ -52,14 +53,20 @@ def bytes_moved(B, N, H, Hkv, hd, ctx, itemsize) -> int:
 
 
 def sweep(contexts, tree_sizes, batches, heads, head_dim, reps, dtype="bfloat16", backend="auto",
-          interpret=None, seed=0, progress=None):
+          interpret=None, seed=0, progress=None, variants=None):
     """One row per (context, N, batch): kernel and XLA-reference times, speedup, achieved GB/s
-    and the kernel's max abs error against the reference."""
+    and the kernel's max abs error against the reference; on the GPU kernel also the block_q and
+    num_splits its defaults chose. `variants` ({name: tree_attention keyword arguments}) adds
+    <name>_ms, <name>_err and <name>_speedup (the variant's time / the default kernel's)."""
     H, Hkv = heads
     dt = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
     kernel = jax.jit(lambda *a: tree_attention(*a, backend=backend, interpret=interpret))
+    others = {name: jax.jit(lambda *a, kw=kw: tree_attention(*a, backend=backend, interpret=interpret, **kw))
+              for name, kw in (variants or {}).items()}
     reference = jax.jit(tree_attention_reference)
+    platform = jax.default_backend()
+    on_gpu_kernel = backend == "gpu" or (backend == "auto" and platform != "tpu")
     rows = []
     grid = [(c, n, b) for c in contexts for n in tree_sizes for b in batches]
     for ctx, N, B in (progress(grid) if progress else grid):
@@ -70,23 +77,38 @@ def sweep(contexts, tree_sizes, batches, heads, head_dim, reps, dtype="bfloat16"
         mask = jnp.asarray(np.broadcast_to(mask_from_parents(parents), (B, N, N)))
         args = (r(B, N, H, head_dim), r(B, N, Hkv, head_dim), r(B, N, Hkv, head_dim), r(B, Hkv, ctx, head_dim),
                 r(B, Hkv, ctx, head_dim), jnp.full((B,), ctx, jnp.int32), mask)
-        err = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32) - reference(*args).astype(jnp.float32))))
+        want = reference(*args).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32) - want)))
         t_k = timeit(kernel, *args, reps=reps)
         t_x = timeit(reference, *args, reps=reps)
         nb = bytes_moved(B, N, H, Hkv, head_dim, ctx, dt.itemsize)
-        rows.append(dict(context=ctx, tree_size=N, batch=B, kernel_ms=1e3 * t_k, xla_ms=1e3 * t_x,
-                         speedup=t_x / t_k, kernel_gbps=nb / t_k / 1e9, xla_gbps=nb / t_x / 1e9,
-                         max_abs_err=err))
+        row = dict(context=ctx, tree_size=N, batch=B, kernel_ms=1e3 * t_k, xla_ms=1e3 * t_x,
+                   speedup=t_x / t_k, kernel_gbps=nb / t_k / 1e9, xla_gbps=nb / t_x / 1e9, max_abs_err=err)
+        if on_gpu_kernel:
+            _, row["block_q"], row["num_splits"] = gpu_config(
+                (B, N, H, head_dim), Hkv, ctx, dt, interpret=platform != "gpu" if interpret is None else interpret)
+        for name, fn in others.items():
+            row[f"{name}_err"] = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - want)))
+            row[f"{name}_ms"] = 1e3 * timeit(fn, *args, reps=reps)
+            row[f"{name}_speedup"] = row[f"{name}_ms"] / row["kernel_ms"]
+        rows.append(row)
     return rows
 
 
 def markdown_table(rows, copy_gbps: float) -> str:
-    head = ("| context | N | batch | kernel ms | XLA ms | kernel/XLA speedup | kernel GB/s | % of copy BW | "
-            "max abs err |\n|---|---|---|---|---|---|---|---|---|\n")
-    return head + "".join(
-        f"| {r['context']} | {r['tree_size']} | {r['batch']} | {r['kernel_ms']:.3f} | {r['xla_ms']:.3f} | "
-        f"{r['speedup']:.2f}x | {r['kernel_gbps']:.1f} | {100 * r['kernel_gbps'] / copy_gbps:.0f}% | "
-        f"{r['max_abs_err']:.1e} |\n" for r in rows)
+    variants = [k[:-3] for k in rows[0] if k.endswith("_ms") and k not in ("kernel_ms", "xla_ms")] if rows else []
+    tiles = bool(rows) and "num_splits" in rows[0]
+    cols = ["context", "N", "batch"] + (["block_q / splits"] if tiles else []) + [
+        "kernel ms", "XLA ms", "kernel/XLA speedup"] + [f"{v} ms ({v} / kernel, err)" for v in variants] + [
+        "kernel GB/s", "% of copy BW", "max abs err"]
+    out = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    for r in rows:
+        cells = [r["context"], r["tree_size"], r["batch"]] + ([f"{r['block_q']} / {r['num_splits']}"] if tiles else [])
+        cells += [f"{r['kernel_ms']:.3f}", f"{r['xla_ms']:.3f}", f"{r['speedup']:.2f}x"]
+        cells += [f"{r[v + '_ms']:.3f} ({r[v + '_speedup']:.2f}x, {r[v + '_err']:.0e})" for v in variants]
+        cells += [f"{r['kernel_gbps']:.1f}", f"{100 * r['kernel_gbps'] / copy_gbps:.0f}%", f"{r['max_abs_err']:.1e}"]
+        out += "| " + " | ".join(map(str, cells)) + " |\n"
+    return out
 
 
 def plot(rows, copy_gbps: float, path: str | None = None):

@@ -2,7 +2,8 @@
 
 A kernel program handles one (row b, KV head h): the N new tokens times the G query heads
 that share head h become R = N*G query rows (row r = token r // G, head r % G), padded to a
-power of two >= 16 so the same shapes suit tensor-core dots (GPU) and sublane tiles (TPU).
+power of two >= 16 so the same shapes suit tensor-core dots (GPU) and sublane tiles (TPU), and
+so that the GPU kernel's power-of-two query tiles divide them.
 The tree mask becomes an additive float bias per query row. Padding rows see only node 0,
 so they stay finite; they are cut off on the way out.
 """

@@ -15,7 +15,9 @@ are timed in the benchmark harness's rounds (``specjax.benchtime``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 import time
 from typing import Sequence
 
@@ -247,3 +249,92 @@ def calibrate_host(steps: Sequence, cost, seed: int = 0):
               "mean_abs_rel_err_engine_steps": float(np.mean(np.abs(pred[test_idx] - wall[test_idx]) / wall[test_idx]))}
     c_all = least_squares(X, host)
     return cost.with_host(float(c_all[0]), float(c_all[1])), report
+
+
+# ------------------------------------------------------------------ the step's compiled program
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(", re.M)
+_HLO_ARRAY = re.compile(r"[a-z][a-z0-9]*\[([0-9,]*)\]")
+
+
+def hlo_op_kinds(text: str, min_elements: int = 0) -> collections.Counter:
+    """Opcode histogram of an HLO module's text, every computation included (fusion and loop
+    bodies), shapes ignored; ``min_elements``: count only instructions with an array result of at
+    least that many elements (the whole-cache copies and transposes that make a step slow)."""
+    kinds = collections.Counter()
+    for m in _HLO_INSTR.finditer(text):
+        shape, op = m.groups()
+        if min_elements:
+            if shape.startswith("("):
+                continue
+            dims = _HLO_ARRAY.match(shape)
+            if dims is None or int(np.prod([int(d) for d in dims.group(1).split(",") if d])) < min_elements:
+                continue
+        kinds[op] += 1
+    return kinds
+
+
+def compile_only_device(platform: str, target_config: str):
+    """A device to compile for without one attached (XLA's deviceless AOT): ``target_config`` is
+    a GpuTargetConfig text proto (benchmarks/h100_target_config.pbtxt); needs the platform's jax
+    plugin installed (jax-cuda13-plugin / -pjrt of jaxlib's version), not the hardware."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc("compile_only", platform, target_config=target_config,
+                                        topology="1x1x1").devices[0]
+
+
+def step_programs(cfg, ks: Sequence[int], *, batch: int = 1, slots: int = 2048, fwd=None, dtype="float32",
+                  compiled: bool = True, device=None) -> dict[int, str]:
+    """HLO text of the engine's greedy chain step (step.spec_step, host drafts) for each K, for
+    abstract params of ``cfg`` (no weights are drawn): as XLA optimized it for ``device`` (default:
+    jax's default device; a ``compile_only_device`` compiles for a GPU that is not here), or as
+    lowered (``compiled`` False, before any XLA pass)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.engine.compile_key import CompileKey
+    from specjax.engine.step import fresh_state, spec_step_jit
+    from specjax.models import llama
+    from specjax.models.options import ForwardOptions
+    from specjax.sampling import SamplingArrays
+
+    fwd = fwd or ForwardOptions()
+    sh = None if device is None else jax.sharding.SingleDeviceSharding(device)
+
+    def sds(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+
+    def abstract(tree):
+        return jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype), tree)
+
+    B = batch
+    params = abstract(jax.eval_shape(lambda: llama.init_random_params(cfg, dtype=jnp.dtype(dtype), on_device=True)))
+    pkey = CompileKey("prefill", cfg, B, slots, True, None, fwd, prompt=bk.MIN_PROMPT_BUCKET)
+    state = abstract(jax.eval_shape(functools.partial(fresh_state, B=B, key=pkey), params, None))
+    samp = jax.tree_util.tree_map(lambda a: sds((B,), a.dtype), SamplingArrays.build([], B))
+    out = {}
+    for K in ks:
+        key = CompileKey("step", cfg, B, slots, True, None, fwd, k=int(K))
+        lowered = spec_step_jit.lower(params, None, state, sds((B, max(K, 1)), jnp.int32), sds((B,), jnp.int32),
+                                      sds((B,), jnp.bool_), samp, None, None, key=key)
+        out[int(K)] = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    return out
+
+
+def step_op_kinds(cfg, ks: Sequence[int], min_elements: int = 0, **kw) -> dict[int, collections.Counter]:
+    """``hlo_op_kinds`` of each K's step program (``step_programs``' keywords)."""
+    return {K: hlo_op_kinds(text, min_elements) for K, text in step_programs(cfg, ks, **kw).items()}
+
+
+def op_kinds_table(kinds: dict[int, collections.Counter], only_differing: bool = False) -> str:
+    """A Markdown table, one row per opcode and one column per K."""
+    ks = sorted(kinds)
+    ops = sorted(set().union(*kinds.values()))
+    if only_differing:
+        ops = [op for op in ops if len({kinds[K][op] > 0 for K in ks}) > 1]
+    lines = ["| op | " + " | ".join(f"K={K}" for K in ks) + " |", "|---|" + "---|" * len(ks)]
+    lines += [f"| {op} | " + " | ".join(str(kinds[K][op]) for K in ks) + " |" for op in ops]
+    return "\n".join(lines)

@@ -149,6 +149,33 @@ def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_ma
             if layout is not None:
                 return _pallas_sharded(q, k_blk, v_blk, k_all, v_all, layer, lens, block_mask, layout)
             return ta.tree_attention(q, k_blk, v_blk, k_all, v_all, lens, block_mask, layer=layer)
+    T = q.shape[1]
+    if T * (q.shape[2] // k_blk.shape[2]) == 1:  # one query row per KV head: an MHA decode step
+        q, k_blk, v_blk, block_mask = _two_positions(q, k_blk, v_blk, block_mask)
+    return _xla_attention(q, k_blk, v_blk, k_all, v_all, layer, lengths, block_mask, fwd, use_prefix)[:, :T]
+
+
+def _two_positions(q, k_blk, v_blk, block_mask):
+    """A one-token block as a two-position block: the second position is a copy of the token that
+    only sees itself and that the real token does not see, so the real token's output is unchanged
+    (its score against the copy is masked to exp(-1e30) = 0). A copy, not zeros: zeros lower to a
+    ``pad`` op that no K >= 1 program has.
+
+    Why: with one query row per KV head (T = 1 under MHA, e.g. Llama-2-7B's decode step) every
+    attention dot is a matrix-vector product, which XLA rewrites as multiply + reduce. On the GPU,
+    layout assignment then gives the reduces' cache operands a reduction-friendly layout and,
+    through the chunk's dynamic slice, the whole stacked cache the prefix loop carries: two
+    transposed copies of the whole [L, B, Hkv, S, hd] cache per layer (an H100 K = 0 step took
+    2.7-10.9x a K = 2 step). With two rows the K = 0 step lowers to the op kinds of K >= 1
+    (profiling.step_op_kinds; tested). Under GQA a decode step already has G >= 2 query rows per
+    KV head: its prefix dots stay matrix-matrix and it is left as it is (compiled for the CPU or
+    an H100 it has no whole-cache transpose or copy; padding it too cost 6-9% of tiny-random's
+    CPU K = 0 step)."""
+    pad = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731
+    return pad(q), pad(k_blk), pad(v_blk), jnp.tile(block_mask, (1, 2, 2)) & jnp.eye(2, dtype=bool)
+
+
+def _xla_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask, fwd: ForwardOptions, use_prefix):
     chunk = fwd.attn_chunk
     if chunk and k_all.shape[3] % chunk == 0:
         # (also without a prefix, a first prefill chunk: its loop then runs no iteration, and the
