@@ -91,8 +91,9 @@ def main(argv):
     P, new = FLAGS.prompt_len, FLAGS.max_new_tokens
     print(f"{cfg.name}: AR decode (K = 0) through the engine vs the reference loop; prompts of {P} random tokens, "
           f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds, rows kernel {fwd.rows_kernel}")
-    print(f"| batch | side | prefill ms | ms/step | step / {'reference' if FLAGS.reference else 'first side'} | identical |")
-    print("|---|---|---|---|---|---|")
+    print(f"| batch | side | prefill ms | ms/step | decode tok/s | step / {'reference' if FLAGS.reference else 'first side'} "
+          "| identical |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for B in map(int, FLAGS.batches):
         prompts = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(B)]
@@ -128,7 +129,7 @@ def main(argv):
             row = summarize(ss)
             same = all(s["tokens"] == samples[base][0]["tokens"] for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
-            print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
+            print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | {B / row['step_s']:.1f} | "
                   f"{row['step_s'] / ref['step_s']:.3f} | {'yes' if same else '**NO**'} |", flush=True)
     out = {"rows": rows}
     if FLAGS.policy_time:

@@ -387,6 +387,7 @@ class JaxBackend:
         exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
         inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)))
         host = np.asarray(self.run(exe, *kind.args(inputs, None, self.to_device(active), self.sampling(), None)))
+        self._steps_run += int(host[:, -1].max()) - 1  # (every step of the call counts: warmup's later_after_steps)
         out = []
         for r, row in zip(rs, rows):
             new = host[row, :host[row, -1]].tolist()
