@@ -12,9 +12,12 @@ Per batch size and side: median prefill ms and decode ms per step over rotated r
 harness, specjax.benchtime: the side going first changes every round, so machine drift and order
 effects hit every side), the step time over the reference's, and whether the greedy tokens are
 identical. --decode_steps: one engine side per value, each a backend whose K = 0 steps run up to
-that many per device call (step.spec_decode; 1 = a call per step). An engine step is the wall time of its whole loop iteration (host bookkeeping
-included) after the prefill, mean over the run's steps; the reference's is its decode time over
-its decode steps. --policy_time adds the host time of one GoodputPolicy step (choose + observe +
+that many per device call (step.spec_decode; 1 = a call per step). An engine step is the wall time
+of its whole loop iteration (host bookkeeping included; a decode call's divided by the steps it
+ran) after the prefill, mean over the run's steps; the reference's is its decode time over
+its decode steps. CPU ms/token: this process's CPU time per generated token over the whole run
+(prefill included, the same work on every side), which other processes' load on a shared machine
+leaves out. --policy_time adds the host time of one GoodputPolicy step (choose + observe +
 observe_time) at batch 1 with the shipped layer-skip perf model, in microseconds.
 """
 
@@ -92,8 +95,8 @@ def main(argv):
     print(f"{cfg.name}: AR decode (K = 0) through the engine vs the reference loop; prompts of {P} random tokens, "
           f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds, rows kernel {fwd.rows_kernel}")
     print(f"| batch | side | prefill ms | ms/step | decode tok/s | step / {'reference' if FLAGS.reference else 'first side'} "
-          "| identical |")
-    print("|---|---|---|---|---|---|---|")
+          "| CPU ms/token | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for B in map(int, FLAGS.batches):
         prompts = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(B)]
@@ -121,8 +124,16 @@ def main(argv):
             return run
 
         # the warm-up round compiles the reference loop
+        def cpu(fn):  # this process's CPU seconds per generated token, prefill included (the same for every side):
+            def run():  # what other processes on a shared machine take does not count here
+                t = time.process_time()
+                out = fn()
+                return {**out, "cpu_tok_s": (time.process_time() - t) / (B * new)}
+            return run
+
         sides = {"reference": reference} if FLAGS.reference else {}
-        samples = rounds({**sides, **{n: engine(be) for n, be in backends.items()}}, FLAGS.rounds)
+        samples = rounds({n: cpu(f) for n, f in {**sides, **{n: engine(be) for n, be in backends.items()}}.items()},
+                         FLAGS.rounds)
         base = next(iter(samples))
         ref = summarize(samples[base])
         for side, ss in samples.items():
@@ -130,7 +141,8 @@ def main(argv):
             same = all(s["tokens"] == samples[base][0]["tokens"] for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
             print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | {B / row['step_s']:.1f} | "
-                  f"{row['step_s'] / ref['step_s']:.3f} | {'yes' if same else '**NO**'} |", flush=True)
+                  f"{row['step_s'] / ref['step_s']:.3f} | {1e3 * row['cpu_tok_s']:.2f} | {'yes' if same else '**NO**'} |",
+                  flush=True)
     out = {"rows": rows}
     if FLAGS.policy_time:
         out["policy_host_us"] = policy_host_us(cfg, P)
