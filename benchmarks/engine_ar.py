@@ -43,7 +43,8 @@ flags.DEFINE_list("decode_steps", ["1"], "The engine side once per value: K = 0 
                   "(BackendOptions.decode_steps; 1: a call per step).")
 flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side (-1: the launch scripts' default, "
                      "LoadedModel.auto_rows_kernel).")
-flags.DEFINE_bool("reference", True, "Also time the reference loop (the ratio column's base; else the first engine side).")
+flags.DEFINE_bool("reference", True,
+                  "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
 flags.DEFINE_string("json_out", None, "Write the rows (medians per batch and side) as JSON here.")
 
@@ -94,8 +95,8 @@ def main(argv):
     P, new = FLAGS.prompt_len, FLAGS.max_new_tokens
     print(f"{cfg.name}: AR decode (K = 0) through the engine vs the reference loop; prompts of {P} random tokens, "
           f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds, rows kernel {fwd.rows_kernel}")
-    print(f"| batch | side | prefill ms | ms/step | decode tok/s | step / {'reference' if FLAGS.reference else 'first side'} "
-          "| CPU ms/token | identical |")
+    base_name = "reference" if FLAGS.reference else "first side"
+    print(f"| batch | side | prefill ms | ms/step | decode tok/s | step / {base_name} | CPU ms/token | identical |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for B in map(int, FLAGS.batches):
@@ -140,9 +141,9 @@ def main(argv):
             row = summarize(ss)
             same = all(s["tokens"] == samples[base][0]["tokens"] for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
-            print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | {B / row['step_s']:.1f} | "
-                  f"{row['step_s'] / ref['step_s']:.3f} | {1e3 * row['cpu_tok_s']:.2f} | {'yes' if same else '**NO**'} |",
-                  flush=True)
+            print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
+                  f"{B / row['step_s']:.1f} | {row['step_s'] / ref['step_s']:.3f} | {1e3 * row['cpu_tok_s']:.2f} | "
+                  f"{'yes' if same else '**NO**'} |", flush=True)
     out = {"rows": rows}
     if FLAGS.policy_time:
         out["policy_host_us"] = policy_host_us(cfg, P)

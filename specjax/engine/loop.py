@@ -346,7 +346,8 @@ class ServingEngine:
         """Up to ``n`` K = 0 steps in one backend call, then told to the request outputs and the
         observers as the single steps they are: step j's event has the rows that ran it (one token
         each, ``_take``), 1/steps of the call's time, and (j > 0) no new proposal, so every count
-        and metric reads as for n single steps and shadow verification sees every token."""
+        and metric reads as for n single steps and shadow verification sees every token (the
+        observers' ``between_steps`` runs once, after the call)."""
         be = self.backend
         left = [r.req.max_new_tokens - len(r.out.tokens) for r in rs]
         toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos)
