@@ -4,15 +4,20 @@ per token) and, with --draft_layers, against a layer-skip drafter's backend unde
 K = 0 (its requests skip their draft prefill, as under a closed prefill gate).
 
   python benchmarks/engine_ar.py --batches 1,8 --rounds 6
+  python benchmarks/engine_ar.py --batches 1 --max_new_tokens 96 --decode_steps 1,16 --rounds 6
   python benchmarks/engine_ar.py --batches 1 --prompt_len 300 --max_new_tokens 48 --rounds 6 --draft_layers 8 \
       --policy_time
 
 Per batch size and side: median prefill ms and decode ms per step over rotated rounds (the
 harness, specjax.benchtime: the side going first changes every round, so machine drift and order
 effects hit every side), the step time over the reference's, and whether the greedy tokens are
-identical. An engine step is the wall time of its whole loop iteration (host bookkeeping
-included) after the prefill, mean over the run's steps; the reference's is its decode time over
-its decode steps. --policy_time adds the host time of one GoodputPolicy step (choose + observe +
+identical. --decode_steps: one engine side per value, each a backend whose K = 0 steps run up to
+that many per device call (step.spec_decode; 1 = a call per step). An engine step is the wall time
+of its whole loop iteration (host bookkeeping included; a decode call's divided by the steps it
+ran) after the prefill, mean over the run's steps; the reference's is its decode time over
+its decode steps. CPU ms/token: this process's CPU time per generated token over the whole run
+(prefill included, the same work on every side), which other processes' load on a shared machine
+leaves out. --policy_time adds the host time of one GoodputPolicy step (choose + observe +
 observe_time) at batch 1 with the shipped layer-skip perf model, in microseconds.
 """
 
@@ -34,6 +39,12 @@ flags.DEFINE_integer("prompt_len", 100, "Prompt tokens (random ids).")
 flags.DEFINE_integer("max_new_tokens", 64, "New tokens per request.")
 flags.DEFINE_integer("rounds", 5, "Timed rounds of every side (after one warm-up round).")
 flags.DEFINE_integer("draft_layers", 0, "Also run a layer-skip backend with this many draft layers at K = 0 (0: no).")
+flags.DEFINE_list("decode_steps", ["1"], "The engine side once per value: K = 0 steps per decode call "
+                  "(BackendOptions.decode_steps; 1: a call per step).")
+flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side (-1: the launch scripts' default, "
+                     "LoadedModel.auto_rows_kernel).")
+flags.DEFINE_bool("reference", True,
+                  "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
 flags.DEFINE_string("json_out", None, "Write the rows (medians per batch and side) as JSON here.")
 
@@ -71,31 +82,39 @@ def main(argv):
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
     from specjax.goodput.selector import FixedK
+    from specjax.engine.jax_backend import JaxBackend
     from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
     from specjax.reference_ar import reference_generate
 
     m = load_model(FLAGS.model)
     cfg = m.cfg
+    fwd = ForwardOptions(rows_kernel=m.auto_rows_kernel() if FLAGS.rows_kernel < 0 else FLAGS.rows_kernel)
+    params = m.params_for(fwd)
     rng = np.random.default_rng(0)
     P, new = FLAGS.prompt_len, FLAGS.max_new_tokens
     print(f"{cfg.name}: AR decode (K = 0) through the engine vs the reference loop; prompts of {P} random tokens, "
-          f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds")
-    print("| batch | side | prefill ms | ms/step | step / reference | identical |")
-    print("|---|---|---|---|---|---|")
+          f"{new} new tokens, greedy, median of {FLAGS.rounds} rotated rounds, rows kernel {fwd.rows_kernel}")
+    base_name = "reference" if FLAGS.reference else "first side"
+    print(f"| batch | side | prefill ms | ms/step | decode tok/s | step / {base_name} | CPU ms/token | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for B in map(int, FLAGS.batches):
         prompts = [rng.integers(3, cfg.vocab_size, P).tolist() for _ in range(B)]
         slots = bk.slot_bucket(P + new + 1, cfg.max_position)
-        backends = {"engine": registry.make_backend(m, "none", k_buckets=(0,), batch_buckets=(B,), slots=slots)}
+        backends = {("engine" if n == 1 else f"engine, {n}-step decode calls"): JaxBackend(
+            cfg, params, k_buckets=(0,), batch_buckets=(B,), slots=slots, fwd=fwd, decode_steps=n)
+            for n in map(int, FLAGS.decode_steps)}
         if FLAGS.draft_layers:
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
-                m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers)
+                m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
+                fwd=fwd)
         for be in backends.values():
             be.warmup(prompt_lens=[P], execute=True)
         reqs = [Request(str(i), p, new, ignore_eos=True) for i, p in enumerate(prompts)]
 
         def reference():
-            res = reference_generate(cfg, m.params, prompts, max_new_tokens=new, ignore_eos=True)
+            res = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, fwd=fwd)
             return {"prefill_s": max(r.prefill_s for r in res), "step_s": max(r.decode_s for r in res) / (new - 1),
                     "tokens": [r.tokens for r in res]}
 
@@ -106,14 +125,25 @@ def main(argv):
             return run
 
         # the warm-up round compiles the reference loop
-        samples = rounds({"reference": reference, **{n: engine(be) for n, be in backends.items()}}, FLAGS.rounds)
-        ref = summarize(samples["reference"])
+        def cpu(fn):  # this process's CPU seconds per generated token, prefill included (the same for every side):
+            def run():  # what other processes on a shared machine take does not count here
+                t = time.process_time()
+                out = fn()
+                return {**out, "cpu_tok_s": (time.process_time() - t) / (B * new)}
+            return run
+
+        sides = {"reference": reference} if FLAGS.reference else {}
+        samples = rounds({n: cpu(f) for n, f in {**sides, **{n: engine(be) for n, be in backends.items()}}.items()},
+                         FLAGS.rounds)
+        base = next(iter(samples))
+        ref = summarize(samples[base])
         for side, ss in samples.items():
             row = summarize(ss)
-            same = all(s["tokens"] == samples["reference"][0]["tokens"] for s in ss)
+            same = all(s["tokens"] == samples[base][0]["tokens"] for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
             print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
-                  f"{row['step_s'] / ref['step_s']:.3f} | {'yes' if same else '**NO**'} |", flush=True)
+                  f"{B / row['step_s']:.1f} | {row['step_s'] / ref['step_s']:.3f} | {1e3 * row['cpu_tok_s']:.2f} | "
+                  f"{'yes' if same else '**NO**'} |", flush=True)
     out = {"rows": rows}
     if FLAGS.policy_time:
         out["policy_host_us"] = policy_host_us(cfg, P)

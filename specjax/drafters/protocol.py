@@ -10,7 +10,8 @@ lookup, suffix in path mode), ``drafters.host.HostTree`` (token trees: suffix, h
 subclass in its own module plus one ``registry.register_drafter`` call.
 
 K = 0 is never a drafter's business: the backend then runs the plain chain step
-(``StepInputs.plain``), the one executable plain decoding has whatever the drafter.
+(``StepInputs.plain``), the one step plain decoding has whatever the drafter (``DecodeStep``: several
+of them in one call, when no decision is due between them).
 """
 
 from __future__ import annotations
@@ -87,6 +88,29 @@ class VerifyStep(StepKind):
 
     def args(self, inputs, num_draft, active, samp, pack):
         return (inputs[0], num_draft, active, samp, inputs[1], pack)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep(StepKind):
+    """Up to ``steps`` plain decoding steps in one call (step.spec_decode), which the backend runs
+    when no decision is due between them (never a drafter's proposal): ``inputs`` = (tokens left
+    [B], rows stopping at EOS [B], the EOS mask [vocab], the call's step limit [])."""
+
+    steps: int
+    vocab: int
+    teacher = False
+
+    def exe(self, table, B, k, S, greedy, tokens=0, compile_if_missing=False):
+        return table.decode(B, self.steps, S, greedy, compile_if_missing)
+
+    def args(self, inputs, num_draft, active, samp, pack):
+        left, eos_rows, eos_mask, limit = inputs
+        return (active, left, eos_rows, eos_mask, samp, limit)
+
+    def empty(self, B, k):
+        inputs = (np.full(B, self.steps, np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
+                  np.array(self.steps, np.int32))
+        return inputs, np.zeros(B, np.int32)
 
 
 CHAIN = ChainStep()

@@ -24,7 +24,8 @@ class CompileKey:
     # "prefill" (a prompt's first chunk, into fresh caches) | "chunk" (a later prefill chunk) |
     # "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes) |
     # "draft" (a device drafter's confidence-cut proposal of up to k drafts, Algorithm 3) |
-    # "verify" (a chain step over k of the ``width`` drafts a "draft" call left on the device)
+    # "verify" (a chain step over k of the ``width`` drafts a "draft" call left on the device) |
+    # "decode" (up to ``steps`` plain decoding steps, the K = 0 "step" in an on-device loop)
     op: str
     cfg: ModelConfig
     batch: int
@@ -38,16 +39,18 @@ class CompileKey:
     tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
     teacher: int = 0  # step / verify: also return the target's top-k logits at the verified positions (k; 0: none)
     layout: Layout | None = None  # sharded engine: the mesh and rules (None: one device)
+    steps: int = 0  # decode: the most K = 0 steps one call runs (its token buffer's width)
 
     def __post_init__(self):
-        if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify"):
+        if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify", "decode"):
             raise ValueError(f"unknown compiled operation {self.op!r}")
 
     def describe(self) -> str:
         what = {"prefill": f"prefill of a {self.prompt}-token first chunk",
                 "chunk": f"prefill of a {self.prompt}-token later chunk", "step": f"spec step with K {self.k}",
                 "tree": f"tree step with {self.k} draft nodes", "draft": f"draft call of up to {self.k} drafts",
-                "verify": f"verify step with K {self.k} of {self.width} device drafts"}[self.op]
+                "verify": f"verify step with K {self.k} of {self.width} device drafts",
+                "decode": f"decode call of up to {self.steps} steps"}[self.op]
         packed = f", {self.tokens} packed tokens" if self.tokens else ""
         teacher = f", teacher top-{self.teacher}" if self.teacher else ""
         return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}"

@@ -29,7 +29,7 @@ from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.drafters.kinds import as_drafter
-from specjax.drafters.protocol import CHAIN, StepInputs, StepJob
+from specjax.drafters.protocol import CHAIN, DecodeStep, StepInputs, StepJob
 from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.options import BackendOptions, model_params
@@ -121,6 +121,9 @@ class JaxBackend:
         self.live = LiveBucket(self.batch_buckets, opt.shrink_patience)
         self.max_chunk = bk.largest_chunk(opt.prefill_chunk, slots)  # prompts run in chunks of at most this
         self.table = StepTable(cfg, self.params, self.dparams, d.draft, opt.fwd, opt.teacher_topk, opt.layout)
+        # the most K = 0 steps one call runs (the loop's Backend field; 1: a call per step)
+        self.decode_steps = opt.plain_decode_steps()
+        self._eos_mask = (None, None)  # (EOS ids, their [vocab] mask on the device)
         self.reset()
 
     # ------------------------------------------------------------ state
@@ -329,17 +332,9 @@ class JaxBackend:
         <= K (the policy's per-request choice). A ``packed`` backend runs the block's real tokens
         only, in the smallest compiled packed size that holds them."""
         t0 = time.perf_counter()
-        self._steps_run += 1
-        if self._steps_run >= self._later_after:
-            self._later_gate.set()
-        self.prepare(rs)
-        self._prepared = False  # the next step prepares again
+        active = self._begin(rs)
         B = self.B
-        active = np.zeros(B, bool)
-        cap = {}
-        for i, r in enumerate(rs):
-            active[self.row_of[r.uid]] = True
-            cap[r.uid] = k if row_k is None else min(k, int(row_k[i]))
+        cap = {r.uid: k if row_k is None else min(k, int(row_k[i])) for i, r in enumerate(rs)}
         inp = self.drafter.step_inputs(self, rs, k, cap)
         t0 -= inp.seconds  # drafting done for this step before it
         if inp.k == 0:
@@ -359,6 +354,46 @@ class JaxBackend:
         o = self.run(exe, *inp.kind.args(tuple(put), self.to_device(inp.num_draft), self.to_device(active),
                                          self.sampling(), pack))
         return self._results(rs, o), time.perf_counter() - t0
+
+    def _begin(self, rs: Sequence[Running]) -> np.ndarray:
+        """What every step call does first (count it, resize / clear the state); the active rows."""
+        self._steps_run += 1
+        if self._steps_run >= self._later_after:
+            self._later_gate.set()
+        self.prepare(rs)
+        self._prepared = False  # the next step prepares again
+        active = np.zeros(self.B, bool)
+        active[[self.row_of[r.uid] for r in rs]] = True
+        return active
+
+    def decode(self, rs: Sequence[Running], steps: int, left: Sequence[int], eos_rows: Sequence[bool],
+               eos_ids: frozenset) -> tuple[list[list[int]], float]:
+        """Up to ``steps`` (<= ``decode_steps``) plain decoding steps in one call and one transfer
+        (step.spec_decode). Per request (aligned with ``rs``): at most ``left`` tokens, ending at
+        the first of ``eos_ids`` where ``eos_rows``, so exactly what as many single steps would
+        emit before the engine retires it. Returns each request's tokens and the seconds."""
+        t0 = time.perf_counter()
+        active = self._begin(rs)
+        B = self.B
+        rows = [self.row_of[r.uid] for r in rs]
+        lf, er = np.zeros(B, np.int32), np.zeros(B, bool)
+        lf[rows], er[rows] = left, eos_rows
+        if self._eos_mask[0] != eos_ids:
+            mask = np.zeros(self.cfg.vocab_size, bool)
+            mask[[e for e in eos_ids if 0 <= e < self.cfg.vocab_size]] = True
+            self._eos_mask = (eos_ids, jax.device_put(mask))
+        kind = DecodeStep(self.decode_steps, self.cfg.vocab_size)
+        self.last_k_step, self.last_tokens = 0, B
+        exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
+        inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)))
+        host = np.asarray(self.run(exe, *kind.args(inputs, None, self.to_device(active), self.sampling(), None)))
+        self._steps_run += int(host[:, -1].max()) - 1  # (every step of the call counts: warmup's later_after_steps)
+        out = []
+        for r, row in zip(rs, rows):
+            new = host[row, :host[row, -1]].tolist()
+            self.drafter.extend(r.uid, new)
+            out.append(new)
+        return out, time.perf_counter() - t0
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
@@ -427,6 +462,8 @@ class JaxBackend:
             for g in greedy_modes:
                 prefills += [(B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
                 steps += [StepJob(CHAIN, B, 0, g, t) for t in (0,) + self.token_options(B, 0)]  # plain decoding
+                if self.decode_steps > 1:
+                    steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size), B, 0, g))
                 steps += self.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: self.token_options(B, K),
                                                  ahead)
             row_ops += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]

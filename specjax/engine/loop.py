@@ -12,7 +12,9 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
   3. host drafters propose for every running request (free next to a forward pass);
   4. the policy picks K among the K values compiled for the bucket the live state will run the
      step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
-  5. the backend runs the draft+verify step and the accepted tokens are emitted; the step's
+  5. the backend runs the draft+verify step (or, when the policy chose K = 0 and commits to more
+     than one step while nothing waits, up to ``decode_steps`` K = 0 steps in one call, told to
+     the observers step by step) and the accepted tokens are emitted; the step's
      ``StepEvent`` goes to the observers (``engine.observers``: the policy's feedback, the
      acceptance counts, the step log, then any given), finished requests leave and free their
      rows at once, and the observers' between-steps work runs.
@@ -128,6 +130,10 @@ class Backend(Protocol):
 
     def token_options(self, bucket: int, k: int) -> Sequence[int]: ...  # packed verify sizes (may be empty)
 
+    # Optional (a backend without it runs a call per step): ``decode_steps``, the most K = 0 steps
+    # one call runs, and ``decode(rs, steps, left, eos_rows, eos_ids) -> (tokens per request, seconds)``
+    # running them, each request stopping where the engine would retire it (JaxBackend.decode).
+
     def release(self, r: Running) -> None: ...
 
 
@@ -164,6 +170,8 @@ class ServingEngine:
         self.prefill_s = 0.0
         self._t0 = self.clock.now()
         self.counts = AcceptanceCounts()  # every step's, K = 0 included
+        self._next_arrival: float | None = None  # of the next request not yet arrived (run)
+        self._step_s: float | None = None  # wall seconds of the last K = 0 step (one of a decode call's)
         # each step's event goes to these in order; on_step: called between steps (self.load())
         self.observers: list[Observer] = [PolicyFeedback(self.gate), CountAcceptance(self.counts),
                                           StepLog(self.steps), *observers]
@@ -237,9 +245,8 @@ class ServingEngine:
             self._prefill()
             self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill
             if any(not r.prefilling for r in self.sched.running):
-                ev = self._step()
-                for o in self.observers:
-                    o.on_step(ev)
+                self._next_arrival = requests[order[nxt]].arrival if nxt < len(order) else None
+                self._step()
                 self._retire(finished)
                 for o in self.observers:
                     o.between_steps(self)
@@ -285,7 +292,11 @@ class ServingEngine:
             if done or decoding or self.prefill_budget is None:
                 return
 
-    def _step(self) -> StepEvent:
+    def _observe(self, ev: StepEvent) -> None:
+        for o in self.observers:
+            o.on_step(ev)
+
+    def _step(self) -> None:
         t0 = time.perf_counter()
         rs = [r for r in self.sched.running if not r.prefilling]
         be = self.backend
@@ -302,14 +313,66 @@ class ServingEngine:
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
+        n = self._plain_steps(k, rs, prop)
+        if n > 1:
+            return self._decode(rs, n, view, prop, t0)
         results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
         emitted = [self._take(r, res) for r, res in zip(rs, results)]
         k_step = getattr(be, "last_k_step", k)
         tokens = getattr(be, "last_tokens", bucket * (k_step + 1))
         wall = time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed
-        return StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted, elapsed,
-                         wall, tuple(be.take_row_ops()))
+        if k_step == 0:
+            self._step_s = wall
+        self._observe(StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted,
+                                elapsed, wall, tuple(be.take_row_ops())))
+
+    def _plain_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
+        """K = 0 steps to run in one backend call (``Backend.decode``): the policy's commitment
+        (``Policy.plain_steps``) up to the backend's ``decode_steps``, only while no request waits
+        for a row or a prefill (they would wait for the whole call), no more than the running rows
+        have tokens left, and before the next arrival at the last K = 0 step's wall time."""
+        n = min(getattr(self.backend, "decode_steps", 1), self.policy.plain_steps)
+        if k != 0 or n <= 1 or prop.drafted_ahead or self.sched.waiting or len(rs) < len(self.sched.running):
+            return 1
+        n = min(n, max(r.req.max_new_tokens - len(r.out.tokens) for r in rs))
+        if self._next_arrival is not None:
+            if self._step_s is None:
+                return 1  # (one single step first, to know what a step costs)
+            n = min(n, int((self._next_arrival - self._now()) / self._step_s))
+        return max(n, 1)
+
+    def _decode(self, rs: Sequence[Running], n: int, view: BatchView, prop: Proposal, t0: float) -> None:
+        """Up to ``n`` K = 0 steps in one backend call, then told to the request outputs and the
+        observers as the single steps they are: step j's event has the rows that ran it (one token
+        each, ``_take``), 1/steps of the call's time, and (j > 0) no new proposal, so every count
+        and metric reads as for n single steps and shadow verification sees every token (the
+        observers' ``between_steps`` runs once, after the call)."""
+        be = self.backend
+        left = [r.req.max_new_tokens - len(r.out.tokens) for r in rs]
+        toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos)
+        self.clock.advance(elapsed)
+        steps = max(map(len, toks))
+        wall = (time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed) / steps
+        elapsed /= steps
+        self._step_s = wall
+        ops = tuple(be.take_row_ops())
+        for j in range(steps):
+            idx = [i for i, t in enumerate(toks) if len(t) > j]
+            sub = [rs[i] for i in idx]
+            if j:  # later steps: the rows still running, nothing newly proposed
+                view = dataclasses.replace(view, ctx_lens=[r.ctx_len for r in sub], request_ids=[r.uid for r in sub],
+                                           draft_lens=None, confidences=None, true_accept=None, draft_scores=None,
+                                           draft_classes=None)
+                prop = Proposal(drafts=None if prop.drafts is None else [[] for _ in sub])
+            results = [RowResult([toks[i][j]], 0, 0) for i in idx]
+            emitted = [self._take(r, res) for r, res in zip(sub, results)]
+            for i in idx:  # the device's stopping rule is _emit's: a row stops where it is done
+                last = len(toks[i]) == j + 1
+                if rs[i].done != last and (rs[i].done or len(toks[i]) < steps):
+                    raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
+            self._observe(StepEvent(self._now(), sub, view, prop, self.policy, 0, 0, be.last_tokens, results, emitted,
+                                    elapsed, wall, ops if j == 0 else ()))
 
     def _take(self, r: Running, res: RowResult) -> int:
         """A row's step result into its request (tokens, teacher signal, its own counts); returns

@@ -12,6 +12,9 @@ from specjax.models.options import ForwardOptions
 from specjax.sharding import Layout
 
 
+DEFAULT_DECODE_STEPS = 16  # K = 0 steps per decode call where nothing decides between them
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
     k_buckets: tuple = (0, 1, 2, 4, 8)  # compiled drafts per row (or tree nodes); 0 = plain decoding
@@ -28,11 +31,25 @@ class BackendOptions:
     teacher_topk: int = 0  # chain steps also return the target's top-k (online distillation)
     layout: Layout | None = None  # shard over a mesh (params placed by its rules); None: one device
     shrink_patience: int = 8  # steps a batch must fit a smaller bucket before it is compacted
+    # K = 0 steps one decode call may run (step.spec_decode), when the policy has no decision due
+    # between them; 1: every step its own call; None: DEFAULT_DECODE_STEPS when K = 0 is the only
+    # compiled K (plain decoding: no decision is ever due), else 1 (no extra executables)
+    decode_steps: int | None = None
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
         object.__setattr__(self, "k_buckets", tuple(sorted({int(k) for k in self.k_buckets})))
         object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in self.batch_buckets})))
+        n = self.decode_steps
+        require(n is None or n >= 1, f"decode_steps must be >= 1, got {n}")
+        require(n is None or n == 1 or not (self.teacher_topk or self.layout is not None),
+                "decode_steps > 1 runs on one device without a teacher signal (no layout, no teacher_topk)")
+
+    def plain_decode_steps(self) -> int:
+        """``decode_steps`` resolved (None: the default rule above)."""
+        if self.decode_steps is not None:
+            return self.decode_steps
+        return DEFAULT_DECODE_STEPS if self.k_buckets == (0,) and not self.teacher_topk and self.layout is None else 1
 
     def knobs(self, **changes) -> dict:
         """These options as keyword arguments (with ``changes``)."""

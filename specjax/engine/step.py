@@ -6,7 +6,8 @@ One step, for every row of a batch bucket:
   3. verify (greedy / lossless sampling, see verify.py),
   4. commit ``n + 1`` cache entries per active row (rollback = not advancing).
 
-K = 0 is plain autoregressive decoding through the same code path. K, the batch
+K = 0 is plain autoregressive decoding through the same code path; ``spec_decode`` runs several
+K = 0 steps in one call (an on-device loop over that same step). K, the batch
 bucket, the cache slots and greedy-only are static; every variant the generator may
 use is lowered and compiled ahead of time into ``StepTable`` so that generation
 never traces or compiles.
@@ -99,6 +100,36 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
     new_state = pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
     return new_state, StepOutput.of(tokens, n, num_draft, logits, key.teacher)
+
+
+def spec_decode(params, dparams, state: StepState, active, left, eos_rows, eos_mask, samp: SamplingArrays, limit, *,
+                key: CompileKey):
+    """Up to ``min(key.steps, limit)`` plain decoding steps in one call: the K = 0 ``spec_step``
+    in a ``while_loop``, so the host pays one dispatch and one transfer for them. Row b runs while
+    it is ``active``, has tokens ``left[b]`` and (``eos_rows[b]``) its last token is no EOS
+    (``eos_mask`` [V]: the EOS ids), the rule the engine applies to emitted tokens; a row that stops
+    stays inactive, so its cache does not advance. Sampling keys follow positions, so the tokens
+    are those of single steps. Returns (state, [B, steps + 1] int32: tokens | count per row)."""
+    B, n = state.pending.shape[0], key.steps
+    one = dataclasses.replace(key, op="step", steps=0)  # the K = 0 step, compiled key and all
+    no_drafts, zeros = jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32)
+
+    def go(c):
+        i, _, _, _, live = c
+        return (i < jnp.minimum(limit, n)) & jnp.any(live)
+
+    def body(c):
+        i, st, toks, count, live = c
+        st, out = spec_step(params, dparams, st, no_drafts, zeros, live, samp, key=one)
+        tok = out.tokens[:, 0]
+        toks = jax.lax.dynamic_update_slice_in_dim(toks, jnp.where(live, tok, 0)[:, None], i, axis=1)
+        count = count + live.astype(jnp.int32)
+        live = live & (count < left) & ~(eos_rows & eos_mask[tok])
+        return i + 1, st, toks, count, live
+
+    c = (jnp.int32(0), state, jnp.zeros((B, n), jnp.int32), zeros, active & (left > 0))
+    _, state, toks, count, _ = jax.lax.while_loop(go, body, c)
+    return state, jnp.concatenate([toks, count[:, None]], axis=1)
 
 
 @jax.tree_util.register_dataclass
@@ -218,3 +249,4 @@ spec_tree_step_jit = jax.jit(spec_tree_step, static_argnames=("key",), donate_ar
 spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("key",))
 spec_chunk_jit = jax.jit(spec_prefill, static_argnames=("key",), donate_argnames=("state",))
 spec_draft_jit = jax.jit(spec_draft, static_argnames=("key",), donate_argnames=("state",))
+spec_decode_jit = jax.jit(spec_decode, static_argnames=("key",), donate_argnames=("state",))

@@ -31,8 +31,8 @@ from specjax.drafters.device import ModelDraft
 from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, fresh_state, pin, spec_chunk_jit, spec_draft_jit, spec_prefill_jit,
-                                 spec_step_jit, spec_tree_step_jit)
+from specjax.engine.step import (StepState, fresh_state, pin, spec_chunk_jit, spec_decode_jit, spec_draft_jit,
+                                 spec_prefill_jit, spec_step_jit, spec_tree_step_jit)
 from specjax.sharding import Layout, with_shardings
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
@@ -114,13 +114,13 @@ class StepTable:
         return jax.tree_util.tree_map(lambda a: self._sds((B,), a.dtype), SamplingArrays.build([], B))
 
     def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
-            prompt: int = 0, width: int = 0, tokens: int = 0) -> CompileKey:
+            prompt: int = 0, width: int = 0, tokens: int = 0, steps: int = 0) -> CompileKey:
         """The compile key of one of this table's model executables (a verify step's drafts come
         from a draft call, so its key has no drafter)."""
         draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
         teacher = self.teacher_topk if op in ("step", "verify") else 0
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
-                          self.layout)
+                          self.layout, steps)
 
     def _compile(self, key, fn, *args):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
@@ -192,6 +192,19 @@ class StepTable:
             pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
             return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
                                  self._abstract_samp(B), None, pack)
+
+        return self._get(key, build, key.describe(), compile_if_missing)
+
+    def decode(self, B: int, n: int, S: int, greedy_only: bool, compile_if_missing: bool = False):
+        """Up to n plain decoding steps in one call (step.spec_decode: the K = 0 step in a loop)."""
+        key = self.key("decode", B, S, greedy_only, steps=n)
+
+        def build():
+            rows = self._sds((B,), jnp.int32)
+            flags = self._sds((B,), jnp.bool_)
+            return self._compile(key, spec_decode_jit, self.params, self.dparams, self.state_info(B, S), flags, rows,
+                                 flags, self._sds((self.cfg.vocab_size,), jnp.bool_, per_row=False),
+                                 self._abstract_samp(B), self._sds((), jnp.int32, per_row=False))
 
         return self._get(key, build, key.describe(), compile_if_missing)
 

@@ -74,6 +74,9 @@ class Policy:
     # Confidence-based proposal (Algorithm 3): device drafters draft ahead of the choice, each row
     # going on while its last draft's confidence exceeds this; None: draft inside the step.
     draft_threshold: float | None = None
+    # K = 0 steps the engine may run in one device call once this policy chose K = 0 (no choice is
+    # due before the call ends; the backend's decode_steps caps it); 1: a choice every step
+    plain_steps: int = 1
 
     def choose(self, view: BatchView) -> int:
         raise NotImplementedError
@@ -108,6 +111,7 @@ class FixedK(Policy):
         self.k = int(k)
         self.name = "no-SD" if k == 0 else f"K={k}"
         self.may_speculate = self.k > 0
+        self.plain_steps = 1 if self.k else 1 << 30  # K = 0 for good: nothing is ever decided
 
     def choose(self, view: BatchView) -> int:
         if self.k not in view.k_options:

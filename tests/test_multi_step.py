@@ -1,0 +1,162 @@
+"""Decode calls of several K = 0 steps (step.spec_decode, JaxBackend.decode, ServingEngine._decode):
+the tokens of single steps and of the reference loop (greedy, with per-request budgets and an EOS
+inside a call; sampled, seed for seed), requests joining and leaving a batch that decodes in
+calls, switches between speculative steps and decode calls, and the counts the observers see."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
+from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.loop import EventClock, ServingEngine
+from specjax.engine.options import DEFAULT_DECODE_STEPS, BackendOptions
+from specjax.engine.scheduler import Request
+from specjax.goodput import FixedK, Policy
+from specjax.reference_ar import reference_generate
+from specjax.sampling import SamplingParams
+
+N = 8  # K = 0 steps per decode call
+SLOTS = 128
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    unit = list(rng.integers(1, 255, size=3))  # (prompt lookup has something to draft)
+    return [list(rng.integers(1, 255, size=12)), (unit * 5)[:12], list(rng.integers(1, 255, size=12))]
+
+
+PROMPTS = _prompts()  # of one length: one prefill chunk shape
+LONGEST = 30  # new tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The reference loop's greedy tokens per prompt (a budget of b: the first b of them)."""
+    cfg, params = tiny
+    return [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=LONGEST, batch_buckets=(1,))]
+
+
+@pytest.fixture(scope="module")
+def be(tiny):
+    """One backend of one batch bucket for every test (each tiny executable costs seconds to
+    compile): prompt lookup with K = 2 for the test that mixes speculative steps with decode
+    calls; under FixedK(0) it decodes as plain AR."""
+    cfg, params = tiny
+    return JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=(0, 2), batch_buckets=(4,), slots=SLOTS,
+                      decode_steps=N)
+
+
+def test_decode_calls_by_default_where_nothing_is_decided():
+    assert BackendOptions(k_buckets=(0,)).plain_decode_steps() == DEFAULT_DECODE_STEPS > 1  # Generator: plain AR
+    assert BackendOptions(k_buckets=(0, 2)).plain_decode_steps() == 1  # SmartSpec's engines: no extra executables
+    assert BackendOptions(k_buckets=(0,), teacher_topk=4).plain_decode_steps() == 1
+    assert FixedK(0).plain_steps > N and FixedK(2).plain_steps == 1
+
+
+class _Calls:
+    """Counts a backend's decode calls and single steps."""
+
+    def __init__(self, be):
+        self.be, self.decode, self.step = be, [], 0
+        dec, stp = be.decode, be.step
+        be.decode = lambda rs, n, *a: self.decode.append(n) or dec(rs, n, *a)
+        be.step = lambda *a: setattr(self, "step", self.step + 1) or stp(*a)
+
+    def close(self):
+        del self.be.decode, self.be.step
+
+
+def _serve(be, reqs, policy=None, clock=None, eos=()):
+    be.reset()
+    calls = _Calls(be)
+    try:
+        eng = ServingEngine(be, policy or FixedK(0), eos_ids=eos, clock=clock)
+        outs = eng.run(reqs)
+    finally:
+        calls.close()
+    return outs, eng, calls
+
+
+@pytest.mark.parametrize("n_prompts", [1, 3])
+def test_greedy_budgets_and_eos_inside_a_call_match_the_reference(tiny, be, reference, n_prompts):
+    cfg, params = tiny
+    prompts, budgets = PROMPTS[:n_prompts], [20, 3, 11][:n_prompts]
+    eos = (reference[0][5],)  # the first request ends at its 6th token (or before), inside the first call
+    ref = [r.tokens[:b] for r, b in zip(reference_generate(cfg, params, PROMPTS, max_new_tokens=LONGEST, eos_ids=eos,
+                                                           batch_buckets=(1,)), budgets)]
+    assert len(ref[0]) <= 6
+    outs, eng, calls = _serve(be, [Request(str(i), p, b) for i, (p, b) in enumerate(zip(prompts, budgets))], eos=eos)
+    assert [o.tokens for o in outs] == ref
+    assert outs[0].finish_reason == "eos"
+    assert calls.decode and calls.step == 0 and max(calls.decode) <= N
+    # Observers see single K = 0 steps: one event per step, each row one token.
+    gen = sum(len(o.tokens) - 1 for o in outs)  # (the first token comes from the prefill)
+    assert eng.counts.steps == gen == sum(s.n for s in eng.steps) == sum(s.generated for s in eng.steps)
+    assert len(eng.steps) == max(len(o.tokens) for o in outs) - 1 and all(s.k_step == 0 for s in eng.steps)
+    assert [o.steps for o in outs] == [len(o.tokens) - 1 for o in outs]
+
+
+def test_sampled_tokens_are_those_of_single_steps(be):
+    samp = [SamplingParams(temperature=0.9, top_k=20, seed=s) for s in (3, 4, 5)]
+    reqs = [Request(str(i), p, 17, sampling=s) for i, (p, s) in enumerate(zip(PROMPTS, samp))]
+    multi, _, calls = _serve(be, reqs)
+    one = FixedK(0)
+    one.plain_steps = 1  # a decision every step: a call per token
+    single, _, calls1 = _serve(be, reqs, one)
+    assert calls.decode and not calls1.decode and calls1.step
+    assert [o.tokens for o in multi] == [o.tokens for o in single]  # (the reference loop draws other keys)
+
+
+class _OpClock(EventClock):
+    """1 ms per engine operation, whatever it measured (test_engine.OpClock)."""
+
+    def advance(self, dt: float) -> None:
+        self.t += 0.001
+
+
+def test_requests_join_and_leave_a_batch_decoding_in_calls(be, reference):
+    which, budgets = [0, 1, 2, 0, 1, 1], [30, 6, 12, 9, 25, 14]
+    reqs = [Request(f"q{i}", PROMPTS[w], b, arrival=0.0015 * i) for i, (w, b) in enumerate(zip(which, budgets))]
+    reqs[-1].arrival = 1.0  # after the others left: alone again
+    outs, eng, calls = _serve(be, reqs, clock=_OpClock())
+    assert [o.tokens for o in outs] == [reference[w][:b] for w, b in zip(which, budgets)]
+    # Calls ran while requests joined (not before their arrival) and after they left.
+    assert calls.decode and calls.step
+    assert all(o.arrival <= o.admitted for o in outs)
+    sizes = [s.n for s in eng.steps]
+    assert max(sizes) > 1 and sizes[-1] == 1
+    assert eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
+
+
+class _Alternate(Policy):
+    """K = 2 and K = 0 in turn, committing to up to 4 K = 0 steps a time (a SmartSpec that chose K = 0)."""
+
+    name = "alternate"
+    plain_steps = 4
+
+    def __init__(self):
+        self.i = 0
+
+    def choose(self, view):
+        self.i += 1
+        return 2 if self.i % 2 else 0
+
+
+def test_speculative_steps_and_decode_calls_share_a_state(be, reference):
+    seen: dict = {}
+    drafter = be.drafter
+    ext, start = drafter.extend, drafter.start
+    drafter.start = lambda uid, prompt: seen.__setitem__(uid, list(prompt)) or start(uid, prompt)
+    drafter.extend = lambda uid, toks: seen[uid].extend(toks) or ext(uid, toks)
+    try:
+        reqs = [Request(str(i), p, 24) for i, p in enumerate(PROMPTS)]
+        outs, eng, calls = _serve(be, reqs, _Alternate())
+    finally:
+        del drafter.extend, drafter.start
+    assert [o.tokens for o in outs] == [r[:24] for r in reference]
+    assert calls.decode and max(calls.decode) <= 4 and calls.step
+    # The host drafter saw every token; the counts add up to the tokens generated.
+    assert sorted(map(tuple, seen.values())) == sorted(tuple(p + o.tokens) for p, o in zip(PROMPTS, outs))
+    assert eng.counts.accepted + eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
