@@ -59,6 +59,10 @@ on the same chat-template token ids (passed in a temp JSON), doing HF greedy and
 lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
 ``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
 (ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+``--llamacpp_python`` adds the ``llamacpp`` peer (benchmarks/llamacpp_peer.py) the same way: its
+greedy and prompt-lookup rows have hf_pld's layout, and since it times prefill and decode apart,
+the table adds the specjax AR decode tok/s ((new tokens - 1) / decode seconds), llama.cpp's, and
+their ratio. ``--prefill_lens`` adds a prefill-by-length table (``prefill_table``).
 """
 
 from __future__ import annotations
