@@ -164,6 +164,10 @@ def run_batch(llm, prompts, n_new: int, eos: set, size: int, threads: int, n_bat
             "outputs": outs}
 
 
+def _say(msg: str) -> None:
+    print(f"[llama.cpp peer: {msg}]", file=sys.stderr, flush=True)
+
+
 def run(job: dict) -> dict:
     if job.get("omp_wait_policy"):
         # (read by libgomp when llama_cpp loads ggml: PASSIVE keeps llama.cpp's OpenMP threads from
@@ -202,10 +206,12 @@ def run(job: dict) -> dict:
     rows = {p["key"]: {"key": p["key"], "category": p.get("category"), "prompt_tokens": len(p["input_ids"])}
             for p in prompts}
     if "greedy" in modes and prompts:
+        _say(f"greedy on {len(prompts)} prompts")
         run_ar(llm, prompts[0]["input_ids"], min(16, n_new), eos)  # untimed warm-up
         for p in prompts:
             rows[p["key"]]["greedy"] = run_ar(llm, p["input_ids"], n_new, eos)
     if "prefill" in modes and pre:
+        _say(f"prefill at {[len(p) for p in pre]} tokens")
         run_ar(llm, pre[0], 1, eos)
         res["prefill"] = [{"tokens": len(ids), "seconds": min(run_ar(llm, ids, 1, eos)["prefill_s"]
                                                               for _ in range(max(reps, 1)))} for ids in pre]
@@ -213,6 +219,7 @@ def run(job: dict) -> dict:
         ids = [p["input_ids"] for p in prompts]
         res["batch"] = []
         for b in job.get("batch_sizes") or [1, 4, 8]:
+            _say(f"{len(ids)} prompts as {b} parallel sequences")
             r = run_batch(llm, ids, n_new, eos, int(b), threads, n_batch, n_ubatch, flash)
             outs = r.pop("outputs")
             r["equal_to_greedy"] = (sum(o == rows[p["key"]]["greedy"]["output_ids"] for o, p in zip(outs, prompts))
@@ -225,6 +232,7 @@ def run(job: dict) -> dict:
               "num_pred_tokens": int(job.get("pld_num_pred_tokens", 10))}
         llm.close()  # (one model in memory at a time)
         spec = Llama(job["gguf"], draft_model=LlamaPromptLookupDecoding(**nk), **kw)
+        _say(f"prompt lookup on {len(prompts)} prompts")
         run_pld(spec, prompts[0]["input_ids"], min(16, n_new), eos)
         for p in prompts:
             r = rows[p["key"]]
