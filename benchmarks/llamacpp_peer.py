@@ -23,8 +23,8 @@ OMP_WAIT_POLICY as the environment has it unless the job sets it). Modes:
   ``logits_all=True`` when a draft model is set (its prefill then computes logits at every
   prompt position) and has no acceptance counters, so the row has ``wall_s`` (the whole
   ``generate``, prefill included), ``new_tokens``, ``output_ids``, ``evals`` (verify calls after
-  the prompt's) and ``evaluated_tokens`` (tokens those calls evaluated); ``pld_equals_greedy`` (rows have the hf_pld peer's
-  ``greedy`` / ``pld`` layout, so specjax.specbench summarizes both alike).
+  the prompt's) and ``evaluated_tokens`` (tokens those calls evaluated); ``pld_equals_greedy``
+  (rows have the hf_pld peer's ``greedy`` / ``pld`` layout: specjax.specbench summarizes both alike).
 - ``prefill``: per prompt of ``prefill_prompts``, the best of ``reps`` ``eval`` + first sample
   (the AR context, logits of the last position only): ``prefill`` = [{"tokens", "seconds"}].
 - ``batch``: the ``Llama`` class holds one sequence, so this goes through the binding's low-level
