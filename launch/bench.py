@@ -1,7 +1,8 @@
 """Spec-Bench-style speed benchmark: specjax speculative drafters vs the specjax AR baseline.
 
   python launch/bench.py --per_category 10 --max_new_tokens 256 \
-      --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python]
+      --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python] \
+      [--llamacpp_python /work/llamacpp-venv/bin/python --prefill_lens 128,512,1024,2048]
 
 The protocol (questions, warm-up, interleaved timing, the losslessness check), the metrics and
 the peer column: specjax/specbench.py's docstring.
@@ -22,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from specjax import cli, registry, specbench  # noqa: E402
+from specjax import cli, peers, registry, specbench  # noqa: E402
 from specjax.engine.spec import POLICY_HELP, DrafterSpec, PolicySpec  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -41,9 +42,21 @@ flags.DEFINE_string("benchmarks_md_section", "spec-bench", "Marker name of the B
 flags.DEFINE_bool("fail_on_mismatch", False, "Exit with status 1 if any drafter output differs from AR.")
 flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers + gguf: adds the HF "
                     "greedy vs HF prompt-lookup peer column (GGUF models only).")
-flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens.")
-flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size; 0 = HF's default (2).")
+flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens (and llama.cpp's "
+                     "num_pred_tokens).")
+flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size (and llama.cpp's max_ngram_size); "
+                     "0 = their default (2).")
 flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
+flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/peers.lock): adds "
+                    "the llama.cpp greedy (prefill and decode timed apart) vs llama.cpp prompt-lookup peer column "
+                    "(GGUF models only).")
+flags.DEFINE_integer("llamacpp_threads", 2, "llama.cpp threads (n_threads and n_threads_batch).")
+flags.DEFINE_string("llamacpp_omp_wait_policy", None, "OMP_WAIT_POLICY for the llama.cpp peer (PASSIVE on a "
+                    "shared machine: its OpenMP threads otherwise spin at barriers); default: the environment's.")
+flags.DEFINE_list("llamacpp_batch_sizes", [], "Also run the llama.cpp peer's batch mode (parallel sequences over "
+                  "all prompts) at these batch sizes; reported in the notes and the JSON.")
+flags.DEFINE_list("prefill_lens", [], "Also time specjax AR prefill (best of 3, after the timed runs) on "
+                  "random-token prompts of these lengths, and the llama.cpp peer's on the same ids.")
 cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"])
 cli.define_forward_flags()
 cli.define_policy_flags()
@@ -54,16 +67,31 @@ flags.DEFINE_list("policies", None, "Several policies per drafter in one run (co
                   f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
-def run_hf(prompts, eos_ids, gguf: str) -> dict:
-    from specjax.peers import run_peer
+def run_peers(prompts, eos_ids, gguf: str, prefill_prompts) -> dict:
+    """Each peer asked for, one after the other, on the same token ids: {summary key: result}."""
+    from specjax.peers import PEERS, run_peer
 
-    job = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
-           "threads": FLAGS.hf_threads, "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens,
-           "max_matching_ngram_size": FLAGS.hf_max_matching_ngram_size or None,
-           "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
-    print(f"[HF peer: {FLAGS.hf_python} benchmarks/hf_pld.py on {len(prompts)} prompts "
-          f"({FLAGS.hf_threads} torch threads)]", file=sys.stderr)
-    return run_peer("hf_pld", FLAGS.hf_python, job)
+    base = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
+            "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
+    ngram = FLAGS.hf_max_matching_ngram_size or None
+    jobs = {}  # summary key: (peer, python, job)
+    if FLAGS.hf_python:
+        jobs["hf"] = ("hf_pld", FLAGS.hf_python, {**base, "threads": FLAGS.hf_threads, "max_matching_ngram_size": ngram,
+                                                  "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens})
+    if FLAGS.llamacpp_python:
+        modes = ["greedy", "pld"] + (["prefill"] if prefill_prompts else []) + (
+            ["batch"] if FLAGS.llamacpp_batch_sizes else [])
+        jobs["llamacpp"] = ("llamacpp", FLAGS.llamacpp_python, {
+            **base, "threads": FLAGS.llamacpp_threads, "modes": modes, "prefill_prompts": prefill_prompts,
+            "pld_num_pred_tokens": FLAGS.hf_prompt_lookup_num_tokens, "pld_max_ngram_size": ngram or 2,
+            "batch_sizes": [int(b) for b in FLAGS.llamacpp_batch_sizes],
+            "omp_wait_policy": FLAGS.llamacpp_omp_wait_policy})
+    out = {}
+    for key, (peer, python, job) in jobs.items():
+        print(f"[{specbench.PEER_LABELS[key]} peer: {python} {PEERS[peer].script} on {len(prompts)} prompts "
+              f"({job['threads']} threads)]", file=sys.stderr)
+        out[key] = run_peer(peer, python, job)
+    return out
 
 
 def validate_flags():
@@ -88,13 +116,18 @@ def validate_flags():
     policies = list(dict.fromkeys(s.policy.name for s in specs.values()))
     if len(policies) != len([p for p in raw if p.strip()]):
         raise SpecjaxError(f"--policies lists a policy twice: {[p.strip().lower() for p in raw if p.strip()]}")
-    if FLAGS.hf_python:
-        if not (os.path.isfile(FLAGS.hf_python) and os.access(FLAGS.hf_python, os.X_OK)):
-            raise SpecjaxError(f"--hf_python {FLAGS.hf_python} is not an executable file")
+    for flag in ("hf_python", "llamacpp_python"):
+        peers.check_python_flag(flag, FLAGS[flag].value)
+    if FLAGS.hf_python or FLAGS.llamacpp_python:
         if FLAGS.hf_prompt_lookup_num_tokens < 1:
             raise SpecjaxError("--hf_prompt_lookup_num_tokens must be >= 1")
-        if FLAGS.hf_threads < 1:
-            raise SpecjaxError("--hf_threads must be >= 1")
+        if min(FLAGS.hf_threads, FLAGS.llamacpp_threads) < 1:
+            raise SpecjaxError("--hf_threads and --llamacpp_threads must be >= 1")
+    if FLAGS.llamacpp_batch_sizes and not FLAGS.llamacpp_python:
+        raise SpecjaxError("--llamacpp_batch_sizes needs --llamacpp_python")
+    for flag in ("llamacpp_batch_sizes", "prefill_lens"):
+        if not all(v.isdigit() and int(v) >= 1 for v in FLAGS[flag].value):
+            raise SpecjaxError(f"--{flag} must list positive integers, got {','.join(FLAGS[flag].value)}")
     return drafters, specs
 
 
@@ -115,7 +148,7 @@ def bench() -> int:
     K = FLAGS.num_spec_tokens
     qfile = specbench.resolve_question_file(FLAGS.question_file, ROOT)
     questions, cat_order = specbench.load_questions(qfile, FLAGS.categories, FLAGS.per_category)
-    gguf = specbench.hf_gguf_path(FLAGS.model) if FLAGS.hf_python else None
+    gguf = specbench.hf_gguf_path(FLAGS.model) if FLAGS.hf_python or FLAGS.llamacpp_python else None
 
     model, _ = cli.load_target(next(iter(specs.values())))
     specs = {pair: sp.resolved(model) for pair, sp in specs.items()}
@@ -150,8 +183,14 @@ def bench() -> int:
     if not prompts:
         raise SpecjaxError("no prompts left to benchmark (all skipped; see SKIPPED lines)")
 
-    # HF peer first, in its own process, before any specjax work (never concurrently).
-    hf = run_hf(prompts, tok.eos_ids, gguf) if FLAGS.hf_python else None
+    import numpy as np
+
+    # random-token prompts for prefill by length (ids 100..vocab-1, as benchmarks/prefill_speed.py)
+    rng = np.random.default_rng(0)
+    prefill_prompts = [[int(x) for x in rng.integers(100, cfg.vocab_size, int(n))] for n in FLAGS.prefill_lens]
+    # Peers first, each in its own process, before any specjax work (never concurrently).
+    peer_res = run_peers(prompts, tok.eos_ids, gguf, prefill_prompts) if gguf else {}
+    hf = peer_res.get("hf")
 
     # One generator and one policy object per (drafter, policy) pair; generators whose steps
     # compile to the same code (same device draft or none) share their executables.
@@ -184,7 +223,9 @@ def bench() -> int:
     counter = specbench.CompileCounter()
     mnt = FLAGS.max_new_tokens
     # The AR baseline is the engine's K = 0 step (Generator is a SpecGenerator with no drafter).
-    warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}, 0,
+    # (prefill by length: its prompts' shapes too, one new token each)
+    warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}
+                                                | {registry.spec_shapes(ar, len(ids), 1) for ids in prefill_prompts}, 0,
                                                 execute=True)}
     for m in methods:
         g = gens[m["name"]]
@@ -247,8 +288,12 @@ def bench() -> int:
         counter.active = False
         bar.close()
 
-    summary = specbench.summarize(rows, cat_order, names, skipped, hf["rows"] if hf else None)
-    table = specbench.markdown_table(summary, names, hf is not None)
+    # prefill by length, after the timed runs (compiled and run once by the warm-up; best of 3)
+    prefill_s = {len(ids): min(ar.generate([ids], max_new_tokens=1)[0].prefill_s for _ in range(3))
+                 for ids in prefill_prompts}
+
+    summary = specbench.summarize(rows, cat_order, names, skipped, {k: v["rows"] for k, v in peer_res.items()})
+    table = specbench.markdown_table(summary, names, list(peer_res))
     over = summary[-1]
     checks = specbench.goodput_checks(summary, methods)
     pols_txt = ", ".join(f"{m['name']}: {m['label']}" for m in methods) if not several else (
@@ -279,8 +324,30 @@ def bench() -> int:
                      f"prompt_lookup_num_tokens={he['prompt_lookup_num_tokens']}; HF PLD speedup = HF greedy wall / "
                      f"HF PLD wall; HF greedy output equals specjax AR on "
                      f"{over['hf']['greedy_equals_specjax_ar']}/{over['hf']['prompts']} prompts (informational).")
+    lc = peer_res.get("llamacpp")
+    if lc:
+        le, x = lc["env"], over["llamacpp"]
+        pld = (f"; PLD = LlamaPromptLookupDecoding(max_ngram_size={le['pld']['max_ngram_size']}, num_pred_tokens="
+               f"{le['pld']['num_pred_tokens']}) through Llama.generate, which forces logits_all=True; PLD speedup = "
+               "llama.cpp greedy wall / PLD wall") if "pld" in le else ""
+        notes.append(f"llama.cpp peer: llama-cpp-python {le['llama_cpp_python']}, {le['threads']} threads, n_batch "
+                     f"{le['n_batch']}, n_ubatch {le['n_ubatch']}, flash_attn {le['flash_attn']}, OMP_WAIT_POLICY "
+                     f"{le['omp_wait_policy']}; system info: "
+                     f"`{le['system_info']}`; greedy = eval + sample(temp=0) per token, prefill with logits of the "
+                     "last position only, decode tok/s from its own steps ((new tokens - 1) / decode seconds, like "
+                     f"the AR decode column); its greedy output equals specjax AR on {x['greedy_equals_specjax_ar']}/"
+                     f"{x['prompts']} prompts{pld}.")
+        for b in lc.get("batch", []):
+            notes.append(f"llama.cpp batch {b['batch_size']} (parallel sequences, low-level API): {b['tok_s']:.1f} "
+                         f"tok/s over {over['prompts']} prompts ({b['new_tokens']} tokens, {b['wall_s']:.1f} s, "
+                         f"prefills included), output equals its greedy on {b['equal_to_greedy']}.")
     notes += specbench.check_lines(checks, drafters)
     parts = [head, "", table, ""]
+    if prefill_s:
+        lcp = {p["tokens"]: p["seconds"] for p in lc.get("prefill", [])} if lc else {}
+        parts += ["Prefill by length (random-token prompts, batch 1, best of 3; specjax: Generator prefill to the "
+                  "first token; llama.cpp: eval + first sample, logits of the last position only):", "",
+                  specbench.prefill_table(prefill_s, {"llama.cpp": lcp} if lcp else {}), ""]
     if several:
         parts += ["Speedup over AR per category, every (drafter, policy) pair:", "",
                   specbench.ratio_table(summary, methods), ""]
@@ -317,7 +384,7 @@ def bench() -> int:
                           "compile_events_during_timing": counter.count},
                "summary": summary, "goodput_checks": checks, "num_mismatches": len(mismatches),
                "mismatches": mismatches, "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
-               "hf": hf, "markdown": md}
+               "hf": hf, "llamacpp": peer_res.get("llamacpp"), "prefill_s": prefill_s, "markdown": md}
         with open(FLAGS.json_out, "w") as f:
             json.dump(res, f, indent=1)
     return 1 if (mismatches and FLAGS.fail_on_mismatch) else 0

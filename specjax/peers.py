@@ -8,8 +8,9 @@ missing one is a one-line ``SpecjaxError``, not a traceback from inside the chil
 side reads and writes through ``peer_main``. The peer's stdout goes to this process's stderr
 (progress bars, logs); peers run one at a time, never beside a specjax measurement.
 
-A new peer (llama.cpp through llama-cpp-python in a venv of its own, say) is a script holding
-that contract and one ``PEERS`` entry. This module uses the standard library only: peer scripts
+A new peer is a script holding that contract and one ``PEERS`` entry (llama.cpp is one:
+benchmarks/llamacpp_peer.py, llama-cpp-python in a venv of its own). benchmarks/peers.lock pins
+the peers' versions and how their venvs are built. This module uses the standard library only: peer scripts
 import it from their own environment (``run_peer`` puts the repository on their PYTHONPATH).
 """
 
@@ -38,6 +39,8 @@ _HF = ("torch", "transformers", "gguf")
 PEERS = {
     "hf": Peer("benchmarks/hf_baseline.py", _HF),  # transformers + torch CPU, greedy (and by length)
     "hf_pld": Peer("benchmarks/hf_pld.py", _HF),  # transformers greedy vs its prompt lookup decoding
+    # llama-cpp-python: greedy, its prompt lookup, prefill by length, parallel sequences
+    "llamacpp": Peer("benchmarks/llamacpp_peer.py", ("llama_cpp",)),
 }
 
 
@@ -45,6 +48,13 @@ def _error(msg: str):
     from specjax.errors import SpecjaxError
 
     return SpecjaxError(msg)
+
+
+def check_python_flag(flag: str, python) -> None:
+    """A ``--<peer>_python`` flag's value, when given, must be an executable file: checked before
+    any model loads (the modules it needs are checked when the peer runs)."""
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise _error(f"--{flag} {python} is not an executable file")
 
 
 def missing_modules(python: str, modules) -> list[str]:

@@ -59,6 +59,10 @@ on the same chat-template token ids (passed in a temp JSON), doing HF greedy and
 lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
 ``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
 (ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
+``--llamacpp_python`` adds the ``llamacpp`` peer (benchmarks/llamacpp_peer.py) the same way: its
+greedy and prompt-lookup rows have hf_pld's layout, and since it times prefill and decode apart,
+the table adds the specjax AR decode tok/s ((new tokens - 1) / decode seconds), llama.cpp's, and
+their ratio. ``--prefill_lens`` adds a prefill-by-length table (``prefill_table``).
 """
 
 from __future__ import annotations
@@ -185,19 +189,51 @@ def step_records(engine) -> dict:
             "drafted": [s.drafted for s in st], "accepted": [s.accepted for s in st]}
 
 
-def summarize(rows, cat_order, methods, skipped, hf_rows) -> list[dict]:
+# Peers' summary keys and table labels; their rows share hf_pld's layout: "greedy" and "pld" runs
+# ({"new_tokens", "wall_s", "output_ids"}, llama.cpp's greedy adds "prefill_s" / "decode_s") and
+# "pld_equals_greedy".
+PEER_LABELS = {"hf": "HF", "llamacpp": "llama.cpp"}
+
+
+def _peer_summary(by_key: dict, rs: list) -> dict:
+    pairs = [(by_key[r["key"]], r) for r in rs if r["key"] in by_key]
+    hs = [h for h, _ in pairs]
+    gw = sum(h["greedy"]["wall_s"] for h in hs)
+    gt = sum(h["greedy"]["new_tokens"] for h in hs)
+    e = {"prompts": len(hs), "greedy_wall_s": gw, "greedy_tok_s": _ratio(gt, gw),
+         "greedy_equals_specjax_ar": sum(h["greedy"]["output_ids"] == r["ar"]["output_ids"] for h, r in pairs)}
+    if all("pld" in h for h in hs):
+        pw = sum(h["pld"]["wall_s"] for h in hs)
+        pt = sum(h["pld"]["new_tokens"] for h in hs)
+        e.update(pld_wall_s=pw, pld_tok_s=_ratio(pt, pw), pld_speedup=_ratio(gw, pw),
+                 pld_differs_from_greedy=sum(not h["pld_equals_greedy"] for h in hs))
+    if all("decode_s" in h["greedy"] for h in hs):
+        # decode timed from the peer's own steps: tokens after the first (which the prefill gives)
+        dd = sum(h["greedy"]["decode_s"] for h in hs)
+        e["greedy_decode_tok_s"] = _ratio(sum(h["greedy"]["new_tokens"] - 1 for h in hs), dd)
+        e["greedy_prefill_tok_s"] = _ratio(sum(r["prompt_tokens"] for _, r in pairs),
+                                           sum(h["greedy"]["prefill_s"] for h in hs))
+        sd = sum(r["ar"]["decode_s"] for _, r in pairs)
+        e["specjax_ar_decode_ratio"] = _ratio(_ratio(sum(r["ar"]["new_tokens"] - 1 for _, r in pairs), sd),
+                                              e["greedy_decode_tok_s"])
+    return e
+
+
+def summarize(rows, cat_order, methods, skipped, peer_rows=None) -> list[dict]:
     """One summary dict per category plus 'overall' (last). ``methods``: the row keys of the
     speculative runs (method_name); their entries go under 'drafters' (the name earlier JSON
-    used)."""
+    used). ``peer_rows``: {summary key (PEER_LABELS): the peer's rows}, each summarized under its key."""
     out = []
-    hf_by_key = {r["key"]: r for r in hf_rows} if hf_rows is not None else None
+    peer_by_key = {name: {r["key"]: r for r in prs} for name, prs in (peer_rows or {}).items()}
     for cat in list(cat_order) + ["overall"]:
         rs = [r for r in rows if cat == "overall" or r["category"] == cat]
         sk = [s for s in skipped if cat == "overall" or s["category"] == cat]
         ar_wall = sum(r["ar"]["wall_s"] for r in rs)
         ar_tok = sum(r["ar"]["new_tokens"] for r in rs)
+        ar_dec = sum(r["ar"].get("decode_s", 0.0) for r in rs)  # (nan tok/s for rows without it)
         e = {"category": cat, "prompts": len(rs), "skipped": len(sk), "ar": {
-            "wall_s": ar_wall, "new_tokens": ar_tok, "tok_s": _ratio(ar_tok, ar_wall)}, "drafters": {}}
+            "wall_s": ar_wall, "new_tokens": ar_tok, "tok_s": _ratio(ar_tok, ar_wall),
+            "decode_tok_s": _ratio(sum(r["ar"]["new_tokens"] - 1 for r in rs), ar_dec)}, "drafters": {}}
         mism = 0
         for d in methods:
             w = sum(r[d]["wall_s"] for r in rs)
@@ -213,42 +249,59 @@ def summarize(rows, cat_order, methods, skipped, hf_rows) -> list[dict]:
                                 "draft_prefills": sum(bool(r[d].get("draft_prefill")) for r in rs),
                                 **SpecStats.merged([r[d]["_stats"] for r in rs]).summary()}
         e["mismatches"] = mism
-        if hf_by_key is not None:
-            pairs = [(hf_by_key[r["key"]], r) for r in rs if r["key"] in hf_by_key]
-            hs = [h for h, _ in pairs]
-            gw = sum(h["greedy"]["wall_s"] for h in hs)
-            gt = sum(h["greedy"]["new_tokens"] for h in hs)
-            pw = sum(h["pld"]["wall_s"] for h in hs)
-            pt = sum(h["pld"]["new_tokens"] for h in hs)
-            e["hf"] = {"prompts": len(hs), "greedy_wall_s": gw, "greedy_tok_s": _ratio(gt, gw), "pld_wall_s": pw,
-                       "pld_tok_s": _ratio(pt, pw), "pld_speedup": _ratio(gw, pw),
-                       "pld_differs_from_greedy": sum(not h["pld_equals_greedy"] for h in hs),
-                       "greedy_equals_specjax_ar": sum(h["greedy"]["output_ids"] == r["ar"]["output_ids"]
-                                                       for h, r in pairs)}
+        for name, by_key in peer_by_key.items():
+            e[name] = _peer_summary(by_key, rs)
         out.append(e)
     return out
 
 
-def markdown_table(summary, methods, hf: bool) -> str:
-    hdr = ["category", "prompts", "skipped", "AR tok/s"]
+def markdown_table(summary, methods, peers=()) -> str:
+    """``peers``: the summary keys of the peers to add columns for (PEER_LABELS)."""
+    decode = any("greedy_decode_tok_s" in summary[-1][p] for p in peers)
+    hdr = ["category", "prompts", "skipped", "AR tok/s"] + (["AR decode tok/s"] if decode else [])
     for d in methods:
         hdr += [f"{d} speedup", f"{d} acc. tok/step", f"{d} tok/s"]
     hdr += ["mismatches"]
-    if hf:
-        hdr += ["HF greedy tok/s", "HF PLD speedup", "HF PLD≠greedy"]
+    for p in peers:
+        lb, x = PEER_LABELS[p], summary[-1][p]
+        hdr += [f"{lb} greedy tok/s"]
+        if "greedy_decode_tok_s" in x:
+            hdr += [f"{lb} decode tok/s", f"specjax AR / {lb} decode"]
+        if "pld_speedup" in x:
+            hdr += [f"{lb} PLD speedup", f"{lb} PLD≠greedy"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for e in summary:
         bold = e["category"] == "overall"
         cells = [f"**{e['category']}**" if bold else e["category"], str(e["prompts"]), str(e["skipped"]),
-                 f"{e['ar']['tok_s']:.1f}"]
+                 f"{e['ar']['tok_s']:.1f}"] + ([f"{e['ar']['decode_tok_s']:.1f}"] if decode else [])
         for d in methods:
             x = e["drafters"][d]
             sp = f"{x['speedup']:.2f}x"
             cells += [f"**{sp}**" if bold else sp, f"{x['mean_accepted_tokens']:.2f}", f"{x['tok_s']:.1f}"]
         cells.append(str(e["mismatches"]))
-        if hf:
-            h = e["hf"]
-            cells += [f"{h['greedy_tok_s']:.1f}", f"{h['pld_speedup']:.2f}x", str(h["pld_differs_from_greedy"])]
+        for p in peers:
+            h = e[p]
+            cells += [f"{h['greedy_tok_s']:.1f}"]
+            if "greedy_decode_tok_s" in summary[-1][p]:
+                r = f"{h['specjax_ar_decode_ratio']:.2f}x"
+                cells += [f"{h['greedy_decode_tok_s']:.1f}", f"**{r}**" if bold else r]
+            if "pld_speedup" in summary[-1][p]:
+                cells += [f"{h['pld_speedup']:.2f}x", str(h["pld_differs_from_greedy"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prefill_table(specjax_s: dict, peers: dict) -> str:
+    """Prefill tok/s by prompt length: ``specjax_s`` {tokens: seconds}, ``peers`` {label: {tokens:
+    seconds}}; a ratio column per peer (specjax / peer)."""
+    hdr = ["prompt tokens", "specjax AR prefill tok/s"]
+    for lb in peers:
+        hdr += [f"{lb} prefill tok/s", f"specjax / {lb}"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for n, s in specjax_s.items():
+        cells = [str(n), f"{n / s:.0f}"]
+        for p in peers.values():
+            cells += [f"{n / p[n]:.0f}", f"{p[n] / s:.2f}x"] if n in p else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
