@@ -119,10 +119,12 @@ def ensure() -> None:
 
 
 def vectorized() -> bool:
-    """Whether this CPU runs the kernel's AVX-512 path. Elsewhere it runs portable loops, which
-    give the same results but were 3-13x slower than XLA's dot in an AVX2-only build
-    (benchmarks/rows_builds.py): a correctness fallback, not a speed-up."""
-    return "avx512f" in _cpu_flags().split()
+    """Whether this CPU runs one of the kernel's vector paths: AVX-512, or AVX2 with FMA and F16C
+    (each 16-column block as two 8-lane halves). Elsewhere it runs portable loops, which give the
+    same results but were 3-13x slower than XLA's dot (benchmarks/rows_builds.py): a correctness
+    fallback, not a speed-up."""
+    flags = set(_cpu_flags().split())
+    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def available() -> bool:
