@@ -16,6 +16,9 @@
 // computed alone or in a verify block. The GGUF formats read 4.6-8.5 bits a weight instead of 32
 // and decode in registers to exactly the float32 values the loader's dequantization gives
 // (q * d is exact in float32, so one fused q * d + m rounds as numpy's multiply-then-add does).
+// Three builds of the same sums: AVX-512 (a block is one __m512), AVX2 + FMA + F16C (a block is
+// two __m256 halves, rows in register sub-tiles of 3), and portable loops; every one does the same
+// FMAs per output in the same order, so all three give the same bits.
 
 #include <algorithm>
 #include <atomic>
@@ -291,19 +294,19 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
               const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
               const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
               const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
-#define SPECJAX_Q4(u, d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
+#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
               {
-                const __m256 l0 = SPECJAX_Q4(u0, d0, n0, _mm256_and_si256(u0, low));
-                const __m256 l1 = SPECJAX_Q4(u1, d1, n1, _mm256_and_si256(u1, low));
-                const __m256 l2 = SPECJAX_Q4(u2, d2, n2, _mm256_and_si256(u2, low));
-                const __m256 l3 = SPECJAX_Q4(u3, d3, n3, _mm256_and_si256(u3, low));
+                const __m256 l0 = SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low));
+                const __m256 l1 = SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low));
+                const __m256 l2 = SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low));
+                const __m256 l3 = SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low));
                 SPECJAX_ROWS_FMA2(g * 32 + kk, l0, l1, l2, l3)
               }
               {
-                const __m256 h0 = SPECJAX_Q4(u0, d0, n0, _mm256_srli_epi32(u0, 4));
-                const __m256 h1 = SPECJAX_Q4(u1, d1, n1, _mm256_srli_epi32(u1, 4));
-                const __m256 h2 = SPECJAX_Q4(u2, d2, n2, _mm256_srli_epi32(u2, 4));
-                const __m256 h3 = SPECJAX_Q4(u3, d3, n3, _mm256_srli_epi32(u3, 4));
+                const __m256 h0 = SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4));
+                const __m256 h1 = SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4));
+                const __m256 h2 = SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4));
+                const __m256 h3 = SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4));
                 SPECJAX_ROWS_FMA2(g * 32 + kk + 16, h0, h1, h2, h3)
               }
 #undef SPECJAX_Q4
