@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,7 +51,7 @@ constexpr int64_t kLanes = 16;     // columns per packed block
 constexpr int64_t kRowTile = 12;   // rows held in registers at once (2 x 12 accumulators)
 constexpr int64_t kChunk = 4;      // column blocks per task
 #if defined(SPECJAX_AVX2)
-constexpr int kRowTile2 = 3;       // AVX2: rows per register sub-tile (3 x 4 accumulators of 16 ymm)
+constexpr int kRowTile2 = 3;       // AVX2: rows per register sub-tile (at most 3 x 4 of the 16 ymm)
 #endif
 
 // Runs f(c) for c in [0, n) on the calling thread and XLA's intra-op pool. Chunks are claimed
@@ -151,17 +152,27 @@ inline void store_tile(float* __restrict y, const __m256 (*a)[4], int64_t m0, in
 inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 
-// a[i][j] += x[r0 + i, k] * v_j for the sub-tile's rows (v0, v1: block b; v2, v3: block b + 1).
+// a[i][j] += x[r0 + i, k] * v_j for the sub-tile's R rows (v0, v1: block b; v2, v3: block b + 1).
 #define SPECJAX_ROWS_FMA2(k, v0, v1, v2, v3)                              \
-  _Pragma("GCC unroll 3") for (int i = 0; i < kRowTile2; ++i) {           \
-    if (i < rr) {                                                         \
-      const __m256 xb = _mm256_set1_ps(x[(r0 + i) * K + (k)]);            \
-      a[i][0] = _mm256_fmadd_ps(xb, v0, a[i][0]);                         \
-      a[i][1] = _mm256_fmadd_ps(xb, v1, a[i][1]);                         \
-      a[i][2] = _mm256_fmadd_ps(xb, v2, a[i][2]);                         \
-      a[i][3] = _mm256_fmadd_ps(xb, v3, a[i][3]);                         \
-    }                                                                     \
+  _Pragma("GCC unroll 3") for (int i = 0; i < R; ++i) {                   \
+    const __m256 xb = _mm256_set1_ps(x[(r0 + i) * K + (k)]);              \
+    a[i][0] = _mm256_fmadd_ps(xb, v0, a[i][0]);                           \
+    a[i][1] = _mm256_fmadd_ps(xb, v1, a[i][1]);                           \
+    a[i][2] = _mm256_fmadd_ps(xb, v2, a[i][2]);                           \
+    a[i][3] = _mm256_fmadd_ps(xb, v3, a[i][3]);                           \
   }
+
+// Runs tile(std::integral_constant<int, R>) for sub-tiles of R <= kRowTile2 rows over [m0, m0 + mm),
+// so the accumulators of a one-row decode step are 4 registers, not 12.
+template <typename T>
+inline void row_subtiles(int64_t m0, int64_t mm, T tile) {
+  for (int64_t r0 = m0; r0 < m0 + mm; r0 += kRowTile2) {
+    const int64_t rr = std::min<int64_t>(kRowTile2, m0 + mm - r0);
+    if (rr == 1) tile(r0, std::integral_constant<int, 1>{});
+    else if (rr == 2) tile(r0, std::integral_constant<int, 2>{});
+    else tile(r0, std::integral_constant<int, 3>{});
+  }
+}
 #endif
 
 // Column blocks [b0, b1) of y. Each output is a sum over k in increasing order, one FMA per k.
@@ -183,10 +194,10 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
       }
       store_tile(y, a0, a1, m0, mm, N, b, two);
 #elif defined(SPECJAX_AVX2)
-      for (int64_t r0 = m0; r0 < m0 + mm; r0 += kRowTile2) {
-        const int64_t rr = std::min<int64_t>(kRowTile2, m0 + mm - r0);
-        __m256 a[kRowTile2][4];
-        for (int i = 0; i < kRowTile2; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
+      row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m256 a[R][4];
+        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
         const __m256 zero = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; ++k) {
           const __m256 v0 = _mm256_loadu_ps(w0 + k * kLanes), v1 = _mm256_loadu_ps(w0 + k * kLanes + 8);
@@ -194,8 +205,8 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
           const __m256 v3 = two ? _mm256_loadu_ps(w1 + k * kLanes + 8) : zero;
           SPECJAX_ROWS_FMA2(k, v0, v1, v2, v3)
         }
-        store_tile(y, a, r0, rr, N, b, two);
-      }
+        store_tile(y, a, r0, R, N, b, two);
+      });
 #else
       float a[2][kRowTile][kLanes] = {};
       for (int64_t k = 0; k < K; ++k)
@@ -263,10 +274,10 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
       store_tile(y, a0, a1, m0, mm, N, b, two);
 #elif defined(SPECJAX_AVX2)
       const __m256 zero = _mm256_setzero_ps();
-      for (int64_t r0 = m0; r0 < m0 + mm; r0 += kRowTile2) {
-        const int64_t rr = std::min<int64_t>(kRowTile2, m0 + mm - r0);
-        __m256 a[kRowTile2][4];
-        for (int i = 0; i < kRowTile2; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = zero;
+      row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m256 a[R][4];
+        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = zero;
         for (int64_t g = 0; g < ng; ++g) {
           const uint8_t* __restrict c0 = q0 + g * kCodes;
           const uint8_t* __restrict c1 = q1 + g * kCodes;
@@ -313,8 +324,8 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
             }
           }
         }
-        store_tile(y, a, r0, rr, N, b, two);
-      }
+        store_tile(y, a, r0, R, N, b, two);
+      });
 #else
       float a[2][kRowTile][kLanes] = {};
       float w[32][kLanes];  // one group's weights, in the AVX-512 path's k order
