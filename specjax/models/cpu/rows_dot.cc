@@ -162,7 +162,7 @@ inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast
     a[i][3] = _mm256_fmadd_ps(xb, v3, a[i][3]);                           \
   }
 
-// Runs tile(std::integral_constant<int, R>) for sub-tiles of R <= kRowTile2 rows over [m0, m0 + mm),
+// Runs tile(r0, std::integral_constant<int, R>) for sub-tiles [r0, r0 + R), R <= kRowTile2, of [m0, m0 + mm),
 // so the accumulators of a one-row decode step are 4 registers, not 12.
 template <typename T>
 inline void row_subtiles(int64_t m0, int64_t mm, T tile) {
