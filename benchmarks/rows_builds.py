@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The CPU rows kernel built two ways on this machine, against XLA's dot: the default build
 (-march=native: the AVX-512 path where the CPU has it) and a build for AVX2 only
-(-march=haswell: the portable loops a CPU without AVX-512 runs). SmolLM2's 30 layers of
-projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain; XLA's dot on
-the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
-(LoadedModel.auto_rows_kernel only turns it on where it has AVX-512).
+(-march=haswell: the AVX2 + FMA + F16C path; before it had one, the portable loops). SmolLM2's 30
+layers of projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain;
+XLA's dot on the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
+(LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()).
 
   python benchmarks/rows_builds.py [--rows 1,5,9]
 """

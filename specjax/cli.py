@@ -147,7 +147,7 @@ def define_forward_flags() -> None:
                          "kernel (weights read once for all rows, a GGUF's Q4_1/Q8_0 ones in their own blocks, "
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
-                         "such blocks and the kernel builds for this CPU's AVX-512, else 0.")
+                         "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "

@@ -2,7 +2,7 @@
 ragged shapes, a row's result independent of how many rows share the call, and, inside the
 engine, the same greedy tokens from speculation as from plain decoding through it. GGUF Q4_1 /
 Q8_0 weights kept in their blocks stand for exactly the loader's float32 weights, and the
-portable (no AVX-512) build computes bit for bit what the AVX-512 one does."""
+portable build computes bit for bit what the vectorized (AVX-512 or AVX2) one does."""
 
 from __future__ import annotations
 
@@ -53,11 +53,12 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
         rd.rows_dot(x.astype(jnp.bfloat16), wp, N)
 
 
-def test_portable_build_matches_the_avx512_build():
-    """The kernel without -march=native (the loops every other CPU runs) gives the AVX-512
-    build's results bit for bit, in every format: both sum each output in the same order."""
-    if "avx512f" not in rd._cpu_flags():
-        pytest.skip("this CPU has no AVX-512: the default build is already the portable one")
+def test_portable_build_matches_the_vectorized_build():
+    """The kernel without -march=native (the loops every other CPU runs) gives the vectorized
+    build's results (AVX-512, or AVX2 + FMA + F16C) bit for bit, in every format: all sum each
+    output in the same order."""
+    if not rd.vectorized():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA + F16C: the default build is already the portable one")
     rd.register(rd._build(rd._compiler(), march=None), "_portable")
     rng = np.random.default_rng(1)
     K, N = 64, 40

@@ -38,9 +38,10 @@ class LoadedModel:
     def auto_rows_kernel(self) -> int:
         """The ``ForwardOptions.rows_kernel`` a launch script uses unless told: the rows kernel
         for blocks of up to AUTO_ROWS rows where it reads this model's quantized blocks (about
-        a fifth of the float32 bytes: decode 1.7x faster, BENCHMARKS.md), runs on the CPU in its
-        AVX-512 path and can be built here; else 0 (float32 copies would double the weights'
-        memory for 10-20%; the portable loops are slower than XLA's dot)."""
+        a fifth of the float32 bytes: decode 1.7x faster, BENCHMARKS.md), runs on the CPU in a
+        vector path (AVX-512, or AVX2 + FMA + F16C) and can be built here; else 0 (float32
+        copies would double the weights' memory for 10-20%; the portable loops are slower than
+        XLA's dot)."""
         import jax
 
         from specjax.models.cpu import rows_dot

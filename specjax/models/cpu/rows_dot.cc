@@ -16,6 +16,9 @@
 // computed alone or in a verify block. The GGUF formats read 4.6-8.5 bits a weight instead of 32
 // and decode in registers to exactly the float32 values the loader's dequantization gives
 // (q * d is exact in float32, so one fused q * d + m rounds as numpy's multiply-then-add does).
+// Three builds of the same sums: AVX-512 (a block is one __m512), AVX2 + FMA + F16C (a block is
+// two __m256 halves, rows in register sub-tiles of 3), and portable loops; every one does the same
+// FMAs per output in the same order, so all three give the same bits.
 
 #include <algorithm>
 #include <atomic>
@@ -23,9 +26,13 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECJAX_AVX2 1  // each 16-lane block as two __m256 halves (lanes 0-7, 8-15)
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -43,6 +50,9 @@ namespace {
 constexpr int64_t kLanes = 16;     // columns per packed block
 constexpr int64_t kRowTile = 12;   // rows held in registers at once (2 x 12 accumulators)
 constexpr int64_t kChunk = 4;      // column blocks per task
+#if defined(SPECJAX_AVX2)
+constexpr int kRowTile2 = 3;       // AVX2: rows per register sub-tile (at most 3 x 4 of the 16 ymm)
+#endif
 
 // Runs f(c) for c in [0, n) on the calling thread and XLA's intra-op pool. Chunks are claimed
 // from a shared counter, so the caller never waits for a task no thread has started (the pool
@@ -117,6 +127,52 @@ inline __m512 half16(const uint16_t* p) {
       a1[i] = _mm512_fmadd_ps(xb, v1, a1[i]);                         \
     }                                                                 \
   }
+#elif defined(SPECJAX_AVX2)
+// Stores sub-tile accumulators a[i][0..3] (block b lanes 0-7, 8-15; block b + 1 likewise) of rows
+// [m0, m0 + mm) for column blocks b (and b + 1 when `two`).
+inline void store_tile(float* __restrict y, const __m256 (*a)[4], int64_t m0, int64_t mm, int64_t N, int64_t b,
+                       bool two) {
+  for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+    const int64_t col = (b + h) * kLanes, width = std::min(kLanes, N - col);
+    for (int64_t i = 0; i < mm; ++i) {
+      float* __restrict out = y + (m0 + i) * N + col;
+      if (width == kLanes) {
+        _mm256_storeu_ps(out, a[i][2 * h]);
+        _mm256_storeu_ps(out + 8, a[i][2 * h + 1]);
+      } else {
+        alignas(32) float t[kLanes];
+        _mm256_store_ps(t, a[i][2 * h]);
+        _mm256_store_ps(t + 8, a[i][2 * h + 1]);
+        std::memcpy(out, t, sizeof(float) * width);
+      }
+    }
+  }
+}
+
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+// a[i][j] += x[r0 + i, k] * v_j for the sub-tile's R rows (v0, v1: block b; v2, v3: block b + 1).
+#define SPECJAX_ROWS_FMA2(k, v0, v1, v2, v3)                              \
+  _Pragma("GCC unroll 3") for (int i = 0; i < R; ++i) {                   \
+    const __m256 xb = _mm256_set1_ps(x[(r0 + i) * K + (k)]);              \
+    a[i][0] = _mm256_fmadd_ps(xb, v0, a[i][0]);                           \
+    a[i][1] = _mm256_fmadd_ps(xb, v1, a[i][1]);                           \
+    a[i][2] = _mm256_fmadd_ps(xb, v2, a[i][2]);                           \
+    a[i][3] = _mm256_fmadd_ps(xb, v3, a[i][3]);                           \
+  }
+
+// Runs tile(r0, std::integral_constant<int, R>) for sub-tiles [r0, r0 + R), R <= kRowTile2, of [m0, m0 + mm),
+// so the accumulators of a one-row decode step are 4 registers, not 12.
+template <typename T>
+inline void row_subtiles(int64_t m0, int64_t mm, T tile) {
+  for (int64_t r0 = m0; r0 < m0 + mm; r0 += kRowTile2) {
+    const int64_t rr = std::min<int64_t>(kRowTile2, m0 + mm - r0);
+    if (rr == 1) tile(r0, std::integral_constant<int, 1>{});
+    else if (rr == 2) tile(r0, std::integral_constant<int, 2>{});
+    else tile(r0, std::integral_constant<int, 3>{});
+  }
+}
 #endif
 
 // Column blocks [b0, b1) of y. Each output is a sum over k in increasing order, one FMA per k.
@@ -137,6 +193,20 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
         SPECJAX_ROWS_FMA(k, v0, v1)
       }
       store_tile(y, a0, a1, m0, mm, N, b, two);
+#elif defined(SPECJAX_AVX2)
+      row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m256 a[R][4];
+        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
+        const __m256 zero = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; ++k) {
+          const __m256 v0 = _mm256_loadu_ps(w0 + k * kLanes), v1 = _mm256_loadu_ps(w0 + k * kLanes + 8);
+          const __m256 v2 = two ? _mm256_loadu_ps(w1 + k * kLanes) : zero;
+          const __m256 v3 = two ? _mm256_loadu_ps(w1 + k * kLanes + 8) : zero;
+          SPECJAX_ROWS_FMA2(k, v0, v1, v2, v3)
+        }
+        store_tile(y, a, r0, R, N, b, two);
+      });
 #else
       float a[2][kRowTile][kLanes] = {};
       for (int64_t k = 0; k < K; ++k)
@@ -202,6 +272,60 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
         }
       }
       store_tile(y, a0, a1, m0, mm, N, b, two);
+#elif defined(SPECJAX_AVX2)
+      const __m256 zero = _mm256_setzero_ps();
+      row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m256 a[R][4];
+        for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = zero;
+        for (int64_t g = 0; g < ng; ++g) {
+          const uint8_t* __restrict c0 = q0 + g * kCodes;
+          const uint8_t* __restrict c1 = q1 + g * kCodes;
+          const uint16_t* __restrict e0 = s0 + g * kScales;
+          const uint16_t* __restrict e1 = s1 + g * kScales;
+          const __m256 d0 = half8(e0), d1 = half8(e0 + 8);
+          const __m256 d2 = two ? half8(e1) : zero, d3 = two ? half8(e1 + 8) : zero;
+          if constexpr (Q8) {
+            for (int64_t kk = 0; kk < 32; ++kk) {
+              const uint8_t* p0 = c0 + kk * kLanes;
+              const uint8_t* p1 = c1 + kk * kLanes;
+              const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0))), d0);
+              const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0 + 8))), d1);
+              const __m256 v2 = two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1))), d2) : zero;
+              const __m256 v3 = two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1 + 8))), d3) : zero;
+              SPECJAX_ROWS_FMA2(g * 32 + kk, v0, v1, v2, v3)
+            }
+          } else {
+            const __m256 n0 = half8(e0 + kLanes), n1 = half8(e0 + kLanes + 8);
+            const __m256 n2 = two ? half8(e1 + kLanes) : zero, n3 = two ? half8(e1 + kLanes + 8) : zero;
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int64_t kk = 0; kk < 16; ++kk) {
+              const uint8_t* p0 = c0 + kk * kLanes;
+              const uint8_t* p1 = c1 + kk * kLanes;
+              const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
+              const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
+              const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
+#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
+              {
+                const __m256 l0 = SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low));
+                const __m256 l1 = SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low));
+                const __m256 l2 = SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low));
+                const __m256 l3 = SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low));
+                SPECJAX_ROWS_FMA2(g * 32 + kk, l0, l1, l2, l3)
+              }
+              {
+                const __m256 h0 = SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4));
+                const __m256 h1 = SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4));
+                const __m256 h2 = SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4));
+                const __m256 h3 = SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4));
+                SPECJAX_ROWS_FMA2(g * 32 + kk + 16, h0, h1, h2, h3)
+              }
+#undef SPECJAX_Q4
+            }
+          }
+        }
+        store_tile(y, a, r0, R, N, b, two);
+      });
 #else
       float a[2][kRowTile][kLanes] = {};
       float w[32][kLanes];  // one group's weights, in the AVX-512 path's k order

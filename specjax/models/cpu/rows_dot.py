@@ -11,7 +11,8 @@ Q4_1 or Q8_0 can stay in those blocks (``pack_q4_1`` / ``pack_q8_0``: 4.6 or 8.5
 read instead of 32) and are decoded in registers to exactly the float32 values the loader's
 dequantization gives, so the model is the same; only the summation order differs from XLA's dot.
 
-It is compiled on first use with the system C++ compiler (``g++ -O3 -march=native``) into
+It is compiled on first use with the system C++ compiler (``g++ -O3 -march=native``: the AVX-512
+path, or the AVX2 + FMA + F16C one, where the CPU has it; portable loops elsewhere) into
 ``$SPECJAX_CACHE_DIR/ext`` (default ``~/.cache/specjax/ext``), keyed by its source, the
 compiler, jaxlib and this CPU's feature flags, verified against its recorded hash before it is
 loaded (``_build``), and registered as the FFI target
@@ -119,10 +120,12 @@ def ensure() -> None:
 
 
 def vectorized() -> bool:
-    """Whether this CPU runs the kernel's AVX-512 path. Elsewhere it runs portable loops, which
-    give the same results but were 3-13x slower than XLA's dot in an AVX2-only build
-    (benchmarks/rows_builds.py): a correctness fallback, not a speed-up."""
-    return "avx512f" in _cpu_flags().split()
+    """Whether this CPU runs one of the kernel's vector paths: AVX-512, or AVX2 with FMA and F16C
+    (each 16-column block as two 8-lane halves). Elsewhere it runs portable loops, which give the
+    same results but were 3-13x slower than XLA's dot (benchmarks/rows_builds.py): a correctness
+    fallback, not a speed-up."""
+    flags = set(_cpu_flags().split())
+    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def available() -> bool:
