@@ -76,6 +76,15 @@ def _executable_cache(tmp_path_factory):
         os.environ["SPECJAX_CACHE_DIR"] = old
 
 
+@pytest.fixture
+def seed():
+    """The seed of a test's random choices (kill points, fuzz inputs): ``$SPECJAX_TEST_SEED`` to
+    replay a failure, else a fresh one. Tests name it in their assertion messages."""
+    import random
+
+    return int(os.environ.get("SPECJAX_TEST_SEED") or random.randrange(2**32))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny random-weight Llama (configs/tiny-random.json) and its params, seed 0."""

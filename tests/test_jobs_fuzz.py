@@ -319,13 +319,12 @@ def _input(path, n=40):
         f.write(b"\n".join(rows) + b"\n")
 
 
-def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path):
+def test_sigkill_at_random_points_then_rerun_equals_uninterrupted(tmp_path, seed):
     """The fake job in a subprocess, killed with SIGKILL after a random delay, again and again,
     until a run finishes: the output equals an uninterrupted run's."""
     inp, ref, out = (str(tmp_path / n) for n in ("in.jsonl", "ref.jsonl", "out.jsonl"))
     _input(inp)
     assert _run(inp, ref)[0] == 0
-    seed = random.randrange(2**32)
     rng = random.Random(seed)
     kills = 0
     for attempt in range(40):

@@ -68,7 +68,7 @@ def _read(path):
         return [json.loads(line) for line in f]
 
 
-def test_jsonl_records_errors_and_resumes(tmp_path):
+def test_jsonl_records_errors_and_resumes(tmp_path, seed):
     inp, out = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
     n = _write_input(inp)
     args = ["--input_jsonl", inp, "--output_jsonl", out, "--model", "tiny-random", "--max_new_tokens", "6",
@@ -89,7 +89,6 @@ def test_jsonl_records_errors_and_resumes(tmp_path):
     first = {k: v for k, v in by_id.items()}
 
     # Simulate a kill at a random point: drop some records and leave a torn part of the next.
-    seed = random.randrange(2**32)
     rng = random.Random(seed)
     with open(out, "rb") as f:
         lines = f.readlines()
