@@ -4,7 +4,7 @@ per-layer memory do not depend on depth), golden layouts, the memory analysis ag
 per-device bytes, and the one-line errors of meshes and KV budgets that cannot fit.
 Prints AOT_OK at the end."""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P

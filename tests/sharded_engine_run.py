@@ -2,9 +2,11 @@
 the serving engine sharded over several meshes of 8 fake CPU devices gives the unsharded
 engine's tokens, greedy (prompt lookup, suffix trees, an independent draft model, replicated and
 sharded) and sampled with fixed seeds; the sharded forward gives the same logits; bad meshes are
-one-line errors. Prints SHARDED_ENGINE_OK at the end."""
+one-line errors. Prints SHARDED_ENGINE_OK at the end. argv[1]: the meshes, DATAxMODEL comma list
+(default 1x2,2x4: rows unsplit and split; the slow test adds 4x2 and 8x1)."""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import time
 import jax, numpy as np
 from specjax import sharding as sh
@@ -66,7 +68,7 @@ def logits(p, layout=None):
     return np.asarray(jax.jit(lambda p, c: llama.forward(p, toks, pos, c, llama.causal_mask(4, 6), cfg=cfg)[0])(p, c))
 want_logits = logits(params)
 
-meshes = [(1, 2), (2, 4), (4, 2), (8, 1)]
+meshes = [tuple(map(int, m.split("x"))) for m in (sys.argv[1] if len(sys.argv) > 1 else "1x2,2x4").split(",")]
 want = {kind: run(kind, None, greedy) for kind in ("prompt_lookup", "suffix", "draft")}
 want_s = run("prompt_lookup", None, sampled)
 print("baselines", round(time.time() - t0, 1), {k: v[1] for k, v in want.items()}, flush=True)

@@ -3,7 +3,7 @@
 each device having read only its slice; a missing or misshapen tensor is a one-line error naming
 the config and the mesh. Argument: a scratch directory. Prints LOAD_OK at the end."""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import json
 import sys
 

@@ -98,7 +98,8 @@ RAW_Q = 2  # WRONG: draft_probs = the *unwarped* draft softmax while drafts come
 RESID_P = 3  # WRONG: local copy of the rule with the correction drawn from p instead of max(p - q, 0)
 
 
-@partial(jax.jit, static_argnames=("K",))
+@partial(jax.jit, static_argnames=("K",),
+         compiler_options={"xla_backend_optimization_level": 3})  # run time dominates here (conftest: -O0)
 def simulate(P, Q, samp, key, draft_argmax, nd_random, rule, *, K: int):
     """Speculative generation of >= N_GEN tokens per row; returns (first tokens [B, N_GEN], stats).
 

@@ -145,7 +145,8 @@ def _no_residual_row(p_all, q_all, tokens, parents, node_valid, u):
     return jnp.where(jnp.arange(N) <= n, path, cur), out, n, p
 
 
-@partial(jax.jit, static_argnames=("mode", "wrong"))
+@partial(jax.jit, static_argnames=("mode", "wrong"),
+         compiler_options={"xla_backend_optimization_level": 3})  # run time dominates here (conftest: -O0)
 def simulate(P, Q, samp, key, *, mode: int, wrong: bool):
     import specjax.verify_tree as vt
 
