@@ -241,7 +241,7 @@ def forward(
     layout=None,
     features: tuple[int, ...] = (),
 ):
-    """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden])``.
+    """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden][, features])``.
 
     tokens, positions: [B, T] int32. block_mask: [B, T, T] bool.
     num_layers: run only the first n layers (layer-skip draft); the cache must
