@@ -234,7 +234,8 @@ class Layout:
         else:
             out = {name: self.sharding(CACHE_AXES[name], getattr(cache, name).shape) for name in ("k", "v", "lengths")}
         # a feature head's cache (cache.FeatureCache) also carries per-row features: rows over ``data``
-        extra = {f.name: self.rows(getattr(cache, f.name).shape) for f in dataclasses.fields(cache) if f.name not in out}
+        extra = {f.name: self.rows(getattr(cache, f.name).shape) for f in dataclasses.fields(cache)
+                 if f.name not in out}
         return type(cache)(**out, **extra)
 
     def state(self, st):

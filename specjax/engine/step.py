@@ -243,7 +243,8 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)
     prev = jnp.where(has, jnp.take_along_axis(tokens, last, axis=1)[:, 0], prev)
     if draft is not None:
-        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first, *feats)  # (a feature head: + features)
+        # (a feature head also takes the target's features)
+        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first, *feats)
     return pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
 
 
