@@ -90,9 +90,9 @@ def validate_flags():
     cli.check_range("sample_temperature", 0.0)
     cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps, full_teacher=FLAGS.teacher == "full")
     spec = cli.engine_spec_from_flags(policy="none")
-    if not spec.device_draft:  # (a host drafter has no parameters)
-        raise SpecjaxError(f"launch/distill.py trains a device draft ({', '.join(registry.DEVICE_DRAFTERS)}); "
-                           f"drafter {spec.drafter.name} drafts on the host and has nothing to train")
+    if not registry.DRAFTERS[spec.drafter.name].trains:  # (host drafters have no parameters; eagle: not yet)
+        raise SpecjaxError(f"launch/distill.py trains a device draft ({', '.join(registry.TRAINED_DRAFTERS)}); "
+                           f"drafter {spec.drafter.name} has nothing it can train")
     if spec.drafter.draft_checkpoint:
         raise SpecjaxError("--draft_checkpoint serves a distilled draft; distill.py writes one to --checkpoint_dir")
     return spec

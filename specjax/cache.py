@@ -35,6 +35,21 @@ class KVCache:
         return self.k.shape[1]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureCache(KVCache):
+    """A feature head's cache (drafters.eagle): its KV entries plus ``feat`` [B, D], the feature
+    that goes with each row's next entry (the fused target feature of the last committed
+    position), so the head's next forward needs nothing from outside the state."""
+
+    feat: jax.Array
+
+
+def batch_axis(field: str) -> int:
+    """The row axis of a cache field (k / v: [L, B, ...]; lengths, feat: [B, ...])."""
+    return 1 if field in ("k", "v") else 0
+
+
 def init_cache(num_layers: int, batch: int, slots: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
     # zeros, never jnp.empty: uninitialised memory can hold NaN, and NaN * 0 survives masking.
     shape = (num_layers, batch, num_kv_heads, slots, head_dim)

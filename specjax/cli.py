@@ -43,6 +43,8 @@ def define_drafter_flags(drafter: str = "none", several: list | None = None, num
                          "(1..num_layers-1).")
     flags.DEFINE_string("draft_checkpoint", None, "layer_skip / draft_model drafter: draft with the distilled draft "
                         "in this checkpoint directory (launch/distill.py or --online_distill; its draft.json names it).")
+    flags.DEFINE_string("eagle_head", None, "eagle drafter: the feature head saved in this directory "
+                        "(specjax.drafters.eagle.save_head); default: a random-initialised head.")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
@@ -291,9 +293,9 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    if not registry.DRAFTERS[drafter].device:
+    if not registry.DRAFTERS[drafter].trains:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
-                           f"{' or '.join(registry.DEVICE_DRAFTERS)}, not {drafter}")
+                           f"{' or '.join(registry.TRAINED_DRAFTERS)}, not {drafter}")
     if FLAGS.draft_checkpoint:
         raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
                            "a distilled draft without training it")

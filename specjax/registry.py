@@ -21,12 +21,15 @@ class DrafterEntry:
     drafters.protocol.Drafter (``draft``: an already loaded draft model). device: it drafts inside
     the compiled step (its own draft forward), so its step costs need a performance model of their
     own. reads: the DrafterSpec fields it uses (a setting given for a drafter that does not read it
-    is refused)."""
+    is refused). trains: distillation (launch/distill.py, --online_distill) can train its draft.
+    draft_ahead: it can draft ahead of the policy's choice (confidence policies, smartspec-conf)."""
 
     name: str
     build: Callable | None
     device: bool = False
     reads: frozenset = frozenset()
+    trains: bool = False
+    draft_ahead: bool = False
 
 
 _PLD = frozenset({"pld_min_ngram", "pld_max_ngram", "pld_max_draft"})
@@ -48,8 +51,11 @@ def register_drafter(entry: DrafterEntry) -> None:
 
 for _e in (DrafterEntry("none", None),
            DrafterEntry("prompt_lookup", _build_parts, reads=_PLD),
-           DrafterEntry("draft_model", _build_parts, device=True, reads=frozenset({"draft_model", "draft_checkpoint"})),
-           DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"})),
+           DrafterEntry("draft_model", _build_parts, device=True, reads=frozenset({"draft_model", "draft_checkpoint"}),
+                        trains=True, draft_ahead=True),
+           DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
+                        trains=True, draft_ahead=True),
+           DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"})),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
            DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
            DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):
@@ -59,6 +65,8 @@ for _e in (DrafterEntry("none", None),
 SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
 SPEC_DRAFTERS = tuple(n for n in DRAFTERS if n != "none")
 DEVICE_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.device)
+TRAINED_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.trains)
+AHEAD_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.draft_ahead)
 
 
 def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = False) -> list:
@@ -110,14 +118,15 @@ def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
 def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
-                  draft_checkpoint: str | None = None) -> dict:
+                  draft_checkpoint: str | None = None, eagle_head: str | None = None) -> dict:
     """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
     SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
     bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
-    (distill.checkpoint)."""
+    (distill.checkpoint). ``eagle_head``: the eagle drafter's saved head (drafters.eagle.save_head;
+    None: a random-initialised head)."""
     from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
     from specjax.drafters.host import host_drafter
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
@@ -153,6 +162,10 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
             raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
                                f"({cfg.num_layers} layers), got {draft_layers}")
         return {"drafter": DeviceDrafter(*layer_skip(cfg, model.params, draft_layers))}
+    if drafter == "eagle":
+        from specjax.drafters import eagle
+
+        return {"drafter": eagle.build(model, eagle_head)}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -383,7 +396,7 @@ def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
                 suffix=suffix_config(spec.k, max_depth=spec.suffix_max_depth, alpha=spec.suffix_alpha,
                                      min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
                                      cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
-                suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint,
+                suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint, eagle_head=spec.eagle_head,
                 suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
 
 

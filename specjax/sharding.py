@@ -229,12 +229,14 @@ class Layout:
     def cache(self, cache, draft: bool = False):
         """KVCache of shardings for a cache (arrays or ShapeDtypeStructs): KV heads over ``model``
         where they divide, rows over ``data``; a replicated draft's cache is replicated."""
-        from specjax.cache import KVCache
-
         if draft and not self.shard_draft:
-            return KVCache(k=self.replicated(), v=self.replicated(), lengths=self.rows(cache.lengths.shape))
-        return KVCache(**{name: self.sharding(CACHE_AXES[name], getattr(cache, name).shape)
-                          for name in ("k", "v", "lengths")})
+            out = dict(k=self.replicated(), v=self.replicated(), lengths=self.rows(cache.lengths.shape))
+        else:
+            out = {name: self.sharding(CACHE_AXES[name], getattr(cache, name).shape) for name in ("k", "v", "lengths")}
+        # a feature head's cache (cache.FeatureCache) also carries per-row features: rows over ``data``
+        extra = {f.name: self.rows(getattr(cache, f.name).shape) for f in dataclasses.fields(cache)
+                 if f.name not in out}
+        return type(cache)(**out, **extra)
 
     def state(self, st):
         """StepState of shardings (one for every prefill, step and row operation of a bucket)."""

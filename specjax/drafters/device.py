@@ -56,6 +56,11 @@ class ModelDraft:
     cfg: ModelConfig
     label: str = "draft_model"
     vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
+    features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
+
+    def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
+        """The draft's empty cache for B rows (step.fresh_state)."""
+        return llama.init_cache_for(self.cfg, B, slots, dtype)
 
     def _full(self, dparams, lg):
         """Draft logits over the target's vocabulary: a reduced head's N columns go to their

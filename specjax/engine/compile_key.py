@@ -5,8 +5,8 @@ take it as their only static argument, so an executable is identified by one has
 the model config, the operation and its shapes (batch bucket, cache slots, drafts per row or
 tree nodes, prompt bucket), the verify rule (greedy-only or mixed sampling), the device drafter
 (None for host drafts, or a prefill without the draft) and the forward options (attention
-implementation, prefix chunk, CPU projection mode) and, for a sharded engine, the ``Layout``
-(mesh and rules) its inputs and its returned state are placed by.
+implementation, prefix chunk, CPU projection mode), the target features a feature head reads, and,
+for a sharded engine, the ``Layout`` (mesh and rules) its inputs and its returned state are placed by.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class CompileKey:
     teacher: int = 0  # step / verify: also return the target's top-k logits at the verified positions (k; 0: none)
     layout: Layout | None = None  # sharded engine: the mesh and rules (None: one device)
     steps: int = 0  # decode: the most K = 0 steps one call runs (its token buffer's width)
+    # the target layers whose inputs the target forward also returns (a feature head's signal,
+    # drafters.eagle: the draft consumes them inside the executable); () = none, the program
+    # is then exactly the one without feature heads
+    features: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify", "decode"):
@@ -53,4 +57,5 @@ class CompileKey:
                 "decode": f"decode call of up to {self.steps} steps"}[self.op]
         packed = f", {self.tokens} packed tokens" if self.tokens else ""
         teacher = f", teacher top-{self.teacher}" if self.teacher else ""
-        return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}"
+        feats = f", target features of layers {list(self.features)}" if self.features else ""
+        return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}{feats}"

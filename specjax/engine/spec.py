@@ -25,6 +25,7 @@ class DrafterSpec:
     draft_model: str | None = None  # draft_model: a model name, .gguf file or HF directory
     draft_layers: int = 8  # layer_skip: the target's first N layers
     draft_checkpoint: str | None = None  # a distilled draft's checkpoint directory
+    eagle_head: str | None = None  # eagle: a saved head's directory (drafters.eagle.save_head); None: random init
     # prompt lookup (and the hybrid's fallback)
     pld_min_ngram: int = 1
     pld_max_ngram: int = 3
@@ -195,11 +196,11 @@ class EngineSpec:
                 raise SpecjaxError(f"--policy K={pol.fixed_k} is not in --k_buckets {list(ks)}")
             if pol.name == "oracle":
                 raise SpecjaxError("--policy oracle needs the true acceptance: the simulator only")
-            if pol.draft_first and not self.device_draft:
+            if pol.draft_first and not self.drafts_ahead:
                 from specjax import registry
 
                 raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
-                                   f"({', '.join(registry.DEVICE_DRAFTERS)}), not {self.drafter.name}")
+                                   f"that drafts ahead ({', '.join(registry.AHEAD_DRAFTERS)}), not {self.drafter.name}")
         object.__setattr__(self, "k_buckets", ks)
         bbs = tuple(sorted(set(self.batch_buckets)))
         if not bbs or bbs[0] < 1:
@@ -223,6 +224,13 @@ class EngineSpec:
         from specjax import registry
 
         return registry.DRAFTERS[self.drafter.name].device
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """The drafter can draft ahead of the policy's choice (confidence policies)."""
+        from specjax import registry
+
+        return registry.DRAFTERS[self.drafter.name].draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
         """This spec with ``--rows_kernel -1`` resolved for ``model`` (a LoadedModel): what runs."""

@@ -92,9 +92,12 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     cache = state.cache
     block = jnp.concatenate([state.pending[:, None], draft_tokens[:, :K]], axis=1)  # [B, K+1]
     pos = cache.lengths[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
-    logits, cache = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
-                                  fwd=fwd, pack=pack, layout=key.layout)
+    logits, cache, *feats = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
+                                          fwd=fwd, pack=pack, layout=key.layout, features=key.features)
     tokens, n, _ = verify_chain(logits, draft_tokens[:, :K], num_draft, samp, cache.lengths + 1, q, greedy_only)
+    if key.features:  # a feature head catches up on the committed tokens with the target's own features
+        dcache = draft.catch_up(dparams, dcache, state.dcache.feat, block, feats[0], cache.lengths,
+                                jnp.where(active, n + 1, 0))
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
@@ -209,7 +212,7 @@ def fresh_state(params, dparams, B: int, key: CompileKey) -> StepState:
     what a first prefill chunk writes into, and, under ``jax.eval_shape``, the abstract state every
     step is compiled for (without tracing the model)."""
     cache = llama.init_cache_for(key.cfg, B, key.slots, params["embed"].dtype)
-    dcache = None if key.draft is None else llama.init_cache_for(key.draft.cfg, B, key.slots, dparams["embed"].dtype)
+    dcache = None if key.draft is None else key.draft.init_cache(B, key.slots, dparams["embed"].dtype)
     zeros = jnp.zeros((B,), jnp.int32)
     return StepState(cache=cache, dcache=dcache, prev=zeros, pending=zeros)
 
@@ -233,14 +236,15 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     mask = llama.causal_mask(B, C)
     last = jnp.maximum(n_valid - 1, 0)[:, None]
-    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first, logits_at=last,
-                                  fwd=fwd, layout=key.layout)
+    logits, cache, *feats = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first,
+                                          logits_at=last, fwd=fwd, layout=key.layout, features=key.features)
     cache = kv.advance(cache, n_valid)
     has = n_valid > 0
     pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)
     prev = jnp.where(has, jnp.take_along_axis(tokens, last, axis=1)[:, 0], prev)
     if draft is not None:
-        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first)
+        # (a feature head also takes the target's features)
+        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first, *feats)
     return pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
 
 

@@ -45,8 +45,9 @@ def _set_rows(dst, src, rows, axis):
 
 
 def _cache_set_rows(dst: kv.KVCache, src: kv.KVCache, rows) -> kv.KVCache:
-    return kv.KVCache(k=_set_rows(dst.k, src.k, rows, 1), v=_set_rows(dst.v, src.v, rows, 1),
-                      lengths=_set_rows(dst.lengths, src.lengths, rows, 0))
+    # every field of the cache's kind (a feature head's cache carries its feature too)
+    return dataclasses.replace(dst, **{f.name: _set_rows(getattr(dst, f.name), getattr(src, f.name), rows,
+                                                         kv.batch_axis(f.name)) for f in dataclasses.fields(dst)})
 
 
 @partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
@@ -64,7 +65,9 @@ def insert_rows(state: StepState, new: StepState, rows, layout: Layout | None = 
 
 def _cache_take(c: kv.KVCache, idx) -> kv.KVCache:
     src = jnp.maximum(idx, 0)
-    return kv.KVCache(k=c.k[:, src], v=c.v[:, src], lengths=jnp.where(idx >= 0, c.lengths[src], 0))
+    return dataclasses.replace(c, **{f.name: getattr(c, f.name)[(slice(None),) * kv.batch_axis(f.name) + (src,)]
+                                     for f in dataclasses.fields(c) if f.name != "lengths"},
+                               lengths=jnp.where(idx >= 0, c.lengths[src], 0))
 
 
 @partial(jax.jit, static_argnames=("layout",))
@@ -120,7 +123,7 @@ class StepTable:
         draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
         teacher = self.teacher_topk if op in ("step", "verify") else 0
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
-                          self.layout, steps)
+                          self.layout, steps, draft.features if draft is not None else ())
 
     def _compile(self, key, fn, *args):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache

@@ -183,12 +183,14 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask, pack=None, layout=None):
+           positions, block_mask, pack=None, layout=None, embed_in=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
     the old buffer is pending (reading first measured two full-cache copies per step).
     ``pack``: x holds only the block's real tokens ([P, D], see ``forward``); the projections
-    and the MLP run on those rows, attention on the [B, T] block."""
+    and the MLP run on those rows, attention on the [B, T] block. ``embed_in``: token
+    embeddings [B, T, D] of a feature head's layer (drafters.eagle, EAGLE-3): q/k/v then read
+    [norm(embedding), norm(x)] (wq/wk/wv of 2D rows) while the residual stream stays x."""
     B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
@@ -197,6 +199,8 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
         return dense(a, lp[name], fwd, lp.get(name + ROWS_SUFFIX))
 
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    if embed_in is not None:
+        h = jnp.concatenate([rms_norm(embed_in, lp["embed_norm"], cfg.rms_eps), h], axis=-1)
     q = proj(h, "wq")
     k = proj(h, "wk")
     v = proj(h, "wv")
@@ -235,8 +239,9 @@ def forward(
     return_hidden: bool = False,
     pack: jax.Array | None = None,
     layout=None,
+    features: tuple[int, ...] = (),
 ):
-    """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden])``.
+    """Run T new tokens per row; returns ``(logits, cache_with_block_written[, hidden][, features])``.
 
     tokens, positions: [B, T] int32. block_mask: [B, T, T] bool.
     num_layers: run only the first n layers (layer-skip draft); the cache must
@@ -251,12 +256,18 @@ def forward(
       attention and the cache write see the [B, T] block. Logits come back as [B, T, V] with
       zeros at the positions not packed, whose cache entries are written but meaningless.
     layout: a sharded engine's sharding.Layout (the Pallas attention kernel runs under shard_map).
+    features: layer indices whose inputs (the residual stream entering them) come back too, as
+      one [B, T, len(features) * D] array after the others (a feature head's drafting signal,
+      ``feature_layers``; every block position, packed ones unpacked). Empty (the default) adds
+      nothing to the traced program.
     """
     layers = params["layers"]
     stacked = isinstance(layers, dict)
     if stacked != fwd.scan_layers:
         raise ValueError("ForwardOptions.scan_layers needs params from llama.stack_layers (and the list form needs "
                          "it off)")
+    if features and stacked:
+        raise ValueError("target features (a feature head) are taken from the per-layer list, not scan_layers")
     if num_layers is not None:
         layers = jax.tree_util.tree_map(lambda a: a[:num_layers], layers) if stacked else layers[:num_layers]
     n_layers = next(iter(layers.values())).shape[0] if stacked else len(layers)
@@ -288,7 +299,10 @@ def forward(
 
         (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
     else:
+        taken = {}
         for i, lp in enumerate(layers):
+            if i in features:
+                taken[i] = x
             x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
                                      cache.lengths, positions, block_mask, pack, layout)
             x = pin(x)
@@ -304,9 +318,18 @@ def forward(
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
     if pack is not None:
         logits = unpack_rows(logits, pack, B, T)
-    if return_hidden:
-        return logits, new_cache, hidden
-    return logits, new_cache
+    out = (logits, new_cache) + ((hidden,) if return_hidden else ())
+    if features:
+        feats = jnp.concatenate([taken[i] for i in features], axis=-1)
+        out += (feats if pack is None else unpack_rows(feats, pack, B, T),)
+    return out
+
+
+def feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose inputs an EAGLE-3 head reads: a low, a middle and a high one (2, N/2 and
+    N - 3, the common convention), clamped into 0..N-1 for tiny models (repeats allowed: the
+    head always fuses three)."""
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
 
 
 def init_cache_for(cfg: ModelConfig, batch: int, slots: int, dtype=jnp.float32, num_layers: int | None = None) -> kv.KVCache:

@@ -1,0 +1,240 @@
+"""EAGLE-style feature head (EAGLE-3 layout): a device drafter that drafts from the target's own
+hidden states.
+
+The target forward (prefill and every chain step) also returns the inputs of a low, a middle
+and a high layer (``llama.feature_layers``; ``CompileKey.features``). The head fuses them
+(``fc``: 3D -> D) and runs ONE decoder layer of the target's structure (``llama._layer``) whose
+attention reads [the token's embedding (the target's, shared), the feature] while its residual
+stream is the feature; the layer's output, through the target's final norm and a head over a
+reduced vocabulary (N frequent target ids, logits scattered back to the full vocabulary with
+-inf elsewhere, so q stays an exact distribution), gives the next token. Drafting is a chain:
+each draft feeds the head's own output hidden as the next feature, as EAGLE does.
+
+Alignment: the head's entry at position p pairs token x_p with the fused target feature of
+position p - 1 (zeros for p = 0), so it predicts x_{p+1}, as the target at p does. Its cache
+(``cache.FeatureCache``, one layer) keeps, at the start of every step, the entries of every
+committed position (its length equals the target's) and ``feat``, the fused target feature of
+the last committed position, which goes with the pending token. Drafting writes speculative
+entries from the head's own features; after verification, in the same executable,
+``catch_up`` rewrites the block's entries with the target's real features and commits the
+accepted ones (a K = 0 step commits its one entry too, so the head never falls behind).
+
+Params (``init_params``): ``fc`` [3D, D]; ``layer`` (``llama`` layer names; wq/wk/wv [2D, .],
+``embed_norm`` for the token half); ``lm_head`` [D, N] and ``vocab_ids`` [N]; plus the
+target's ``embed`` and ``final_norm``, shared (never copied, never saved with the head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import cache as kv
+from specjax import ondisk
+from specjax.config import ModelConfig
+from specjax.drafters.device import DeviceDrafter, ModelDraft, frequent_tokens
+from specjax.errors import SpecjaxError, require
+from specjax.models import llama
+from specjax.models.options import ForwardOptions
+
+DEFAULT_VOCAB = 32768  # reduced head rows (EAGLE-3's draft vocabulary), at most the target's
+HEAD_FILE = "eagle.json"
+_SHARED = ("embed", "final_norm")  # the target's arrays the head runs with
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDraft(ModelDraft):
+    """The head as the compiled step runs it (hashable: part of the compile key). ``cfg``: the
+    target's config as a one-layer model; ``features``: the target layers it reads."""
+
+    label: str = "eagle"
+    features: tuple[int, ...] = ()
+
+    def init_cache(self, B, slots, dtype):
+        c = llama.init_cache_for(self.cfg, B, slots, dtype)
+        return kv.FeatureCache(k=c.k, v=c.v, lengths=c.lengths, feat=jnp.zeros((B, self.cfg.hidden_size), dtype))
+
+    def _fuse(self, dparams, feats):
+        """Target features [B, T, 3D] -> the head's feature space [B, T, D]."""
+        return jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32).astype(feats.dtype)
+
+    def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True):
+        """The head's layer on a block: (output hidden [B, T, D], dc with the block's K/V written
+        at its lengths)."""
+        rope = llama.rope_tables(positions, llama.rope_inv_freq(self.cfg))
+        x, k, v = llama._layer(self.cfg, rope, ForwardOptions(), use_prefix, feat, dparams["layer"], dc.k, dc.v, 0,
+                               dc.lengths, positions, mask, embed_in=dparams["embed"][tokens])
+        return x, dataclasses.replace(dc, k=k, v=v)
+
+    def _logits(self, dparams, h):
+        x = llama.rms_norm(h, dparams["final_norm"], self.cfg.rms_eps)
+        return self._full(dparams, jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32))
+
+    def _feed(self, dparams, dc: kv.FeatureCache, tok, feat):
+        """One entry per row (token, feature) at the cache's lengths: (logits of the next token,
+        dc advanced by one, its ``feat`` the head's own output: the next entry's feature)."""
+        B = tok.shape[0]
+        h, dc = self._forward(dparams, dc, tok[:, None], feat[:, None], dc.lengths[:, None], llama.causal_mask(B, 1))
+        dc = dataclasses.replace(kv.advance(dc, jnp.ones((B,), jnp.int32)), feat=h[:, 0])
+        return self._logits(dparams, h[:, 0]), dc
+
+    # ModelDraft.draft / propose run their chain through these two.
+    def _refeed(self, dparams, dcache, prev, pending, target_lengths):
+        """The pending token with the last committed position's real feature: the first draft."""
+        return self._feed(dparams, kv.set_lengths(dcache, target_lengths), pending, dcache.feat)
+
+    def _next(self, dparams, dc, d):
+        return self._feed(dparams, dc, d, dc.feat)
+
+    def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool, feats=None):
+        """One prefill chunk: entries for the chunk's tokens, each with the fused target feature of
+        the position before it (the carried ``feat`` for the first)."""
+        fused = self._fuse(dparams, feats)
+        g = jnp.concatenate([dcache.feat[:, None], fused[:, :-1]], axis=1)
+        _, dc = self._forward(dparams, dcache, tokens, g, positions, mask, use_prefix=not first)
+        last = jnp.take_along_axis(fused, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+        return dataclasses.replace(kv.advance(dc, n_valid), feat=jnp.where((n_valid > 0)[:, None], last, dcache.feat))
+
+    def catch_up(self, dparams, dcache, feat0, block, feats, lengths, n_commit):
+        """After verification: the step's block [pending, d_1..d_K] at the target's positions
+        ``lengths`` + i, each token with the real feature of the position before it (``feat0``,
+        the step's carried one, for the pending token), written over the draft-time entries;
+        the first ``n_commit`` (accepted + 1; 0 for inactive rows) are committed and the feature
+        of the last committed position is carried."""
+        B, T = block.shape
+        fused = self._fuse(dparams, feats)
+        g = jnp.concatenate([feat0[:, None], fused[:, :-1]], axis=1)
+        pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        _, dc = self._forward(dparams, kv.set_lengths(dcache, lengths), block, g, pos, llama.causal_mask(B, T))
+        last = jnp.take_along_axis(fused, jnp.maximum(n_commit - 1, 0)[:, None, None], axis=1)[:, 0]
+        return dataclasses.replace(kv.advance(dc, n_commit), feat=jnp.where((n_commit > 0)[:, None], last, feat0))
+
+
+def head_config(cfg: ModelConfig) -> ModelConfig:
+    """The target's config as the head's one-layer model (its own head, not tied)."""
+    return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False)
+
+
+def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0) -> tuple[EagleDraft, dict]:
+    """A random-initialised head for the target (``cfg``, ``params``): (EagleDraft, its params).
+    ``vocab_ids``: the reduced head's target ids (default: ``frequent_tokens`` with no counts, the
+    ``DEFAULT_VOCAB`` lowest ids, BPE's earliest merges); its rows start as the target head's
+    rows for those ids (copied), the rest is drawn with ``seed``."""
+    D, H, Hkv, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if vocab_ids is None:
+        vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
+    ids = _check_ids(vocab_ids, cfg.vocab_size)
+    dtype = params["embed"].dtype
+    rng = np.random.default_rng(seed)
+
+    def w(rows, cols):
+        return jnp.asarray(rng.standard_normal((rows, cols), dtype=np.float32) / math.sqrt(rows), dtype)
+
+    layer = {"embed_norm": jnp.ones((D,), dtype), "attn_norm": jnp.ones((D,), dtype), "wq": w(2 * D, H * hd),
+             "wk": w(2 * D, Hkv * hd), "wv": w(2 * D, Hkv * hd), "wo": w(H * hd, D), "mlp_norm": jnp.ones((D,), dtype),
+             "w_gate": w(D, F), "w_up": w(D, F), "w_down": w(F, D)}
+    if cfg.qkv_bias:
+        layer.update(bq=jnp.zeros((H * hd,), dtype), bk=jnp.zeros((Hkv * hd,), dtype), bv=jnp.zeros((Hkv * hd,), dtype))
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    trainable = {"fc": w(3 * D, D), "layer": layer, "lm_head": jnp.take(head, jnp.asarray(ids), axis=1)}
+    return _draft(cfg, ids), with_target(trainable, ids, params)
+
+
+def _check_ids(vocab_ids, V: int) -> np.ndarray:
+    ids = np.asarray(vocab_ids)
+    require(ids.ndim == 1 and ids.size >= 1 and np.issubdtype(ids.dtype, np.integer),
+            f"a reduced vocabulary is a 1-D list of token ids, got shape {ids.shape} of {ids.dtype}")
+    require(ids.min() >= 0 and ids.max() < V and len(np.unique(ids)) == ids.size,
+            f"reduced vocabulary ids must be distinct ids of the target's {V} tokens")
+    return ids.astype(np.int32)
+
+
+def _draft(cfg: ModelConfig, ids: np.ndarray) -> EagleDraft:
+    return EagleDraft(head_config(cfg), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers))
+
+
+def with_target(trainable, vocab_ids, params) -> dict:
+    """The head's params as the step runs them: its own arrays plus the target's shared ones."""
+    return {**trainable, "vocab_ids": jnp.asarray(vocab_ids, jnp.int32), **{k: params[k] for k in _SHARED}}
+
+
+def trainable_of(dparams) -> dict:
+    """The head's own arrays (what is trained and saved): not the target's, not the id map."""
+    return {k: v for k, v in dparams.items() if k not in _SHARED and k != "vocab_ids"}
+
+
+def _checkpoints(directory: str, cfg: ModelConfig, draft: EagleDraft, trainable, ids):
+    from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
+
+    return DistillCheckpoints(directory, fingerprint(cfg, draft.cfg, trainable, ids), max_to_keep=1)
+
+
+def save_head(directory: str, cfg: ModelConfig, dparams) -> None:
+    """Write the head (its own arrays, orbax, recorded like a distilled draft's checkpoints) and
+    ``eagle.json`` (target, feature layers, vocabulary ids) to ``directory``."""
+    ids = np.asarray(dparams["vocab_ids"], np.int32)
+    draft = _draft(cfg, ids)
+    spec = {"target": cfg.name, "vocab_size": cfg.vocab_size, "features": list(draft.features),
+            "vocab_ids": ids.tolist()}
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise SpecjaxError(f"cannot write an EAGLE head to {directory}: {e}".splitlines()[0]) from None
+    if not ondisk.write(os.path.join(directory, HEAD_FILE), json.dumps(spec).encode()):
+        raise SpecjaxError(f"cannot write an EAGLE head to {directory}")
+    trainable = trainable_of(dparams)
+    ck = _checkpoints(directory, cfg, draft, trainable, ids)
+    ck.save_next(trainable, {}, {"kind": "eagle"})
+
+
+def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dict]:
+    """(EagleDraft, params) of the head saved in ``directory`` for this target; a directory
+    without one, or a head of another target: a one-line SpecjaxError."""
+    blob = ondisk.read(os.path.join(directory, HEAD_FILE))
+    if blob is None:
+        raise SpecjaxError(f"{directory} holds no EAGLE head ({HEAD_FILE} is missing or damaged)")
+    try:
+        spec = json.loads(blob)
+        target, V, layers, ids = spec["target"], spec["vocab_size"], spec["features"], spec["vocab_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"{directory}/{HEAD_FILE} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) \
+            from None
+    if target != cfg.name or V != cfg.vocab_size or tuple(layers) != llama.feature_layers(cfg.num_layers):
+        raise SpecjaxError(f"{directory} holds an EAGLE head of {target} ({V} tokens, features of layers {layers}), "
+                           f"not of {cfg.name}")
+    ids = _check_ids(np.asarray(ids), cfg.vocab_size)
+    draft, template = init_params(cfg, params, ids)  # (the structure to restore into; values replaced)
+    trainable = trainable_of(template)
+    got = _checkpoints(directory, cfg, draft, trainable, ids).restore(trainable, {})
+    if got is None:
+        raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
+    return draft, with_target(got[1], ids, params)
+
+
+class EagleDrafter(DeviceDrafter):
+    """The head in the engine: DeviceDrafter's chain path (K drafts inside the step, the draft
+    prefill with its gate), with the target's features flowing through the compile key.
+    Drafting ahead of the policy's choice (confidence policies) is not built for it: the verify
+    step it needs would have to catch the head up too."""
+
+    def propose(self, be, rs, k_max, threshold=None):
+        require(threshold is None, "the eagle drafter drafts inside the step; confidence-based proposal "
+                "(smartspec-conf) is not available for it")
+        return super().propose(be, rs, k_max)
+
+    def warm_steps(self, B, ks, greedy, tokens, ahead):
+        require(ahead == 0, "the eagle drafter has no draft-ahead path (smartspec-conf / draft_first)")
+        return super().warm_steps(B, ks, greedy, tokens, ahead)
+
+
+def build(model, head: str | None = None) -> EagleDrafter:
+    """The eagle drafter on ``model`` (a LoadedModel): the head saved in ``head`` (a directory,
+    ``save_head``), else a random-initialised one (``init_params``' defaults)."""
+    if head:
+        return EagleDrafter(*load_head(head, model.cfg, model.params))
+    return EagleDrafter(*init_params(model.cfg, model.params))

@@ -1,0 +1,219 @@
+"""The EAGLE-style feature head (drafters.eagle, issue 30 parts 1-2): target features cost nothing
+when off, the head's cache and carried feature after any mix of steps equal a prefill of what was
+committed (the catch-up uses the target's real features), greedy serving is token-identical to
+the autoregressive reference with requests joining and leaving, sampling is reproducible and
+verifies with the head's real draft distributions, and a head saves and loads."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import registry
+from specjax.drafters import eagle
+from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.loop import EventClock, ServingEngine
+from specjax.engine.scheduler import Request
+from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
+from specjax.engine.table import StepTable
+from specjax.errors import SpecjaxError
+from specjax.goodput import FixedK
+from specjax.models import llama
+from specjax.reference_ar import reference_generate
+from specjax.sampling import SamplingArrays, SamplingParams
+
+SLOTS = 64
+MAX_NEW = 12
+VOCAB_IDS = np.arange(0, 256, 2)  # a reduced head: half the tiny model's tokens
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, 255, size=int(rng.integers(3, 15)))] for _ in range(n)]
+
+
+PROMPTS = _prompts(5)
+
+
+class OpClock(EventClock):
+    """1 ms per engine operation, so arrivals interleave with steps the same way on any machine."""
+
+    def advance(self, dt: float) -> None:
+        self.t += 0.001
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    cfg, params = tiny
+    return eagle.init_params(cfg, params, VOCAB_IDS, seed=1)
+
+
+B = 4  # the one batch bucket: every test shares its few executables (compiling them is the file's cost)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny, head):
+    """One eagle backend for the module; its executables compile on first use (no warm-up)."""
+    cfg, params = tiny
+    return JaxBackend(cfg, params, drafter=eagle.EagleDrafter(*head), k_buckets=(0, 2), batch_buckets=(B,),
+                      slots=SLOTS)
+
+
+def test_features_off_adds_nothing(tiny, backend):
+    """With no feature head the forward and the steps lower to the programs without features (the
+    off path asks for none and returns none); with one, the step carries the [B, K+1, 3D]
+    features (byte-identity of the off path with main's was checked when this was built)."""
+    cfg, params = tiny
+    T = 3
+    toks, pos = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32)
+    cache = llama.init_cache_for(cfg, B, 16)
+
+    def lowered(**kw):
+        return jax.jit(lambda p, c: llama.forward(p, toks, pos, c, llama.causal_mask(B, T), cfg=cfg, **kw)
+                       ).lower(params, cache)
+
+    assert lowered().as_text() == lowered(features=()).as_text()
+    on = lowered(features=llama.feature_layers(cfg.num_layers))
+    assert len(on.out_info) == 3 and on.out_info[2].shape == (B, T, 3 * cfg.hidden_size)
+
+    feat = f"tensor<{B}x{T}x{3 * cfg.hidden_size}xf32>"  # the step's block features
+    off_table = StepTable(cfg, params, params)
+    assert off_table.key("step", B, SLOTS, True, k=2).features == ()
+    assert feat not in _step_text(off_table)
+    assert backend.table.key("step", B, SLOTS, True, k=2).features == llama.feature_layers(cfg.num_layers)
+    assert feat in _step_text(backend.table)
+
+
+def _step_text(table):
+    from specjax.engine.step import spec_step_jit
+
+    key = table.key("step", B, SLOTS, True, k=2)
+    return spec_step_jit.lower(table.params, table.dparams, table.state_info(B, SLOTS), table._sds((B, 2), jnp.int32),
+                               table._sds((B,), jnp.int32), table._sds((B,), jnp.bool_), table._abstract_samp(B),
+                               None, None, key=key).as_text()
+
+
+@pytest.mark.parametrize("greedy,steps", [(False, (2, 2, 2)), (True, (2, 0, 2))])
+def test_head_state_equals_a_prefill_of_what_was_committed(backend, greedy, steps):
+    """After a prefill and chain steps (K = 2 with drafts accepted and rejected; K = 0), row 0's
+    committed head cache entries and carried feature are those a prefill of its committed tokens
+    gives: every committed position is caught up with the target's real features, none keeps the
+    head's own. Sampled at a high temperature, drafts of a random head get accepted."""
+    t = backend.table
+    prompt = [5, 17, 42, 9, 100]
+    samp = SamplingArrays.build([SamplingParams(temperature=0.0 if greedy else 20.0, seed=3)], B)
+    put = jax.device_put
+    active = put(np.arange(B) == 0)
+
+    def prefill(tokens):
+        toks = np.zeros((B, 16), np.int32)
+        toks[0, :len(tokens)] = tokens
+        exe = t.prefill(B, 16, SLOTS, greedy, True)
+        return exe(backend.params, backend.dparams, put(toks), put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+
+    state = prefill(prompt)
+    out, accepted = [int(state.pending[0])], 0
+    for K in steps:
+        exe = t.step(B, K, SLOTS, greedy)
+        state, o = exe(backend.params, backend.dparams, state, put(np.zeros((B, max(K, 1)), np.int32)),
+                       put(np.full(B, K, np.int32)), active, samp, None, None)
+        n = int(o.n_accepted[0])
+        accepted += n
+        out += [int(x) for x in o.tokens[0, :n + 1]]
+    L = int(state.cache.lengths[0])
+    assert L == len(prompt) + len(out) - 1 and (greedy or accepted > 0)
+    ref = prefill((prompt + out)[:L])
+    got, want = state.dcache, ref.dcache
+    assert int(got.lengths[0]) == int(want.lengths[0]) == L
+    np.testing.assert_allclose(got.k[:, 0, :, :L], want.k[:, 0, :, :L], atol=1e-5)
+    np.testing.assert_allclose(got.v[:, 0, :, :L], want.v[:, 0, :, :L], atol=1e-5)
+    np.testing.assert_allclose(got.feat[0], want.feat[0], atol=1e-5)
+
+
+def test_row_operations_carry_the_feature(backend):
+    """Resizing and inserting rows move a feature head's carried feature with its row."""
+    from specjax.engine.table import insert_rows, take_rows
+
+    info = backend.table.state_info(B, SLOTS)
+    state = jax.tree_util.tree_map(lambda s: jnp.asarray(np.random.default_rng(0).standard_normal(s.shape), s.dtype),
+                                   info)
+    feat = np.asarray(state.dcache.feat)
+    taken = take_rows(state, jnp.array([2, -1, 0, 1], jnp.int32))
+    np.testing.assert_array_equal(taken.dcache.feat[jnp.array([0, 2, 3])], feat[[2, 0, 1]])
+    np.testing.assert_array_equal(taken.dcache.k[:, 0], state.dcache.k[:, 2])
+    new = jax.tree_util.tree_map(lambda a: a + 1, state)
+    ins = insert_rows(state, new, jnp.array([3, B, B, B], jnp.int32))  # new row 0 -> row 3, the rest dropped
+    np.testing.assert_array_equal(ins.dcache.feat[3], np.asarray(new.dcache.feat[0]))
+    np.testing.assert_array_equal(ins.dcache.feat[:3], feat[:3])
+
+
+def test_greedy_token_identical_to_ar_with_joins_and_leaves(tiny, backend):
+    """Requests join a running batch and leave it at different steps (up to 3 at once), and a
+    late one runs alone (batch 1, in the 4-row state)."""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    backend.reset()
+    eng = ServingEngine(backend, FixedK(2), clock=OpClock())
+    reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
+    outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
+    for o, r in zip(outs, ref + [ref[1]]):
+        assert o.tokens == r, f"{o.id} diverged from autoregressive greedy"
+    sizes = [s.n for s in eng.steps]
+    assert max(sizes) >= 3 and sizes[-1] == 1
+
+
+def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
+    """At T > 0 the same seeds give the same tokens, and drafts are accepted at the rate exact
+    speculative sampling gives with the head's distribution q (sum of min(p, q), about a half at a
+    high temperature with half the vocabulary); verifying as if q were one-hot at the draft would
+    accept about p(draft) ~ 1/256."""
+    def run():
+        backend.reset()
+        eng = ServingEngine(backend, FixedK(2))
+        outs = eng.run([Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=20.0, seed=10 + i))
+                        for i, p in enumerate(PROMPTS[:3])])
+        return [o.tokens for o in outs], eng.counts
+
+    a, counts = run()
+    b, _ = run()
+    assert a == b
+    assert counts.drafted > 20 and counts.accepted / counts.drafted > 0.2, (counts.accepted, counts.drafted)
+
+
+def test_reduced_head_drafts_only_its_tokens(tiny, head):
+    """The head's q is a distribution over the target's vocabulary with zeros outside its N ids."""
+    from specjax.sampling import probs_from_logits
+
+    cfg, _ = tiny
+    draft, dparams = head
+    samp = SamplingArrays.build([SamplingParams(temperature=1.0, seed=1)] * 2, 2)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((2, cfg.hidden_size)), jnp.float32)
+    q = np.asarray(jax.jit(lambda dp, h: probs_from_logits(draft._logits(dp, h), samp))(dparams, h))
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), VOCAB_IDS)
+    assert (q[..., outside] == 0).all() and (q[..., VOCAB_IDS] > 0).all()
+
+
+def test_save_load_and_registry(tiny, head, tmp_path):
+    """A saved head loads back exactly (through ``--eagle_head`` too), the target's shared arrays
+    are not in it, and a head of another target is refused; the eagle drafter does not draft ahead."""
+    cfg, params = tiny
+    draft, dparams = head
+    eagle.save_head(str(tmp_path), cfg, dparams)
+    model = types.SimpleNamespace(cfg=cfg, params=params)
+    d = registry.drafter_parts(model, "eagle", k=2, eagle_head=str(tmp_path))["drafter"]
+    assert isinstance(d, eagle.EagleDrafter) and d.draft == draft
+    for k in ("fc", "lm_head", "vocab_ids"):
+        np.testing.assert_array_equal(d.params[k], dparams[k])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, d.params["layer"], dparams["layer"])
+    assert d.params["embed"] is params["embed"]  # shared, not copied
+    with pytest.raises(SpecjaxError, match="not of other"):
+        eagle.load_head(str(tmp_path), cfg.replace(name="other"), params)
+    with pytest.raises(SpecjaxError, match="holds no EAGLE head"):
+        eagle.load_head(str(tmp_path / "none"), cfg, params)
+    with pytest.raises(SpecjaxError, match="drafts ahead"):
+        EngineSpec(model="tiny-random", drafter=DrafterSpec("eagle", k=2), policy=PolicySpec("smartspec-conf"))
