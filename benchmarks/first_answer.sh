@@ -1,12 +1,16 @@
 #!/bin/bash
-# whole-process time to the README main job's answer, cold and warm compilation cache
+# Whole-process time to the README main job's answer, from an empty executable cache (run 1) and
+# then warm (runs 2-6), per drafter. Drafters: the arguments (default: every one; draft_model
+# drafts with the target itself, SmolLM2 having no smaller same-tokenizer sibling in the package).
 cd "$(dirname "$0")/.." && { [ -f .venv/bin/activate ] && . .venv/bin/activate; }
 OUT=${TMPDIR:-/tmp}/specjax_first_answer; mkdir -p $OUT
-for d in none suffix; do
+DRAFTERS=${*:-none prompt_lookup suffix suffix_path hybrid layer_skip draft_model eagle}
+for d in $DRAFTERS; do
+  extra=(); [ $d = draft_model ] && extra=(--draft_model smollm2-135m)
   export SPECJAX_CACHE_DIR=$OUT/cache_$d; rm -rf $SPECJAX_CACHE_DIR
   for i in 1 2 3 4 5 6; do
     s=$(date +%s.%N)
-    python launch/generate.py --chat --prompt "What is the capital of France?" --drafter $d > $OUT/out 2>$OUT/err
+    python launch/generate.py --chat --prompt "What is the capital of France?" --drafter $d "${extra[@]}" > $OUT/out 2>$OUT/err
     e=$(date +%s.%N)
     echo "$d run $i: $(echo "$e - $s" | bc) s; $(head -1 $OUT/out); $(grep -o 'compilation.*' $OUT/err | head -1)"
   done

@@ -106,10 +106,12 @@ def test_jsonl_records_errors_and_resumes(tmp_path, seed):
     assert {x["id"]: x for x in recs} == first, seed
 
 
+@pytest.mark.slow
 def test_two_processes_split_a_jsonl_job(tmp_path):
     """--num_processes 2 (jax.distributed over a local coordinator): each process serves its share
     of the records and the last to finish writes the output, in input order, with the records
-    one process writes."""
+    one process writes. (Slow: the job layer it runs, specjax.jobs, is batch.py's too, and the
+    default suite runs it in two processes there, on a mesh: test_sharding's two-process job.)"""
     import socket
 
     inp, one, two = tmp_path / "in.jsonl", tmp_path / "one.jsonl", tmp_path / "two.jsonl"
