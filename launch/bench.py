@@ -112,7 +112,9 @@ def validate_flags():
     if not [p for p in raw if p.strip()]:
         raise SpecjaxError("--policies is empty; give e.g. auto,2,4,8")
     # one EngineSpec per (drafter, policy) pair, each validated
-    specs = {(d, p.strip()): cli.engine_spec_from_flags(drafter=d, policy=p) for p in raw if p.strip() for d in drafters}
+    # (keyed by the policy's resolved name, which a run's tables use: "0" is "none")
+    built = [(d, cli.engine_spec_from_flags(drafter=d, policy=p)) for p in raw if p.strip() for d in drafters]
+    specs = {(d, sp.policy.name): sp for d, sp in built}
     policies = list(dict.fromkeys(s.policy.name for s in specs.values()))
     if len(policies) != len([p for p in raw if p.strip()]):
         raise SpecjaxError(f"--policies lists a policy twice: {[p.strip().lower() for p in raw if p.strip()]}")

@@ -175,13 +175,14 @@ def test_bench_several_policies_per_drafter(tmp_path):
     js = tmp_path / "b.json"
     r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",
             "--max_new_tokens", "16", "--draft_layers", "2", "--max_prompt_tokens", "60",
-            "--drafters", "prompt_lookup,layer_skip", "--policies", "auto,1,4", "--perf_models", perf,
+            "--drafters", "prompt_lookup,layer_skip", "--policies", "auto,0,4", "--perf_models", perf,
             "--json_out", str(js))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(js.read_text())
-    names = [f"{d}@{p}" for d in ("prompt_lookup", "layer_skip") for p in ("auto", "1", "4")]
-    assert [m["name"] for m in res["config"]["methods"]] == names and res["config"]["policies"] == ["auto", "1", "4"]
-    assert [m["label"] for m in res["config"]["methods"]][:3] == ["SmartSpec", "K=1", "K=4"]
+    # ("0" is the policy "none": a drafter's K = 0 path, compared with AR)
+    names = [f"{d}@{p}" for d in ("prompt_lookup", "layer_skip") for p in ("auto", "none", "4")]
+    assert [m["name"] for m in res["config"]["methods"]] == names and res["config"]["policies"] == ["auto", "none", "4"]
+    assert [m["label"] for m in res["config"]["methods"]][:3] == ["SmartSpec", "no-SD", "K=4"]
     assert res["num_mismatches"] == 0 and res["timing"]["compile_events_during_timing"] == 0
     for i, row in enumerate(res["prompts"]):
         assert row["order"][0] == "ar" and row["order"][1:] == names[i % 6:] + names[:i % 6]
