@@ -72,6 +72,11 @@ flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "
 
 flags.DEFINE_list("kernel_variants", ["auto", "no_split", "split5_q16"],
                   "GPU kernel configurations the kernels section checks (names in KERNEL_VARIANTS).")
+flags.DEFINE_enum("kernel_grid", "full", ["full", "quick"],
+                  "kernels section: the full grid (80 cases x variants; ~3 min on a GPU) or 8 cases that cover "
+                  "the shapes that once failed (fp32, 64 nodes, 7-8 query heads per KV head), chains, stars and MHA.")
+flags.DEFINE_list("timing_contexts", ["1024", "4096", "16384"], "kernel_timing section: context lengths.")
+flags.DEFINE_list("timing_tree_sizes", ["1", "8", "32", "64"], "kernel_timing section: tree sizes N.")
 flags.DEFINE_list("timing_variants", ["unsplit", "no_split"],
                   "GPU kernel configurations kernel_timing times beside the default one (names in KERNEL_VARIANTS).")
 
@@ -140,6 +145,10 @@ def section_kernels(out):
         for (H, Hkv) in ((4, 4), (8, 2)) if FLAGS.tiny else ((32, 32), (32, 8), (28, 4), (8, 1)):
             for N, kind in ((1, "chain"), (5, "chain"), (8, "star"), (16, "random"), (64, "random")):
                 grid.append((dtype, H, Hkv, N, kind))
+    if FLAGS.kernel_grid == "quick" and not FLAGS.tiny:
+        grid = [("float32", 28, 4, 64, "random"), ("float32", 8, 1, 64, "random"), ("float32", 32, 8, 64, "random"),
+                ("bfloat16", 32, 8, 1, "chain"), ("bfloat16", 32, 8, 16, "random"), ("float32", 32, 32, 5, "chain"),
+                ("bfloat16", 28, 4, 64, "random"), ("float32", 32, 8, 8, "star")]
     rows = []
     ok_all = True
     for dtype, H, Hkv, N, kind in grid:
@@ -192,7 +201,7 @@ def section_kernel_timing(out):
 
     variants = {v: KERNEL_VARIANTS[v] for v in FLAGS.timing_variants} if jax.default_backend() != "tpu" else {}
     size = dict(bench.SIZES["tiny"]) if FLAGS.tiny else dict(
-        contexts=(1024, 4096, 16384), tree_sizes=(1, 8, 32, 64), batches=(1, 8), heads=(32, 8), head_dim=128,
+        contexts=tuple(map(int, FLAGS.timing_contexts)), tree_sizes=tuple(map(int, FLAGS.timing_tree_sizes)), batches=(1, 8), heads=(32, 8), head_dim=128,
         reps=FLAGS.reps)
     copy = bench.copy_bandwidth(1 << (22 if FLAGS.tiny else 30))
     res = {}
