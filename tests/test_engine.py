@@ -119,7 +119,7 @@ def test_greedy_lossless_with_joins_and_leaves(backends, reference, drafter, pol
         assert o.arrival <= o.admitted <= o.first_token <= o.finished
     sizes = [s.n for s in eng.steps]
     assert max(sizes) > 1 and min(sizes) == 1, sizes  # batches formed and drained
-    assert be.resizes >= 2  # grew to 4 and compacted back
+    assert be.resizes >= 2, " ".join(f"{s.n},{s.bucket},{s.k}" for s in eng.steps)  # grew to 4 and compacted back
     # Step records carry the bucket the live state really ran at (a lone request runs at 4
     # until compaction) and the cache operations each step ran besides the forward pass.
     assert any(s.n == 1 and s.bucket == 4 for s in eng.steps) and any(s.n == 1 and s.bucket == 1 for s in eng.steps)

@@ -5,6 +5,8 @@ calls, switches between speculative steps and decode calls, and the counts the o
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,9 @@ from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import EventClock, ServingEngine
 from specjax.engine.options import DEFAULT_DECODE_STEPS, BackendOptions
 from specjax.engine.scheduler import Request
-from specjax.goodput import FixedK, Policy
+from specjax.goodput import FixedK, GoodputPolicy, Policy
+from specjax.goodput.perf_model import LinearCost, StepCostModel
+from specjax.goodput.selector import BatchView
 from specjax.reference_ar import reference_generate
 from specjax.sampling import SamplingParams
 
@@ -50,7 +54,7 @@ def be(tiny):
 
 def test_decode_calls_by_default_where_nothing_is_decided():
     assert BackendOptions(k_buckets=(0,)).plain_decode_steps() == DEFAULT_DECODE_STEPS > 1  # Generator: plain AR
-    assert BackendOptions(k_buckets=(0, 2)).plain_decode_steps() == 1  # SmartSpec's engines: no extra executables
+    assert BackendOptions(k_buckets=(0, 2)).plain_decode_steps() == DEFAULT_DECODE_STEPS  # SmartSpec's runs of K = 0
     assert BackendOptions(k_buckets=(0,), teacher_topk=4).plain_decode_steps() == 1
     assert FixedK(0).plain_steps > N and FixedK(2).plain_steps == 1
 
@@ -160,3 +164,19 @@ def test_speculative_steps_and_decode_calls_share_a_state(be, reference):
     # The host drafter saw every token; the counts add up to the tokens generated.
     assert sorted(map(tuple, seen.values())) == sorted(tuple(p + o.tokens) for p, o in zip(PROMPTS, outs))
     assert eng.counts.accepted + eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
+
+
+def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
+    """SmartSpec choosing K = 0 again and again runs 1, 2, 4, ... K = 0 steps per call (the
+    backend's decode_steps caps it), with the reference's tokens; a K > 0 choice ends the run."""
+    costly = StepCostModel(target=LinearCost(0.0, 1e-2, 1e-3))  # every verified token costs: K = 0 wins
+    reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
+    outs, eng, calls = _serve(be, reqs, GoodputPolicy(costly))
+    assert [o.tokens for o in outs] == reference
+    assert calls.step == 1 and calls.decode[:3] == [2, 4, N] and max(calls.decode) == N
+    assert eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
+    cheap = GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2)))  # verifying is free: speculate
+    view = BatchView(ctx_lens=[20], bucket=1, k_options=(0, 2), request_ids=["a"], draft_lens=[2])
+    none = dataclasses.replace(view, draft_lens=[0])
+    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none, none, view, none)] == \
+        [(0, 1), (0, 2), (0, 4), (2, 1), (0, 1)]

@@ -337,6 +337,11 @@ class JaxBackend:
         cap = {r.uid: k if row_k is None else min(k, int(row_k[i])) for i, r in enumerate(rs)}
         inp = self.drafter.step_inputs(self, rs, k, cap)
         t0 -= inp.seconds  # drafting done for this step before it
+        if inp.k == 0 and self.decode_steps > 1:
+            # The one K = 0 program of a backend with decode calls: a call of one step (no
+            # second executable; the same tokens, spec_decode runs the K = 0 step inside).
+            toks = self._decode_call(rs, active, 1, [1] * len(rs), [False] * len(rs), None)
+            return [RowResult(t, 0, 0) for t in toks], time.perf_counter() - t0
         if inp.k == 0:
             inp = StepInputs.plain(B)
         self.last_k_step = k_step = inp.k
@@ -373,12 +378,19 @@ class JaxBackend:
         the first of ``eos_ids`` where ``eos_rows``, so exactly what as many single steps would
         emit before the engine retires it. Returns each request's tokens and the seconds."""
         t0 = time.perf_counter()
-        active = self._begin(rs)
+        return self._decode_call(rs, self._begin(rs), steps, left, eos_rows, eos_ids), time.perf_counter() - t0
+
+    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids) -> list[list[int]]:
+        """decode's call on the rows ``active`` (already begun); ``eos_ids`` None: no row stops
+        at an EOS (``eos_rows`` all False), whatever mask the device holds."""
         B = self.B
+        shrink = self.live.steps_left(len(self.row_of))
+        steps = steps if shrink is None else min(steps, shrink)
         rows = [self.row_of[r.uid] for r in rs]
         lf, er = np.zeros(B, np.int32), np.zeros(B, bool)
         lf[rows], er[rows] = left, eos_rows
-        if self._eos_mask[0] != eos_ids:
+        if self._eos_mask[1] is None or (eos_ids is not None and self._eos_mask[0] != eos_ids):
+            eos_ids = eos_ids or frozenset()  # (None: no row stops at EOS; keep the mask there is)
             mask = np.zeros(self.cfg.vocab_size, bool)
             mask[[e for e in eos_ids if 0 <= e < self.cfg.vocab_size]] = True
             self._eos_mask = (eos_ids, jax.device_put(mask))
@@ -387,13 +399,15 @@ class JaxBackend:
         exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
         inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)))
         host = np.asarray(self.run(exe, *kind.args(inputs, None, self.to_device(active), self.sampling(), None)))
-        self._steps_run += int(host[:, -1].max()) - 1  # (every step of the call counts: warmup's later_after_steps)
+        ran = int(host[:, -1].max())
+        self._steps_run += ran - 1  # (every step of the call counts: warmup's later_after_steps, compaction)
+        self.live.ran(len(self.row_of), ran - 1)
         out = []
         for r, row in zip(rs, rows):
             new = host[row, :host[row, -1]].tolist()
             self.drafter.extend(r.uid, new)
             out.append(new)
-        return out, time.perf_counter() - t0
+        return out
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
@@ -461,9 +475,11 @@ class JaxBackend:
         for B in bbs:
             for g in greedy_modes:
                 prefills += [(B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
-                steps += [StepJob(CHAIN, B, 0, g, t) for t in (0,) + self.token_options(B, 0)]  # plain decoding
-                if self.decode_steps > 1:
+                if self.decode_steps > 1:  # plain decoding: its calls, a single K = 0 step among them
                     steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size), B, 0, g))
+                else:
+                    steps.append(StepJob(CHAIN, B, 0, g, 0))
+                steps += [StepJob(CHAIN, B, 0, g, t) for t in self.token_options(B, 0)]
                 steps += self.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: self.token_options(B, K),
                                                  ahead)
             row_ops += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]

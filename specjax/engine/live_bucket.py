@@ -51,6 +51,18 @@ class LiveBucket:
         """The bucket a step of ``n`` running requests will run at (no state change)."""
         return max(self._shrink_target(n)[0], self.fit(n)) if self.B else self.fit(n)
 
+    def steps_left(self, n: int) -> int | None:
+        """Steps of ``n`` requests, counting the one before_step just applied, after which the
+        state compacts (a decode call runs no more, so that the compaction happens on time);
+        None: it will not compact at ``n``."""
+        return self.patience - self._small if self.B > 1 and n and self.fit(n) < self.B else None
+
+    def ran(self, n: int, steps: int) -> None:
+        """A decode call ran ``steps`` more steps of ``n`` requests after its before_step: they
+        count toward the patience too (a compaction they earn happens at the next before_step)."""
+        if self.B > 1 and n and steps > 0 and self.fit(n) < self.B:
+            self._small = min(self._small + steps, self.patience - 1)
+
     def before_step(self, n: int) -> tuple[int, int] | None:
         """Apply the shrink rule for a step of ``n`` requests; (old, new) when it compacts."""
         target, self._small = self._shrink_target(n)

@@ -32,8 +32,9 @@ class BackendOptions:
     layout: Layout | None = None  # shard over a mesh (params placed by its rules); None: one device
     shrink_patience: int = 8  # steps a batch must fit a smaller bucket before it is compacted
     # K = 0 steps one decode call may run (step.spec_decode), when the policy has no decision due
-    # between them; 1: every step its own call; None: DEFAULT_DECODE_STEPS when K = 0 is the only
-    # compiled K (plain decoding: no decision is ever due), else 1 (no extra executables)
+    # between them (plain decoding never decides; SmartSpec commits to runs of K = 0 once it keeps
+    # choosing it); 1: every step its own call; None: DEFAULT_DECODE_STEPS where a call can run
+    # them (one device, no teacher signal), else 1
     decode_steps: int | None = None
 
     def __post_init__(self):
@@ -49,7 +50,7 @@ class BackendOptions:
         """``decode_steps`` resolved (None: the default rule above)."""
         if self.decode_steps is not None:
             return self.decode_steps
-        return DEFAULT_DECODE_STEPS if self.k_buckets == (0,) and not self.teacher_topk and self.layout is None else 1
+        return DEFAULT_DECODE_STEPS if not self.teacher_topk and self.layout is None else 1
 
     def knobs(self, **changes) -> dict:
         """These options as keyword arguments (with ``changes``)."""

@@ -162,6 +162,7 @@ class GoodputPolicy(Policy):
         self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
+        self._plain_run = 0  # K = 0 choices in a row (plain_steps)
 
     @property
     def draft_threshold(self) -> float | None:
@@ -274,7 +275,17 @@ class GoodputPolicy(Policy):
             best_k = self._choose_per_request(view, best_k)
         if self.estimator == "confidence":
             self._gate_draft_call(view, best_k)
+        self._commit(best_k)
         return best_k
+
+    def _commit(self, k: int) -> None:
+        """K = 0 chosen again and again (a drafter that finds nothing on this text): commit to a
+        run of K = 0 steps that doubles with every such choice (1, 2, 4, ...; the backend's
+        decode_steps caps it), so the engine runs them as one device call with no proposal,
+        choice or host round trip per token, as plain decoding does. A K > 0 choice ends the
+        run: where speculation pays, a choice is due every step."""
+        self._plain_run = self._plain_run + 1 if k == 0 else 0
+        self.plain_steps = 1 << min(self._plain_run - 1, 16) if k == 0 else 1
 
     def _gate_draft_call(self, view: BatchView, best_k: int) -> None:
         """Draft ahead next step only where a moving-average choice with the drafts made inside
