@@ -47,7 +47,7 @@ flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_to
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size (and llama.cpp's max_ngram_size); "
                      "0 = their default (2).")
 flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
-flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/peers.lock): adds "
+flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/requirements-llamacpp-peer.txt): adds "
                     "the llama.cpp greedy (prefill and decode timed apart) vs llama.cpp prompt-lookup peer column "
                     "(GGUF models only).")
 flags.DEFINE_integer("llamacpp_threads", 2, "llama.cpp threads (n_threads and n_threads_batch).")
