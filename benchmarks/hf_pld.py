@@ -9,8 +9,9 @@ comparison), batch 1, ``threads`` torch threads.
 
 Job: ``{"gguf": path, "max_new_tokens": N, "eos_ids": [...], "threads": 2, "modes": ["greedy",
 "pld", "prefill"], "prompts": [{"key", "category", "input_ids"}], "prefill_prompts": [[ids], ...],
-"reps": 3, "prompt_lookup_num_tokens": 10, "max_matching_ngram_size": null}`` (all but ``gguf``
-optional). Modes:
+"reps": 3, "prompt_lookup_num_tokens": 10, "max_matching_ngram_size": null, "omp_wait_policy":
+"PASSIVE"}`` (all but ``gguf`` optional; OMP_WAIT_POLICY as the environment has it unless the job
+sets it). Modes:
 
 - ``greedy``: hf_baseline.greedy, a KV-cache loop (prefill with logits of the last position only,
   decode timed from its own steps): ``prefill_s``, ``decode_s``, ``wall_s``, ``new_tokens``,
@@ -37,6 +38,10 @@ from specjax.peers import peer_main
 
 
 def run(job: dict) -> dict:
+    if job.get("omp_wait_policy"):
+        # (read when torch loads its OpenMP runtime: PASSIVE keeps torch's threads from spinning at
+        # barriers, which on a shared machine cost it 5x here when a core was taken)
+        os.environ["OMP_WAIT_POLICY"] = job["omp_wait_policy"]
     import torch
 
     modes = job.get("modes") or ["greedy", "pld"]
@@ -99,6 +104,7 @@ def run(job: dict) -> dict:
     res["env"] = {**versions(), "threads": torch.get_num_threads(), "dtype": "float32 (GGUF dequantized at load)",
                   "gguf": os.path.abspath(job["gguf"]), "max_new_tokens": N, "eos_ids": eos, "load_s": load_s,
                   "warmup": warm, "modes": modes, **pld_kw,
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: the OpenMP runtime's default)"),
                   "greedy": "KV-cache loop: base model + lm_head on the last position, argmax",
                   "pld": "model.generate(do_sample=False, prompt_lookup_num_tokens=...)"}
     return res

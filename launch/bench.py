@@ -48,7 +48,10 @@ flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_to
                      "num_pred_tokens).")
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size (and llama.cpp's max_ngram_size); "
                      "0 = their default (2).")
-flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
+flags.DEFINE_integer("hf_threads", 2, "torch threads for the transformers peer.")
+flags.DEFINE_string("hf_omp_wait_policy", None, "OMP_WAIT_POLICY for the transformers peer (torch's OpenMP threads "
+                    "spin at barriers too: PASSIVE on a shared machine, where it cost torch 5x here); default: the "
+                    "environment's.")
 flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/requirements-llamacpp-peer.txt): adds "
                     "the llama.cpp greedy (prefill and decode timed apart) vs llama.cpp prompt-lookup peer column "
                     "(GGUF models only).")
@@ -81,7 +84,7 @@ def run_peers(prompts, eos_ids, gguf: str, prefill_prompts) -> dict:
         jobs["hf"] = ("hf_pld", FLAGS.hf_python, {
             **base, "threads": FLAGS.hf_threads, "modes": ["greedy", "pld"] + (["prefill"] if prefill_prompts else []),
             "prefill_prompts": prefill_prompts, "max_matching_ngram_size": ngram,
-            "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens})
+            "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens, "omp_wait_policy": FLAGS.hf_omp_wait_policy})
     if FLAGS.llamacpp_python:
         modes = ["greedy", "pld"] + (["prefill"] if prefill_prompts else []) + (
             ["batch"] if FLAGS.llamacpp_batch_sizes else [])
@@ -328,7 +331,8 @@ def bench() -> int:
     if hf:
         he, x = hf["env"], over["hf"]
         notes.append(f"transformers peer: transformers {he['transformers']}, torch {he['torch']} (CPU capability "
-                     f"{he['torch_cpu_capability']}), gguf {he['gguf_package']}, {he['threads']} threads, the GGUF "
+                     f"{he['torch_cpu_capability']}), gguf {he['gguf_package']}, {he['threads']} threads, "
+                     f"OMP_WAIT_POLICY {he['omp_wait_policy']}, the GGUF "
                      "dequantized to float32; greedy = its own KV-cache loop (base model + lm_head on the last "
                      "position, argmax), prefill and decode timed apart; PLD = generate(prompt_lookup_num_tokens="
                      f"{he['prompt_lookup_num_tokens']}) timed whole (generate's per-step overhead included, which the "

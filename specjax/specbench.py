@@ -374,7 +374,8 @@ def peers_headline(rows_kernel: int, envs: dict) -> str:
         e = envs["hf"]
         reads.append("transformers dequantizes every weight to float32 at load and reads float32 (torch "
                      f"{e.get('torch')}, CPU capability {e.get('torch_cpu_capability')})")
-        threads.append(f"transformers: torch.set_num_threads({e.get('threads')})")
+        threads.append(f"transformers: torch.set_num_threads({e.get('threads')}), OMP_WAIT_POLICY "
+                       f"{e.get('omp_wait_policy')}")
     return ("What differs between the sides (same GGUF file, same token ids, batch 1, greedy): "
             + "; ".join(reads) + ". Threads: " + "; ".join(threads) + f". Machine: {cpu}. "
             "The same weights in another arithmetic (8-bit activations, another summation order) may flip a "
