@@ -10,8 +10,9 @@ same machine conditions; they are run one after the other, never concurrently.
   python benchmarks/ar_speed.py --hf_python /work/hf-venv/bin/python --max_new_tokens 128
 
 Reports per prompt and in aggregate: prefill tok/s (specjax: median of 3 prompt forwards after
-warm-up; transformers: its greedy run's own prefill, logits of the last position only), decode tok/s ((new tokens - 1) / decode time, both sides), peak RSS, and whether
-the greedy tokens are identical.
+warm-up; transformers: its greedy run's own prefill, logits of the last position only), decode
+tok/s ((new tokens - 1) / decode time, both sides), peak RSS, and whether the greedy tokens are
+identical.
 """
 
 from __future__ import annotations
