@@ -360,8 +360,9 @@ def peers_headline(rows_kernel: int, envs: dict) -> str:
     """What differs between specjax and the peers of ``envs`` ({summary key: the peer's env}):
     which bytes each reads per step, its arithmetic, its threads, the machine."""
     cpu = cpu_description()
-    reads = [("specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel (blocks of up to "
-              f"{rows_kernel} rows; float32 arithmetic on them)") if rows_kernel else
+    reads = [("specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel in decode and "
+              f"verify blocks of up to {rows_kernel} rows (float32 arithmetic on them; longer blocks, prefill, read "
+              "float32 copies through XLA's dot)") if rows_kernel else
              "specjax reads float32 copies of the weights through XLA's dot (rows kernel off)"]
     threads = [f"specjax: XLA:CPU's thread pool on all {os.cpu_count()} cores"]
     if "llamacpp" in envs:
