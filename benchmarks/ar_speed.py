@@ -3,15 +3,16 @@
 
 Greedy, batch 1, fp32 on both sides, the model's chat template applied. specjax runs
 in this process; transformers runs as the ``hf`` peer (specjax.peers: benchmarks/hf_baseline.py
-in the Python of --hf_python, a venv with torch==2.13.0 CPU, transformers, accelerate, gguf,
-psutil), because specjax does not depend on torch. Both runs happen in one invocation so the ratio is measured under the
+in the Python of --hf_python, a venv built from benchmarks/requirements-hf-peer.txt), because
+specjax does not depend on torch. Both runs happen in one invocation so the ratio is measured under the
 same machine conditions; they are run one after the other, never concurrently.
 
-  python benchmarks/ar_speed.py --hf_python /path/to/hfvenv/bin/python --max_new_tokens 128
+  python benchmarks/ar_speed.py --hf_python /work/hf-venv/bin/python --max_new_tokens 128
 
-Reports per prompt and in aggregate: prefill tok/s (median of 3 prompt forwards after
-warm-up), decode tok/s ((new tokens - 1) / decode time, both sides), peak RSS, and whether
-the greedy tokens are identical.
+Reports per prompt and in aggregate: prefill tok/s (specjax: median of 3 prompt forwards after
+warm-up; transformers: its greedy run's own prefill, logits of the last position only), decode
+tok/s ((new tokens - 1) / decode time, both sides), peak RSS, and whether the greedy tokens are
+identical.
 """
 
 from __future__ import annotations

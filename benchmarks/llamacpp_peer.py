@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """llama.cpp on the CPU, through llama-cpp-python: the ``llamacpp`` peer (specjax.peers).
 
-Runs in a venv of its own holding llama-cpp-python (benchmarks/peers.lock pins the version and the
+Runs in a venv of its own holding llama-cpp-python (benchmarks/requirements-llamacpp-peer.txt pins the version and the
 build command); specjax never imports llama_cpp. It reads the same GGUF specjax loads and is fed the
 token ids specjax feeds its own model (never text: llama.cpp does not re-tokenize anything).
 

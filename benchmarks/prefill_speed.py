@@ -12,10 +12,12 @@ the insert into the live batch and the first token's trip to the host. Per lengt
   for each --rows_kernels setting (0: XLA's dot; N: the CPU rows kernel on the GGUF's own
   Q4_1/Q8_0 blocks up to N rows, ForwardOptions.rows_kernel).
 
-transformers runs first, as the ``hf`` peer (specjax.peers) in --hf_python (a venv with torch CPU,
-transformers and gguf; see BENCHMARKS.md), one after the other, never concurrently:
+transformers runs first, as the ``hf`` peer (specjax.peers) in --hf_python (a venv built from
+benchmarks/requirements-hf-peer.txt), one after the other, never concurrently; its prefill computes
+logits for the last position only and its decode is timed from its own KV-cache steps
+(benchmarks/hf_baseline.py):
 
-  python benchmarks/prefill_speed.py --hf_python /tmp/hfvenv/bin/python
+  python benchmarks/prefill_speed.py --hf_python /work/hf-venv/bin/python
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Spec-Bench-style speed benchmark: specjax speculative drafters vs the specjax AR baseline.
 
   python launch/bench.py --per_category 10 --max_new_tokens 256 \
-      --json_out bench.json --markdown_out bench.md [--hf_python /tmp/hfvenv/bin/python] \
+      --json_out bench.json --markdown_out bench.md [--hf_python /work/hf-venv/bin/python] \
       [--llamacpp_python /work/llamacpp-venv/bin/python --prefill_lens 128,512,1024,2048]
 
 The protocol (questions, warm-up, interleaved timing, the losslessness check), the metrics and
-the peer column: specjax/specbench.py's docstring.
+the peers (transformers, llama.cpp: each in its own venv, benchmarks/requirements-*-peer.txt):
+specjax/specbench.py's docstring.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ flags.DEFINE_string("benchmarks_md", None, "Also put the run (command, table, no
                     "replacing the section between the --benchmarks_md_section markers (appended if absent).")
 flags.DEFINE_string("benchmarks_md_section", "spec-bench", "Marker name of the BENCHMARKS.md section to replace.")
 flags.DEFINE_bool("fail_on_mismatch", False, "Exit with status 1 if any drafter output differs from AR.")
-flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers + gguf: adds the HF "
-                    "greedy vs HF prompt-lookup peer column (GGUF models only).")
+flags.DEFINE_string("hf_python", None, "Python of a venv with torch CPU + transformers + gguf "
+                    "(benchmarks/requirements-hf-peer.txt): adds the transformers peer, its greedy (prefill and "
+                    "decode timed apart) and its prompt lookup, and its prefill by length (GGUF models only).")
 flags.DEFINE_integer("hf_prompt_lookup_num_tokens", 10, "HF prompt_lookup_num_tokens (and llama.cpp's "
                      "num_pred_tokens).")
 flags.DEFINE_integer("hf_max_matching_ngram_size", 0, "HF max_matching_ngram_size (and llama.cpp's max_ngram_size); "
                      "0 = their default (2).")
-flags.DEFINE_integer("hf_threads", 2, "torch threads for the HF peer.")
-flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/peers.lock): adds "
+flags.DEFINE_integer("hf_threads", 2, "torch threads for the transformers peer.")
+flags.DEFINE_string("hf_omp_wait_policy", None, "OMP_WAIT_POLICY for the transformers peer (torch's OpenMP threads "
+                    "spin at barriers too: PASSIVE on a shared machine, where it cost torch 5x here); default: the "
+                    "environment's.")
+flags.DEFINE_string("llamacpp_python", None, "Python of a venv with llama-cpp-python (benchmarks/requirements-llamacpp-peer.txt): adds "
                     "the llama.cpp greedy (prefill and decode timed apart) vs llama.cpp prompt-lookup peer column "
                     "(GGUF models only).")
 flags.DEFINE_integer("llamacpp_threads", 2, "llama.cpp threads (n_threads and n_threads_batch).")
@@ -56,7 +61,7 @@ flags.DEFINE_string("llamacpp_omp_wait_policy", None, "OMP_WAIT_POLICY for the l
 flags.DEFINE_list("llamacpp_batch_sizes", [], "Also run the llama.cpp peer's batch mode (parallel sequences over "
                   "all prompts) at these batch sizes; reported in the notes and the JSON.")
 flags.DEFINE_list("prefill_lens", [], "Also time specjax AR prefill (best of 3, after the timed runs) on "
-                  "random-token prompts of these lengths, and the llama.cpp peer's on the same ids.")
+                  "random-token prompts of these lengths, and each peer's on the same ids.")
 cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"])
 cli.define_forward_flags()
 cli.define_policy_flags()
@@ -76,8 +81,10 @@ def run_peers(prompts, eos_ids, gguf: str, prefill_prompts) -> dict:
     ngram = FLAGS.hf_max_matching_ngram_size or None
     jobs = {}  # summary key: (peer, python, job)
     if FLAGS.hf_python:
-        jobs["hf"] = ("hf_pld", FLAGS.hf_python, {**base, "threads": FLAGS.hf_threads, "max_matching_ngram_size": ngram,
-                                                  "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens})
+        jobs["hf"] = ("hf_pld", FLAGS.hf_python, {
+            **base, "threads": FLAGS.hf_threads, "modes": ["greedy", "pld"] + (["prefill"] if prefill_prompts else []),
+            "prefill_prompts": prefill_prompts, "max_matching_ngram_size": ngram,
+            "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens, "omp_wait_policy": FLAGS.hf_omp_wait_policy})
     if FLAGS.llamacpp_python:
         modes = ["greedy", "pld"] + (["prefill"] if prefill_prompts else []) + (
             ["batch"] if FLAGS.llamacpp_batch_sizes else [])
@@ -154,6 +161,7 @@ def bench() -> int:
 
     model, _ = cli.load_target(next(iter(specs.values())))
     specs = {pair: sp.resolved(model) for pair, sp in specs.items()}
+    rows_kernel = next(iter(specs.values())).fwd.rows_kernel  # (0: XLA's dot on float32 weights)
     cfg, tok = model.cfg, model.tokenizer
     if FLAGS.chat and not tok.chat_template:
         raise SpecjaxError(f"model {cfg.name} has no chat template; pass --nochat to feed the raw question text")
@@ -295,7 +303,7 @@ def bench() -> int:
                  for ids in prefill_prompts}
 
     summary = specbench.summarize(rows, cat_order, names, skipped, {k: v["rows"] for k, v in peer_res.items()})
-    table = specbench.markdown_table(summary, names, list(peer_res))
+    table = specbench.markdown_table(summary, names)
     over = summary[-1]
     checks = specbench.goodput_checks(summary, methods)
     pols_txt = ", ".join(f"{m['name']}: {m['label']}" for m in methods) if not several else (
@@ -321,11 +329,15 @@ def bench() -> int:
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "
                  f"({len(mismatches)} mismatches).")
     if hf:
-        he = hf["env"]
-        notes.append(f"HF peer: transformers {he['transformers']}, torch {he['torch']}, {he['threads']} threads, fp32, "
-                     f"prompt_lookup_num_tokens={he['prompt_lookup_num_tokens']}; HF PLD speedup = HF greedy wall / "
-                     f"HF PLD wall; HF greedy output equals specjax AR on "
-                     f"{over['hf']['greedy_equals_specjax_ar']}/{over['hf']['prompts']} prompts (informational).")
+        he, x = hf["env"], over["hf"]
+        notes.append(f"transformers peer: transformers {he['transformers']}, torch {he['torch']} (CPU capability "
+                     f"{he['torch_cpu_capability']}), gguf {he['gguf_package']}, {he['threads']} threads, "
+                     f"OMP_WAIT_POLICY {he['omp_wait_policy']}, the GGUF "
+                     "dequantized to float32; greedy = its own KV-cache loop (base model + lm_head on the last "
+                     "position, argmax), prefill and decode timed apart; PLD = generate(prompt_lookup_num_tokens="
+                     f"{he['prompt_lookup_num_tokens']}) timed whole (generate's per-step overhead included, which the "
+                     f"loop does not pay); its PLD output differs from its greedy on {x.get('pld_differs_from_greedy')}"
+                     f"/{x['prompts']} prompts.")
     lc = peer_res.get("llamacpp")
     if lc:
         le, x = lc["env"], over["llamacpp"]
@@ -337,19 +349,29 @@ def bench() -> int:
                      f"{le['omp_wait_policy']}; system info: "
                      f"`{le['system_info']}`; greedy = eval + sample(temp=0) per token, prefill with logits of the "
                      "last position only, decode tok/s from its own steps ((new tokens - 1) / decode seconds, like "
-                     f"the AR decode column); its greedy output equals specjax AR on {x['greedy_equals_specjax_ar']}/"
-                     f"{x['prompts']} prompts{pld}.")
+                     f"the AR decode column){pld}; its PLD output differs from its greedy on "
+                     f"{x.get('pld_differs_from_greedy')}/{x['prompts']} prompts.")
         for b in lc.get("batch", []):
             notes.append(f"llama.cpp batch {b['batch_size']} (parallel sequences, low-level API): {b['tok_s']:.1f} "
                          f"tok/s over {over['prompts']} prompts ({b['new_tokens']} tokens, {b['wall_s']:.1f} s, "
                          f"prefills included), output equals its greedy on {b['equal_to_greedy']}.")
     notes += specbench.check_lines(checks, drafters)
     parts = [head, "", table, ""]
+    if peer_res:
+        dec, e2e = specbench.peer_tables(summary, names, list(peer_res))
+        parts += [specbench.peers_headline(rows_kernel, {k: v["env"] for k, v in peer_res.items()}), "",
+                  "Decode against the peers (tok/s from each side's own decode steps: (new tokens - 1) / decode "
+                  "seconds; agreement = prompts whose greedy output equals specjax AR's, and the share of AR's tokens "
+                  "the peer reproduced before its first divergence):", "", dec, "",
+                  "End to end against the peers' prompt lookup (tok/s = new tokens / wall seconds, prefill "
+                  "included; the best specjax method is chosen once, by its overall tok/s):", "", e2e, ""]
     if prefill_s:
-        lcp = {p["tokens"]: p["seconds"] for p in lc.get("prefill", [])} if lc else {}
-        parts += ["Prefill by length (random-token prompts, batch 1, best of 3; specjax: Generator prefill to the "
-                  "first token; llama.cpp: eval + first sample, logits of the last position only):", "",
-                  specbench.prefill_table(prefill_s, {"llama.cpp": lcp} if lcp else {}), ""]
+        pre = {specbench.PEER_LABELS[k]: {p["tokens"]: p["seconds"] for p in v.get("prefill", [])}
+               for k, v in peer_res.items() if v.get("prefill")}
+        parts += ["Prefill by length (random-token prompts, the same ids for every side, batch 1, best of 3, "
+                  "logits of the last position only; specjax: Generator prefill to the first token; llama.cpp: "
+                  "eval + first sample; transformers: base model + lm_head on the last position + argmax):", "",
+                  specbench.prefill_table(prefill_s, pre), ""]
     if several:
         parts += ["Speedup over AR per category, every (drafter, policy) pair:", "",
                   specbench.ratio_table(summary, methods), ""]
@@ -380,7 +402,8 @@ def bench() -> int:
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
                           "greedy": True, "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
-                       "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                       "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": specbench.cpu_description(),
+                       "rows_kernel": rows_kernel, "peer_versions": specbench.peer_versions(peer_res),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},
                "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
                           "compile_events_during_timing": counter.count},

@@ -9,9 +9,11 @@ side reads and writes through ``peer_main``. The peer's stdout goes to this proc
 (progress bars, logs); peers run one at a time, never beside a specjax measurement.
 
 A new peer is a script holding that contract and one ``PEERS`` entry (llama.cpp is one:
-benchmarks/llamacpp_peer.py, llama-cpp-python in a venv of its own). benchmarks/peers.lock pins
-the peers' versions and how their venvs are built. This module uses the standard library only: peer scripts
-import it from their own environment (``run_peer`` puts the repository on their PYTHONPATH).
+benchmarks/llamacpp_peer.py, llama-cpp-python in a venv of its own). One requirements file per
+peer venv pins its versions and says how it is built (benchmarks/requirements-<peer>-peer.txt);
+each peer's result records the versions it ran with in its ``env``. This module uses the
+standard library only: peer scripts import it from their own environment (``run_peer`` puts the
+repository on their PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ class Peer:
 
 _HF = ("torch", "transformers", "gguf")
 PEERS = {
-    "hf": Peer("benchmarks/hf_baseline.py", _HF),  # transformers + torch CPU, greedy (and by length)
-    "hf_pld": Peer("benchmarks/hf_pld.py", _HF),  # transformers greedy vs its prompt lookup decoding
-    # llama-cpp-python: greedy, its prompt lookup, prefill by length, parallel sequences
+    # transformers + torch CPU (benchmarks/requirements-hf-peer.txt): greedy by its own KV-cache loop
+    # (logits of the last position only) on text prompts, prefill and decode by length
+    "hf": Peer("benchmarks/hf_baseline.py", _HF),
+    # the same greedy, its prompt lookup decoding and prefill by length, on given token ids (bench)
+    "hf_pld": Peer("benchmarks/hf_pld.py", _HF),
+    # llama-cpp-python (benchmarks/requirements-llamacpp-peer.txt): greedy, its prompt lookup,
+    # prefill by length, parallel sequences
     "llamacpp": Peer("benchmarks/llamacpp_peer.py", ("llama_cpp",)),
 }
 

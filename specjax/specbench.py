@@ -53,16 +53,22 @@ below 0.97x AR" and "overall speedup >= the best fixed K's (same run)", and a ve
 drafters; with several policies a compact table of every pair's speedup per category precedes
 them. The JSON has every prompt's per-step records (K chosen, K run, milliseconds, drafts).
 
-Peer column (``--hf_python``): before the specjax runs (never concurrently) the ``hf_pld`` peer
-(``specjax.peers``) runs ``benchmarks/hf_pld.py`` in that Python (torch CPU + transformers; specjax never imports torch)
-on the same chat-template token ids (passed in a temp JSON), doing HF greedy and HF prompt
-lookup (``prompt_lookup_num_tokens`` = ``--hf_prompt_lookup_num_tokens``) with
-``--hf_threads`` torch threads; the table adds HF greedy tok/s, HF PLD speedup vs HF greedy
-(ratio of total wall times) and how many HF PLD outputs differ from HF greedy.
-``--llamacpp_python`` adds the ``llamacpp`` peer (benchmarks/llamacpp_peer.py) the same way: its
-greedy and prompt-lookup rows have hf_pld's layout, and since it times prefill and decode apart,
-the table adds the specjax AR decode tok/s ((new tokens - 1) / decode seconds), llama.cpp's, and
-their ratio. ``--prefill_lens`` adds a prefill-by-length table (``prefill_table``).
+Peers (``--hf_python``, ``--llamacpp_python``): before the specjax runs, one after the other and
+never concurrently, each peer (``specjax.peers``) runs in its own venv on the same GGUF and the
+same chat-template token ids (never re-tokenized), batch 1, greedy, stopping at the same EOS ids:
+transformers (``hf_pld``: benchmarks/hf_pld.py, the GGUF dequantized to float32, ``--hf_threads``)
+and llama.cpp (``llamacpp``: benchmarks/llamacpp_peer.py, the GGUF's blocks, ``--llamacpp_threads``).
+Each runs its greedy decoding (prefill with logits of the last position only, then decode
+steps timed apart: decode tok/s = (new tokens - 1) / decode seconds, as the AR decode column) and
+its own prompt-lookup decoding (``--hf_prompt_lookup_num_tokens``, timed whole, prefill
+included). ``peer_tables`` gives two tables per category: decode against specjax AR (with how far
+each peer's greedy output agrees with specjax AR's: identical prompts, and the share of AR's
+tokens reproduced before the first divergence; informational, as different arithmetic may break
+near-ties differently), and end to end (tok/s of specjax AR and every method, each peer's greedy
+and prompt lookup, and specjax's best method, chosen once by overall tok/s, over each peer's
+prompt lookup). ``peers_headline`` says what differs (bytes read per step, arithmetic, threads,
+machine). ``--prefill_lens`` adds prefill by length for every side on the same random ids
+(``prefill_table``).
 """
 
 from __future__ import annotations
@@ -189,10 +195,10 @@ def step_records(engine) -> dict:
             "drafted": [s.drafted for s in st], "accepted": [s.accepted for s in st]}
 
 
-# Peers' summary keys and table labels; their rows share hf_pld's layout: "greedy" and "pld" runs
-# ({"new_tokens", "wall_s", "output_ids"}, llama.cpp's greedy adds "prefill_s" / "decode_s") and
-# "pld_equals_greedy".
-PEER_LABELS = {"hf": "HF", "llamacpp": "llama.cpp"}
+# Peers' summary keys and table labels; their rows share one layout: "greedy" and "pld" runs
+# ({"new_tokens", "wall_s", "output_ids"}; a greedy timed from the peer's own steps adds
+# "prefill_s" / "decode_s") and "pld_equals_greedy".
+PEER_LABELS = {"hf": "transformers", "llamacpp": "llama.cpp"}
 
 
 def _peer_summary(by_key: dict, rs: list) -> dict:
@@ -200,8 +206,12 @@ def _peer_summary(by_key: dict, rs: list) -> dict:
     hs = [h for h, _ in pairs]
     gw = sum(h["greedy"]["wall_s"] for h in hs)
     gt = sum(h["greedy"]["new_tokens"] for h in hs)
+    # agreement with specjax AR: whole outputs, and the share of AR's tokens the peer reproduced
+    # before its first divergence (different arithmetic makes some divergence legitimate)
     e = {"prompts": len(hs), "greedy_wall_s": gw, "greedy_tok_s": _ratio(gt, gw),
-         "greedy_equals_specjax_ar": sum(h["greedy"]["output_ids"] == r["ar"]["output_ids"] for h, r in pairs)}
+         "greedy_equals_specjax_ar": sum(h["greedy"]["output_ids"] == r["ar"]["output_ids"] for h, r in pairs),
+         "greedy_token_agreement": _ratio(sum(first_diff(h["greedy"]["output_ids"], r["ar"]["output_ids"])
+                                              for h, r in pairs), sum(len(r["ar"]["output_ids"]) for _, r in pairs))}
     if all("pld" in h for h in hs):
         pw = sum(h["pld"]["wall_s"] for h in hs)
         pt = sum(h["pld"]["new_tokens"] for h in hs)
@@ -255,20 +265,12 @@ def summarize(rows, cat_order, methods, skipped, peer_rows=None) -> list[dict]:
     return out
 
 
-def markdown_table(summary, methods, peers=()) -> str:
-    """``peers``: the summary keys of the peers to add columns for (PEER_LABELS)."""
-    decode = any("greedy_decode_tok_s" in summary[-1][p] for p in peers)
+def markdown_table(summary, methods, decode=True) -> str:
+    """specjax's table: AR (and its decode tok/s, when ``decode``) and every method of ``methods``."""
     hdr = ["category", "prompts", "skipped", "AR tok/s"] + (["AR decode tok/s"] if decode else [])
     for d in methods:
         hdr += [f"{d} speedup", f"{d} acc. tok/step", f"{d} tok/s"]
     hdr += ["mismatches"]
-    for p in peers:
-        lb, x = PEER_LABELS[p], summary[-1][p]
-        hdr += [f"{lb} greedy tok/s"]
-        if "greedy_decode_tok_s" in x:
-            hdr += [f"{lb} decode tok/s", f"specjax AR / {lb} decode"]
-        if "pld_speedup" in x:
-            hdr += [f"{lb} PLD speedup", f"{lb} PLD≠greedy"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for e in summary:
         bold = e["category"] == "overall"
@@ -279,16 +281,107 @@ def markdown_table(summary, methods, peers=()) -> str:
             sp = f"{x['speedup']:.2f}x"
             cells += [f"**{sp}**" if bold else sp, f"{x['mean_accepted_tokens']:.2f}", f"{x['tok_s']:.1f}"]
         cells.append(str(e["mismatches"]))
-        for p in peers:
-            h = e[p]
-            cells += [f"{h['greedy_tok_s']:.1f}"]
-            if "greedy_decode_tok_s" in summary[-1][p]:
-                r = f"{h['specjax_ar_decode_ratio']:.2f}x"
-                cells += [f"{h['greedy_decode_tok_s']:.1f}", f"**{r}**" if bold else r]
-            if "pld_speedup" in summary[-1][p]:
-                cells += [f"{h['pld_speedup']:.2f}x", str(h["pld_differs_from_greedy"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def best_method(summary, methods):
+    """The method of ``methods`` with the highest overall tok/s (None without methods): the one
+    peer comparisons name, chosen once over all categories, never per category."""
+    return max(methods, key=lambda d: summary[-1]["drafters"][d]["tok_s"], default=None)
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
+
+
+def peer_tables(summary, methods, peers) -> tuple[str, str]:
+    """Two tables per category against the peers (summary keys, PEER_LABELS): decode (AR decode
+    tok/s from each side's own steps, the ratio, and how far each peer's greedy output agrees
+    with specjax AR: identical prompts / prompts, and the share of AR's tokens reproduced before
+    the first divergence), and end to end (tok/s, prefill included: specjax AR and every method,
+    each peer's greedy and prompt lookup, specjax's best method / each peer's prompt lookup)."""
+    dec = [p for p in peers if "greedy_decode_tok_s" in summary[-1][p]]
+    hdr = ["category", "prompts", "specjax AR decode tok/s"]
+    for p in dec:
+        hdr += [f"{PEER_LABELS[p]} decode tok/s", f"specjax / {PEER_LABELS[p]}"]
+    hdr += [f"{PEER_LABELS[p]} = specjax AR (prompts, tokens)" for p in peers]
+    a = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    best = best_method(summary, methods)
+    pld = [p for p in peers if "pld_tok_s" in summary[-1][p]]
+    hdr = ["category", "specjax AR tok/s"] + [f"{d} tok/s" for d in methods]
+    for p in peers:
+        hdr += [f"{PEER_LABELS[p]} greedy tok/s"] + ([f"{PEER_LABELS[p]} PLD tok/s"] if p in pld else [])
+    hdr += [f"{best} / {PEER_LABELS[p]} PLD" for p in pld if best]
+    b = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for e in summary:
+        bold = e["category"] == "overall"
+        cells = [_bold(e["category"], bold), str(e["prompts"]), f"{e['ar']['decode_tok_s']:.1f}"]
+        for p in dec:
+            cells += [f"{e[p]['greedy_decode_tok_s']:.1f}", _bold(f"{e[p]['specjax_ar_decode_ratio']:.2f}x", bold)]
+        cells += [f"{e[p]['greedy_equals_specjax_ar']}/{e[p]['prompts']}, {e[p]['greedy_token_agreement']:.0%}"
+                  for p in peers]
+        a.append("| " + " | ".join(cells) + " |")
+        cells = [_bold(e["category"], bold), f"{e['ar']['tok_s']:.1f}"] + [
+            f"{e['drafters'][d]['tok_s']:.1f}" for d in methods]
+        for p in peers:
+            cells += [f"{e[p]['greedy_tok_s']:.1f}"] + ([f"{e[p]['pld_tok_s']:.1f}"] if p in pld else [])
+        cells += [_bold(f"{_ratio(e['drafters'][best]['tok_s'], e[p]['pld_tok_s']):.2f}x", bold)
+                  for p in pld if best]
+        b.append("| " + " | ".join(cells) + " |")
+    return "\n".join(a), "\n".join(b)
+
+
+def cpu_description() -> str:
+    """This machine in one line, for a benchmark's headline: CPU model, cores, the SIMD a CPU
+    kernel may use (from /proc/cpuinfo; the platform's name where that is absent)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    field = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines() if ":" in ln)}
+    flags = set(field.get("flags", "").split())
+    simd = [f.upper() for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni") if f in flags]
+    return (f"{field.get('model name', platform.machine())}, {os.cpu_count()} cores, "
+            f"{' '.join(simd) or 'no AVX2'}{'' if 'avx512f' in flags else ', no AVX-512'}")
+
+
+def peer_versions(peer_res: dict) -> dict:
+    """{peer summary key: the versions its env recorded} (what a result must say it ran with)."""
+    keys = ("llama_cpp_python", "torch", "transformers", "gguf_package", "numpy", "system_info",
+            "torch_cpu_capability")
+    return {k: {f: v["env"][f] for f in keys if f in v.get("env", {})} for k, v in peer_res.items()}
+
+
+def peers_headline(rows_kernel: int, envs: dict) -> str:
+    """What differs between specjax and the peers of ``envs`` ({summary key: the peer's env}):
+    which bytes each reads per step, its arithmetic, its threads, the machine."""
+    cpu = cpu_description()
+    reads = [("specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel in decode and "
+              f"verify blocks of up to {rows_kernel} rows (float32 arithmetic on them; longer blocks, prefill, read "
+              "float32 copies through XLA's dot)") if rows_kernel else
+             "specjax reads float32 copies of the weights through XLA's dot (rows kernel off)"]
+    threads = [f"specjax: XLA:CPU's thread pool on all {os.cpu_count()} cores"]
+    if "llamacpp" in envs:
+        e = envs["llamacpp"]
+        reads.append("llama.cpp reads the same blocks with its own kernels (activations quantized to 8 bits; built "
+                     f"for: {e.get('system_info', '?')})")
+        threads.append(f"llama.cpp: n_threads = n_threads_batch = {e.get('threads')}, OMP_WAIT_POLICY "
+                       f"{e.get('omp_wait_policy')}")
+    if "hf" in envs:
+        e = envs["hf"]
+        reads.append("transformers dequantizes every weight to float32 at load and reads float32 (torch "
+                     f"{e.get('torch')}, CPU capability {e.get('torch_cpu_capability')})")
+        threads.append(f"transformers: torch.set_num_threads({e.get('threads')}), OMP_WAIT_POLICY "
+                       f"{e.get('omp_wait_policy')}")
+    return ("What differs between the sides (same GGUF file, same token ids, batch 1, greedy): "
+            + "; ".join(reads) + ". Threads: " + "; ".join(threads) + f". Machine: {cpu}. "
+            "The same weights in another arithmetic (8-bit activations, another summation order) may flip a "
+            "near-tie between two tokens, after which greedy outputs diverge legitimately: agreement with "
+            "specjax AR is informational; what is checked is each specjax drafter's identity with specjax AR.")
 
 
 def prefill_table(specjax_s: dict, peers: dict) -> str:
