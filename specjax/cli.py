@@ -293,9 +293,10 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    if not registry.DRAFTERS[drafter].trains:
+    online = [d for d in registry.TRAINED_DRAFTERS if d != "eagle"]  # (the head trains offline: launch/distill.py)
+    if drafter not in online:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
-                           f"{' or '.join(registry.TRAINED_DRAFTERS)}, not {drafter}")
+                           f"{' or '.join(online)}, not {drafter}")
     if FLAGS.draft_checkpoint:
         raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
                            "a distilled draft without training it")
