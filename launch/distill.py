@@ -27,6 +27,24 @@ and held-out acceptance per round.
 often puts first at the training positions (and its end-of-sequence ids), counted on round 1's
 data (sampled by the full-head draft when the draft writes).
 
+``--drafter eagle`` trains an EAGLE feature head (specjax.distill.eagle_train) instead:
+
+  python launch/distill.py --drafter eagle --chat --input_jsonl prompts.jsonl --self_prompts 32 \
+      --round_prompts 16 --draft_vocab 4096 --checkpoint_dir head --rounds 30 --steps 60 --plot head.png
+  python launch/generate.py --chat --drafter eagle --eagle_head head --prompt "..."
+
+Each round the target answers prompts (the next ``--round_prompts`` of the file, and
+``--self_prompts`` it wrote itself from its chat template's user prefix; greedy unless
+``--sample_temperature``), one target forward per sequence gives the features and the top-k
+teacher at every position, and ``--steps`` steps train the head with EAGLE-3's training-time
+test (``--unroll`` steps on its own predicted features). After every round: the held-out greedy
+tokens per verify step of the engine with the head at K = ``--k`` (and how many held-out outputs
+are identical to the target's own), and the head saved to ``--checkpoint_dir`` (``--head_dtype``;
+what ``--eagle_head`` serves), its optimizer state and the run's record under ``state/``. The same
+command with a larger ``--rounds`` resumes after the last finished round. ``--draft_vocab N``: the
+N tokens the target ranks in its top-k most often on round 1's data; ``--shared_head`` (default)
+keeps those rows the target's own (not trained, not saved).
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -347,18 +365,20 @@ def run_eagle(spec) -> int:
     slots = bk.slot_bucket(max([len(p) for p in eval_p] + [1]) + FLAGS.max_new_tokens + FLAGS.k + 1, cfg.max_position)
     be = JaxBackend(cfg, model.params, drafter=eagle.EagleDrafter(draft, serving(trainable)), k_buckets=(0, FLAGS.k),
                     batch_buckets=(B,), slots=slots)
-    with tqdm(total=len(eval_p), desc="held-out: AR reference", unit="prompt", disable=None) as bar:
-        ref = et.generate(cfg, model.params, eval_p, seed=0, progress=bar.update,
-                          **{**gen_kw, "temperature": 0.0})
+
+    def run_engine(k):
+        be.reset()
+        eng = ServingEngine(be, FixedK(k))
+        return eng, [o.tokens for o in eng.run([Request(f"e{i}", p, FLAGS.max_new_tokens)
+                                                for i, p in enumerate(eval_p)])]
+
+    ref = run_engine(0)[1]  # the engine's own AR (K = 0 steps): what speculation must reproduce
 
     def tokens_per_step():
         """Greedy tokens per verify step of the engine with the head (K = --k) on the held-out
-        prompts, and how many outputs are token-identical to the target's own."""
-        be.reset()
-        eng = ServingEngine(be, FixedK(FLAGS.k))
-        outs = eng.run([Request(f"e{i}", p, FLAGS.max_new_tokens) for i, p in enumerate(eval_p)])
-        same = sum(o.tokens == r for o, r in zip(outs, ref))
-        return 1.0 + eng.counts.accepted / max(eng.counts.offered, 1), same
+        prompts, and how many outputs are token-identical to its AR."""
+        eng, outs = run_engine(FLAGS.k)
+        return 1.0 + eng.counts.accepted / max(eng.counts.offered, 1), sum(o == r for o, r in zip(outs, ref))
 
     losses, accs = list(record["losses"]), list(record["accs"])
     if not accs:
