@@ -286,7 +286,7 @@ def run_eagle(spec) -> int:
     prompts = [encode(t) for t in texts]
     if any(not p for p in prompts):
         raise SpecjaxError(f"{FLAGS.input_jsonl} has an empty prompt")
-    n_eval = min(FLAGS.eval_prompts, len(prompts))
+    n_eval = min(FLAGS.eval_prompts, len(prompts))  # (the file's last; none without a file: see below)
     train_p, eval_p = prompts[:len(prompts) - n_eval], prompts[len(prompts) - n_eval:]
     tc, _ = cli.distill_configs_from_flags(FLAGS.rounds * FLAGS.steps)
     opt = tr.make_optimizer(tc)
@@ -298,6 +298,9 @@ def run_eagle(spec) -> int:
         marker = "\x00"
         text = tok.apply_chat_template(([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) +
                                        [{"role": "user", "content": marker}])
+        if marker not in text:
+            raise SpecjaxError("--self_prompts: this chat template does not show the user's text, so it has no "
+                               "user prefix to write prompts from")
         prefix = tok.encode(text[:text.index(marker)], add_bos=False)
         with tqdm(total=n, desc="self-written prompts", unit="prompt", disable=None) as bar:
             outs = et.generate(cfg, model.params, [prefix] * n, max_new_tokens=FLAGS.self_prompt_tokens,
@@ -361,7 +364,10 @@ def run_eagle(spec) -> int:
         t = jax.tree_util.tree_map(lambda a: jnp.asarray(jnp.asarray(a, FLAGS.head_dtype), model.params["embed"].dtype), t)
         return {**frozen, **t}
 
-    B = min(8, max(1, n_eval or 1))
+    if not eval_p:  # no prompt file: held-out prompts it writes itself, with a seed no round uses
+        eval_p = self_prompts(FLAGS.eval_prompts, FLAGS.seed - 1)
+        n_eval = len(eval_p)
+    B = min(8, max(1, n_eval))
     slots = bk.slot_bucket(max([len(p) for p in eval_p] + [1]) + FLAGS.max_new_tokens + FLAGS.k + 1, cfg.max_position)
     be = JaxBackend(cfg, model.params, drafter=eagle.EagleDrafter(draft, serving(trainable)), k_buckets=(0, FLAGS.k),
                     batch_buckets=(B,), slots=slots)

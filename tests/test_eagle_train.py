@@ -149,3 +149,21 @@ def test_warm_up_script_trains_resumes_and_refuses_mistakes(tmp_path):
                        (("--self_prompts", "4"), "--self_prompts writes prompts from the chat template: it needs --chat")]:
         r = run(*extra)
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {msg}", r.stderr[-2000:]
+
+
+def test_the_shipped_head_is_the_embedded_models_and_small():
+    """heads/: the embedded SmolLM2's head is what --drafter eagle loads by default, its eagle.json
+    names that target (load_head refuses it for any other), and the files stay small (bfloat16,
+    the target's vocab rows shared, not saved)."""
+    import os
+
+    from specjax.config import get_model_config
+
+    cfg = get_model_config("smollm2-135m")
+    path = eagle.shipped_head(cfg)
+    assert path and os.path.basename(path) == "smollm2-135m-instruct-eagle"
+    spec = eagle.read_spec(path, cfg)
+    assert spec["shared_head"] and spec["dtype"] == "bfloat16" and len(spec["vocab_ids"]) <= 8192
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+    assert size < 12e6, size
+    assert eagle.shipped_head(cfg.replace(name="smollm2-360m")) is None
