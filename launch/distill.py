@@ -97,6 +97,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("self_prompt_tokens", 48, "eagle: the longest self-written prompt, in tokens.")
     flags.DEFINE_bool("shared_head", True, "eagle: the reduced head's rows are the target's own (not trained, not "
                       "saved); --noshared_head trains (and saves) them.")
+    flags.DEFINE_bool("prompt_loss", False, "eagle: also train on the prompt's positions (the target's distribution "
+                      "of each next prompt token; the head drafts only in answers, but learns the target from more).")
     flags.DEFINE_enum("head_dtype", "bfloat16", ["bfloat16", "float32"], "eagle: the dtype the head is saved in.")
     cli.define_distill_flags(online=False)
 
@@ -246,6 +248,9 @@ def run(spec) -> int:
     return 0
 
 
+TEXTS = "texts.npz"  # (under the eagle checkpoint's state/: every sequence the target wrote so far)
+
+
 def run_eagle(spec) -> int:
     """--drafter eagle: warm-up training of an EAGLE feature head (distill.eagle_train), resumable
     from --checkpoint_dir (the head there, eagle.json + orbax, is what --eagle_head serves; the
@@ -308,12 +313,15 @@ def run_eagle(spec) -> int:
         asks = [tok.decode([t for t in o if t not in tok.eos_ids]).strip() for o in outs]
         return [encode(a) for a in asks if len(a) >= 8]
 
+    def features(ps, outs, desc):
+        with tqdm(total=len(ps), desc=desc, unit="seq", disable=None) as bar:
+            return et.make_sequences(cfg, model.params, ps, outs, topk=FLAGS.topk, progress=bar.update)
+
     def data(ps, rnd):
         with tqdm(total=len(ps), desc=f"round {rnd}: target writes", unit="prompt", disable=None) as bar:
             outs = et.generate(cfg, model.params, ps, seed=FLAGS.seed + 1000 * rnd, progress=bar.update, batch=16,
                                **gen_kw)
-        with tqdm(total=len(ps), desc=f"round {rnd}: target features", unit="seq", disable=None) as bar:
-            return et.make_sequences(cfg, model.params, ps, outs, topk=FLAGS.topk, progress=bar.update)
+        return features(ps, outs, f"round {rnd}: target features")
 
     def round_prompts(rnd):
         ps = []
@@ -356,7 +364,11 @@ def run_eagle(spec) -> int:
         if got is None:
             raise SpecjaxError(f"{ck} holds a head but no training state to resume from (state/)")
         _, trainable, state, record = got
-        print(f"[resumed {ck} after round {record['round']}]", file=sys.stderr)
+        texts_so_far = et.load_texts(os.path.join(ck, "state", TEXTS))
+        if texts_so_far:
+            seqs = features(*zip(*texts_so_far), "earlier rounds' text: target features")
+        print(f"[resumed {ck} after round {record['round']} ({len(seqs)} sequences of earlier rounds)]",
+              file=sys.stderr)
     if record["round"] >= FLAGS.rounds:
         raise SpecjaxError(f"{ck} has trained {record['round']} rounds already: give a larger --rounds to go on")
 
@@ -401,7 +413,7 @@ def run_eagle(spec) -> int:
             seqs = seqs + data(round_prompts(rnd), rnd)
         dropped = 0
         for _ in tqdm(range(FLAGS.steps), desc=f"round {rnd}: training", unit="step", disable=None):
-            batch = et.make_batch(seqs, rng, FLAGS.distill_batch, FLAGS.distill_length)
+            batch = et.make_batch(seqs, rng, FLAGS.distill_batch, FLAGS.distill_length, prompt_loss=FLAGS.prompt_loss)
             trainable, state, loss, ok = et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc,
                                                        optimizer=opt, steps=FLAGS.unroll)
             if not bool(ok):
@@ -417,6 +429,7 @@ def run_eagle(spec) -> int:
         record = {"round": rnd, "losses": losses, "accs": accs, "sequences": record["sequences"] + len(seqs)}
         eagle.save_head(ck, cfg, {**frozen, **trainable}, draft, dtype=jnp.dtype(FLAGS.head_dtype))
         store.save_next(trainable, state, record)
+        et.save_texts(os.path.join(ck, "state", TEXTS), seqs)
     print(f"[{time.perf_counter() - t0:.0f} s; head saved to {ck} ({FLAGS.head_dtype})]", file=sys.stderr)
     if FLAGS.plot:
         plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,

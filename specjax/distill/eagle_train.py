@@ -166,10 +166,39 @@ def make_sequences(cfg: ModelConfig, params, prompts, outputs, *, topk: int, bat
     return out
 
 
-def make_batch(seqs: Sequence[HeadSequence], rng: np.random.Generator, B: int, T: int, dtype=np.float32):
+def save_texts(path: str, seqs: Sequence[HeadSequence]) -> bool:
+    """The sequences' tokens and starts (not their features: ``load_texts`` recomputes them), so
+    a resumed run trains on all the text earlier runs had the target write."""
+    import io
+
+    from specjax import ondisk
+
+    buf = io.BytesIO()
+    np.savez(buf, tokens=np.concatenate([s.tokens for s in seqs]) if seqs else np.zeros(0, np.int32),
+             lengths=np.asarray([len(s.tokens) for s in seqs], np.int64), starts=np.asarray([s.start for s in seqs]))
+    return ondisk.write(path, buf.getvalue())
+
+
+def load_texts(path: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt, output) pairs saved by ``save_texts`` (none if the file is missing or damaged)."""
+    import io
+
+    from specjax import ondisk
+
+    blob = ondisk.read(path)
+    if blob is None:
+        return []
+    z = np.load(io.BytesIO(blob))
+    cuts = np.cumsum(z["lengths"])[:-1]
+    return [(t[:s + 1].tolist(), t[s + 1:].tolist()) for t, s in zip(np.split(z["tokens"], cuts), z["starts"])]
+
+
+def make_batch(seqs: Sequence[HeadSequence], rng: np.random.Generator, B: int, T: int, dtype=np.float32,
+               prompt_loss: bool = False):
     """B random sequences as a training batch of windows of T positions (each sequence's last T,
     padded at the end): (tokens, prev_feats, positions, dv.TopK teacher, mask), where ``mask``
-    marks the positions whose next token the target wrote."""
+    marks the positions whose next token the target wrote (``prompt_loss``: every real position,
+    the target's distribution over the prompt's next tokens too)."""
     D3 = seqs[0].feats.shape[1]
     k = seqs[0].ids.shape[1]
     toks = np.zeros((B, T), np.int32)
@@ -188,6 +217,6 @@ def make_batch(seqs: Sequence[HeadSequence], rng: np.random.Generator, B: int, T
         pos[r, n:] = np.arange(L, L + T - n)
         prev[r, 1 if a == 0 else 0:n] = s.feats[max(a - 1, 0):L - 1]
         ids[r, :n], lg[r, :n] = s.ids[a:], s.logits[a:]
-        mask[r, :n] = np.arange(a, L) >= s.start
+        mask[r, :n] = np.arange(a, L) >= (0 if prompt_loss else s.start)
     return (jnp.asarray(toks), jnp.asarray(prev), jnp.asarray(pos), dv.TopK(jnp.asarray(ids), jnp.asarray(lg)),
             jnp.asarray(mask))
