@@ -422,6 +422,7 @@ def run_eagle(spec) -> int:
     first = record["round"] + 1
     for rnd in range(first, FLAGS.rounds + 1):
         fresh = FLAGS.round_prompts or FLAGS.self_prompts or FLAGS.sample_temperature > 0  # (new text each round)
+        had = 0 if rnd == 1 else len(seqs)  # (round 1's vocabulary-counting data counts as round 1's)
         if not seqs or (fresh and not (rnd == 1 and ids_counted)):
             seqs = seqs + data(round_prompts(rnd), rnd)
         dropped = 0
@@ -439,7 +440,7 @@ def run_eagle(spec) -> int:
         print(f"round {rnd}: {len(seqs)} sequences, mean loss {np.mean(losses[-FLAGS.steps:]):.4f}, held-out tokens "
               f"per verify step {acc:.3f} ({same}/{n_eval} identical to AR)" +
               (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
-        record = {"round": rnd, "losses": losses, "accs": accs, "sequences": record["sequences"] + len(seqs)}
+        record = {"round": rnd, "losses": losses, "accs": accs, "sequences": record["sequences"] + len(seqs) - had}
         eagle.save_head(ck, cfg, {**frozen, **trainable}, draft, dtype=jnp.dtype(FLAGS.head_dtype))
         store.save_next(trainable, state, record)
         et.save_texts(os.path.join(ck, "state", TEXTS), seqs)
