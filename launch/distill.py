@@ -386,7 +386,8 @@ def run_eagle(spec) -> int:
         raise SpecjaxError(f"{ck} has trained {record['round']} rounds already: give a larger --rounds to go on")
 
     def serving(t):  # the params as served: the saved dtype, the target's dtype at run time
-        t = jax.tree_util.tree_map(lambda a: jnp.asarray(jnp.asarray(a, FLAGS.head_dtype), model.params["embed"].dtype), t)
+        dt = model.params["embed"].dtype
+        t = jax.tree_util.tree_map(lambda a: jnp.asarray(jnp.asarray(a, FLAGS.head_dtype), dt), t)
         return {**frozen, **t}
 
     if not eval_p:  # no prompt file: held-out prompts it writes itself, with a seed no round uses

@@ -106,8 +106,8 @@ def target_signal(params, tokens, *, cfg: ModelConfig, features: tuple[int, ...]
     [B, T, k], their logits [B, T, k]) at every position."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, feats = llama.forward(params, tokens, positions, llama.init_cache_for(cfg, B, T), llama.causal_mask(B, T),
-                                     cfg=cfg, use_prefix=False, features=features)
+    logits, _, feats = llama.forward(params, tokens, positions, llama.init_cache_for(cfg, B, T),
+                                     llama.causal_mask(B, T), cfg=cfg, use_prefix=False, features=features)
     vals, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
     return feats, ids.astype(jnp.int32), vals
 
