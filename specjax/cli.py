@@ -44,7 +44,8 @@ def define_drafter_flags(drafter: str = "none", several: list | None = None, num
     flags.DEFINE_string("draft_checkpoint", None, "layer_skip / draft_model drafter: draft with the distilled draft "
                         "in this checkpoint directory (launch/distill.py or --online_distill; its draft.json names it).")
     flags.DEFINE_string("eagle_head", None, "eagle drafter: the feature head saved in this directory "
-                        "(specjax.drafters.eagle.save_head); default: a random-initialised head.")
+                        "(launch/distill.py --drafter eagle); default: the head shipped for the target under heads/ "
+                        "(the embedded SmolLM2's), else a random-initialised one.")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
@@ -293,9 +294,10 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    if not registry.DRAFTERS[drafter].trains:
+    online = [d for d in registry.TRAINED_DRAFTERS if d != "eagle"]  # (the head trains offline: launch/distill.py)
+    if drafter not in online:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
-                           f"{' or '.join(registry.TRAINED_DRAFTERS)}, not {drafter}")
+                           f"{' or '.join(online)}, not {drafter}")
     if FLAGS.draft_checkpoint:
         raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
                            "a distilled draft without training it")

@@ -34,7 +34,7 @@ def perf_fit(path: str, m, tgt, dr, label: str) -> None:
     print(f"[plot: {path}]", file=sys.stderr)
 
 
-def distill_curves(path: str, losses, accs, divergence: str, k: int, title: str) -> None:
+def distill_curves(path: str, losses, accs, divergence: str, k: int, title: str, acc_label: str | None = None) -> None:
     """Loss per optimizer step and held-out acceptance per round (launch/distill.py --plot)."""
     import matplotlib
 
@@ -48,7 +48,7 @@ def distill_curves(path: str, losses, accs, divergence: str, k: int, title: str)
     a.set_ylabel(f"{divergence} loss")
     b.plot(np.arange(len(accs)), accs, marker="o")
     b.set_xlabel("round (0: before training)")
-    b.set_ylabel(f"held-out acceptance, K={k}")
+    b.set_ylabel(acc_label or f"held-out acceptance, K={k}")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

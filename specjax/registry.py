@@ -21,7 +21,7 @@ class DrafterEntry:
     drafters.protocol.Drafter (``draft``: an already loaded draft model). device: it drafts inside
     the compiled step (its own draft forward), so its step costs need a performance model of their
     own. reads: the DrafterSpec fields it uses (a setting given for a drafter that does not read it
-    is refused). trains: distillation (launch/distill.py, --online_distill) can train its draft.
+    is refused). trains: distillation (launch/distill.py; --online_distill too, but for eagle) can train its draft.
     draft_ahead: it can draft ahead of the policy's choice (confidence policies, smartspec-conf)."""
 
     name: str
@@ -55,7 +55,7 @@ for _e in (DrafterEntry("none", None),
                         trains=True, draft_ahead=True),
            DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
                         trains=True, draft_ahead=True),
-           DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"})),
+           DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"}), trains=True),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
            DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
            DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):

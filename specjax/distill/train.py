@@ -129,6 +129,13 @@ def train_step(trainable, opt_state, frozen, tokens, teacher, mask, *, cfg: Mode
     config (``TrainableDraft.draft.cfg``). Not ok (a non-finite loss or gradient): the inputs come
     back unchanged."""
     loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, tokens, teacher, mask, cfg=cfg, tc=tc)
+    return apply_if_finite(trainable, opt_state, loss, grads, optimizer)
+
+
+def apply_if_finite(trainable, opt_state, loss, grads, optimizer: optax.GradientTransformation):
+    """The optimizer update of every trainer's step (this one's, distill.eagle_train's):
+    (trainable, opt_state, loss, ok), the inputs unchanged where the loss or a gradient is not
+    finite."""
     ok = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]))
     updates, new_state = optimizer.update(grads, opt_state, trainable)
     new = optax.apply_updates(trainable, updates)

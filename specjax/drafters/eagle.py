@@ -31,6 +31,7 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,6 +55,7 @@ class EagleDraft(ModelDraft):
 
     label: str = "eagle"
     features: tuple[int, ...] = ()
+    shared_head: bool = False  # lm_head: the target's own rows for vocab_ids (not trained, not saved)
 
     def init_cache(self, B, slots, dtype):
         c = llama.init_cache_for(self.cfg, B, slots, dtype)
@@ -63,17 +65,22 @@ class EagleDraft(ModelDraft):
         """Target features [B, T, 3D] -> the head's feature space [B, T, D]."""
         return jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32).astype(feats.dtype)
 
-    def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True):
+    def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True,
+                 kv_before=None):
         """The head's layer on a block: (output hidden [B, T, D], dc with the block's K/V written
-        at its lengths)."""
+        at its lengths). ``kv_before``: llama._layer's (training: earlier unroll steps)."""
         rope = llama.rope_tables(positions, llama.rope_inv_freq(self.cfg))
         x, k, v = llama._layer(self.cfg, rope, ForwardOptions(), use_prefix, feat, dparams["layer"], dc.k, dc.v, 0,
-                               dc.lengths, positions, mask, embed_in=dparams["embed"][tokens])
+                               dc.lengths, positions, mask, embed_in=dparams["embed"][tokens], kv_before=kv_before)
         return x, dataclasses.replace(dc, k=k, v=v)
 
-    def _logits(self, dparams, h):
+    def _reduced(self, dparams, h):
+        """Output hidden [..., D] -> logits over the head's N tokens [..., N] (what training fits)."""
         x = llama.rms_norm(h, dparams["final_norm"], self.cfg.rms_eps)
-        return self._full(dparams, jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32))
+        return jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)
+
+    def _logits(self, dparams, h):
+        return self._full(dparams, self._reduced(dparams, h))
 
     def _feed(self, dparams, dc: kv.FeatureCache, tok, feat):
         """One entry per row (token, feature) at the cache's lengths: (logits of the next token,
@@ -120,11 +127,13 @@ def head_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False)
 
 
-def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0) -> tuple[EagleDraft, dict]:
+def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_head: bool = False
+                ) -> tuple[EagleDraft, dict]:
     """A random-initialised head for the target (``cfg``, ``params``): (EagleDraft, its params).
     ``vocab_ids``: the reduced head's target ids (default: ``frequent_tokens`` with no counts, the
     ``DEFAULT_VOCAB`` lowest ids, BPE's earliest merges); its rows start as the target head's
-    rows for those ids (copied), the rest is drawn with ``seed``."""
+    rows for those ids (copied; with ``shared_head`` they stay those rows, not trained, not
+    saved), the rest is drawn with ``seed``."""
     D, H, Hkv, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     if vocab_ids is None:
         vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
@@ -140,9 +149,16 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0) -> tupl
              "w_gate": w(D, F), "w_up": w(D, F), "w_down": w(F, D)}
     if cfg.qkv_bias:
         layer.update(bq=jnp.zeros((H * hd,), dtype), bk=jnp.zeros((Hkv * hd,), dtype), bv=jnp.zeros((Hkv * hd,), dtype))
+    trainable = {"fc": w(3 * D, D), "layer": layer}
+    if not shared_head:
+        trainable["lm_head"] = _target_rows(cfg, params, ids)
+    draft = _draft(cfg, ids, shared_head)
+    return draft, with_target(draft, trainable, ids, cfg, params)
+
+
+def _target_rows(cfg: ModelConfig, params, ids) -> jax.Array:
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    trainable = {"fc": w(3 * D, D), "layer": layer, "lm_head": jnp.take(head, jnp.asarray(ids), axis=1)}
-    return _draft(cfg, ids), with_target(trainable, ids, params)
+    return jnp.take(head, jnp.asarray(ids), axis=1)
 
 
 def _check_ids(vocab_ids, V: int) -> np.ndarray:
@@ -154,18 +170,24 @@ def _check_ids(vocab_ids, V: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _draft(cfg: ModelConfig, ids: np.ndarray) -> EagleDraft:
-    return EagleDraft(head_config(cfg), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers))
+def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> EagleDraft:
+    return EagleDraft(head_config(cfg), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers),
+                      shared_head=shared_head)
 
 
-def with_target(trainable, vocab_ids, params) -> dict:
-    """The head's params as the step runs them: its own arrays plus the target's shared ones."""
-    return {**trainable, "vocab_ids": jnp.asarray(vocab_ids, jnp.int32), **{k: params[k] for k in _SHARED}}
+def with_target(draft: EagleDraft, trainable, vocab_ids, cfg: ModelConfig, params) -> dict:
+    """The head's params as the step runs them: its own arrays plus the target's shared ones
+    (with a shared head, the target's vocab rows for ``vocab_ids``: built here, never saved)."""
+    out = {**trainable, "vocab_ids": jnp.asarray(vocab_ids, jnp.int32), **{k: params[k] for k in _SHARED}}
+    if draft.shared_head:
+        out["lm_head"] = _target_rows(cfg, params, vocab_ids)
+    return out
 
 
-def trainable_of(dparams) -> dict:
+def trainable_of(draft: EagleDraft, dparams) -> dict:
     """The head's own arrays (what is trained and saved): not the target's, not the id map."""
-    return {k: v for k, v in dparams.items() if k not in _SHARED and k != "vocab_ids"}
+    shared = _SHARED + (("lm_head",) if draft.shared_head else ())
+    return {k: v for k, v in dparams.items() if k not in shared and k != "vocab_ids"}
 
 
 def _checkpoints(directory: str, cfg: ModelConfig, draft: EagleDraft, trainable, ids):
@@ -174,12 +196,17 @@ def _checkpoints(directory: str, cfg: ModelConfig, draft: EagleDraft, trainable,
     return DistillCheckpoints(directory, fingerprint(cfg, draft.cfg, trainable, ids), max_to_keep=1)
 
 
-def save_head(directory: str, cfg: ModelConfig, dparams) -> None:
-    """Write the head (its own arrays, orbax, recorded like a distilled draft's checkpoints) and
-    ``eagle.json`` (target, feature layers, vocabulary ids) to ``directory``."""
+def save_head(directory: str, cfg: ModelConfig, dparams, draft: EagleDraft | None = None, dtype=None) -> None:
+    """Write the head (its own arrays, orbax, recorded like a distilled draft's checkpoints; cast
+    to ``dtype`` if given: bfloat16 halves the file) and ``eagle.json`` (target, feature layers,
+    vocabulary ids, whether the vocab rows are the target's) to ``directory``."""
     ids = np.asarray(dparams["vocab_ids"], np.int32)
-    draft = _draft(cfg, ids)
+    draft = draft or _draft(cfg, ids)
+    trainable = trainable_of(draft, dparams)
+    if dtype is not None:
+        trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), trainable)
     spec = {"target": cfg.name, "vocab_size": cfg.vocab_size, "features": list(draft.features),
+            "shared_head": draft.shared_head, "dtype": str(jax.tree_util.tree_leaves(trainable)[0].dtype),
             "vocab_ids": ids.tolist()}
     try:
         os.makedirs(directory, exist_ok=True)
@@ -187,33 +214,44 @@ def save_head(directory: str, cfg: ModelConfig, dparams) -> None:
         raise SpecjaxError(f"cannot write an EAGLE head to {directory}: {e}".splitlines()[0]) from None
     if not ondisk.write(os.path.join(directory, HEAD_FILE), json.dumps(spec).encode()):
         raise SpecjaxError(f"cannot write an EAGLE head to {directory}")
-    trainable = trainable_of(dparams)
     ck = _checkpoints(directory, cfg, draft, trainable, ids)
     ck.save_next(trainable, {}, {"kind": "eagle"})
 
 
-def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dict]:
-    """(EagleDraft, params) of the head saved in ``directory`` for this target; a directory
-    without one, or a head of another target: a one-line SpecjaxError."""
+def read_spec(directory: str, cfg: ModelConfig) -> dict:
+    """``eagle.json`` of the head in ``directory``, checked to be of this target (else a one-line
+    SpecjaxError)."""
     blob = ondisk.read(os.path.join(directory, HEAD_FILE))
     if blob is None:
         raise SpecjaxError(f"{directory} holds no EAGLE head ({HEAD_FILE} is missing or damaged)")
     try:
         spec = json.loads(blob)
-        target, V, layers, ids = spec["target"], spec["vocab_size"], spec["features"], spec["vocab_ids"]
+        target, V, layers = spec["target"], spec["vocab_size"], spec["features"]
+        spec["vocab_ids"] = np.asarray(spec["vocab_ids"])
     except (ValueError, KeyError, TypeError) as e:
         raise SpecjaxError(f"{directory}/{HEAD_FILE} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) \
             from None
     if target != cfg.name or V != cfg.vocab_size or tuple(layers) != llama.feature_layers(cfg.num_layers):
         raise SpecjaxError(f"{directory} holds an EAGLE head of {target} ({V} tokens, features of layers {layers}), "
                            f"not of {cfg.name}")
-    ids = _check_ids(np.asarray(ids), cfg.vocab_size)
-    draft, template = init_params(cfg, params, ids)  # (the structure to restore into; values replaced)
-    trainable = trainable_of(template)
-    got = _checkpoints(directory, cfg, draft, trainable, ids).restore(trainable, {})
+    spec["vocab_ids"] = _check_ids(spec["vocab_ids"], cfg.vocab_size)
+    return spec
+
+
+def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dict]:
+    """(EagleDraft, params) of the head saved in ``directory`` for this target, in the target's
+    dtype; a directory without one, or a head of another target: a one-line SpecjaxError."""
+    spec = read_spec(directory, cfg)
+    ids = spec["vocab_ids"]
+    draft, template = init_params(cfg, params, ids, shared_head=bool(spec.get("shared_head", False)))
+    trainable = trainable_of(draft, template)  # (the structure to restore into; values replaced)
+    saved = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, spec.get("dtype", a.dtype)), trainable)
+    saved = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), saved)
+    got = _checkpoints(directory, cfg, draft, saved, ids).restore(saved, {})
     if got is None:
         raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
-    return draft, with_target(got[1], ids, params)
+    dtype = params["embed"].dtype
+    return draft, with_target(draft, jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), got[1]), ids, cfg, params)
 
 
 class EagleDrafter(DeviceDrafter):
@@ -232,9 +270,24 @@ class EagleDrafter(DeviceDrafter):
         return super().warm_steps(B, ks, greedy, tokens, ahead)
 
 
+# Heads shipped in the repository (heads/), by the target they were trained for: the one
+# ``--drafter eagle`` runs when no --eagle_head is given.
+HEADS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "heads")
+SHIPPED = {"smollm2-135m": "smollm2-135m-instruct-eagle"}
+
+
+def shipped_head(cfg: ModelConfig) -> str | None:
+    """The directory of the head shipped for this target, if there is one."""
+    name = SHIPPED.get(cfg.name)
+    path = name and os.path.join(HEADS_DIR, name)
+    return path if path and os.path.exists(os.path.join(path, HEAD_FILE)) else None
+
+
 def build(model, head: str | None = None) -> EagleDrafter:
     """The eagle drafter on ``model`` (a LoadedModel): the head saved in ``head`` (a directory,
-    ``save_head``), else a random-initialised one (``init_params``' defaults)."""
+    ``save_head``), else the one shipped for this target (``SHIPPED``), else a
+    random-initialised one (``init_params``' defaults)."""
+    head = head or shipped_head(model.cfg)
     if head:
         return EagleDrafter(*load_head(head, model.cfg, model.params))
     return EagleDrafter(*init_params(model.cfg, model.params))

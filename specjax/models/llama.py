@@ -183,14 +183,17 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask, pack=None, layout=None, embed_in=None):
+           positions, block_mask, pack=None, layout=None, embed_in=None, kv_before=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
     the old buffer is pending (reading first measured two full-cache copies per step).
     ``pack``: x holds only the block's real tokens ([P, D], see ``forward``); the projections
     and the MLP run on those rows, attention on the [B, T] block. ``embed_in``: token
     embeddings [B, T, D] of a feature head's layer (drafters.eagle, EAGLE-3): q/k/v then read
-    [norm(embedding), norm(x)] (wq/wk/wv of 2D rows) while the residual stream stays x."""
+    [norm(embedding), norm(x)] (wq/wk/wv of 2D rows) while the residual stream stays x.
+    ``kv_before``: (k, v) [B, S', Hkv, hd] of earlier entries the block's queries also see, before
+    its own (``block_mask`` [B, T, S' + T]); the feature head's training-time test
+    (distill.eagle_train) attends to its earlier unroll steps this way."""
     B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
@@ -212,6 +215,8 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     k = apply_rope(block(k).reshape(B, T, Hkv, hd), positions, tables=rope)
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
+    if kv_before is not None:
+        k, v = jnp.concatenate([kv_before[0], k], axis=1), jnp.concatenate([kv_before[1], v], axis=1)
     o = attn_lib.block_attention(
         q, k, v, k_all, v_all, layer, lengths, block_mask, fwd=fwd, use_prefix=use_prefix, layout=layout
     )
