@@ -23,6 +23,7 @@ observe_time) at batch 1 with the shipped layer-skip perf model, in microseconds
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -43,6 +44,9 @@ flags.DEFINE_list("decode_steps", ["1"], "The engine side once per value: K = 0 
                   "(BackendOptions.decode_steps; 1: a call per step).")
 flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side (-1: the launch scripts' default, "
                      "LoadedModel.auto_rows_kernel).")
+flags.DEFINE_bool("int8_side", False, "With the rows kernel on: also an engine side (decode calls of the last "
+                  "--decode_steps value) and a reference loop whose decode blocks round activations to int8 "
+                  "(ForwardOptions.rows_int8: another model, so its tokens are compared with its own reference).")
 flags.DEFINE_bool("reference", True,
                   "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
@@ -109,14 +113,21 @@ def main(argv):
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
+        fwd8 = dataclasses.replace(fwd, rows_int8=True) if FLAGS.int8_side else None
+        if fwd8 is not None:
+            backends["engine, int8 activations"] = JaxBackend(cfg, params, k_buckets=(0,), batch_buckets=(B,),
+                                                              slots=slots, fwd=fwd8,
+                                                              decode_steps=int(FLAGS.decode_steps[-1]))
         for be in backends.values():
             be.warmup(prompt_lens=[P], execute=True)
         reqs = [Request(str(i), p, new, ignore_eos=True) for i, p in enumerate(prompts)]
 
-        def reference():
-            res = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, fwd=fwd)
-            return {"prefill_s": max(r.prefill_s for r in res), "step_s": max(r.decode_s for r in res) / (new - 1),
-                    "tokens": [r.tokens for r in res]}
+        def reference(f=fwd):
+            def run():
+                res = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, fwd=f)
+                return {"prefill_s": max(r.prefill_s for r in res),
+                        "step_s": max(r.decode_s for r in res) / (new - 1), "tokens": [r.tokens for r in res]}
+            return run
 
         def engine(be):
             def run():
@@ -132,14 +143,18 @@ def main(argv):
                 return {**out, "cpu_tok_s": (time.process_time() - t) / (B * new)}
             return run
 
-        sides = {"reference": reference} if FLAGS.reference else {}
+        sides = {"reference": reference()} if FLAGS.reference else {}
+        if fwd8 is not None:
+            sides["reference, int8 activations"] = reference(fwd8)
         samples = rounds({n: cpu(f) for n, f in {**sides, **{n: engine(be) for n, be in backends.items()}}.items()},
                          FLAGS.rounds)
         base = next(iter(samples))
         ref = summarize(samples[base])
+        base8 = next((n for n in samples if "int8" in n), None)  # the int8 sides' tokens: their own model's
         for side, ss in samples.items():
             row = summarize(ss)
-            same = all(s["tokens"] == samples[base][0]["tokens"] for s in ss)
+            want = samples[base8 if "int8" in side else base][0]["tokens"]
+            same = all(s["tokens"] == want for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
             print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
                   f"{B / row['step_s']:.1f} | {row['step_s'] / ref['step_s']:.3f} | {1e3 * row['cpu_tok_s']:.2f} | "

@@ -161,7 +161,7 @@ def bench() -> int:
 
     model, _ = cli.load_target(next(iter(specs.values())))
     specs = {pair: sp.resolved(model) for pair, sp in specs.items()}
-    rows_kernel = next(iter(specs.values())).fwd.rows_kernel  # (0: XLA's dot on float32 weights)
+    fwd = next(iter(specs.values())).fwd  # (rows_kernel 0: XLA's dot on float32 weights)
     cfg, tok = model.cfg, model.tokenizer
     if FLAGS.chat and not tok.chat_template:
         raise SpecjaxError(f"model {cfg.name} has no chat template; pass --nochat to feed the raw question text")
@@ -359,7 +359,7 @@ def bench() -> int:
     parts = [head, "", table, ""]
     if peer_res:
         dec, e2e = specbench.peer_tables(summary, names, list(peer_res))
-        parts += [specbench.peers_headline(rows_kernel, {k: v["env"] for k, v in peer_res.items()}), "",
+        parts += [specbench.peers_headline(fwd, {k: v["env"] for k, v in peer_res.items()}), "",
                   "Decode against the peers (tok/s from each side's own decode steps: (new tokens - 1) / decode "
                   "seconds; agreement = prompts whose greedy output equals specjax AR's, and the share of AR's tokens "
                   "the peer reproduced before its first divergence):", "", dec, "",
@@ -403,7 +403,7 @@ def bench() -> int:
                           "greedy": True, "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": specbench.cpu_description(),
-                       "rows_kernel": rows_kernel, "peer_versions": specbench.peer_versions(peer_res),
+                       "rows_kernel": fwd.rows_kernel, "rows_int8": fwd.rows_int8, "peer_versions": specbench.peer_versions(peer_res),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},
                "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
                           "compile_events_during_timing": counter.count},

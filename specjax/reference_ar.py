@@ -34,7 +34,7 @@ def _prefill_logits(params, tokens, n_valid, *, cfg: ModelConfig, slots: int, fw
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     last = jnp.maximum(n_valid - 1, 0)[:, None]
     logits, cache = llama.forward(params, tokens, pos, cache, llama.causal_mask(B, T), cfg=cfg,
-                                  use_prefix=False, logits_at=last, fwd=fwd)
+                                  use_prefix=False, logits_at=last, fwd=fwd.for_prefill())
     return logits[:, 0], kv.set_lengths(cache, n_valid)
 
 

@@ -356,13 +356,17 @@ def peer_versions(peer_res: dict) -> dict:
     return {k: {f: v["env"][f] for f in keys if f in v.get("env", {})} for k, v in peer_res.items()}
 
 
-def peers_headline(rows_kernel: int, envs: dict) -> str:
-    """What differs between specjax and the peers of ``envs`` ({summary key: the peer's env}):
-    which bytes each reads per step, its arithmetic, its threads, the machine."""
+def peers_headline(fwd, envs: dict) -> str:
+    """What differs between specjax (its resolved ForwardOptions ``fwd``) and the peers of ``envs``
+    ({summary key: the peer's env}): which bytes each reads per step, its arithmetic, its threads,
+    the machine."""
     cpu = cpu_description()
-    reads = [("specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel in decode and "
-              f"verify blocks of up to {rows_kernel} rows (float32 arithmetic on them; longer blocks, prefill, read "
-              "float32 copies through XLA's dot)") if rows_kernel else
+    arith = ("activations rounded to int8 per group of 32, as llama.cpp does, integer products" if fwd.rows_int8
+             else "float32 arithmetic on them")
+    span = "every decode and verify block" if fwd.rows_int8 else f"decode and verify blocks of up to {fwd.rows_kernel} rows"
+    rest = "prefill reads" if fwd.rows_int8 else "longer blocks, prefill, read"
+    reads = [(f"specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel in {span} ({arith}; "
+              f"{rest} float32 copies through XLA's dot)") if fwd.rows_kernel else
              "specjax reads float32 copies of the weights through XLA's dot (rows kernel off)"]
     threads = [f"specjax: XLA:CPU's thread pool on all {os.cpu_count()} cores"]
     if "llamacpp" in envs:

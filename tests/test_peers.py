@@ -106,8 +106,12 @@ def test_fake_peers_through_run_peer_into_tables(tmp_path, monkeypatch):
     assert v == {"llamacpp": {"llama_cpp_python": "0.3.36", "system_info": "AVX2 = 1"},
                  "hf": {"torch": "2.13.0+cpu", "transformers": "5.23.0", "torch_cpu_capability": "AVX2"}}
     json.dumps(v)  # (goes into the bench JSON)
-    head = specbench.peers_headline(32, {k: r["env"] for k, r in res.items()})
+    from specjax.models.options import ForwardOptions
+
+    head = specbench.peers_headline(ForwardOptions(rows_kernel=32), {k: r["env"] for k, r in res.items()})
     for words in ("blocks of up to 32 rows", "llama.cpp reads the same blocks", "float32 at load",
                   "n_threads = n_threads_batch = 2", "torch.set_num_threads(2)", "Machine: "):
         assert words in head
-    assert "rows kernel off" in specbench.peers_headline(0, {})
+    assert "rows kernel off" in specbench.peers_headline(ForwardOptions(), {})
+    int8 = specbench.peers_headline(ForwardOptions(rows_kernel=32, rows_int8=True), {})
+    assert "every decode and verify block" in int8 and "rounded to int8" in int8

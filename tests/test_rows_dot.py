@@ -2,7 +2,9 @@
 ragged shapes, a row's result independent of how many rows share the call, and, inside the
 engine, the same greedy tokens from speculation as from plain decoding through it. GGUF Q4_1 /
 Q8_0 weights kept in their blocks stand for exactly the loader's float32 weights, and the
-portable build computes bit for bit what the vectorized (AVX-512 or AVX2) one does."""
+portable build computes bit for bit what the vectorized (AVX-512 or AVX2) one does. With int8
+activations (rows_int8) the kernel computes its numpy reference's model, rows still independent,
+and speculation through it gives plain decoding's tokens."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
     assert packs["f32"][0].shape == (10, K, 16)
     x = jnp.asarray(rng.standard_normal((40, K)), jnp.float32)
     f = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N))
+    f8 = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N, int8=True))
     for fmt, (wp, w) in packs.items():
         assert rd.packed_format(wp) == fmt
         for M in (1, 5, 12, 13, 40):  # one register tile, a tile and a row more, several tiles
@@ -46,11 +49,19 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
                                        err_msg=fmt)
             # bit-identical rows whatever else is in the call: a decode row == that row of a verify block
             np.testing.assert_array_equal(got[M - 1:M], np.asarray(f(x[M - 1:M], wp)))
+            if fmt != "f32":  # int8 activations: the reference's model, rows as independent
+                g8 = np.asarray(f8(x[:M], wp))
+                np.testing.assert_allclose(g8, rd.rows_dot_int8_reference(np.asarray(x[:M]), wp, N), rtol=1e-5,
+                                           atol=1e-5, err_msg=fmt)
+                np.testing.assert_array_equal(g8[M - 1:M], np.asarray(f8(x[M - 1:M], wp)))
     wp = packs["f32"][0]
     y3 = rd.rows_dot(x[:6].reshape(2, 3, K), wp, N)  # leading dims are kept
     np.testing.assert_array_equal(np.asarray(y3).reshape(6, N), np.asarray(f(x[:6], wp)))
     with pytest.raises(SpecjaxError, match="float32 only"):
         rd.rows_dot(x.astype(jnp.bfloat16), wp, N)
+    # int8 rounding: ties to even, an all-zero group has scale 0, codes within +-127
+    q, dx = rd.quantize_rows(np.array([[0.5, 1.5, -2.5, 127.0] + [0.0] * 28 + [0.0] * 32], np.float32))
+    assert q[0, :4].tolist() == [0, 2, -2, 127] and dx[0].tolist() == [1.0, 0.0] and not q[0, 32:].any()
 
 
 def test_portable_build_matches_the_vectorized_build():
@@ -65,9 +76,11 @@ def test_portable_build_matches_the_vectorized_build():
     x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
     for fmt, (wp, _) in _random_packs(rng, K, N).items():
         operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
-        target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt}"
-        portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
-        np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N)), err_msg=fmt)
+        for int8 in (False, True) if fmt != "f32" else (False,):
+            target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt}" + ("_i8" if int8 else "")
+            portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
+            np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)),
+                                          err_msg=f"{fmt} int8={int8}")
 
 
 def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
@@ -110,6 +123,18 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=fwd)
     assert spec.params is p
     assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
+    # int8 activations: another model (its own reference), every decode / verify block on the kernel
+    # whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too), prefill in float32
+    from specjax.reference_ar import reference_generate
+
+    i8 = ForwardOptions(rows_kernel=2, rows_int8=True)
+    assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8
+    ar8 = [r.tokens for r in Generator(m.cfg, p, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
+    assert ar8 == [r.tokens for r in reference_generate(m.cfg, p, prompts, max_new_tokens=10, fwd=i8)]
+    spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=i8)
+    assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
+    with pytest.raises(SpecjaxError, match="rows_int8 needs the CPU rows kernel"):
+        ForwardOptions(rows_int8=True)
 
 
 def test_rows_kernel_in_the_engine_is_lossless(tiny):

@@ -149,7 +149,8 @@ class EngineSpec:
     (name ``none``: plain decoding, compiled at K = 0 only). k_buckets: the compiled Ks;
     batch_buckets / slots: the engine's rows and KV slots per row; prefill_chunk: prompt chunks.
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
-    where the model's weights suit it", resolved once the model is loaded (``resolved``).
+    where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8)
+    wherever the rows kernel runs", resolved once the model is loaded (``resolved``).
     policy: PolicySpec. mesh: 'DATAxMODEL' ('' = one device); shard_draft: shard a draft model
     like the target."""
 
@@ -162,6 +163,7 @@ class EngineSpec:
     prefill_chunk: int = 512
     fwd: ForwardOptions = ForwardOptions()
     rows_kernel_auto: bool = False
+    rows_int8_auto: bool = False
     policy: PolicySpec = PolicySpec()
     mesh: str = ""
     shard_draft: bool = False
@@ -233,20 +235,23 @@ class EngineSpec:
         return registry.DRAFTERS[self.drafter.name].draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
-        """This spec with ``--rows_kernel -1`` resolved for ``model`` (a LoadedModel): what runs."""
-        if not self.rows_kernel_auto:
+        """This spec with ``--rows_kernel -1`` and ``--rows_activations auto`` resolved for
+        ``model`` (a LoadedModel): what runs."""
+        if not (self.rows_kernel_auto or self.rows_int8_auto):
             return self
-        fwd = dataclasses.replace(self.fwd, rows_kernel=model.auto_rows_kernel())
-        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False)
+        rows = model.auto_rows_kernel() if self.rows_kernel_auto else self.fwd.rows_kernel
+        fwd = dataclasses.replace(self.fwd, rows_kernel=rows, rows_int8=self.fwd.rows_int8 or bool(
+            self.rows_int8_auto and rows))
+        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_int8_auto=False)
 
     def code_key(self) -> str:
         """What of this spec changes the compiled code a step runs (the performance model of
         one compiled engine does not describe another): the forward options, the dtype and the
         layout. Comma-separated name=value fields, so a mismatch can be named field by field."""
-        require(not self.rows_kernel_auto, "code_key needs a resolved spec (EngineSpec.resolved(model))")
+        require(not (self.rows_kernel_auto or self.rows_int8_auto), "code_key needs a resolved spec (EngineSpec.resolved(model))")
         f = self.fwd
         fields = dict(dtype=self.dtype, attention=f.attention, attn_chunk=f.attn_chunk, small_rows=f.small_rows,
-                      rows_kernel=f.rows_kernel, scan_layers=int(f.scan_layers), rope_once=int(f.rope_barrier()),
+                      rows_kernel=f.rows_kernel, **({"rows_int8": 1} if f.rows_int8 else {}), scan_layers=int(f.scan_layers), rope_once=int(f.rope_barrier()),
                       mesh=self.mesh or "1x1")
         if self.mesh and self.shard_draft and self.device_draft:
             fields["shard_draft"] = 1

@@ -236,8 +236,10 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     mask = llama.causal_mask(B, C)
     last = jnp.maximum(n_valid - 1, 0)[:, None]
+    # (float32 activations under rows_int8: a prompt token's values do not depend on its chunk)
     logits, cache, *feats = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first,
-                                          logits_at=last, fwd=fwd, layout=key.layout, features=key.features)
+                                          logits_at=last, fwd=fwd.for_prefill(), layout=key.layout,
+                                          features=key.features)
     cache = kv.advance(cache, n_valid)
     has = n_valid > 0
     pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)

@@ -155,16 +155,16 @@ def stack_layers(params):
 def dense(x: jax.Array, w: jax.Array, fwd: ForwardOptions = ForwardOptions(), packed: jax.Array | None = None
           ) -> jax.Array:
     """``x @ w`` for x [..., K], w [K, N], in the form ``fwd`` picks for the row count: the CPU
-    rows kernel on ``packed`` (pack_for_rows) up to ``fwd.rows_kernel`` rows, per-row matvecs
-    from 2 to ``fwd.small_rows``, else XLA's dot."""
+    rows kernel on ``packed`` (pack_for_rows) up to ``fwd.rows_kernel`` rows (every row count
+    with ``fwd.rows_int8``), per-row matvecs from 2 to ``fwd.small_rows``, else XLA's dot."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
-    if rows <= fwd.rows_kernel:
+    if fwd.kernel_rows(rows):
         if packed is None:
             raise ValueError("ForwardOptions.rows_kernel needs params from llama.pack_for_rows")
         from specjax.models.cpu import rows_dot
 
-        return rows_dot.rows_dot(x, packed, w.shape[-1])
+        return rows_dot.rows_dot(x, packed, w.shape[-1], int8=fwd.rows_int8)
     if 1 < rows <= fwd.small_rows:
         return _rowwise_matvec(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[-1])
     return x @ w
@@ -317,7 +317,7 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    if int(np.prod(x.shape[:-1])) <= fwd.rows_kernel:
+    if fwd.kernel_rows(int(np.prod(x.shape[:-1]))):
         logits = dense(x, head, fwd, params.get("head" + ROWS_SUFFIX))
     else:
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)

@@ -25,6 +25,16 @@ class ForwardOptions:
     llama.pack_for_rows, which LoadedModel.params_for applies with a GGUF's Q4_1/Q8_0 weights
     kept in their blocks); 0 = XLA's dot. Launch scripts pick it with
     LoadedModel.auto_rows_kernel unless --rows_kernel says.
+    rows_int8: with the rows kernel, decode and verify blocks round each activation row to int8
+    per group of 32 before the GGUF weights multiply it (as llama.cpp does; rows_dot.quantize_rows),
+    so the weights meet integer codes (1.4-1.7x less time a step on an AVX2 CPU, BENCHMARKS.md)
+    and the model is no longer the float32 one: outputs may differ from rows_int8=False, while
+    each row's result still does not depend on the rows beside it, so speculation stays lossless
+    against AR with the same options. Every decode and verify block then runs on the kernel
+    whatever its row count (a block on XLA's float32 dot would compute the other model), and
+    prefill chunks (``for_prefill``) keep float32 activations: a prompt token is computed the
+    same way whichever chunk or batch it is prefilled in. Float32 packs (weights not stored as
+    Q4_1/Q8_0) keep float32 activations.
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
@@ -40,6 +50,7 @@ class ForwardOptions:
     attn_chunk: int = 256
     small_rows: int = 0
     rows_kernel: int = 0
+    rows_int8: bool = False
     rope_once: bool | None = None
     scan_layers: bool = False
 
@@ -50,8 +61,17 @@ class ForwardOptions:
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
         require(not (self.scan_layers and self.rows_kernel), "scan_layers does not combine with the CPU rows kernel")
+        require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
         require(not (self.scan_layers and self.attention == "pallas"),
                 "scan_layers needs attention 'xla' (the Pallas kernel takes its cache layer as a static index)")
+
+    def for_prefill(self) -> "ForwardOptions":
+        """The options a prefill chunk runs with: float32 activations (``rows_int8`` off)."""
+        return dataclasses.replace(self, rows_int8=False) if self.rows_int8 else self
+
+    def kernel_rows(self, rows: int) -> bool:
+        """Whether a block of ``rows`` activation rows runs on the rows kernel."""
+        return self.rows_int8 or rows <= self.rows_kernel
 
     def rope_barrier(self) -> bool:
         """Whether forward computes the RoPE tables behind a conditional (``rope_once``, resolved)."""

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -361,6 +362,194 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
   }
 }
 
+// ---------------------------------------------------------------- int8 activations (rows_int8)
+// The GGUF formats with each activation row rounded to int8 per group of 32 k first, as llama.cpp
+// rounds its activations: dx = amax / 127 and xq = x * 127 / amax to nearest (ties to even), so
+// the weights multiply integer codes. The model this computes is the dot product of the rounded
+// row x~ = dx * xq with the same weights: y[m, c] = sum over groups g, in increasing order, of
+// fma(d_c * dx, S, .) then (q4_1) fma(m_c, sx, .), where S = sum_k xq_k q_kc is an exact integer
+// sum and sx = dx * sum_k xq_k. Integer sums are exact in any order, so every build and every row
+// count gives the same bits, and a row's result still does not depend on the rows beside it.
+// Per 64 weights of a q4_1 block a row costs two byte multiply-adds (vpmaddubsw) and two adds,
+// against 16 float conversions and FMAs with float activations.
+
+constexpr int kRowTileI8 = 3;  // rows per register tile of the int8 path
+
+struct QuantRows {  // the int8 rounding of x [M, K]
+  std::unique_ptr<int8_t[]> q;     // [M, K] codes
+  std::unique_ptr<int16_t[]> q16;  // [M, K] the same codes widened (q8_0 weights multiply int16 pairs)
+  std::unique_ptr<float[]> d, s;   // [M, K / 32]: dx, and dx * (sum of the group's codes)
+};
+
+// Rounds the rows of x (scalar code in every build: its bits must not depend on the build). A
+// group holding a NaN or an infinity gets dx = NaN, so its rows' outputs are NaN as with floats.
+QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wide) {
+  const int64_t ng = K / 32;
+  QuantRows r{std::make_unique<int8_t[]>(M * K), wide ? std::make_unique<int16_t[]>(M * K) : nullptr,
+              std::make_unique<float[]>(M * ng), std::make_unique<float[]>(M * ng)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* __restrict xs = x + m * K + g * 32;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int k = 0; k < 32; ++k) {
+        const float a = std::fabs(xs[k]);
+        finite = finite && a <= 3.4028234663852886e38f;
+        amax = a > amax ? a : amax;
+      }
+      const float d = finite ? amax / 127.0f : __builtin_nanf("");
+      const float id = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xs[k] * id)));
+        const int8_t q = static_cast<int8_t>(finite ? v : 0.0f);
+        r.q[m * K + g * 32 + k] = q;
+        if (wide) r.q16[m * K + g * 32 + k] = q;
+        sum += q;
+      }
+      r.d[m * ng + g] = d;
+      r.s[m * ng + g] = d * static_cast<float>(sum);
+    }
+  return r;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECJAX_I8_VEC 1
+inline __m256 i8_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 32 code bytes of one block (two rows of k, 16 columns each) -> the same bytes with the two rows
+// interleaved per column: 16-bit lane c holds (k, k + 1) of column c, what vpmaddubsw pairs.
+inline __m256i pair_rows(const uint8_t* p) {
+  const __m256i shuf = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(w, 0xD8), shuf);  // qwords 0, 2 | 1, 3 per lane
+}
+
+inline void store16(float* __restrict out, __m256 lo, __m256 hi, int64_t width) {
+  if (width == kLanes) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+  } else {
+    alignas(32) float t[kLanes];
+    _mm256_store_ps(t, lo);
+    _mm256_store_ps(t + 8, hi);
+    std::memcpy(out, t, sizeof(float) * width);
+  }
+}
+
+// Rows [r0, r0 + R) of one column block: codes and scales of the block, every group.
+template <bool Q8, int R>
+void tile_i8(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb, float* __restrict y,
+             int64_t r0, int64_t K, int64_t N, int64_t col) {
+  const int64_t ng = K / 32;
+  __m256 f[R][2];
+  for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i s0[R], s1[R];  // int32 sums S of columns 0-7 and 8-15
+    if constexpr (Q8) {
+      const uint8_t* __restrict c = qb + g * 32 * kLanes;
+      for (int i = 0; i < R; ++i) s0[i] = s1[i] = _mm256_setzero_si256();
+      for (int p = 0; p < 16; ++p) {  // k = 2p, 2p + 1
+        const __m256i w = pair_rows(c + 2 * p * kLanes);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+        for (int i = 0; i < R; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, xr.q16.get() + (r0 + i) * K + g * 32 + 2 * p, 4);
+          const __m256i xb = _mm256_set1_epi32(pair);
+          s0[i] = _mm256_add_epi32(s0[i], _mm256_madd_epi16(w0, xb));
+          s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(w1, xb));
+        }
+      }
+    } else {
+      // byte kk of a column holds k = kk (low nibble) and kk + 16 (high); int16 sums of 8 pairs
+      // stay below 8 * 2 * 15 * 127 = 30480, so low and high halves are summed apart, then widened
+      const uint8_t* __restrict c = qb + g * 16 * kLanes;
+      const __m256i low = _mm256_set1_epi8(15);
+      __m256i lo[R], hi[R];
+      for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {  // k = 2p, 2p + 1 and 16 + 2p, 17 + 2p
+        const __m256i w = pair_rows(c + 2 * p * kLanes);
+        const __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xq = xr.q.get() + (r0 + i) * K + g * 32;
+          int16_t pl, ph;
+          std::memcpy(&pl, xq + 2 * p, 2);
+          std::memcpy(&ph, xq + 16 + 2 * p, 2);
+          lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(wl, _mm256_set1_epi16(pl)));
+          hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(wh, _mm256_set1_epi16(ph)));
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        s0[i] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[i])),
+                                 _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[i])));
+        s1[i] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo[i], 1)),
+                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi[i], 1)));
+      }
+    }
+    const uint16_t* __restrict e = sb + g * (Q8 ? kLanes : 2 * kLanes);
+    const __m256 d0 = i8_half8(e), d1 = i8_half8(e + 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 dx = _mm256_set1_ps(xr.d[(r0 + i) * ng + g]);
+      f[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(s0[i]), f[i][0]);
+      f[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(s1[i]), f[i][1]);
+      if constexpr (!Q8) {
+        const __m256 sx = _mm256_set1_ps(xr.s[(r0 + i) * ng + g]);
+        f[i][0] = _mm256_fmadd_ps(i8_half8(e + kLanes), sx, f[i][0]);
+        f[i][1] = _mm256_fmadd_ps(i8_half8(e + kLanes + 8), sx, f[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) store16(y + (r0 + i) * N + col, f[i][0], f[i][1], std::min(kLanes, N - col));
+}
+#endif
+
+// Column blocks [b0, b1) of a q4_1 / q8_0 weight against the rounded rows.
+template <bool Q8>
+void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uint16_t* __restrict sc,
+                    float* __restrict y, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t ng = K / 32;
+  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;
+  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* __restrict qb = qs + b * ng * kCodes;
+    const uint16_t* __restrict sb = sc + b * ng * kScales;
+    const int64_t col = b * kLanes;
+#if defined(SPECJAX_I8_VEC)
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTileI8) {
+      const int64_t rr = std::min<int64_t>(kRowTileI8, M - r0);
+      if (rr == 1) tile_i8<Q8, 1>(xr, qb, sb, y, r0, K, N, col);
+      else if (rr == 2) tile_i8<Q8, 2>(xr, qb, sb, y, r0, K, N, col);
+      else tile_i8<Q8, 3>(xr, qb, sb, y, r0, K, N, col);
+    }
+#else
+    const int64_t width = std::min(kLanes, N - col);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t l = 0; l < width; ++l) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < ng; ++g) {
+          const uint8_t* __restrict c = qb + g * kCodes;
+          const int8_t* __restrict xq = xr.q.get() + m * K + g * 32;
+          int32_t S = 0;
+          for (int64_t kk = 0; kk < (Q8 ? 32 : 16); ++kk) {
+            const uint8_t byte = c[kk * kLanes + l];
+            if constexpr (Q8) {
+              S += static_cast<int32_t>(xq[kk]) * static_cast<int8_t>(byte);
+            } else {
+              S += static_cast<int32_t>(xq[kk]) * (byte & 15) + static_cast<int32_t>(xq[kk + 16]) * (byte >> 4);
+            }
+          }
+          const float dx = xr.d[m * ng + g];
+          acc = __builtin_fmaf(half_to_float(sb[g * kScales + l]) * dx, static_cast<float>(S), acc);
+          if constexpr (!Q8) acc = __builtin_fmaf(half_to_float(sb[g * kScales + kLanes + l]), xr.s[m * ng + g], acc);
+        }
+        y[m * N + col + l] = acc;
+      }
+#endif
+  }
+}
+
 ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -378,9 +567,10 @@ ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// The operands' shapes and types for a q4_1 (Q8 = false) or q8_0 weight.
 template <bool Q8>
-ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                    ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error check_gguf(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& codes, const ffi::Buffer<ffi::F16>& scales,
+                      ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
@@ -396,6 +586,16 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
                                             "scales [ceil(N/16), K/32, 16], y [M, N]"
                                           : "rows_q4_1: expected x [M, K], codes uint8 [ceil(N/16), K/32, 16, 16], "
                                             "scales [ceil(N/16), K/32, 2, 16], y [M, N]");
+  return ffi::Error::Success();
+}
+
+template <bool Q8>
+ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                    ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (ffi::Error e = check_gguf<Q8>(x, codes, scales, y); e.failure()) return e;
+  auto xd = x.dimensions();
+  auto cd = codes.dimensions();
+  auto yd = y->dimensions();
   const int64_t M = xd[0], K = xd[1], N = yd[1], nb = cd[0];
   const float* xp = x.typed_data();
   const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
@@ -403,6 +603,22 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf<Q8>(xp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
+  });
+  return ffi::Error::Success();
+}
+
+template <bool Q8>
+ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                      ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (ffi::Error e = check_gguf<Q8>(x, codes, scales, y); e.failure()) return e;
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], nb = codes.dimensions()[0];
+  const QuantRows xr = quantize_rows(x.typed_data(), M, K, Q8);
+  const QuantRows* xrp = &xr;
+  const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
+  const uint16_t* sp = scales.typed_data();
+  float* out = y->typed_data();
+  parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
+    blocks_gguf_i8<Q8>(*xrp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
   });
   return ffi::Error::Success();
 }
@@ -418,6 +634,8 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
       .Ret<ffi::Buffer<ffi::F32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ4_1, RowsGguf<false>, SPECJAX_GGUF_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ8_0, RowsGguf<true>, SPECJAX_GGUF_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ4_1I8, RowsGgufI8<false>, SPECJAX_GGUF_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ8_0I8, RowsGgufI8<true>, SPECJAX_GGUF_BINDING);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsPacked, RowsPacked,
                               ffi::Ffi::Bind()

@@ -41,7 +41,8 @@ from specjax.errors import SpecjaxError
 LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
 _TARGET = "specjax_rows_packed"
-_TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0"}
+_TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0",
+            "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8"}
 GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
@@ -193,9 +194,11 @@ def dequantize_packed(wp, n: int) -> np.ndarray:
     return w.transpose(1, 2, 0, 3).reshape(G * GROUP, nb * LANES)[:, :n]
 
 
-def rows_dot(x: jax.Array, wp, n: int) -> jax.Array:
+def rows_dot(x: jax.Array, wp, n: int, int8: bool = False) -> jax.Array:
     """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
-    ``pack_q8_0``), through the kernel."""
+    ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0) multiplies each row
+    of x rounded to int8 per group of 32 (``quantize_rows``; the model ``rows_dot_int8_reference``
+    defines); a float32 pack ignores it."""
     ensure()
     fmt = packed_format(wp)
     operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
@@ -203,9 +206,44 @@ def rows_dot(x: jax.Array, wp, n: int) -> jax.Array:
         raise SpecjaxError(f"the rows kernel is float32 only, got {x.dtype} x {operands[0].dtype}")
     lead, K = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, K)
-    target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}"
+    target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}" + ("_i8" if int8 else "")
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, *operands)
     return y.reshape(*lead, n)
+
+
+def quantize_rows(x: np.ndarray):
+    """Each row of x [M, K] rounded to int8 per group of 32 (numpy; the reference of the kernel's
+    int8 path, as llama.cpp rounds activations): codes [M, K] int8 = x * 127 / amax to nearest,
+    ties to even, and scales dx [M, K/32] = amax / 127 float32 (0 for an all-zero group)."""
+    g = np.asarray(x, np.float32).reshape(x.shape[0], -1, GROUP)
+    amax = np.abs(g).max(axis=2)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(g * inv[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+
+
+def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
+    """What ``rows_dot(x, wp, n, int8=True)`` computes for a q4_1 / q8_0 pack (numpy): the dot
+    product of the rounded rows (``quantize_rows``) with the weights, per group an exact integer
+    sum S = sum xq * q, added over groups in order as (d * dx) * S (+ m * dx * sum xq for q4_1).
+    float64 stands in for the kernel's fused multiply-adds, so it agrees to rounding, not bits."""
+    fmt = packed_format(wp)
+    q, dx = quantize_rows(np.asarray(x, np.float32))
+    M, G = dx.shape
+    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    if fmt == "q8_0":
+        wq = codes.astype(np.int64)  # [nb, G, 32, 16]
+    else:
+        wq = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.int64)
+    S = np.einsum("mgk,bgkl->mgbl", q.reshape(M, G, GROUP).astype(np.int64), wq)  # [M, G, nb, 16]
+    d = scales[:, :, 0, :] if fmt == "q4_1" else scales  # [nb, G, 16]
+    dd = (d.transpose(1, 0, 2)[None] * dx[:, :, None, None]).astype(np.float32)  # rounded as the kernel
+    terms = dd.astype(np.float64) * S
+    if fmt == "q4_1":
+        sx = (dx * q.reshape(M, G, GROUP).astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+        terms = terms + scales[:, :, 1, :].transpose(1, 0, 2)[None].astype(np.float64) * sx[:, :, None, None]
+    y = terms.sum(axis=1).reshape(M, -1)[:, :n]
+    return y.astype(np.float32)
 
 
 def rows_dot_reference(x: jax.Array, w: jax.Array) -> jax.Array:
