@@ -115,7 +115,7 @@ def main(argv):
                 fwd=fwd)
         fwd8 = dataclasses.replace(fwd, rows_int8=True) if FLAGS.int8_side else None
         if fwd8 is not None:
-            backends["engine, int8 activations"] = JaxBackend(cfg, params, k_buckets=(0,), batch_buckets=(B,),
+            backends["engine, int8 activations"] = JaxBackend(cfg, m.params_for(fwd8), k_buckets=(0,), batch_buckets=(B,),
                                                               slots=slots, fwd=fwd8,
                                                               decode_steps=int(FLAGS.decode_steps[-1]))
         for be in backends.values():
@@ -124,7 +124,7 @@ def main(argv):
 
         def reference(f=fwd):
             def run():
-                res = reference_generate(cfg, params, prompts, max_new_tokens=new, ignore_eos=True, fwd=f)
+                res = reference_generate(cfg, m.params_for(f), prompts, max_new_tokens=new, ignore_eos=True, fwd=f)
                 return {"prefill_s": max(r.prefill_s for r in res),
                         "step_s": max(r.decode_s for r in res) / (new - 1), "tokens": [r.tokens for r in res]}
             return run

@@ -26,11 +26,14 @@ def _random_packs(rng, K, N):
     d = (rng.standard_normal((N, G)) * 0.05).astype(np.float16)
     d[0, 0] = np.float16(3e-6)  # subnormal in float16
     mins = (rng.standard_normal((N, G)) * 0.2).astype(np.float16)
-    q4 = rd.pack_q4_1(d, mins, rng.integers(0, 256, (N, G, 16), dtype=np.uint8))
-    q8 = rd.pack_q8_0(d, rng.integers(-128, 128, (N, G, 32), dtype=np.int8))
+    c4, c8 = rng.integers(0, 256, (N, G, 16), dtype=np.uint8), rng.integers(-128, 128, (N, G, 32), dtype=np.int8)
+    q4, q8 = rd.pack_q4_1(d, mins, c4), rd.pack_q8_0(d, c8)
     w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
     return {"f32": (rd.pack(w), np.asarray(w)), "q4_1": (q4, rd.dequantize_packed(q4, N)),
-            "q8_0": (q8, rd.dequantize_packed(q8, N))}
+            "q8_0": (q8, rd.dequantize_packed(q8, N)),
+            # the int8 activations' layout: the same values
+            "q4_1 pairs": (rd.pack_q4_1(d, mins, c4, pairs=True), rd.dequantize_packed(q4, N)),
+            "q8_0 pairs": (rd.pack_q8_0(d, c8, pairs=True), rd.dequantize_packed(q8, N))}
 
 
 def test_rows_kernel_matches_xla_and_rows_are_independent():
@@ -42,18 +45,23 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
     f = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N))
     f8 = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N, int8=True))
     for fmt, (wp, w) in packs.items():
-        assert rd.packed_format(wp) == fmt
+        assert rd.packed_format(wp) == fmt.split()[0] and rd.paired(wp) == fmt.endswith("pairs")
+        np.testing.assert_array_equal(rd.dequantize_packed(wp, N), w)
+        if rd.paired(wp):  # int8 activations: the reference's model, rows as independent
+            for M in (1, 4, 40):
+                g8 = np.asarray(f8(x[:M], wp))
+                np.testing.assert_allclose(g8, rd.rows_dot_int8_reference(np.asarray(x[:M]), wp, N), rtol=1e-5,
+                                           atol=1e-5, err_msg=fmt)
+                np.testing.assert_array_equal(g8[M - 1:M], np.asarray(f8(x[M - 1:M], wp)))
+            with pytest.raises(SpecjaxError, match="paired layout"):
+                rd.rows_dot(x, wp, N)
+            continue
         for M in (1, 5, 12, 13, 40):  # one register tile, a tile and a row more, several tiles
             got = np.asarray(f(x[:M], wp))
             np.testing.assert_allclose(got, np.asarray(x[:M]) @ w.astype(np.float64), rtol=1e-5, atol=1e-4,
                                        err_msg=fmt)
             # bit-identical rows whatever else is in the call: a decode row == that row of a verify block
             np.testing.assert_array_equal(got[M - 1:M], np.asarray(f(x[M - 1:M], wp)))
-            if fmt != "f32":  # int8 activations: the reference's model, rows as independent
-                g8 = np.asarray(f8(x[:M], wp))
-                np.testing.assert_allclose(g8, rd.rows_dot_int8_reference(np.asarray(x[:M]), wp, N), rtol=1e-5,
-                                           atol=1e-5, err_msg=fmt)
-                np.testing.assert_array_equal(g8[M - 1:M], np.asarray(f8(x[M - 1:M], wp)))
     wp = packs["f32"][0]
     y3 = rd.rows_dot(x[:6].reshape(2, 3, K), wp, N)  # leading dims are kept
     np.testing.assert_array_equal(np.asarray(y3).reshape(6, N), np.asarray(f(x[:6], wp)))
@@ -76,11 +84,10 @@ def test_portable_build_matches_the_vectorized_build():
     x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
     for fmt, (wp, _) in _random_packs(rng, K, N).items():
         operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
-        for int8 in (False, True) if fmt != "f32" else (False,):
-            target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt}" + ("_i8" if int8 else "")
-            portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
-            np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)),
-                                          err_msg=f"{fmt} int8={int8}")
+        int8 = rd.paired(wp)
+        target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt.split()[0]}" + ("_i8" if int8 else "")
+        portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
+        np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)), err_msg=fmt)
 
 
 def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
@@ -129,8 +136,10 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
 
     i8 = ForwardOptions(rows_kernel=2, rows_int8=True)
     assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8
-    ar8 = [r.tokens for r in Generator(m.cfg, p, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
-    assert ar8 == [r.tokens for r in reference_generate(m.cfg, p, prompts, max_new_tokens=10, fwd=i8)]
+    p8 = m.params_for(i8)  # the codes in pairs
+    assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8["layers"][0]["wq" + llama.ROWS_SUFFIX])
+    ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
+    assert ar8 == [r.tokens for r in reference_generate(m.cfg, p8, prompts, max_new_tokens=10, fwd=i8)]
     spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=i8)
     assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
     with pytest.raises(SpecjaxError, match="rows_int8 needs the CPU rows kernel"):

@@ -24,15 +24,16 @@ _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16
 
 @dataclass
 class LoadedModel:
-    """``native_packs``: for a GGUF file with Q4_1/Q8_0 weights, builds them packed in those
-    blocks for the CPU rows kernel (weights.gguf_row_packs); ``params_for`` uses it."""
+    """``native_packs(pairs)``: for a GGUF file with Q4_1/Q8_0 weights, builds them packed in those
+    blocks for the CPU rows kernel (weights.gguf_row_packs; ``pairs``: the layout of int8
+    activations); ``params_for`` uses it."""
 
     cfg: ModelConfig
     params: dict
     tokenizer: Tokenizer
     load_seconds: float = 0.0
-    native_packs: Callable[[], dict] | None = None
-    _packed: dict | None = field(default=None, repr=False)
+    native_packs: Callable[[bool], dict] | None = None
+    _packed: dict = field(default_factory=dict, repr=False)  # rows_int8 -> packed params
     _stacked: dict | None = field(default=None, repr=False)
 
     def auto_rows_kernel(self) -> int:
@@ -61,9 +62,10 @@ class LoadedModel:
             return self._stacked
         if not fwd.rows_kernel:
             return self.params
-        if self._packed is None:
-            self._packed = llama.pack_for_rows(self.params, self.cfg, self.native_packs() if self.native_packs else None)
-        return self._packed
+        if fwd.rows_int8 not in self._packed:  # (int8 activations read the GGUF codes in pairs: another layout)
+            native = self.native_packs(fwd.rows_int8) if self.native_packs else None
+            self._packed[fwd.rows_int8] = llama.pack_for_rows(self.params, self.cfg, native)
+        return self._packed[fwd.rows_int8]
 
 
 def parse_dtype(name: str):
@@ -138,7 +140,7 @@ def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedMo
         cfg = file_cfg
     params = weights.load_gguf_params(reader, cfg, dtype)
     tok = Tokenizer.from_gguf(reader)
-    native = (lambda: weights.gguf_row_packs(reader, cfg)) if weights.gguf_has_row_packs(reader) else None
+    native = (lambda pairs: weights.gguf_row_packs(reader, cfg, pairs)) if weights.gguf_has_row_packs(reader) else None
     return LoadedModel(cfg, params, tok, time.perf_counter() - t0, native_packs=native)
 
 

@@ -32,9 +32,10 @@ class ForwardOptions:
     each row's result still does not depend on the rows beside it, so speculation stays lossless
     against AR with the same options. Every decode and verify block then runs on the kernel
     whatever its row count (a block on XLA's float32 dot would compute the other model), and
-    prefill chunks (``for_prefill``) keep float32 activations: a prompt token is computed the
+    prefill chunks (``for_prefill``) run on XLA's float32 dot: a prompt token is computed the
     same way whichever chunk or batch it is prefilled in. Float32 packs (weights not stored as
-    Q4_1/Q8_0) keep float32 activations.
+    Q4_1/Q8_0) keep float32 activations. The GGUF packs are then in another layout
+    (rows_dot.pack_q4_1's ``pairs``; LoadedModel.params_for builds them).
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
@@ -66,8 +67,9 @@ class ForwardOptions:
                 "scan_layers needs attention 'xla' (the Pallas kernel takes its cache layer as a static index)")
 
     def for_prefill(self) -> "ForwardOptions":
-        """The options a prefill chunk runs with: float32 activations (``rows_int8`` off)."""
-        return dataclasses.replace(self, rows_int8=False) if self.rows_int8 else self
+        """The options a prefill chunk runs with: under ``rows_int8``, XLA's float32 dot (the
+        packs are in the int8 path's layout, which the float32 kernel does not read)."""
+        return dataclasses.replace(self, rows_int8=False, rows_kernel=0) if self.rows_int8 else self
 
     def kernel_rows(self, rows: int) -> bool:
         """Whether a block of ``rows`` activation rows runs on the rows kernel."""

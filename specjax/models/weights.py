@@ -211,11 +211,12 @@ def gguf_has_row_packs(reader: GGUFFile) -> bool:
     return any(t.tensor_type in (Q.Q4_1, Q.Q8_0) and len(t.shape) == 2 for t in reader.tensors)
 
 
-def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig) -> dict:
+def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig, pairs: bool = False) -> dict:
     """The weights of the file that are stored as Q4_1 or Q8_0, packed in those blocks for the CPU
     rows kernel (models.cpu.rows_dot): ``{"layers": [{name: packed}], "head": packed}``, the names
     of ``llama.pack_for_rows``; weights of any other type are left out (the caller packs them from
-    float32). The same values as ``load_gguf_params`` gives, at 4.6-8.5 bits a weight."""
+    float32). The same values as ``load_gguf_params`` gives, at 4.6-8.5 bits a weight. ``pairs``: in
+    the layout the kernel's int8 activations read (rows_dot.pack_q4_1)."""
     from gguf import GGMLQuantizationType as Q
 
     from specjax.models.cpu import rows_dot
@@ -233,8 +234,8 @@ def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig) -> dict:
         if permuted and key in heads:
             b = unpermute_qk(b, heads[key])
         if t.tensor_type == Q.Q4_1:
-            return rows_dot.pack_q4_1(b["d"], b["m"], b["qs"])
-        return rows_dot.pack_q8_0(b["d"], b["qs"])
+            return rows_dot.pack_q4_1(b["d"], b["m"], b["qs"], pairs)
+        return rows_dot.pack_q8_0(b["d"], b["qs"], pairs)
 
     layers = []
     for i in range(cfg.num_layers):

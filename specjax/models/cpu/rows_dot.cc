@@ -6,6 +6,8 @@
 //         k = kk in its low nibble and k = kk + 16 in its high one, for 16 columns), scales
 //         [N/16, K/32, 2, 16] float16 (d, then m);
 //   q8_0: GGUF Q8_0 (w = q * d, q int8): codes [N/16, K/32, 32, 16] int8, scales [N/16, K/32, 16].
+// The int8-activation path (rows_int8, below) reads the GGUF codes in a paired layout: rows k and
+// k + 1 of a block interleaved per column, codes [N/16, K/32, 8 | 16, 32] (q4_1 | q8_0).
 //
 // A decode step and a verify step are bound by reading the weights. XLA:CPU's dot streams them
 // at 19 GB/s for one row and 10-12 GB/s for 5-16 rows (benchmarks/roofline.py), which is what
@@ -417,14 +419,10 @@ QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wi
 #define SPECJAX_I8_VEC 1
 inline __m256 i8_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// 32 code bytes of one block (two rows of k, 16 columns each) -> the same bytes with the two rows
-// interleaved per column: 16-bit lane c holds (k, k + 1) of column c, what vpmaddubsw pairs.
-inline __m256i pair_rows(const uint8_t* p) {
-  const __m256i shuf = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(w, 0xD8), shuf);  // qwords 0, 2 | 1, 3 per lane
-}
+// 32 code bytes of one block in the paired layout: 16-bit lane c holds rows (k, k + 1) of column
+// c, the pairs vpmaddubsw / vpmaddwd multiply. (Interleaving them here instead, with a lane-crossing
+// permute and a byte shuffle per 32 bytes, made this path 2.2x slower on an AVX2 EPYC.)
+inline __m256i pair_rows(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 inline void store16(float* __restrict out, __m256 lo, __m256 hi, int64_t width) {
   if (width == kLanes) {
@@ -533,7 +531,7 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
           const int8_t* __restrict xq = xr.q.get() + m * K + g * 32;
           int32_t S = 0;
           for (int64_t kk = 0; kk < (Q8 ? 32 : 16); ++kk) {
-            const uint8_t byte = c[kk * kLanes + l];
+            const uint8_t byte = c[(kk >> 1) * 2 * kLanes + 2 * l + (kk & 1)];  // row kk of column l (paired)
             if constexpr (Q8) {
               S += static_cast<int32_t>(xq[kk]) * static_cast<int8_t>(byte);
             } else {
@@ -568,24 +566,29 @@ ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 // The operands' shapes and types for a q4_1 (Q8 = false) or q8_0 weight.
-template <bool Q8>
+template <bool Q8, bool Paired = false>
 ffi::Error check_gguf(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& codes, const ffi::Buffer<ffi::F16>& scales,
                       ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
   auto yd = y->dimensions();
-  const int64_t per_group = Q8 ? 32 : 16;
+  const int64_t per_group = (Q8 ? 32 : 16) / (Paired ? 2 : 1);
   const bool ok = xd.size() == 2 && yd.size() == 2 && cd.size() == 4 && yd[0] == xd[0] && xd[1] % 32 == 0 &&
                   cd[0] == (yd[1] + kLanes - 1) / kLanes && cd[1] == xd[1] / 32 && cd[2] == per_group &&
-                  cd[3] == kLanes && codes.element_type() == (Q8 ? ffi::DataType::S8 : ffi::DataType::U8) &&
+                  cd[3] == (Paired ? 2 : 1) * kLanes && codes.element_type() == (Q8 ? ffi::DataType::S8 : ffi::DataType::U8) &&
                   (Q8 ? sd.size() == 3 && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == kLanes
                       : sd.size() == 4 && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == 2 && sd[3] == kLanes);
   if (!ok)
-    return ffi::Error::InvalidArgument(Q8 ? "rows_q8_0: expected x [M, K], codes int8 [ceil(N/16), K/32, 32, 16], "
-                                            "scales [ceil(N/16), K/32, 16], y [M, N]"
-                                          : "rows_q4_1: expected x [M, K], codes uint8 [ceil(N/16), K/32, 16, 16], "
-                                            "scales [ceil(N/16), K/32, 2, 16], y [M, N]");
+    return ffi::Error::InvalidArgument(
+        Paired ? (Q8 ? "rows_q8_0_i8: expected x [M, K], codes int8 [ceil(N/16), K/32, 16, 32], "
+                       "scales [ceil(N/16), K/32, 16], y [M, N]"
+                     : "rows_q4_1_i8: expected x [M, K], codes uint8 [ceil(N/16), K/32, 8, 32], "
+                       "scales [ceil(N/16), K/32, 2, 16], y [M, N]")
+               : (Q8 ? "rows_q8_0: expected x [M, K], codes int8 [ceil(N/16), K/32, 32, 16], "
+                       "scales [ceil(N/16), K/32, 16], y [M, N]"
+                     : "rows_q4_1: expected x [M, K], codes uint8 [ceil(N/16), K/32, 16, 16], "
+                       "scales [ceil(N/16), K/32, 2, 16], y [M, N]"));
   return ffi::Error::Success();
 }
 
@@ -610,7 +613,7 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
 template <bool Q8>
 ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                       ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
-  if (ffi::Error e = check_gguf<Q8>(x, codes, scales, y); e.failure()) return e;
+  if (ffi::Error e = check_gguf<Q8, true>(x, codes, scales, y); e.failure()) return e;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], nb = codes.dimensions()[0];
   const QuantRows xr = quantize_rows(x.typed_data(), M, K, Q8);
   const QuantRows* xrp = &xr;

@@ -154,19 +154,35 @@ def _column_blocks(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
-def pack_q4_1(d: np.ndarray, m: np.ndarray, qs: np.ndarray) -> dict:
+def _pair_rows(codes: np.ndarray) -> np.ndarray:
+    """[nb, G, R, 16] code rows -> [nb, G, R / 2, 32]: rows 2p and 2p + 1 interleaved per column
+    (byte 2c + j = row 2p + j of column c), the pairs the int8 path's byte multiply-adds read."""
+    nb, G, R, L = codes.shape
+    return np.ascontiguousarray(codes.reshape(nb, G, R // 2, 2, L).transpose(0, 1, 2, 4, 3).reshape(nb, G, R // 2, 2 * L))
+
+
+def _unpair_rows(codes: np.ndarray) -> np.ndarray:
+    nb, G, P, L2 = codes.shape
+    return codes.reshape(nb, G, P, L2 // 2, 2).transpose(0, 1, 2, 4, 3).reshape(nb, G, 2 * P, L2 // 2)
+
+
+def pack_q4_1(d: np.ndarray, m: np.ndarray, qs: np.ndarray, pairs: bool = False) -> dict:
     """A GGUF Q4_1 weight of N output columns and K = 32 G inputs (d, m float16 [N, G]; qs uint8
     [N, G, 16], byte j holding code j low and code j + 16 high, as the file stores it) packed for
-    the kernel: codes [ceil(N/16), G, 16, 16] uint8, scales [ceil(N/16), G, 2, 16] float16."""
+    the kernel: codes [ceil(N/16), G, 16, 16] uint8, scales [ceil(N/16), G, 2, 16] float16.
+    ``pairs``: the int8 activations' layout, code rows interleaved in pairs (codes
+    [ceil(N/16), G, 8, 32]: the same bytes, read without shuffles by that path)."""
     codes = _column_blocks(np.asarray(qs, np.uint8))
     scales = _column_blocks(np.stack([np.asarray(d, np.float16), np.asarray(m, np.float16)], axis=2))
-    return {"codes": jnp.asarray(codes), "scales": jnp.asarray(scales)}
+    return {"codes": jnp.asarray(_pair_rows(codes) if pairs else codes), "scales": jnp.asarray(scales)}
 
 
-def pack_q8_0(d: np.ndarray, qs: np.ndarray) -> dict:
+def pack_q8_0(d: np.ndarray, qs: np.ndarray, pairs: bool = False) -> dict:
     """A GGUF Q8_0 weight (d float16 [N, G], qs int8 [N, G, 32]) packed for the kernel: codes
-    [ceil(N/16), G, 32, 16] int8, scales [ceil(N/16), G, 16] float16."""
-    return {"codes": jnp.asarray(_column_blocks(np.asarray(qs, np.int8))),
+    [ceil(N/16), G, 32, 16] int8 ([ceil(N/16), G, 16, 32] with ``pairs``), scales
+    [ceil(N/16), G, 16] float16."""
+    codes = _column_blocks(np.asarray(qs, np.int8))
+    return {"codes": jnp.asarray(_pair_rows(codes) if pairs else codes),
             "scales": jnp.asarray(_column_blocks(np.asarray(d, np.float16)))}
 
 
@@ -177,6 +193,11 @@ def packed_format(wp) -> str:
     return "f32"
 
 
+def paired(wp) -> bool:
+    """Whether a GGUF pack is in the int8 activations' layout (``pairs``)."""
+    return isinstance(wp, dict) and wp["codes"].shape[-1] == 2 * LANES
+
+
 def dequantize_packed(wp, n: int) -> np.ndarray:
     """The [K, n] float32 weight a packed one stands for (numpy; the reference for the tests):
     q * d (+ m), rounded as the GGUF loader's dequantization rounds."""
@@ -185,6 +206,7 @@ def dequantize_packed(wp, n: int) -> np.ndarray:
         a = np.asarray(wp)
         return a.transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :n]
     codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    codes = _unpair_rows(codes) if paired(wp) else codes
     nb, G = codes.shape[:2]
     if fmt == "q8_0":
         w = codes.astype(np.float32) * scales[:, :, None, :]  # [nb, G, 32, 16]
@@ -196,11 +218,14 @@ def dequantize_packed(wp, n: int) -> np.ndarray:
 
 def rows_dot(x: jax.Array, wp, n: int, int8: bool = False) -> jax.Array:
     """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
-    ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0) multiplies each row
-    of x rounded to int8 per group of 32 (``quantize_rows``; the model ``rows_dot_int8_reference``
-    defines); a float32 pack ignores it."""
+    ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0, packed with
+    ``pairs``) multiplies each row of x rounded to int8 per group of 32 (``quantize_rows``; the
+    model ``rows_dot_int8_reference`` defines); a float32 pack ignores it."""
     ensure()
     fmt = packed_format(wp)
+    if fmt != "f32" and paired(wp) != int8:
+        raise SpecjaxError(f"a {fmt} pack {'in' if paired(wp) else 'not in'} the paired layout with "
+                           f"int8={int8}: int8 activations read packs made with pairs=True, float32 ones without")
     operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
     if x.dtype != jnp.float32 or (fmt == "f32" and wp.dtype != jnp.float32):
         raise SpecjaxError(f"the rows kernel is float32 only, got {x.dtype} x {operands[0].dtype}")
@@ -231,6 +256,7 @@ def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
     q, dx = quantize_rows(np.asarray(x, np.float32))
     M, G = dx.shape
     codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    codes = _unpair_rows(codes) if paired(wp) else codes
     if fmt == "q8_0":
         wq = codes.astype(np.int64)  # [nb, G, 32, 16]
     else:
