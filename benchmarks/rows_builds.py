@@ -4,7 +4,9 @@
 (-march=haswell: the AVX2 + FMA + F16C path; before it had one, the portable loops). SmolLM2's 30
 layers of projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain;
 XLA's dot on the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
-(LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()).
+(LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()). The last column is the
+default build with int8 activations (ForwardOptions.rows_int8, the launch default with the kernel:
+the codes in pairs, integer multiply-adds).
 
   python benchmarks/rows_builds.py [--rows 1,5,9]
 """
@@ -38,6 +40,7 @@ def main(argv):
     rd.register(rd._build(rd._compiler(), march="haswell"), "_avx2")
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
+    p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_int8=True))
     width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}
 
     def kernel(x, w, n, suffix):
@@ -62,16 +65,18 @@ def main(argv):
             return kernel(a, lp[n if n == "head" else n + llama.ROWS_SUFFIX], N, suffix)
         return dot
 
-    print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build |\n|---|---|---|---|")
+    print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations |\n"
+          "|---|---|---|---|---|")
     for M in (int(r) for r in FLAGS.rows):
         x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
         variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
                                 m.params["embed"].T)}
-        for suffix in ("", "_avx2"):
-            variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x, p["layers"],
-                                    p["head" + llama.ROWS_SUFFIX])
+        for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8)):
+            variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x, packs["layers"],
+                                    packs["head" + llama.ROWS_SUFFIX])
         t = {k: 1e3 * v for k, v in interleaved_medians(variants, FLAGS.reps).items()}
-        print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms |")
+        print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms | {t['_i8']:.1f} ms "
+              f"({t[''] / t['_i8']:.2f}x the default build) |", flush=True)
 
 
 if __name__ == "__main__":
