@@ -44,9 +44,9 @@ flags.DEFINE_list("decode_steps", ["1"], "The engine side once per value: K = 0 
                   "(BackendOptions.decode_steps; 1: a call per step).")
 flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side (-1: the launch scripts' default, "
                      "LoadedModel.auto_rows_kernel).")
-flags.DEFINE_bool("int8_side", False, "With the rows kernel on: also an engine side (decode calls of the last "
-                  "--decode_steps value) and a reference loop whose decode blocks round activations to int8 "
-                  "(ForwardOptions.rows_int8: another model, so its tokens are compared with its own reference).")
+flags.DEFINE_list("variants", [], "Also, per variant, an engine side (decode calls of the last --decode_steps value) "
+                  "and a reference loop with other forward options: 'int8' (rows_int8: activations rounded to int8, "
+                  "another model, so its tokens are compared with its own reference loop).")
 flags.DEFINE_bool("reference", True,
                   "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
@@ -113,11 +113,10 @@ def main(argv):
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
-        fwd8 = dataclasses.replace(fwd, rows_int8=True) if FLAGS.int8_side else None
-        if fwd8 is not None:
-            backends["engine, int8 activations"] = JaxBackend(cfg, m.params_for(fwd8), k_buckets=(0,), batch_buckets=(B,),
-                                                              slots=slots, fwd=fwd8,
-                                                              decode_steps=int(FLAGS.decode_steps[-1]))
+        variants = {v: dataclasses.replace(fwd, rows_int8=v == "int8") for v in FLAGS.variants}
+        for v, f in variants.items():
+            backends[f"engine, {v}"] = JaxBackend(cfg, m.params_for(f), k_buckets=(0,), batch_buckets=(B,), slots=slots,
+                                                  fwd=f, decode_steps=int(FLAGS.decode_steps[-1]))
         for be in backends.values():
             be.warmup(prompt_lens=[P], execute=True)
         reqs = [Request(str(i), p, new, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -144,16 +143,15 @@ def main(argv):
             return run
 
         sides = {"reference": reference()} if FLAGS.reference else {}
-        if fwd8 is not None:
-            sides["reference, int8 activations"] = reference(fwd8)
+        sides.update({f"reference, {v}": reference(f) for v, f in variants.items()})
         samples = rounds({n: cpu(f) for n, f in {**sides, **{n: engine(be) for n, be in backends.items()}}.items()},
                          FLAGS.rounds)
         base = next(iter(samples))
         ref = summarize(samples[base])
-        base8 = next((n for n in samples if "int8" in n), None)  # the int8 sides' tokens: their own model's
-        for side, ss in samples.items():
+        for side, ss in samples.items():  # (a variant's tokens: its own reference loop's)
             row = summarize(ss)
-            want = samples[base8 if "int8" in side else base][0]["tokens"]
+            own = next((v for v in variants if side.endswith(", " + v)), None)
+            want = samples[f"reference, {own}" if own and FLAGS.reference else base][0]["tokens"]
             same = all(s["tokens"] == want for s in ss)
             rows.append({"batch": B, "side": side, **row, "identical": same})
             print(f"| {B} | {side} | {1e3 * row['prefill_s']:.1f} | {1e3 * row['step_s']:.2f} | "
