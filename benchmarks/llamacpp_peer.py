@@ -8,7 +8,8 @@ token ids specjax feeds its own model (never text: llama.cpp does not re-tokeniz
 Job: ``{"gguf": path, "threads": 2, "max_new_tokens": N, "eos_ids": [...], "modes": ["greedy", "pld",
 "prefill", "batch"], "prompts": [{"key", "category", "input_ids"}], "prefill_prompts": [[ids], ...],
 "reps": 3, "pld_num_pred_tokens": 10, "pld_max_ngram_size": 2, "batch_sizes": [1, 4, 8],
-"n_batch": 2048, "n_ubatch": 512, "flash_attn": false, "omp_wait_policy": "PASSIVE"}`` (all but
+"batch_prefill": ["mixed", "alone"], "batch_outputs": false, "n_batch": 2048, "n_ubatch": 512,
+"flash_attn": false, "omp_wait_policy": "PASSIVE"}`` (all but
 ``gguf`` optional; llama.cpp's defaults for n_ubatch, flash_attn off as in the binding, and
 OMP_WAIT_POLICY as the environment has it unless the job sets it). Modes:
 
@@ -28,12 +29,15 @@ OMP_WAIT_POLICY as the environment has it unless the job sets it). Modes:
 - ``prefill``: per prompt of ``prefill_prompts``, the best of ``reps`` ``eval`` + first sample
   (the AR context, logits of the last position only): ``prefill`` = [{"tokens", "seconds"}].
 - ``batch``: the ``Llama`` class holds one sequence, so this goes through the binding's low-level
-  API (llama.h): a context with ``n_seq_max`` = B, each prompt prefilled into a free sequence, then
-  one ``llama_decode`` per step with one token of every live sequence, greedy argmax of each
-  row's logits, a finished sequence's slot refilled with the next prompt (its prefill runs
-  alone, between steps). Per batch size B over all ``prompts``: ``wall_s``, ``new_tokens``,
+  API (llama.h): a context with ``n_seq_max`` = B, one ``llama_decode`` per step with one token of
+  every live sequence, greedy argmax of each row's logits, a finished sequence's slot refilled
+  with the next prompt. ``batch_prefill``: ``mixed`` (the default; llama-server's continuous
+  batching: new prompts' chunks ride in the same ``llama_decode`` as the live sequences' tokens,
+  up to ``n_batch`` tokens) and/or ``alone`` (each prompt chunk in a call of its own, the steps
+  waiting). Per batch size B and prefill mode over all ``prompts``: ``wall_s``, ``new_tokens``,
   ``tok_s`` (new tokens / wall, prefills included), ``steps``, ``equal_to_greedy`` (prompts whose
-  output equals the ``greedy`` mode's, informational: batched kernels may round differently).
+  output equals the ``greedy`` mode's, informational: batched kernels may round differently),
+  ``output_ids`` (per prompt, with ``batch_outputs``; else None).
 
 ``env``: llama-cpp-python's version, ``llama_print_system_info()`` (the CPU features llama.cpp
 was built for and uses), threads, the context settings.
@@ -91,7 +95,7 @@ def run_pld(llm, ids, n_new: int, eos: set) -> dict:
 
 
 def run_batch(llm, prompts, n_new: int, eos: set, size: int, threads: int, n_batch: int, n_ubatch: int,
-              flash_attn: bool) -> dict:
+              flash_attn: bool, prefill: str = "mixed") -> dict:
     import llama_cpp as L
     import numpy as np
 
@@ -125,29 +129,37 @@ def run_batch(llm, prompts, n_new: int, eos: set, size: int, threads: int, n_bat
 
     queue = list(range(len(prompts)))
     outs: list[list[int]] = [[] for _ in prompts]
-    live = {}  # seq -> (prompt index, next position)
+    live = {}  # seq -> (prompt index, next position): decoding
+    filling = {}  # seq -> (prompt index, prompt tokens in so far): prefilling
     steps = 0
     t0 = time.perf_counter()
     try:
-        while queue or live:
-            for s in range(size):  # fill free sequences
-                if s in live or not queue:
-                    continue
-                j = queue.pop(0)
+        while queue or live or filling:
+            for s in range(size):  # a free sequence takes the next prompt
+                if s not in live and s not in filling and queue:
+                    L.llama_memory_seq_rm(mem, s, -1, -1)
+                    filling[s] = (queue.pop(0), 0)
+            # One llama_decode: every live sequence's next token, then ("mixed", as llama-server's
+            # continuous batching) prompt chunks up to n_batch tokens, or ("alone") one prompt
+            # chunk by itself while any prompt is still going in.
+            order = sorted(live) if (prefill == "mixed" or not filling) else []
+            entries = [(outs[live[s][0]][-1], live[s][1], s, True) for s in order]
+            done = []  # (seq, prompt index, batch index of the prompt's last token)
+            for s in sorted(filling):
+                room = cap - len(entries)
+                if room <= 0 or (prefill != "mixed" and entries):
+                    break
+                j, a = filling[s]
                 ids = prompts[j]
-                L.llama_memory_seq_rm(mem, s, -1, -1)
-                for a in range(0, len(ids), cap):
-                    chunk = ids[a:a + cap]
-                    decode([(t, a + k, s, a + k == len(ids) - 1) for k, t in enumerate(chunk)])
-                outs[j].append(argmax(len(ids) - 1 - (len(ids) - 1) // cap * cap))
-                if outs[j][-1] in eos or n_new <= 1:
-                    continue
-                live[s] = (j, len(ids))
-            if not live:
-                continue
-            order = sorted(live)
-            decode([(outs[live[s][0]][-1], live[s][1], s, True) for s in order])
-            steps += 1
+                chunk = ids[a:a + room]
+                entries += [(t, a + k, s, a + k == len(ids) - 1) for k, t in enumerate(chunk)]
+                if a + len(chunk) == len(ids):
+                    done.append((s, j, len(entries) - 1))
+                    del filling[s]
+                else:
+                    filling[s] = (j, a + len(chunk))
+            decode(entries)
+            steps += bool(order)
             for i, s in enumerate(order):
                 j, pos = live[s]
                 outs[j].append(argmax(i))
@@ -155,13 +167,17 @@ def run_batch(llm, prompts, n_new: int, eos: set, size: int, threads: int, n_bat
                     del live[s]
                 else:
                     live[s] = (j, pos + 1)
+            for s, j, i in done:  # a prompt is in: its first token, then it decodes
+                outs[j].append(argmax(i))
+                if outs[j][-1] not in eos and n_new > 1:
+                    live[s] = (j, len(prompts[j]))
         wall = time.perf_counter() - t0
     finally:
         L.llama_batch_free(batch)
         L.llama_free(ctx)
     n = sum(len(o) for o in outs)
-    return {"batch_size": size, "wall_s": wall, "new_tokens": n, "tok_s": n / wall, "steps": steps,
-            "outputs": outs}
+    return {"batch_size": size, "prefill": prefill, "wall_s": wall, "new_tokens": n, "tok_s": n / wall,
+            "steps": steps, "outputs": outs}
 
 
 def _say(msg: str) -> None:
@@ -219,12 +235,14 @@ def run(job: dict) -> dict:
         ids = [p["input_ids"] for p in prompts]
         res["batch"] = []
         for b in job.get("batch_sizes") or [1, 4, 8]:
-            _say(f"{len(ids)} prompts as {b} parallel sequences")
-            r = run_batch(llm, ids, n_new, eos, int(b), threads, n_batch, n_ubatch, flash)
-            outs = r.pop("outputs")
-            r["equal_to_greedy"] = (sum(o == rows[p["key"]]["greedy"]["output_ids"] for o, p in zip(outs, prompts))
-                                    if "greedy" in modes else None)
-            res["batch"].append(r)
+            for how in job.get("batch_prefill") or ["mixed"]:
+                _say(f"{len(ids)} prompts as {b} parallel sequences, prefill {how}")
+                r = run_batch(llm, ids, n_new, eos, int(b), threads, n_batch, n_ubatch, flash, how)
+                outs = r.pop("outputs")
+                r["equal_to_greedy"] = (sum(o == rows[p["key"]]["greedy"]["output_ids"] for o, p in zip(outs, prompts))
+                                        if "greedy" in modes else None)
+                r["output_ids"] = outs if job.get("batch_outputs") else None
+                res["batch"].append(r)
         res["env"]["batch"] = ("low-level llama.h API (llama_batch with one seq_id per row, n_seq_max = B); "
                                "the Llama class decodes one sequence")
     if "pld" in modes and prompts:

@@ -77,7 +77,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
 
     warmed: set = set()
     runs = []  # (engine, outputs) of every engine run (one, unless a failure was retried)
-    t = dict(compile=0.0, serve=0.0)
+    t = dict(compile=0.0, serve=0.0, serve_cpu=0.0)  # serve_cpu: this process's CPU seconds (all threads)
     stats = SpecStats()
 
     def generate(items, emit):
@@ -110,20 +110,23 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
         engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
                                prefill_budget=prefill_budget, should_stop=job.should_stop,
                                on_step=None if drafts is None else drafts.on_step, drafts=drafts)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             outputs = engine.run(reqs)
             runs.append((engine, outputs))
             stats.merge(engine.counts)
         finally:
             t["serve"] += time.perf_counter() - t0
+            t["serve_cpu"] += time.process_time() - c0
 
     wall0 = time.perf_counter()
     code = job.serve(prepare, generate)
     outputs = [o for _, outs in runs for o in outs]
     n_tok = sum(len(o.tokens) for o in outputs if o.error is None)
+    # (CPU ms per token: what other processes on a shared machine change least; a drafter's host work shows there)
     print(f"{n_tok} tokens in {t['serve']:.1f} s serving = {n_tok / max(t['serve'], 1e-9):.1f} tok/s "
-          f"(+ {t['compile']:.1f} s compilation; {time.perf_counter() - wall0:.1f} s for the job)", file=sys.stderr)
+          f"(+ {t['compile']:.1f} s compilation; {time.perf_counter() - wall0:.1f} s for the job; serving CPU "
+          f"{1e3 * t['serve_cpu'] / max(n_tok, 1):.2f} ms/token)", file=sys.stderr)
     s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
     if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "

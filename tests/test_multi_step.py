@@ -134,6 +134,27 @@ def test_requests_join_and_leave_a_batch_decoding_in_calls(be, reference):
     assert eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
 
 
+def test_a_batch_job_with_a_queue_decodes_in_calls_that_end_where_a_row_frees(be, reference):
+    """More requests than rows, all at t = 0 (a batch job): decode calls run while requests wait
+    for a row, each ending with the step at which the first row stops, so every request is
+    admitted at the step single steps admit it (the same batch sizes step by step)."""
+    which, budgets = [0, 1, 2, 0, 1, 2, 0], [9, 25, 4, 30, 7, 12, 5]
+    eos = (reference[2][2],)  # request 2 (and maybe others) ends at an EOS inside a call
+    reqs = [Request(f"b{i}", PROMPTS[w], b) for i, (w, b) in enumerate(zip(which, budgets))]
+    outs, eng, calls = _serve(be, reqs, eos=eos)
+    one = FixedK(0)
+    one.plain_steps = 1  # a decision every step: a call per token
+    single, eng1, calls1 = _serve(be, reqs, one, eos=eos)
+    assert [o.tokens for o in outs] == [o.tokens for o in single]
+    for o, w, b in zip(outs, which, budgets):
+        cut = reference[w][:b]
+        stop = next((j + 1 for j, t in enumerate(cut) if t in eos), len(cut))
+        assert o.tokens == cut[:stop]
+    assert [s.n for s in eng.steps] == [s.n for s in eng1.steps]  # rows freed and refilled at the same steps
+    assert calls.decode and max(calls.decode) > 1 and not calls1.decode
+    assert len(calls.decode) < len(eng.steps)
+
+
 class _Alternate(Policy):
     """K = 2 and K = 0 in turn, committing to up to 4 K = 0 steps a time (a SmartSpec that chose K = 0)."""
 

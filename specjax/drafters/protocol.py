@@ -94,7 +94,8 @@ class VerifyStep(StepKind):
 class DecodeStep(StepKind):
     """Up to ``steps`` plain decoding steps in one call (step.spec_decode), which the backend runs
     when no decision is due between them (never a drafter's proposal): ``inputs`` = (tokens left
-    [B], rows stopping at EOS [B], the EOS mask [vocab], the call's step limit [])."""
+    [B], rows stopping at EOS [B], the EOS mask [vocab], the call's step limit [], whether the
+    call ends where the first row stops [])."""
 
     steps: int
     vocab: int
@@ -104,12 +105,12 @@ class DecodeStep(StepKind):
         return table.decode(B, self.steps, S, greedy, compile_if_missing)
 
     def args(self, inputs, num_draft, active, samp, pack):
-        left, eos_rows, eos_mask, limit = inputs
-        return (active, left, eos_rows, eos_mask, samp, limit)
+        left, eos_rows, eos_mask, limit, stop_first = inputs
+        return (active, left, eos_rows, eos_mask, samp, limit, stop_first)
 
     def empty(self, B, k):
         inputs = (np.full(B, self.steps, np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
-                  np.array(self.steps, np.int32))
+                  np.array(self.steps, np.int32), np.array(False))
         return inputs, np.zeros(B, np.int32)
 
 

@@ -340,7 +340,7 @@ class JaxBackend:
         if inp.k == 0 and self.decode_steps > 1:
             # The one K = 0 program of a backend with decode calls: a call of one step (no
             # second executable; the same tokens, spec_decode runs the K = 0 step inside).
-            toks = self._decode_call(rs, active, 1, [1] * len(rs), [False] * len(rs), None)
+            toks = self._decode_call(rs, active, 1, [1] * len(rs), [False] * len(rs), None, False)
             return [RowResult(t, 0, 0) for t in toks], time.perf_counter() - t0
         if inp.k == 0:
             inp = StepInputs.plain(B)
@@ -372,15 +372,18 @@ class JaxBackend:
         return active
 
     def decode(self, rs: Sequence[Running], steps: int, left: Sequence[int], eos_rows: Sequence[bool],
-               eos_ids: frozenset) -> tuple[list[list[int]], float]:
+               eos_ids: frozenset, stop_first: bool = False) -> tuple[list[list[int]], float]:
         """Up to ``steps`` (<= ``decode_steps``) plain decoding steps in one call and one transfer
         (step.spec_decode). Per request (aligned with ``rs``): at most ``left`` tokens, ending at
         the first of ``eos_ids`` where ``eos_rows``, so exactly what as many single steps would
-        emit before the engine retires it. Returns each request's tokens and the seconds."""
+        emit before the engine retires it; ``stop_first``: the call ends with the step at which the
+        first request stops (a waiting request takes its row then). Returns each request's tokens
+        and the seconds."""
         t0 = time.perf_counter()
-        return self._decode_call(rs, self._begin(rs), steps, left, eos_rows, eos_ids), time.perf_counter() - t0
+        toks = self._decode_call(rs, self._begin(rs), steps, left, eos_rows, eos_ids, stop_first)
+        return toks, time.perf_counter() - t0
 
-    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids) -> list[list[int]]:
+    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first) -> list[list[int]]:
         """decode's call on the rows ``active`` (already begun); ``eos_ids`` None: no row stops
         at an EOS (``eos_rows`` all False), whatever mask the device holds."""
         B = self.B
@@ -397,7 +400,8 @@ class JaxBackend:
         kind = DecodeStep(self.decode_steps, self.cfg.vocab_size)
         self.last_k_step, self.last_tokens = 0, B
         exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
-        inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)))
+        inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)),
+                  self.to_device(np.array(bool(stop_first))))
         host = np.asarray(self.run(exe, *kind.args(inputs, None, self.to_device(active), self.sampling(), None)))
         ran = int(host[:, -1].max())
         self._steps_run += ran - 1  # (every step of the call counts: warmup's later_after_steps, compaction)

@@ -13,8 +13,8 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
   4. the policy picks K among the K values compiled for the bucket the live state will run the
      step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
   5. the backend runs the draft+verify step (or, when the policy chose K = 0 and commits to more
-     than one step while nothing waits, up to ``decode_steps`` K = 0 steps in one call, told to
-     the observers step by step) and the accepted tokens are emitted; the step's
+     than one step, up to ``decode_steps`` K = 0 steps in one call, told to the observers step by
+     step; while requests wait for a row the call ends where the first row frees) and the accepted tokens are emitted; the step's
      ``StepEvent`` goes to the observers (``engine.observers``: the policy's feedback, the
      acceptance counts, the step log, then any given), finished requests leave and free their
      rows at once, and the observers' between-steps work runs.
@@ -131,8 +131,9 @@ class Backend(Protocol):
     def token_options(self, bucket: int, k: int) -> Sequence[int]: ...  # packed verify sizes (may be empty)
 
     # Optional (a backend without it runs a call per step): ``decode_steps``, the most K = 0 steps
-    # one call runs, and ``decode(rs, steps, left, eos_rows, eos_ids) -> (tokens per request, seconds)``
-    # running them, each request stopping where the engine would retire it (JaxBackend.decode).
+    # one call runs, and ``decode(rs, steps, left, eos_rows, eos_ids, stop_first) -> (tokens per
+    # request, seconds)`` running them, each request stopping where the engine would retire it and,
+    # with ``stop_first``, the call with the first request that stops (JaxBackend.decode).
 
     def release(self, r: Running) -> None: ...
 
@@ -330,10 +331,13 @@ class ServingEngine:
     def _plain_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
         """K = 0 steps to run in one backend call (``Backend.decode``): the policy's commitment
         (``Policy.plain_steps``) up to the backend's ``decode_steps``, only while no request waits
-        for a row or a prefill (they would wait for the whole call), no more than the running rows
-        have tokens left, and before the next arrival at the last K = 0 step's wall time."""
+        for a prefill or for a row that is free (they would wait for the whole call; requests
+        waiting for a row to free, as in a batch job, get one as soon as single steps would give
+        it: ``_decode`` then ends the call with the first row that stops), no more than the running
+        rows have tokens left, and before the next arrival at the last K = 0 step's wall time."""
         n = min(getattr(self.backend, "decode_steps", 1), self.policy.plain_steps)
-        if k != 0 or n <= 1 or prop.drafted_ahead or self.sched.waiting or len(rs) < len(self.sched.running):
+        if (k != 0 or n <= 1 or prop.drafted_ahead or (self.sched.waiting and self.sched.free_rows)
+                or len(rs) < len(self.sched.running)):
             return 1
         n = min(n, max(r.req.max_new_tokens - len(r.out.tokens) for r in rs))
         if self._next_arrival is not None:
@@ -347,10 +351,12 @@ class ServingEngine:
         observers as the single steps they are: step j's event has the rows that ran it (one token
         each, ``_take``), 1/steps of the call's time, and (j > 0) no new proposal, so every count
         and metric reads as for n single steps and shadow verification sees every token (the
-        observers' ``between_steps`` runs once, after the call)."""
+        observers' ``between_steps`` runs once, after the call). While requests wait for a row,
+        the call ends with the step at which the first row stops, so the next one is admitted
+        where single steps would admit it."""
         be = self.backend
         left = [r.req.max_new_tokens - len(r.out.tokens) for r in rs]
-        toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos)
+        toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos, bool(self.sched.waiting))
         self.clock.advance(elapsed)
         steps = max(map(len, toks))
         wall = (time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed) / steps

@@ -105,21 +105,25 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     return new_state, StepOutput.of(tokens, n, num_draft, logits, key.teacher)
 
 
-def spec_decode(params, dparams, state: StepState, active, left, eos_rows, eos_mask, samp: SamplingArrays, limit, *,
-                key: CompileKey):
+def spec_decode(params, dparams, state: StepState, active, left, eos_rows, eos_mask, samp: SamplingArrays, limit,
+                stop_first, *, key: CompileKey):
     """Up to ``min(key.steps, limit)`` plain decoding steps in one call: the K = 0 ``spec_step``
     in a ``while_loop``, so the host pays one dispatch and one transfer for them. Row b runs while
     it is ``active``, has tokens ``left[b]`` and (``eos_rows[b]``) its last token is no EOS
     (``eos_mask`` [V]: the EOS ids), the rule the engine applies to emitted tokens; a row that stops
-    stays inactive, so its cache does not advance. Sampling keys follow positions, so the tokens
+    stays inactive, so its cache does not advance. ``stop_first`` (a bool scalar): the call also
+    ends after the first step at which some row stops, so that a request waiting for a row takes
+    it exactly when single steps would give it one. Sampling keys follow positions, so the tokens
     are those of single steps. Returns (state, [B, steps + 1] int32: tokens | count per row)."""
     B, n = state.pending.shape[0], key.steps
     one = dataclasses.replace(key, op="step", steps=0)  # the K = 0 step, compiled key and all
     no_drafts, zeros = jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32)
 
+    start = active & (left > 0)
+
     def go(c):
         i, _, _, _, live = c
-        return (i < jnp.minimum(limit, n)) & jnp.any(live)
+        return (i < jnp.minimum(limit, n)) & jnp.any(live) & ~(stop_first & jnp.any(start & ~live))
 
     def body(c):
         i, st, toks, count, live = c
@@ -130,7 +134,7 @@ def spec_decode(params, dparams, state: StepState, active, left, eos_rows, eos_m
         live = live & (count < left) & ~(eos_rows & eos_mask[tok])
         return i + 1, st, toks, count, live
 
-    c = (jnp.int32(0), state, jnp.zeros((B, n), jnp.int32), zeros, active & (left > 0))
+    c = (jnp.int32(0), state, jnp.zeros((B, n), jnp.int32), zeros, start)
     _, state, toks, count, _ = jax.lax.while_loop(go, body, c)
     return state, jnp.concatenate([toks, count[:, None]], axis=1)
 

@@ -207,7 +207,8 @@ class StepTable:
             flags = self._sds((B,), jnp.bool_)
             return self._compile(key, spec_decode_jit, self.params, self.dparams, self.state_info(B, S), flags, rows,
                                  flags, self._sds((self.cfg.vocab_size,), jnp.bool_, per_row=False),
-                                 self._abstract_samp(B), self._sds((), jnp.int32, per_row=False))
+                                 self._abstract_samp(B), self._sds((), jnp.int32, per_row=False),
+                                 self._sds((), jnp.bool_, per_row=False))
 
         return self._get(key, build, key.describe(), compile_if_missing)
 

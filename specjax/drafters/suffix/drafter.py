@@ -58,10 +58,32 @@ class _Row:
         self.last = Draft.empty()
 
 
+_warm = False
+
+
+def warm_kernels() -> None:
+    """Call every numba kernel the drafter uses once, on a throwaway drafter (once per process):
+    a kernel's first call compiles it (about 19 s here with numba's disk cache cold, 0.3 s warm),
+    and that must not land on the first requests a serving engine drafts for."""
+    global _warm
+    if _warm:
+        return
+    _warm = True
+    d = SuffixDrafter(SuffixConfig(max_cached_requests=1))
+    for row in range(3):  # the third finish evicts (removes) a cached output
+        d.start(row, [5, 6, 7, 5, 6])
+        d.extend(row, [7])
+        d.propose_tree(row, 4)
+        d.extend(row, [5, 6])  # (the global tree's match cursors step)
+        d.propose(row, 4)
+        d.finish(row)
+
+
 class SuffixDrafter:
     """Host drafter (start / extend / propose / propose_tree / finish per batch row)."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), history: Iterable[Sequence[int]] = ()):
+        warm_kernels()
         self.config = config
         self.global_trie = SuffixTrie(config.max_depth, initial_nodes=4096)
         self._rows: dict[int, _Row] = {}
