@@ -64,6 +64,30 @@ def check_same_avals(compiled, new, what: str) -> None:
                                f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
 
 
+def lazy_order(plan, first_bucket: int) -> list:
+    """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
+    runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
+    bucket; the prefills of later, smaller admissions (smallest first: rows free one by one) and
+    their inserts; the other buckets' K = 0 steps and row operations, largest first (the batch
+    drains through them); then K > 0 steps, the first bucket's first, smaller K first (until one
+    is in, the policy runs without it; nothing waits); last, the first bucket's own prefills
+    (its first admission compiles what it needs when it runs)."""
+    def rank(item):
+        what, j = item
+        if what == "prefill":
+            return (1, j[0]) if j[0] < first_bucket else (5, 0)
+        if what == "step":
+            if j.k == 0:
+                return (0, 0) if j.B == first_bucket else (2, -j.B)
+            return (3, j.k) if j.B == first_bucket else (4, -j.B, j.k)
+        B = j[1]
+        if j[0] == "insert":
+            return (0, 0) if j[2] == first_bucket else (1, j[2]) if B == first_bucket else (2, -B)
+        return (0, 0) if B == first_bucket and j[0] == "clear" else (2, -B)
+
+    return sorted(plan, key=rank)  # (stable: ties keep the warm-up's order)
+
+
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
     """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
     in its own memory mappings (~22 per layer), and Linux caps a process at
@@ -109,7 +133,8 @@ class JaxBackend:
         self.shrink_to_proposal = opt.shrink_to_proposal
         self.k_buckets = opt.k_buckets
         self.k_max = self.k_buckets[-1]
-        self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
+        self._waiting: frozenset = frozenset()  # (bucket, K > 0) steps still compiling: not yet options
+        self.later_planned = 0  # executables the last warm-up left to the background thread
         self._later: threading.Thread | None = None
         self._stop_later = threading.Event()
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
@@ -173,10 +198,11 @@ class JaxBackend:
         return self.live.peek(n)
 
     def k_options(self, bucket: int) -> Sequence[int]:
-        """The K buckets a step can run now: all of them, except while a warm-up's ``later_ks``
-        are still compiling in the background (each joins once compiled)."""
-        ready = self._ready_k
-        return self.k_buckets if ready is None else tuple(k for k in self.k_buckets if k in ready)
+        """The K buckets a step at ``bucket`` can run now: all of them, except those whose steps a
+        warm-up left to the background (``later_ks``, ``lazy``) and that are not compiled yet
+        (each joins once its executables are in)."""
+        waiting = self._waiting
+        return tuple(k for k in self.k_buckets if (bucket, k) not in waiting) if waiting else self.k_buckets
 
     def _resize(self, B_new: int, keep_order: list[int]) -> None:
         """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
@@ -450,7 +476,7 @@ class JaxBackend:
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = (),
-               later_after_steps: int = 0) -> float:
+               later_after_steps: int = 0, lazy: bool = False, first_batch: int = 0) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
@@ -463,8 +489,16 @@ class JaxBackend:
         ``later_after_steps``: the thread starts its work only once this many steps have run. A
         warm cache's loads hold the GIL (about 0.45 s each for SmolLM2's tree steps), so a short
         answer that never reaches that step count is not slowed by options it would not use.
-        Returns seconds."""
+
+        ``lazy``: compile nothing now. Serving compiles (or loads from the disk cache) each
+        executable when it first reaches it, and the background thread compiles the rest ahead,
+        in the order a job of ``first_batch`` requests is likely to reach them (``lazy_order``),
+        skipping what the disk cache holds (loaded on first use: a warm job loads only what it
+        reaches). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
+        waits for (``table.late_s``). The executables are the ones an eager warm-up compiles, so
+        outputs do not change. Returns seconds."""
         t0 = time.perf_counter()
+        self.stop_later()  # (an earlier warm-up's steps it did not finish stay out of k_options)
         S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
         draft_modes = (True, False) if self.drafter.draft_prefill else (False,)
@@ -486,64 +520,87 @@ class JaxBackend:
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
+        plan = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
         later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
-        if later:
-            require(not execute and not self.options.draft_first, "later_ks cannot be combined with execute or draft_first")
-            deferred = [j for j in steps if j.k in later]
-            steps = [j for j in steps if j.k not in later]
-        it = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
-        if progress:
+        if lazy or later:
+            require(not execute and not self.options.draft_first,
+                    "later_ks / lazy cannot be combined with execute or draft_first")
+        if lazy:
+            now, deferred = [], lazy_order(plan, self.bucket(min(max(first_batch, 1), self.num_rows)))
+        elif later:
+            now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
+            deferred = [p for p in plan if p[0] == "step" and p[1].k in later]
+        else:
+            now, deferred = plan, []
+        it = now
+        if progress and now:
             from tqdm import tqdm
 
-            it = tqdm(it, desc="compiling", unit="exe", disable=None)
+            it = tqdm(now, desc="compiling", unit="exe", disable=None)
         for what, j in it:
-            if what == "prefill":
-                self.table.prefill(j[0], j[1], S, j[2], j[3], first=j[4])
-            elif what == "step":
-                j.compile(self)
-            elif j[0] == "insert":
-                self.table.insert(j[1], j[2], S, j[3])
-            elif j[0] == "take":
-                self.table.take(j[1], j[2], S)
-            else:
-                self.table.clear(j[1], S)
+            self._build(what, j)
         self.table.warm = True
-        if later:
-            self._ready_k = set(kbs) - set(later)
-            self._stop_later.clear()
-            self._later_after, self._steps_run = later_after_steps, 0
-            if later_after_steps <= 0:
-                self._later_gate.set()
-            else:
-                self._later_gate.clear()
-            self._later = threading.Thread(target=self._compile_later, args=(deferred, later),
-                                           name="specjax-compile-later")
+        self.table.lazy = lazy
+        self._stop_later.clear()
+        self._later_after, self._steps_run = later_after_steps, 0
+        if later_after_steps <= 0:
+            self._later_gate.set()
+        else:
+            self._later_gate.clear()
+        # What is in memory (or, lazy, on disk: loaded on first use) is not built ahead; K > 0 steps
+        # join the options once the rest is built.
+        todo = [p for p in deferred if not self.table.ready(lambda p=p: self._build(*p), disk=lazy)]
+        planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
+        self._waiting = frozenset(p for p in self._waiting if p not in planned) | frozenset(
+            (j.B, j.k) for what, j in todo if what == "step" and j.k > 0)
+        self.later_planned = len(todo)
+        if todo:
+            self._later = threading.Thread(target=self._compile_later, args=(todo,), name="specjax-compile-later")
             self._later.start()
         if execute:
             self._execute_once(prefills, steps, row_ops)
         return time.perf_counter() - t0
 
-    def _compile_later(self, jobs, ks) -> None:
-        """The background half of warmup(later_ks): each K's steps, then K joins k_options."""
+    def _build(self, what: str, j, compile_if_missing: bool = False):
+        """Compile (or load) one warm-up item: a prefill chunk, a StepJob or a row operation."""
+        S = self.slots
+        if what == "prefill":
+            return self.table.prefill(j[0], j[1], S, j[2], j[3], compile_if_missing, first=j[4])
+        if what == "step":
+            return j.compile(self, compile_if_missing)
+        if j[0] == "insert":
+            return self.table.insert(j[1], j[2], S, j[3])
+        if j[0] == "take":
+            return self.table.take(j[1], j[2], S)
+        return self.table.clear(j[1], S)
+
+    def _compile_later(self, plan) -> None:
+        """The background half of a warm-up, in ``plan``'s order; a (bucket, K) step joins
+        k_options once all its executables are in."""
         self._later_gate.wait()
-        for k in ks:
-            for j in (j for j in jobs if j.k == k):
-                if self._stop_later.is_set():
-                    return
-                j.compile(self, compile_if_missing=True)
-            self._ready_k = self._ready_k | {k}  # (a new set: readers never see one mid-update)
-        self._ready_k = None  # everything is in
+        left: dict = {}
+        for what, j in plan:
+            if what == "step":
+                left[(j.B, j.k)] = left.get((j.B, j.k), 0) + 1
+        self.table.background.on = True
+        for what, j in plan:
+            if self._stop_later.is_set():
+                return
+            self._build(what, j, compile_if_missing=True)
+            if what == "step":
+                left[(j.B, j.k)] -= 1
+                if not left[(j.B, j.k)]:
+                    self._waiting = self._waiting - {(j.B, j.k)}  # (a new set: readers never see one mid-update)
 
     def stop_later(self) -> list[int]:
         """End a warm-up's background compilation after the executable in progress; returns the
-        K buckets it did not finish (they stay out of ``k_options``)."""
+        K buckets it did not finish at some batch bucket (they stay out of ``k_options`` there)."""
         if self._later is not None:
             self._stop_later.set()
             self._later_gate.set()
             self._later.join()
             self._later = None
-        ready = self._ready_k
-        return [] if ready is None else [k for k in self.k_buckets if k not in ready]
+        return sorted({k for _, k in self._waiting})
 
     def _execute_once(self, prefills, steps, row_ops) -> None:
         S = self.slots
