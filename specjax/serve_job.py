@@ -89,7 +89,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             t0 = time.perf_counter()
             backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
                            greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
-                           lazy=lazy, first_batch=len(items))
+                           lazy=lazy, queue=[len(r.prompt) for r in items],
+                           later_ks=backend.k_buckets if lazy else ())  # a K joins the options once compiled
             t["compile"] += time.perf_counter() - t0
             warmed.update(shapes)
             how = (f"compiling on first use, {backend.later_planned} executables ahead in the background"

@@ -18,8 +18,10 @@ chain step: plain decoding is one executable whatever the drafter.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -64,25 +66,37 @@ def check_same_avals(compiled, new, what: str) -> None:
                                f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
 
 
-def lazy_order(plan, first_bucket: int) -> list:
+_LATER: "weakref.WeakSet[JaxBackend]" = weakref.WeakSet()  # backends whose warm-up started a background thread
+
+
+@atexit.register
+def _stop_background() -> None:
+    for be in list(_LATER):
+        be.stop_later()
+
+
+def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None) -> list:
     """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
     runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
-    bucket; the prefills of later, smaller admissions (smallest first: rows free one by one) and
-    their inserts; the other buckets' K = 0 steps and row operations, largest first (the batch
-    drains through them); then K > 0 steps, the first bucket's first, smaller K first (until one
-    is in, the policy runs without it; nothing waits); last, the first bucket's own prefills
-    (its first admission compiles what it needs when it runs)."""
+    bucket; the prefills of later, smaller admissions (smallest first: rows free one by one) in
+    the chunk sizes ``later_chunks`` of the prompts they will admit (None: every size), and their
+    inserts; the other buckets' K = 0 steps and row operations, largest first (the batch drains
+    through them); then the K > 0 steps of ``later_ks``, the first bucket's first, smaller K
+    first (until one is in, the policy runs without it; nothing waits); last, the remaining
+    prefills (the first admission compiles what it needs when it runs). Other K > 0 steps (a
+    fixed K's: the first step needs it) come first."""
     def rank(item):
         what, j = item
         if what == "prefill":
-            return (1, j[0]) if j[0] < first_bucket else (5, 0)
+            later = later_chunks is None or (j[1], j[4]) in later_chunks
+            return (1, j[0]) if j[0] < first_bucket and later else (5, 0)
         if what == "step":
-            if j.k == 0:
+            if j.k == 0 or j.k not in later_ks:
                 return (0, 0) if j.B == first_bucket else (2, -j.B)
             return (3, j.k) if j.B == first_bucket else (4, -j.B, j.k)
         B = j[1]
-        if j[0] == "insert":
-            return (0, 0) if j[2] == first_bucket else (1, j[2]) if B == first_bucket else (2, -B)
+        if j[0] == "insert" and B == first_bucket:
+            return (0, 0) if j[2] == first_bucket else (1, j[2])
         return (0, 0) if B == first_bucket and j[0] == "clear" else (2, -B)
 
     return sorted(plan, key=rank)  # (stable: ties keep the warm-up's order)
@@ -135,6 +149,7 @@ class JaxBackend:
         self.k_max = self.k_buckets[-1]
         self._waiting: frozenset = frozenset()  # (bucket, K > 0) steps still compiling: not yet options
         self.later_planned = 0  # executables the last warm-up left to the background thread
+        self._prefill_waited = 0.0  # of table.late_s: waited during prefills (waited())
         self._later: threading.Thread | None = None
         self._stop_later = threading.Event()
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
@@ -286,6 +301,7 @@ class JaxBackend:
         None: all). Finished prompts are scattered into their rows of the live state. Returns
         (request, its first token) of each finished request, and the seconds it took."""
         t0 = time.perf_counter()
+        w0 = self.table.late_s
         done = []
         for job in self.prefills.run(budget, self._run_chunk, self.bucket):
             Bp = job.state.pending.shape[0]
@@ -301,7 +317,13 @@ class JaxBackend:
                 done.append((r, int(pend[b])))
                 self.drafter.start(r.uid, list(r.req.prompt))
                 self.drafter.extend(r.uid, [int(pend[b])])
+        self._prefill_waited += self.table.late_s - w0
         return done, time.perf_counter() - t0
+
+    def waited(self) -> tuple[float, float]:
+        """Seconds callers waited for executables compiled (or loaded) when first reached after a
+        warm-up: during prefills, and in all (StepTable.late_s)."""
+        return self._prefill_waited, self.table.late_s
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
         """Prefill ``rs`` whole, now (with whatever else was queued): first tokens in order."""
@@ -476,7 +498,7 @@ class JaxBackend:
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = (),
-               later_after_steps: int = 0, lazy: bool = False, first_batch: int = 0) -> float:
+               later_after_steps: int = 0, lazy: bool = False, queue: Sequence[int] = ()) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
@@ -492,7 +514,8 @@ class JaxBackend:
 
         ``lazy``: compile nothing now. Serving compiles (or loads from the disk cache) each
         executable when it first reaches it, and the background thread compiles the rest ahead,
-        in the order a job of ``first_batch`` requests is likely to reach them (``lazy_order``),
+        in the order a job whose prompts have the lengths ``queue`` (in admission order) is likely
+        to reach them (``lazy_order``),
         skipping what the disk cache holds (loaded on first use: a warm job loads only what it
         reaches). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
         waits for (``table.late_s``). The executables are the ones an eager warm-up compiles, so
@@ -526,7 +549,9 @@ class JaxBackend:
             require(not execute and not self.options.draft_first,
                     "later_ks / lazy cannot be combined with execute or draft_first")
         if lazy:
-            now, deferred = [], lazy_order(plan, self.bucket(min(max(first_batch, 1), self.num_rows)))
+            first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
+            later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
+            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks)
         elif later:
             now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
             deferred = [p for p in plan if p[0] == "step" and p[1].k in later]
@@ -547,15 +572,21 @@ class JaxBackend:
             self._later_gate.set()
         else:
             self._later_gate.clear()
-        # What is in memory (or, lazy, on disk: loaded on first use) is not built ahead; K > 0 steps
-        # join the options once the rest is built.
+        # What is in memory (or, lazy, on disk: loaded on first use) is not built ahead. The steps
+        # of later_ks wait for the gate (later_after_steps), then join the options once built (or
+        # at once where on disk); lazy's other executables are built ahead from now on.
         todo = [p for p in deferred if not self.table.ready(lambda p=p: self._build(*p), disk=lazy)]
         planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
-        self._waiting = frozenset(p for p in self._waiting if p not in planned) | frozenset(
-            (j.B, j.k) for what, j in todo if what == "step" and j.k > 0)
+        waiting = {(j.B, j.k) for what, j in plan if what == "step" and getattr(j, "k", 0) in later
+                   and not self.table.ready(lambda j=j: self._build("step", j), disk=False)}
+        self._waiting = frozenset(p for p in self._waiting if p not in planned) | frozenset(waiting)
         self.later_planned = len(todo)
-        if todo:
-            self._later = threading.Thread(target=self._compile_later, args=(todo,), name="specjax-compile-later")
+        if todo or waiting:
+            # a daemon: a process that never stops it (stop_later) is not kept alive by it; the
+            # atexit hook lets an executable in progress finish first
+            self._later = threading.Thread(target=self._compile_later, args=(todo, later, waiting),
+                                           name="specjax-compile-later", daemon=True)
+            _LATER.add(self)
             self._later.start()
         if execute:
             self._execute_once(prefills, steps, row_ops)
@@ -574,23 +605,38 @@ class JaxBackend:
             return self.table.take(j[1], j[2], S)
         return self.table.clear(j[1], S)
 
-    def _compile_later(self, plan) -> None:
-        """The background half of a warm-up, in ``plan``'s order; a (bucket, K) step joins
-        k_options once all its executables are in."""
-        self._later_gate.wait()
+    def _compile_later(self, plan, later, waiting) -> None:
+        """The background half of a warm-up, in ``plan``'s order; the steps of ``later`` K
+        buckets only once the gate is open (later_after_steps), each (bucket, K) joining
+        k_options once none of its executables is left to build."""
         left: dict = {}
         for what, j in plan:
-            if what == "step":
+            if what == "step" and j.k in later:
                 left[(j.B, j.k)] = left.get((j.B, j.k), 0) + 1
+
+        def through_gate() -> bool:
+            self._later_gate.wait()
+            # (a new set each time: readers never see one mid-update)
+            # this warm-up's steps on disk join now (loaded on first use)
+            self._waiting = frozenset(p for p in self._waiting if p not in waiting or left.get(p, 0))
+            return not self._stop_later.is_set()
+
+        gated = False
         self.table.background.on = True
         for what, j in plan:
             if self._stop_later.is_set():
                 return
+            if what == "step" and j.k in later and not gated:
+                if not through_gate():
+                    return
+                gated = True
             self._build(what, j, compile_if_missing=True)
-            if what == "step":
+            if what == "step" and j.k in later:
                 left[(j.B, j.k)] -= 1
                 if not left[(j.B, j.k)]:
-                    self._waiting = self._waiting - {(j.B, j.k)}  # (a new set: readers never see one mid-update)
+                    self._waiting = self._waiting - {(j.B, j.k)}
+        if not gated:
+            through_gate()
 
     def stop_later(self) -> list[int]:
         """End a warm-up's background compilation after the executable in progress; returns the
