@@ -126,8 +126,9 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
 
     wall0 = time.perf_counter()
     # Executables compile when serving first reaches them, the rest ahead in the background (a
-    # warm cache: loaded on first use), except where a draft-ahead path needs them all up front.
-    lazy = not getattr(backend.options, "draft_first", False)
+    # warm cache: loaded on first use), except where a draft-ahead path needs them all up front
+    # and on a mesh (sharded executables are compiled up front, as measured so far).
+    lazy = not backend.options.draft_first and backend.layout is None
     try:
         code = job.serve(prepare, generate)
     finally:
