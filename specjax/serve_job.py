@@ -90,7 +90,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
                            greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
                            lazy=lazy, queue=[len(r.prompt) for r in items],
-                           later_ks=backend.k_buckets if lazy else ())  # a K joins the options once compiled
+                           later_ks=later_ks)
             t["compile"] += time.perf_counter() - t0
             warmed.update(shapes)
             how = (f"compiling on first use, {backend.later_planned} executables ahead in the background"
@@ -129,6 +129,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     # warm cache: loaded on first use), except where a draft-ahead path needs them all up front
     # and on a mesh (sharded executables are compiled up front, as measured so far).
     lazy = not backend.options.draft_first and backend.layout is None
+    # SmartSpec's K buckets join its options once compiled; a fixed K is needed from the first step
+    later_ks = [k for k in backend.k_buckets if k != getattr(policy, "k", None)] if lazy else ()
     try:
         code = job.serve(prepare, generate)
     finally:
