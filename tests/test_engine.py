@@ -589,3 +589,12 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tm
     assert warm.later_planned == 0 and warm.k_options(4) == KS and len(warm.table) == 0
     outs = ServingEngine(warm, FixedK(2)).run([Request("a", PROMPTS[0], MAX_NEW)])
     assert outs[0].tokens == reference[0] and 0 < len(warm.table) < len(eager.table)
+    (tmp_path / "partial").mkdir()
+    disk = exe_cache.ExecutableCache(str(tmp_path / "partial"))  # holds what one request reached
+    with monkeypatch.context() as m:
+        m.setattr(JaxBackend, "_compile_later", lambda *a: None)
+        ServingEngine(make(), FixedK(0)).run([Request("a", PROMPTS[0], MAX_NEW)])
+    partial = make()  # a warm cache: only the K steps are built ahead, the rest when first reached
+    assert partial.later_planned == 2 and partial.k_options(1) == partial.k_options(4) == (0,)
+    partial._later.join()
+    assert partial.k_options(1) == partial.k_options(4) == KS

@@ -517,7 +517,7 @@ class JaxBackend:
         in the order a job whose prompts have the lengths ``queue`` (in admission order) is likely
         to reach them (``lazy_order``),
         skipping what the disk cache holds (loaded on first use: a warm job loads only what it
-        reaches). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
+        reaches; with a warm cache only ``later_ks``' steps are built ahead). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
         waits for (``table.late_s``). The executables are the ones an eager warm-up compiles, so
         outputs do not change. Returns seconds."""
         t0 = time.perf_counter()
@@ -576,6 +576,12 @@ class JaxBackend:
         # of later_ks wait for the gate (later_after_steps), then join the options once built (or
         # at once where on disk); lazy's other executables are built ahead from now on.
         todo = [p for p in deferred if not self.table.ready(lambda p=p: self._build(*p), disk=lazy)]
+        loaded = [p for p in deferred if p not in todo and not self.table.ready(lambda p=p: self._build(*p), disk=False)]
+        if lazy and loaded:
+            # A warm cache (a job like this ran before): what it lacks was mostly not reached then,
+            # and compiling it beside serving slowed a warm README batch job by a third; only K
+            # steps are built ahead (until built they are no option), the rest on first use.
+            todo = [p for p in todo if p[0] == "step" and p[1].k in later]
         planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
         waiting = {(j.B, j.k) for what, j in plan if what == "step" and getattr(j, "k", 0) in later
                    and not self.table.ready(lambda j=j: self._build("step", j), disk=False)}
