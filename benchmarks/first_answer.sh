@@ -1,6 +1,6 @@
 #!/bin/bash
 # Whole-process time to the README main job's answer, from an empty executable cache (run 1) and
-# then warm (runs 2-6), per drafter. Drafters: the arguments (default: every one; draft_model
+# then warm (runs 2-$RUNS, default 6), per drafter. Drafters: the arguments (default: every one; draft_model
 # drafts with the target itself, SmolLM2 having no smaller same-tokenizer sibling in the package).
 cd "$(dirname "$0")/.." && { [ -f .venv/bin/activate ] && . .venv/bin/activate; }
 OUT=${TMPDIR:-/tmp}/specjax_first_answer; mkdir -p $OUT
@@ -8,7 +8,7 @@ DRAFTERS=${*:-none prompt_lookup suffix suffix_path hybrid layer_skip draft_mode
 for d in $DRAFTERS; do
   extra=(); [ $d = draft_model ] && extra=(--draft_model smollm2-135m)
   export SPECJAX_CACHE_DIR=$OUT/cache_$d; rm -rf $SPECJAX_CACHE_DIR
-  for i in 1 2 3 4 5 6; do
+  for i in $(seq 1 ${RUNS:-6}); do
     s=$(date +%s.%N)
     python launch/generate.py --chat --prompt "What is the capital of France?" --drafter $d "${extra[@]}" > $OUT/out 2>$OUT/err
     e=$(date +%s.%N)

@@ -5,8 +5,9 @@
   python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --chat --policy 4 --num_spec_tokens 4
   python launch/batch.py --input_jsonl in.jsonl --output_jsonl out.jsonl --drafter none          # no speculation
 
-The job (input and output records, errors, resume, continuous batching, compile before serving)
-is specjax.serve_job's, as for launch/generate.py's JSONL mode.
+The job (input and output records, errors, resume, continuous batching, executables compiled
+when first reached and ahead in the background) is specjax.serve_job's, as for
+launch/generate.py's JSONL mode.
 
 Speculation (``--policy``): ``auto`` uses SmartSpec's goodput selector when ``--perf_models``
 has a performance model for this model, drafter, hardware and compiled code (make one with

@@ -240,12 +240,31 @@ def policy_from_spec(spec, model):
     return pol, label
 
 
+def prebuild_rows_kernel() -> None:
+    """Build (or find in the cache) the CPU rows kernel in a thread now: a cold build is a few
+    seconds of g++ in a process of its own, which then runs beside the model load and the first
+    compilations instead of before them (rows_dot.ensure is locked: the first user waits for
+    this build; a failure is reported by that user as before)."""
+    import threading
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return
+    from specjax.models.cpu import rows_dot
+
+    if rows_dot.vectorized():
+        threading.Thread(target=rows_dot.available, name="specjax-rows-kernel", daemon=True).start()
+
+
 def load_target(spec, layout=None):
     """The target model of ``spec`` (said on stderr) and ``spec`` resolved for it."""
     import sys
 
     from specjax.models.loader import load_model
 
+    if spec.rows_kernel_auto or spec.fwd.rows_kernel:
+        prebuild_rows_kernel()
     model = load_model(spec.model, spec.dtype, layout=layout)  # (an HF directory: straight into the shards)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {spec.dtype}) in "
           f"{model.load_seconds:.1f} s]", file=sys.stderr)

@@ -218,7 +218,7 @@ def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tu
 
 
 def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False, later: Sequence[int] = (),
-              later_after_steps: int = 0) -> float:
+              later_after_steps: int = 0, lazy: bool = False) -> float:
     """Compile the (batch, slots) prefill chunks of these prompt lengths and the (batch, k, slots) steps for
     every bucket k <= K (a host drafter's step shrinks to the proposal) in ``shapes``
     (from spec_shapes) and nothing else; afterwards the generator refuses to compile (a missed
@@ -226,7 +226,9 @@ def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False, l
     benchmarks (a first execution is slow: fresh buffers, cold code pages; timing it would
     charge whichever run met it first). ``later``: these K buckets compile in the background instead
     (``gen.stop_later()`` ends that), so a first answer waits for no more than it starts with,
-    from the ``later_after_steps``-th step on. Returns seconds."""
+    from the ``later_after_steps``-th step on. ``lazy``: nothing compiles now; each executable
+    compiles on first use and the rest ahead in the background (JaxBackend.warmup), the steps
+    of ``later`` still from that step on. Returns seconds."""
     t0 = time.perf_counter()
     by_bs: dict = {}
     for B, n, S in shapes:
@@ -235,7 +237,7 @@ def warm_spec(gen, shapes, k: int, greedy: bool = True, execute: bool = False, l
         gen.warm = False  # warmup() leaves it True; allow the next (B, S) group to compile
         kbs = [b for b in gen.k_buckets if b <= k]
         gen.warmup(prompt_lens=sorted(lens), greedy_modes=(greedy,), batch_buckets=[B], slot_buckets=[S],
-                   k_buckets=kbs, execute=execute, later_ks=later, later_after_steps=later_after_steps)
+                   k_buckets=kbs, execute=execute, later_ks=later, later_after_steps=later_after_steps, lazy=lazy)
     gen.warm = True
     return time.perf_counter() - t0
 

@@ -22,10 +22,13 @@ finishes, so a killed job loses only its in-flight requests: run the same comman
 skips every id already in the output (error records included; delete those lines to retry them).
 Ctrl-C stops after the current engine step (exit status 130); the same command resumes.
 
-Everything the run needs (every batch bucket x compiled K x the prompt buckets present, greedy
-and/or sampled) is compiled once before serving; the compile time is printed separately and is
-not in the reported tok/s. The persistent XLA cache (``$SPECJAX_CACHE_DIR``) makes a resumed
-run's compilation fast.
+Executables (every batch bucket x compiled K x the prompt buckets present, greedy and/or
+sampled) compile when serving first reaches them, and the rest ahead in a background thread in
+the order a job of this size is likely to reach them (JaxBackend.warmup, ``lazy``); a K
+bucket joins SmartSpec's options once compiled. A job reaching few of them compiles few. The
+seconds serving waited for compilation are printed as compilation, not in the reported tok/s
+(background compilation beside serving is). The executable cache (``$SPECJAX_CACHE_DIR``) holds
+each one; a warm run loads only those it reaches, when it reaches them.
 """
 
 from __future__ import annotations
@@ -82,15 +85,18 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
 
     def generate(items, emit):
         shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed
-        if shapes:  # everything this run needs, compiled before serving (a retry needs nothing new)
+        if shapes:  # what this run may need (a retry needs nothing new)
             t0 = time.perf_counter()
             backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
-                           greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True)
+                           greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
+                           lazy=lazy, queue=[len(r.prompt) for r in items],
+                           later_ks=later_ks)
             t["compile"] += time.perf_counter() - t0
             warmed.update(shapes)
-            job.note(f"[compiled {len(backend.table)} executables in {t['compile']:.1f} s; serving {len(items)} "
-                     f"requests, policy {policy_label}, drafter {drafter}, {backend.num_rows} KV rows x "
-                     f"{backend.slots} slots]")
+            how = (f"compiling on first use, {backend.later_planned} executables ahead in the background"
+                   if lazy else f"compiled {len(backend.table)} executables in {t['compile']:.1f} s")
+            job.note(f"[{how}; serving {len(items)} requests, policy {policy_label}, drafter {drafter}, "
+                     f"{backend.num_rows} KV rows x {backend.slots} slots]")
 
         def on_finish(o):
             i = int(o.id)
@@ -120,13 +126,31 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             t["serve_cpu"] += time.process_time() - c0
 
     wall0 = time.perf_counter()
-    code = job.serve(prepare, generate)
+    # Executables compile when serving first reaches them, the rest ahead in the background (a
+    # warm cache: loaded on first use), except where a draft-ahead path needs them all up front
+    # and on a mesh (sharded executables are compiled up front, as measured so far).
+    lazy = not backend.options.draft_first and backend.layout is None
+    # SmartSpec's K buckets join its options once compiled; a fixed K is needed from the first step
+    later_ks = [k for k in backend.k_buckets if k != getattr(policy, "k", None)] if lazy else ()
+    try:
+        code = job.serve(prepare, generate)
+    finally:
+        left = backend.stop_later()  # (the executable in progress is finished and kept on disk)
+    table = backend.table
+    waited = table.late_s if lazy else 0.0  # serving stalled on these compilations (or loads)
+    t["compile"] += waited
+    t["serve"] -= waited
     outputs = [o for _, outs in runs for o in outs]
     n_tok = sum(len(o.tokens) for o in outputs if o.error is None)
     # (CPU ms per token: what other processes on a shared machine change least; a drafter's host work shows there)
     print(f"{n_tok} tokens in {t['serve']:.1f} s serving = {n_tok / max(t['serve'], 1e-9):.1f} tok/s "
           f"(+ {t['compile']:.1f} s compilation; {time.perf_counter() - wall0:.1f} s for the job; serving CPU "
           f"{1e3 * t['serve_cpu'] / max(n_tok, 1):.2f} ms/token)", file=sys.stderr)
+    if lazy:
+        print(f"compilation: {table.late} executables compiled or loaded when first reached ({waited:.1f} s waited), "
+              f"{table.ahead} in the background beside serving ({table.ahead_s:.1f} s)"
+              + (f"; steps of K {left} not compiled at every batch bucket by the end" if left else ""),
+              file=sys.stderr)
     s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
     if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "

@@ -131,19 +131,21 @@ class SpecGenerator:
     def warmup(self, prompt_lens: Sequence[int] = (16, 32, 64, 128, 256), greedy_modes=(True, False),
                batch_buckets: Sequence[int] | None = None, slot_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, execute: bool = False, later_ks: Sequence[int] = (),
-               later_after_steps: int = 0) -> float:
+               later_after_steps: int = 0, lazy: bool = False) -> float:
         """Compile every (batch, K, slots, mode) step and the (batch, chunk, slots, mode) prefill
         chunks of prompts of these lengths (and the row operations a static batch uses);
         ``execute``: also run each once; ``later_ks``: these K buckets compile in the background
         and join the policy's options when ready, starting after ``later_after_steps`` steps
-        (JaxBackend.warmup; ``stop_later`` ends it). Returns seconds."""
+        (JaxBackend.warmup; ``stop_later`` ends it); ``lazy``: compile each executable on first
+        use and the rest ahead in the background (JaxBackend.warmup). Returns seconds."""
         t0 = time.perf_counter()
         for S in slot_buckets or self.slot_buckets:
             be = self.backend(S)
             be.table.warm = False
-            be.warmup(prompt_lens=[p for p in prompt_lens if p <= S], greedy_modes=greedy_modes,
-                      batch_buckets=batch_buckets, k_buckets=k_buckets, execute=execute, later_ks=later_ks,
-                      later_after_steps=later_after_steps)
+            lens = [p for p in prompt_lens if p <= S]
+            be.warmup(prompt_lens=lens, greedy_modes=greedy_modes, batch_buckets=batch_buckets, k_buckets=k_buckets,
+                      execute=execute, later_ks=later_ks, later_after_steps=later_after_steps, lazy=lazy,
+                      queue=lens if lazy else ())
         self.warm = True
         return time.perf_counter() - t0
 
@@ -151,6 +153,12 @@ class SpecGenerator:
         """The K buckets every slot bucket's backend can run now (see JaxBackend.k_options)."""
         ready = [set(be.k_options(be.B or 1)) for be in self._backends.values()]
         return sorted(set.intersection(*ready)) if ready else list(self.k_buckets)
+
+    def compile_waits(self) -> tuple[float, float]:
+        """Seconds generation waited for executables compiled (or loaded) on first use, during
+        prefills and in all (a lazy warm-up's; JaxBackend.waited)."""
+        w = [be.waited() for be in self._backends.values()]
+        return sum(p for p, _ in w), sum(a for _, a in w)
 
     def stop_later(self) -> list[int]:
         """End background compilation (warmup's ``later_ks``) after the executable in progress;

@@ -544,3 +544,57 @@ def test_token_trees_under_goodput_policy(tree_backend, reference):
     for o, ref in zip(outs, reference):
         assert o.tokens == ref, f"{o.id} diverged from autoregressive greedy"
     assert len(pol.score_calibration) > 0  # verified (or shadow-verified) trees calibrated the scores
+
+
+def _batch_of(key) -> int:
+    """The batch bucket a StepTable key runs at (a row operation: the live state's)."""
+    return key.batch if hasattr(key, "batch") else key[1]
+
+
+def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tmp_path, monkeypatch):
+    """A lazy warm-up compiles nothing up front: serving compiles each executable when it first
+    reaches it (one request, with nothing built ahead: nothing of the 4-row bucket), K > 0 steps
+    join the policy's options only once built, the background thread builds exactly the rest of
+    what an eager warm-up compiles, and the tokens are AR's throughout. From a warm disk cache
+    nothing is built ahead: K steps on disk are options at once and load when first run. (The
+    programs are the fixture's, so jax's in-memory cache makes the compilations cheap.)"""
+    from specjax.engine import exe_cache
+
+    cfg, params = tiny
+    disk = exe_cache.ExecutableCache(str(tmp_path))
+
+    def make(lazy=True, be=None):
+        be = be or JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS,
+                              slots=SLOTS, shrink_patience=2)
+        be.table.disk_cache = disk
+        be.warmup(prompt_lens=[16], greedy_modes=(True,), lazy=lazy, queue=[16], later_ks=KS if lazy else ())
+        return be
+
+    with monkeypatch.context() as m:
+        m.setattr(JaxBackend, "_compile_later", lambda *a: None)  # nothing built ahead, no K joins
+        be = make()
+    assert len(be.table) == 0 and be.k_options(1) == (0,) and be.k_options(4) == (0,)
+    outs = ServingEngine(be, GoodputPolicy(_cheap_spec())).run([Request("a", PROMPTS[0], MAX_NEW)])
+    assert outs[0].tokens == reference[0]
+    reached = set(be.table._exe)
+    assert reached and {_batch_of(k) for k in reached} == {1} and be.table.late == len(reached)
+    make(be=be)._later.join()  # again, with the background building the rest
+    assert be.k_options(1) == KS and be.k_options(4) == KS and be.stop_later() == []
+    eager = make(lazy=False)
+    assert set(be.table._exe) == set(eager.table._exe) and be.table.ahead == len(eager.table) - len(reached)
+    be.reset()
+    outs = ServingEngine(be, FixedK(2), clock=OpClock()).run(_reqs(arrival_gap=0.004))
+    assert [o.tokens for o in outs] == reference
+    warm = make()  # everything is on disk now
+    assert warm.later_planned == 0 and warm.k_options(4) == KS and len(warm.table) == 0
+    outs = ServingEngine(warm, FixedK(2)).run([Request("a", PROMPTS[0], MAX_NEW)])
+    assert outs[0].tokens == reference[0] and 0 < len(warm.table) < len(eager.table)
+    (tmp_path / "partial").mkdir()
+    disk = exe_cache.ExecutableCache(str(tmp_path / "partial"))  # holds what one request reached
+    with monkeypatch.context() as m:
+        m.setattr(JaxBackend, "_compile_later", lambda *a: None)
+        ServingEngine(make(), FixedK(0)).run([Request("a", PROMPTS[0], MAX_NEW)])
+    partial = make()  # a warm cache: only the K steps are built ahead, the rest when first reached
+    assert partial.later_planned == 2 and partial.k_options(1) == partial.k_options(4) == (0,)
+    partial._later.join()
+    assert partial.k_options(1) == partial.k_options(4) == KS

@@ -80,6 +80,12 @@ class ExecutableCache:
                  str(jax.config.jax_default_matmul_precision), str(jax.config.jax_enable_x64), code_digest()]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest() + ".exe"
 
+    def has(self, name: str) -> bool:
+        """Whether an entry is stored (written with its record; a damaged one is found at load
+        and compiled again)."""
+        path = os.path.join(self.path, name)
+        return os.path.exists(path) and os.path.exists(path + ondisk.RECORD)
+
     def load(self, name: str):
         path = os.path.join(self.path, name)
         blob = ondisk.read(path)  # None when absent or damaged (logged once): compiled again and replaced

@@ -18,8 +18,10 @@ chain step: plain decoding is one executable whatever the drafter.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -62,6 +64,42 @@ def check_same_avals(compiled, new, what: str) -> None:
         if (tuple(x.shape), x.dtype) != (tuple(y.shape), y.dtype):
             raise SpecjaxError(f"{what} do not match the compiled ones at {jax.tree_util.keystr(path)}: "
                                f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
+
+
+_LATER: "weakref.WeakSet[JaxBackend]" = weakref.WeakSet()  # backends whose warm-up started a background thread
+
+
+@atexit.register
+def _stop_background() -> None:
+    for be in list(_LATER):
+        be.stop_later()
+
+
+def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None) -> list:
+    """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
+    runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
+    bucket; the prefills of later, smaller admissions (smallest first: rows free one by one) in
+    the chunk sizes ``later_chunks`` of the prompts they will admit (None: every size), and their
+    inserts; the other buckets' K = 0 steps and row operations, largest first (the batch drains
+    through them); then the K > 0 steps of ``later_ks``, the first bucket's first, smaller K
+    first (until one is in, the policy runs without it; nothing waits); last, the remaining
+    prefills (the first admission compiles what it needs when it runs). Other K > 0 steps (a
+    fixed K's: the first step needs it) come first."""
+    def rank(item):
+        what, j = item
+        if what == "prefill":
+            later = later_chunks is None or (j[1], j[4]) in later_chunks
+            return (1, j[0]) if j[0] < first_bucket and later else (5, 0)
+        if what == "step":
+            if j.k == 0 or j.k not in later_ks:
+                return (0, 0) if j.B == first_bucket else (2, -j.B)
+            return (3, j.k) if j.B == first_bucket else (4, -j.B, j.k)
+        B = j[1]
+        if j[0] == "insert" and B == first_bucket:
+            return (0, 0) if j[2] == first_bucket else (1, j[2])
+        return (0, 0) if B == first_bucket and j[0] == "clear" else (2, -B)
+
+    return sorted(plan, key=rank)  # (stable: ties keep the warm-up's order)
 
 
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
@@ -109,7 +147,9 @@ class JaxBackend:
         self.shrink_to_proposal = opt.shrink_to_proposal
         self.k_buckets = opt.k_buckets
         self.k_max = self.k_buckets[-1]
-        self._ready_k: set[int] | None = None  # K buckets usable while others compile (None: all)
+        self._waiting: frozenset = frozenset()  # (bucket, K > 0) steps still compiling: not yet options
+        self.later_planned = 0  # executables the last warm-up left to the background thread
+        self._prefill_waited = 0.0  # of table.late_s: waited during prefills (waited())
         self._later: threading.Thread | None = None
         self._stop_later = threading.Event()
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
@@ -173,10 +213,11 @@ class JaxBackend:
         return self.live.peek(n)
 
     def k_options(self, bucket: int) -> Sequence[int]:
-        """The K buckets a step can run now: all of them, except while a warm-up's ``later_ks``
-        are still compiling in the background (each joins once compiled)."""
-        ready = self._ready_k
-        return self.k_buckets if ready is None else tuple(k for k in self.k_buckets if k in ready)
+        """The K buckets a step at ``bucket`` can run now: all of them, except those whose steps a
+        warm-up left to the background (``later_ks``, ``lazy``) and that are not compiled yet
+        (each joins once its executables are in)."""
+        waiting = self._waiting
+        return tuple(k for k in self.k_buckets if (bucket, k) not in waiting) if waiting else self.k_buckets
 
     def _resize(self, B_new: int, keep_order: list[int]) -> None:
         """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
@@ -260,6 +301,7 @@ class JaxBackend:
         None: all). Finished prompts are scattered into their rows of the live state. Returns
         (request, its first token) of each finished request, and the seconds it took."""
         t0 = time.perf_counter()
+        w0 = self.table.late_s
         done = []
         for job in self.prefills.run(budget, self._run_chunk, self.bucket):
             Bp = job.state.pending.shape[0]
@@ -275,7 +317,13 @@ class JaxBackend:
                 done.append((r, int(pend[b])))
                 self.drafter.start(r.uid, list(r.req.prompt))
                 self.drafter.extend(r.uid, [int(pend[b])])
+        self._prefill_waited += self.table.late_s - w0
         return done, time.perf_counter() - t0
+
+    def waited(self) -> tuple[float, float]:
+        """Seconds callers waited for executables compiled (or loaded) when first reached after a
+        warm-up: during prefills, and in all (StepTable.late_s)."""
+        return self._prefill_waited, self.table.late_s
 
     def prefill(self, rs: Sequence[Running]) -> tuple[list[int], float]:
         """Prefill ``rs`` whole, now (with whatever else was queued): first tokens in order."""
@@ -454,7 +502,7 @@ class JaxBackend:
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = (),
-               later_after_steps: int = 0) -> float:
+               later_after_steps: int = 0, lazy: bool = False, queue: Sequence[int] = ()) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
@@ -467,8 +515,17 @@ class JaxBackend:
         ``later_after_steps``: the thread starts its work only once this many steps have run. A
         warm cache's loads hold the GIL (about 0.45 s each for SmolLM2's tree steps), so a short
         answer that never reaches that step count is not slowed by options it would not use.
-        Returns seconds."""
+
+        ``lazy``: compile nothing now. Serving compiles (or loads from the disk cache) each
+        executable when it first reaches it, and the background thread compiles the rest ahead,
+        in the order a job whose prompts have the lengths ``queue`` (in admission order) is likely
+        to reach them (``lazy_order``),
+        skipping what the disk cache holds (loaded on first use: a warm job loads only what it
+        reaches; with a warm cache only ``later_ks``' steps are built ahead). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
+        waits for (``table.late_s``). The executables are the ones an eager warm-up compiles, so
+        outputs do not change. Returns seconds."""
         t0 = time.perf_counter()
+        self.stop_later()  # (an earlier warm-up's steps it did not finish stay out of k_options)
         S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
         draft_modes = (True, False) if self.drafter.draft_prefill else (False,)
@@ -490,64 +547,116 @@ class JaxBackend:
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
+        plan = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
         later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
-        if later:
-            require(not execute and not self.options.draft_first, "later_ks cannot be combined with execute or draft_first")
-            deferred = [j for j in steps if j.k in later]
-            steps = [j for j in steps if j.k not in later]
-        it = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
-        if progress:
+        if lazy or later:
+            require(not execute and not self.options.draft_first,
+                    "later_ks / lazy cannot be combined with execute or draft_first")
+        if lazy:
+            first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
+            later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
+            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks)
+        elif later:
+            now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
+            deferred = [p for p in plan if p[0] == "step" and p[1].k in later]
+        else:
+            now, deferred = plan, []
+        it = now
+        if progress and now:
             from tqdm import tqdm
 
-            it = tqdm(it, desc="compiling", unit="exe", disable=None)
+            it = tqdm(now, desc="compiling", unit="exe", disable=None)
         for what, j in it:
-            if what == "prefill":
-                self.table.prefill(j[0], j[1], S, j[2], j[3], first=j[4])
-            elif what == "step":
-                j.compile(self)
-            elif j[0] == "insert":
-                self.table.insert(j[1], j[2], S, j[3])
-            elif j[0] == "take":
-                self.table.take(j[1], j[2], S)
-            else:
-                self.table.clear(j[1], S)
+            self._build(what, j)
         self.table.warm = True
-        if later:
-            self._ready_k = set(kbs) - set(later)
-            self._stop_later.clear()
-            self._later_after, self._steps_run = later_after_steps, 0
-            if later_after_steps <= 0:
-                self._later_gate.set()
-            else:
-                self._later_gate.clear()
-            self._later = threading.Thread(target=self._compile_later, args=(deferred, later),
-                                           name="specjax-compile-later")
+        self.table.lazy = lazy
+        self._stop_later.clear()
+        self._later_after, self._steps_run = later_after_steps, 0
+        if later_after_steps <= 0:
+            self._later_gate.set()
+        else:
+            self._later_gate.clear()
+        # What is in memory (or, lazy, on disk: loaded on first use) is not built ahead. The steps
+        # of later_ks wait for the gate (later_after_steps), then join the options once built (or
+        # at once where on disk); lazy's other executables are built ahead from now on.
+        todo = [p for p in deferred if not self.table.ready(lambda p=p: self._build(*p), disk=lazy)]
+        loaded = [p for p in deferred if p not in todo and not self.table.ready(lambda p=p: self._build(*p), disk=False)]
+        if lazy and loaded:
+            # A warm cache (a job like this ran before): what it lacks was mostly not reached then,
+            # and compiling it beside serving slowed a warm README batch job by a third; only K
+            # steps are built ahead (until built they are no option), the rest on first use.
+            todo = [p for p in todo if p[0] == "step" and p[1].k in later]
+        planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
+        waiting = {(j.B, j.k) for what, j in plan if what == "step" and getattr(j, "k", 0) in later
+                   and not self.table.ready(lambda j=j: self._build("step", j), disk=False)}
+        self._waiting = frozenset(p for p in self._waiting if p not in planned) | frozenset(waiting)
+        self.later_planned = len(todo)
+        if todo or waiting:
+            # a daemon: a process that never stops it (stop_later) is not kept alive by it; the
+            # atexit hook lets an executable in progress finish first
+            self._later = threading.Thread(target=self._compile_later, args=(todo, later, waiting),
+                                           name="specjax-compile-later", daemon=True)
+            _LATER.add(self)
             self._later.start()
         if execute:
             self._execute_once(prefills, steps, row_ops)
         return time.perf_counter() - t0
 
-    def _compile_later(self, jobs, ks) -> None:
-        """The background half of warmup(later_ks): each K's steps, then K joins k_options."""
-        self._later_gate.wait()
-        for k in ks:
-            for j in (j for j in jobs if j.k == k):
-                if self._stop_later.is_set():
+    def _build(self, what: str, j, compile_if_missing: bool = False):
+        """Compile (or load) one warm-up item: a prefill chunk, a StepJob or a row operation."""
+        S = self.slots
+        if what == "prefill":
+            return self.table.prefill(j[0], j[1], S, j[2], j[3], compile_if_missing, first=j[4])
+        if what == "step":
+            return j.compile(self, compile_if_missing)
+        if j[0] == "insert":
+            return self.table.insert(j[1], j[2], S, j[3])
+        if j[0] == "take":
+            return self.table.take(j[1], j[2], S)
+        return self.table.clear(j[1], S)
+
+    def _compile_later(self, plan, later, waiting) -> None:
+        """The background half of a warm-up, in ``plan``'s order; the steps of ``later`` K
+        buckets only once the gate is open (later_after_steps), each (bucket, K) joining
+        k_options once none of its executables is left to build."""
+        left: dict = {}
+        for what, j in plan:
+            if what == "step" and j.k in later:
+                left[(j.B, j.k)] = left.get((j.B, j.k), 0) + 1
+
+        def through_gate() -> bool:
+            self._later_gate.wait()
+            # (a new set each time: readers never see one mid-update)
+            # this warm-up's steps on disk join now (loaded on first use)
+            self._waiting = frozenset(p for p in self._waiting if p not in waiting or left.get(p, 0))
+            return not self._stop_later.is_set()
+
+        gated = False
+        self.table.background.on = True
+        for what, j in plan:
+            if self._stop_later.is_set():
+                return
+            if what == "step" and j.k in later and not gated:
+                if not through_gate():
                     return
-                j.compile(self, compile_if_missing=True)
-            self._ready_k = self._ready_k | {k}  # (a new set: readers never see one mid-update)
-        self._ready_k = None  # everything is in
+                gated = True
+            self._build(what, j, compile_if_missing=True)
+            if what == "step" and j.k in later:
+                left[(j.B, j.k)] -= 1
+                if not left[(j.B, j.k)]:
+                    self._waiting = self._waiting - {(j.B, j.k)}
+        if not gated:
+            through_gate()
 
     def stop_later(self) -> list[int]:
         """End a warm-up's background compilation after the executable in progress; returns the
-        K buckets it did not finish (they stay out of ``k_options``)."""
+        K buckets it did not finish at some batch bucket (they stay out of ``k_options`` there)."""
         if self._later is not None:
             self._stop_later.set()
             self._later_gate.set()
             self._later.join()
             self._later = None
-        ready = self._ready_k
-        return [] if ready is None else [k for k in self.k_buckets if k not in ready]
+        return sorted({k for _, k in self._waiting})
 
     def _execute_once(self, prefills, steps, row_ops) -> None:
         S = self.slots

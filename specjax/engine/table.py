@@ -1,7 +1,12 @@
 """Every compiled executable a generator or the serving engine may call, keyed by static shape.
 
 ``StepTable`` lowers and compiles on first request until ``warm`` is set; afterwards asking
-for a shape that was not compiled raises (a serving loop must never stall on a compilation).
+for a shape that was not compiled raises (a timed loop must never stall on a compilation
+unnoticed), unless the table is also ``lazy``: then a missing executable is compiled (or loaded
+from the disk cache) on first use, and the seconds callers waited for that are counted
+(``late_s``). A shape the background compiler (JaxBackend.warmup) is building is built once: a
+caller that needs it waits for that build. ``ready`` says, without building anything, whether an
+executable is in memory or on disk.
 Besides prefill and the (chain / tree) spec steps it owns the row operations the continuous
 batching engine needs to keep one batch-bucket state alive while requests come and go:
 
@@ -19,6 +24,8 @@ row operations included (their static ``layout`` argument).
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from functools import partial
 
 import jax
@@ -99,6 +106,15 @@ class StepTable:
         self.fwd = fwd
         self._exe: dict = {}
         self._info: dict = {}
+        self._building: dict = {}  # key -> threading.Event, set when its build ends
+        self._lock = threading.Lock()
+        self._probe = threading.local()  # .on: _get only says whether it could load (ready)
+        self.background = threading.local()  # .on: this thread compiles ahead (its builds are not waits)
+        self.lazy = False  # warm + lazy: a missing shape compiles on first use instead of raising
+        self.late_s = 0.0  # seconds callers of a warm table waited for a compilation (lazy, or in flight)
+        self.late = 0  # ... that many executables
+        self.ahead_s = 0.0  # seconds the background compiler spent building (JaxBackend.warmup)
+        self.ahead = 0  # ... that many executables
         self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
@@ -125,20 +141,62 @@ class StepTable:
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
                           self.layout, steps, draft.features if draft is not None else ())
 
-    def _compile(self, key, fn, *args):
+    def _compile(self, key, fn, args):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
         (exe_cache: a warm run skips tracing the model). Model executables take ``key`` as their
         static argument; the row operations the layout."""
         static = {"key": key} if isinstance(key, CompileKey) else {} if self.layout is None else {"layout": self.layout}
-        return exe_cache.compile_cached(self.disk_cache, key, fn, args, **static)
+        return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), **static)
 
-    def _get(self, key, build, what: str, compile_if_missing: bool = False):
+    def _get(self, key, spec, what: str, compile_if_missing: bool = False):
+        """The executable of ``key``: ``spec()`` = (jitted function, abstract arguments), built
+        (compiled or loaded from disk) if missing, once whichever threads ask; under ``ready``
+        only whether it is in memory or on disk."""
         exe = self._exe.get(key)
-        if exe is None:
-            if self.warm and not compile_if_missing:
-                raise SpecjaxError(f"no precompiled {what}; add it to the warm-up buckets")
-            exe = self._exe[key] = build()
+        if getattr(self._probe, "on", False):
+            return exe is not None or (self._probe.disk and self.disk_cache is not None and self.disk_cache.has(
+                self.disk_cache.entry(key, spec()[1])))
+        if exe is not None:
+            return exe
+        if self.warm and not (compile_if_missing or self.lazy):
+            raise SpecjaxError(f"no precompiled {what}; add it to the warm-up buckets")
+        waits = self.warm and not getattr(self.background, "on", False)  # a serving caller stalls here
+        t0 = time.perf_counter()
+        while True:
+            with self._lock:
+                exe = self._exe.get(key)
+                ev = self._building.get(key)
+                mine = exe is None and ev is None
+                if mine:
+                    ev = self._building[key] = threading.Event()
+            if exe is not None:
+                break
+            if not mine:
+                ev.wait()  # another thread builds it; if that build failed, the loop builds it here
+                continue
+            try:
+                exe = self._exe[key] = self._compile(key, *spec())
+            finally:
+                with self._lock:
+                    del self._building[key]
+                ev.set()
+            break
+        if waits:
+            self.late_s += time.perf_counter() - t0
+            self.late += 1
+        elif getattr(self.background, "on", False) and mine:
+            self.ahead_s += time.perf_counter() - t0
+            self.ahead += 1
         return exe
+
+    def ready(self, build_call, disk: bool = True) -> bool:
+        """Whether ``build_call()`` (a call of one of this table's methods) would find its
+        executable in memory or (``disk``) in the disk cache, without building or loading it."""
+        self._probe.on, self._probe.disk = True, disk
+        try:
+            return bool(build_call())
+        finally:
+            self._probe.on = False
 
     def __len__(self) -> int:
         return len(self._exe)
@@ -155,15 +213,15 @@ class StepTable:
         (the state the earlier chunks left, donated); see step.spec_prefill."""
         key = self.key("prefill" if first else "chunk", B, S, greedy_only, run_draft, prompt=C)
 
-        def build():
+        def spec():
             toks = self._sds((B, C), jnp.int32)
             nv = self._sds((B,), jnp.int32)
             if first:
-                return self._compile(key, spec_prefill_jit, self.params, self.dparams, toks, nv, self._abstract_samp(B))
-            return self._compile(key, spec_chunk_jit, self.params, self.dparams, toks, nv, self._abstract_samp(B),
-                                 self.state_info(B, S, run_draft))
+                return spec_prefill_jit, (self.params, self.dparams, toks, nv, self._abstract_samp(B))
+            return spec_chunk_jit, (self.params, self.dparams, toks, nv, self._abstract_samp(B),
+                                    self.state_info(B, S, run_draft))
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is
@@ -188,94 +246,94 @@ class StepTable:
         many rows (per-row draft counts, see llama.forward)."""
         key = self.key("step", B, S, greedy_only, k=K, tokens=tokens)
 
-        def build():
+        def spec():
             dt = self._sds((B, max(K, 1)), jnp.int32)
             nd = self._sds((B,), jnp.int32)
             act = self._sds((B,), jnp.bool_)
             pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
-            return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                 self._abstract_samp(B), None, pack)
+            return spec_step_jit, (self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                   self._abstract_samp(B), None, pack)
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def decode(self, B: int, n: int, S: int, greedy_only: bool, compile_if_missing: bool = False):
         """Up to n plain decoding steps in one call (step.spec_decode: the K = 0 step in a loop)."""
         key = self.key("decode", B, S, greedy_only, steps=n)
 
-        def build():
+        def spec():
             rows = self._sds((B,), jnp.int32)
             flags = self._sds((B,), jnp.bool_)
-            return self._compile(key, spec_decode_jit, self.params, self.dparams, self.state_info(B, S), flags, rows,
-                                 flags, self._sds((self.cfg.vocab_size,), jnp.bool_, per_row=False),
-                                 self._abstract_samp(B), self._sds((), jnp.int32, per_row=False),
-                                 self._sds((), jnp.bool_, per_row=False))
+            return spec_decode_jit, (self.params, self.dparams, self.state_info(B, S), flags, rows,
+                                     flags, self._sds((self.cfg.vocab_size,), jnp.bool_, per_row=False),
+                                     self._abstract_samp(B), self._sds((), jnp.int32, per_row=False),
+                                     self._sds((), jnp.bool_, per_row=False))
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def draft_call(self, B: int, P: int, S: int, greedy_only: bool, compile_if_missing: bool = False):
         """A device drafter's confidence-cut proposal of up to P drafts (Algorithm 3)."""
         key = self.key("draft", B, S, greedy_only, k=P)
 
-        def build():
+        def spec():
             act = self._sds((B,), jnp.bool_)
             thr = self._sds((), jnp.float32, per_row=False)
-            return self._compile(key, spec_draft_jit, self.params, self.dparams, self.state_info(B, S), act,
-                                 self._abstract_samp(B), thr)
+            return spec_draft_jit, (self.params, self.dparams, self.state_info(B, S), act,
+                                    self._abstract_samp(B), thr)
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def verify(self, B: int, K: int, P: int, S: int, greedy_only: bool, tokens: int = 0,
                compile_if_missing: bool = False):
         """The chain step verifying K of the P drafts a draft call left on the device."""
         key = self.key("verify", B, S, greedy_only, k=K, width=P, tokens=tokens)
 
-        def build():
+        def spec():
             dt = self._sds((B, P), jnp.int32)
             nd = self._sds((B,), jnp.int32)
             act = self._sds((B,), jnp.bool_)
             q = None if greedy_only else self._sds((B, P, self.cfg.vocab_size), jnp.float32)
             pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
-            return self._compile(key, spec_step_jit, self.params, self.dparams, self.state_info(B, S), dt, nd, act,
-                                 self._abstract_samp(B), q, pack)
+            return spec_step_jit, (self.params, self.dparams, self.state_info(B, S), dt, nd, act,
+                                   self._abstract_samp(B), q, pack)
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def tree_step(self, B: int, K: int, S: int, greedy_only: bool, tokens: int = 0, compile_if_missing: bool = False):
         key = self.key("tree", B, S, greedy_only, k=K, tokens=tokens)
 
-        def build():
+        def spec():
             ints = self._sds((B, K + 1), jnp.int32)
             pack = self._sds((tokens,), jnp.int32, per_row=False) if tokens else None
-            return self._compile(key, spec_tree_step_jit, self.params, self.dparams, self.state_info(B, S), ints, ints,
-                                 self._sds((B, K + 1), jnp.bool_), self._sds((B,), jnp.bool_),
-                                 self._abstract_samp(B), pack)
+            return spec_tree_step_jit, (self.params, self.dparams, self.state_info(B, S), ints, ints,
+                                        self._sds((B, K + 1), jnp.bool_), self._sds((B,), jnp.bool_),
+                                        self._abstract_samp(B), pack)
 
-        return self._get(key, build, key.describe(), compile_if_missing)
+        return self._get(key, spec, key.describe(), compile_if_missing)
 
     def insert(self, B: int, Bp: int, S: int, run_draft: bool = True):
         run_draft = bool(run_draft) and self.draft is not None
 
         key = ("insert", B, Bp, S, run_draft)
 
-        def build():
+        def spec():
             rows = self._sds((Bp,), jnp.int32, per_row=False)
-            return self._compile(key, insert_rows, self.state_info(B, S), self.state_info(Bp, S, run_draft), rows)
+            return insert_rows, (self.state_info(B, S), self.state_info(Bp, S, run_draft), rows)
 
-        return self._get(key, build, f"row insert of {Bp} into batch {B}")
+        return self._get(key, spec, f"row insert of {Bp} into batch {B}")
 
     def take(self, B_from: int, B_to: int, S: int):
         key = ("take", B_from, B_to, S)
 
-        def build():
-            return self._compile(key, take_rows, self.state_info(B_from, S),
-                                 self._sds((B_to,), jnp.int32, per_row=False))
+        def spec():
+            return take_rows, (self.state_info(B_from, S),
+                               self._sds((B_to,), jnp.int32, per_row=False))
 
-        return self._get(key, build, f"batch resize {B_from} -> {B_to}")
+        return self._get(key, spec, f"batch resize {B_from} -> {B_to}")
 
     def clear(self, B: int, S: int):
         key = ("clear", B, S)
 
-        def build():
-            return self._compile(key, clear_rows, self.state_info(B, S), self._sds((B,), jnp.bool_, per_row=False))
+        def spec():
+            return clear_rows, (self.state_info(B, S), self._sds((B,), jnp.bool_, per_row=False))
 
-        return self._get(key, build, f"row clear for batch {B}")
+        return self._get(key, spec, f"row clear for batch {B}")
