@@ -125,13 +125,13 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
         int8 = FLAGS.rows_activations == "int8"
-        if int8 and FLAGS.rows_kernel == 0:
-            raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0, not 0)")
-        kw.update(fwd=ForwardOptions(attention=FLAGS.attention_impl, small_rows=FLAGS.small_rows,
-                                     rows_kernel=max(FLAGS.rows_kernel, 0), scan_layers=FLAGS.scan_layers,
-                                     rows_int8=int8 and FLAGS.rows_kernel > 0),
-                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=FLAGS.rows_activations == "auto" or (
-                      int8 and FLAGS.rows_kernel < 0), mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
+        if int8 and (FLAGS.rows_kernel == 0 or FLAGS.attention_impl == "pallas"):
+            raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
+                               "attention (--attention_impl xla or cpu)")
+        kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else FLAGS.attention_impl,
+                                     small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
+                                     scan_layers=FLAGS.scan_layers, rows_int8=int8 and FLAGS.rows_kernel > 0),
+                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=int8 and FLAGS.rows_kernel < 0, mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
                       drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,
                       **kw)
@@ -156,12 +156,12 @@ def define_forward_flags() -> None:
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
-    flags.DEFINE_enum("rows_activations", "auto", ["auto", "int8", "float32"],
+    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"],
                       "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode and verify blocks: "
-                      "int8 (each activation row rounded per group of 32, as llama.cpp does: faster, and not the "
-                      "float32 model's numbers), or float32 (the float32 model exactly). auto (default) = int8 "
-                      "wherever the rows kernel runs. Prefill keeps float32; speculation is lossless against AR "
-                      "either way.")
+                      "float32 (default: the float32 model exactly) or int8 (each activation row rounded per group "
+                      "of 32, as llama.cpp does: faster, not the float32 model's numbers; with the CPU attention "
+                      "kernel, --attention_impl cpu, set for it). Prefill keeps float32; speculation is lossless "
+                      "against AR either way.")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "

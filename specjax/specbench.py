@@ -361,7 +361,8 @@ def peers_headline(fwd, envs: dict) -> str:
     ({summary key: the peer's env}): which bytes each reads per step, its arithmetic, its threads,
     the machine."""
     cpu = cpu_description()
-    arith = ("activations rounded to int8 per group of 32, as llama.cpp does, integer products" if fwd.rows_int8
+    arith = ("activations rounded to int8 per group of 32, as llama.cpp does, integer products; attention through "
+             "specjax's CPU kernel" if fwd.rows_int8
              else "float32 arithmetic on them")
     span = "every decode and verify block" if fwd.rows_int8 else f"decode and verify blocks of up to {fwd.rows_kernel} rows"
     rest = "prefill reads" if fwd.rows_int8 else "longer blocks, prefill, read"

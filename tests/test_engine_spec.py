@@ -54,9 +54,9 @@ def test_the_code_key_follows_what_is_compiled():
         spec.code_key()
     run = spec.resolved(Model())
     assert run.fwd.rows_kernel == 32 and "rows_kernel=32" in run.code_key() and "int8" not in run.code_key()
-    # --rows_activations auto: int8 activations wherever the kernel resolves on (another compiled model)
+    # --rows_activations int8 with --rows_kernel -1: int8 activations (and the CPU attention) if the kernel resolves on
     run8 = dataclasses.replace(spec, rows_int8_auto=True).resolved(Model())
-    assert run8.fwd.rows_int8 and "rows_int8=1" in run8.code_key()
+    assert run8.fwd.rows_int8 and "rows_int8=1" in run8.code_key() and "attention=cpu" in run8.code_key()
     assert not EngineSpec(rows_int8_auto=True).resolved(Model()).fwd.rows_int8  # rows kernel 0: float32
     assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
     assert dataclasses.replace(run, dtype="bfloat16").code_key() != run.code_key()

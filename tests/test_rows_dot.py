@@ -134,8 +134,8 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     # whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too), prefill in float32
     from specjax.reference_ar import reference_generate
 
-    i8 = ForwardOptions(rows_kernel=2, rows_int8=True)
-    assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8
+    i8 = ForwardOptions(rows_kernel=2, rows_int8=True, attention="cpu")
+    assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8 and i8.for_prefill().attention == "xla"
     p8 = m.params_for(i8)  # the codes in pairs
     assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8["layers"][0]["wq" + llama.ROWS_SUFFIX])
     ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
@@ -143,7 +143,9 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=i8)
     assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
     with pytest.raises(SpecjaxError, match="rows_int8 needs the CPU rows kernel"):
-        ForwardOptions(rows_int8=True)
+        ForwardOptions(rows_int8=True, attention="cpu")
+    with pytest.raises(SpecjaxError, match="rows_int8 needs attention 'cpu'"):
+        ForwardOptions(rows_kernel=32, rows_int8=True)
 
 
 def test_rows_kernel_in_the_engine_is_lossless(tiny):
@@ -184,3 +186,30 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
     # packing registers the kernel too (an executable loaded from the disk cache calls it untraced)
     with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
         llama.pack_for_rows({"layers": [], "embed": jnp.ones((4, 2))}, get_model_config("tiny-random"))
+
+
+def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_decode_step():
+    """attention 'cpu' (rows_dot.block_attention): XLA's attention within float32 rounding, chain
+    and tree masks, GQA; and a block's last token gives the same bits when its earlier tokens are
+    in the cache instead (what int8 activations need: their rounding amplifies any last-bit
+    difference)."""
+    from specjax.models import attention as at
+
+    rng = np.random.default_rng(2)
+    L, B, Hkv, S, hd, H, T = 2, 2, 3, 32, 64, 9, 4
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, kb, vb, ka, va = r(B, T, H, hd), r(B, T, Hkv, hd), r(B, T, Hkv, hd), r(L, B, Hkv, S, hd), r(L, B, Hkv, S, hd)
+    lens = jnp.array([5, 20], jnp.int32)
+    tree = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)  # node 3's path: 0, 2, 3
+    for mask in (jnp.tril(jnp.ones((T, T), bool)), tree):
+        mask = jnp.broadcast_to(mask, (B, T, T))
+        got = rd.block_attention(q, kb, vb, ka, va, 1, lens, mask)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(at.block_attention_xla(q, kb, vb, ka[1], va[1], lens, mask)),
+                                   rtol=1e-5, atol=1e-5)
+    blk = rd.block_attention(q, kb, vb, ka, va, 0, lens, jnp.broadcast_to(tree, (B, T, T)))
+    for b in range(B):  # node 3 decoded alone after nodes 0 and 2 were committed
+        for i, j in enumerate((0, 2)):
+            ka = ka.at[0, b, :, int(lens[b]) + i].set(kb[b, j])
+            va = va.at[0, b, :, int(lens[b]) + i].set(vb[b, j])
+    one = rd.block_attention(q[:, 3:], kb[:, 3:], vb[:, 3:], ka, va, 0, lens + 2, jnp.ones((B, 1, 1), bool))
+    np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(blk[:, 3]))

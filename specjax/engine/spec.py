@@ -149,8 +149,9 @@ class EngineSpec:
     (name ``none``: plain decoding, compiled at K = 0 only). k_buckets: the compiled Ks;
     batch_buckets / slots: the engine's rows and KV slots per row; prefill_chunk: prompt chunks.
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
-    where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8)
-    wherever the rows kernel runs", resolved once the model is loaded (``resolved``).
+    where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8, with
+    the CPU attention they need) if the rows kernel runs", resolved once the model is loaded
+    (``resolved``).
     policy: PolicySpec. mesh: 'DATAxMODEL' ('' = one device); shard_draft: shard a draft model
     like the target."""
 
@@ -240,8 +241,9 @@ class EngineSpec:
         if not (self.rows_kernel_auto or self.rows_int8_auto):
             return self
         rows = model.auto_rows_kernel() if self.rows_kernel_auto else self.fwd.rows_kernel
-        fwd = dataclasses.replace(self.fwd, rows_kernel=rows, rows_int8=self.fwd.rows_int8 or bool(
-            self.rows_int8_auto and rows))
+        int8 = self.fwd.rows_int8 or bool(self.rows_int8_auto and rows)
+        fwd = dataclasses.replace(self.fwd, rows_kernel=rows, rows_int8=int8,
+                                  attention="cpu" if int8 else self.fwd.attention)
         return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_int8_auto=False)
 
     def code_key(self) -> str:

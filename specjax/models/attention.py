@@ -149,6 +149,13 @@ def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_ma
             if layout is not None:
                 return _pallas_sharded(q, k_blk, v_blk, k_all, v_all, layer, lens, block_mask, layout)
             return ta.tree_attention(q, k_blk, v_blk, k_all, v_all, lens, block_mask, layer=layer)
+    if fwd.attention == "cpu":
+        if layout is not None:
+            raise ValueError("attention 'cpu' runs on one device, not on a mesh")
+        from specjax.models.cpu import rows_dot
+
+        return rows_dot.block_attention(q, k_blk, v_blk, k_all, v_all, layer,
+                                        lengths if use_prefix else jnp.zeros_like(lengths), block_mask)
     T = q.shape[1]
     if T * (q.shape[2] // k_blk.shape[2]) == 1:  # one query row per KV head: an MHA decode step
         q, k_blk, v_blk, block_mask = _two_positions(q, k_blk, v_blk, block_mask)

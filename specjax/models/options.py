@@ -12,8 +12,11 @@ from specjax.errors import require
 
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
-    """attention: "xla" (plain XLA; the CPU default) or "pallas" (the tree-attention kernel for
-    blocks of up to 64 tokens: Triton on GPU, Mosaic on TPU, interpret mode on CPU).
+    """attention: "xla" (plain XLA; the CPU default), "pallas" (the tree-attention kernel for
+    blocks of up to 64 tokens: Triton on GPU, Mosaic on TPU, interpret mode on CPU) or "cpu"
+    (decode and verify blocks through the CPU kernel rows_dot.block_attention, float32: each
+    query's keys as one list in position order, so a token's output is the same bits in a decode
+    step as in a verify block; prefill chunks keep XLA's, ``for_prefill``).
     attn_chunk: XLA prefix attention reads the committed cache in chunks of this many slots with
     a trip count that follows the rows' real lengths (0: one pass over every slot).
     small_rows: project 2..small_rows activation rows (batch x block) as one matrix-vector product
@@ -27,7 +30,7 @@ class ForwardOptions:
     LoadedModel.auto_rows_kernel unless --rows_kernel says.
     rows_int8: with the rows kernel, decode and verify blocks round each activation row to int8
     per group of 32 before the GGUF weights multiply it (as llama.cpp does; rows_dot.quantize_rows),
-    so the weights meet integer codes (1.4-1.7x less time a step on an AVX2 CPU, BENCHMARKS.md)
+    so the weights meet integer codes (1.15-1.5x less time a step on an AVX2 CPU, BENCHMARKS.md)
     and the model is no longer the float32 one: outputs may differ from rows_int8=False, while
     each row's result still does not depend on the rows beside it, so speculation stays lossless
     against AR with the same options. Every decode and verify block then runs on the kernel
@@ -35,7 +38,11 @@ class ForwardOptions:
     prefill chunks (``for_prefill``) run on XLA's float32 dot: a prompt token is computed the
     same way whichever chunk or batch it is prefilled in. Float32 packs (weights not stored as
     Q4_1/Q8_0) keep float32 activations. The GGUF packs are then in another layout
-    (rows_dot.pack_q4_1's ``pairs``; LoadedModel.params_for builds them).
+    (rows_dot.pack_q4_1's ``pairs``; LoadedModel.params_for builds them). It needs attention
+    "cpu": rounding to int8 turns a last-bit difference in an activation into a different code,
+    so everything before it must give a token the same bits in a decode step as in a verify block,
+    which XLA's attention (prefix and block summed apart) does not (9 of 26 Spec-Bench outputs
+    differed from AR with it).
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
@@ -56,20 +63,25 @@ class ForwardOptions:
     scan_layers: bool = False
 
     def __post_init__(self):
-        require(self.attention in ("xla", "pallas"),
-                f"unknown attention implementation {self.attention!r} (expected 'xla' or 'pallas')")
+        require(self.attention in ("xla", "pallas", "cpu"),
+                f"unknown attention implementation {self.attention!r} (expected 'xla', 'pallas' or 'cpu')")
         require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
         require(not (self.scan_layers and self.rows_kernel), "scan_layers does not combine with the CPU rows kernel")
         require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
+        require(not self.rows_int8 or self.attention == "cpu",
+                "rows_int8 needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
+                "cache and block; XLA's do, by rounding, and int8 rounding turns that into other tokens)")
         require(not (self.scan_layers and self.attention == "pallas"),
                 "scan_layers needs attention 'xla' (the Pallas kernel takes its cache layer as a static index)")
 
     def for_prefill(self) -> "ForwardOptions":
         """The options a prefill chunk runs with: under ``rows_int8``, XLA's float32 dot (the
-        packs are in the int8 path's layout, which the float32 kernel does not read)."""
-        return dataclasses.replace(self, rows_int8=False, rows_kernel=0) if self.rows_int8 else self
+        packs are in the int8 path's layout, which the float32 kernel does not read); XLA's
+        attention for "cpu" (the kernel is for decode and verify blocks)."""
+        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0) if self.rows_int8 else self
+        return dataclasses.replace(out, attention="xla") if self.attention == "cpu" else out
 
     def kernel_rows(self, rows: int) -> bool:
         """Whether a block of ``rows`` activation rows runs on the rows kernel."""

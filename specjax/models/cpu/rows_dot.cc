@@ -626,6 +626,139 @@ ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- block attention (decode / verify)
+// Attention of a block of T new tokens per row over the row's committed cache prefix (slots
+// [0, lengths[b]) of layer `layer` of the stacked [L, B, Hkv, S, hd] cache) and over the block's
+// own keys under its mask (a chain or a token tree). Each query row sees its keys as one list in
+// position order (the prefix, then the block's visible tokens) and every step over that list is
+// indexed by the key's place in it: scores, one max, exp, the sum in 8 lanes by index mod 8, the
+// values summed in order. So a token's output is the same bits whether its earlier tokens are in
+// the cache (a decode step) or in its own block (a verify step), and whatever the other rows are.
+
+#if defined(SPECJAX_I8_VEC)
+// e^x for x <= 0 (Cephes' single-precision polynomial after x = n ln 2 + r; about 1 ulp; exact 0
+// below -87): every key's weight goes through this one vector routine, never a scalar tail.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), big);
+}
+
+inline float hsum8(__m256 v) {  // lanes added in one fixed order
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+#endif
+
+inline float exp_scalar(float x) { return x < -87.0f ? 0.0f : std::exp(x); }
+
+ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kb,
+                          ffi::Buffer<ffi::F32> vb, ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
+                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                          int64_t layer) {
+  auto qd = q.dimensions();
+  auto kd = kb.dimensions();
+  auto cd = k_all.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || cd.size() != 5 || kd[0] != qd[0] || kd[1] != qd[1] || qd[3] != kd[3] ||
+      qd[2] % kd[2] != 0 || cd[1] != qd[0] || cd[2] != kd[2] || cd[4] != qd[3] || layer < 0 || layer >= cd[0] ||
+      lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0] || mask.dimensions().size() != 3 ||
+      !std::equal(cd.begin(), cd.end(), v_all.dimensions().begin(), v_all.dimensions().end()) ||
+      !std::equal(kd.begin(), kd.end(), vb.dimensions().begin(), vb.dimensions().end()))
+    return ffi::Error::InvalidArgument("block_attention: expected q [B, T, H, hd], k/v block [B, T, Hkv, hd], "
+                                       "caches [L, B, Hkv, S, hd], lengths [B], mask [B, T, T]");
+  const int64_t B = qd[0], T = qd[1], H = qd[2], hd = qd[3], Hkv = kd[2], G = H / Hkv, S = cd[3];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float *qp = q.typed_data(), *kbp = kb.typed_data(), *vbp = vb.typed_data();
+  const float *kc = k_all.typed_data() + layer * B * Hkv * S * hd, *vc = v_all.typed_data() + layer * B * Hkv * S * hd;
+  const int32_t* lens = lengths.typed_data();
+  const bool* mk = mask.typed_data();
+  float* o = out->typed_data();
+  parallel_chunks(pool, B * T * H, [=](int64_t row) {  // one query row: (b, t, h)
+    const int64_t b = row / (T * H), t = (row / H) % T, h = row % H, kh = h / G;
+    const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), S);
+    // the row's keys in position order: prefix slots, then the visible block tokens
+    std::unique_ptr<const float*[]> keys(new const float*[len + T]), vals(new const float*[len + T]);
+    int64_t n = 0;
+    for (int64_t j = 0; j < len; ++j, ++n) {
+      keys[n] = kc + ((b * Hkv + kh) * S + j) * hd;
+      vals[n] = vc + ((b * Hkv + kh) * S + j) * hd;
+    }
+    for (int64_t j = 0; j < T; ++j)
+      if (mk[(b * T + t) * T + j]) {
+        keys[n] = kbp + ((b * T + j) * Hkv + kh) * hd;
+        vals[n] = vbp + ((b * T + j) * Hkv + kh) * hd;
+        ++n;
+      }
+    const float* qr = qp + ((b * T + t) * H + h) * hd;
+    float* orow = o + ((b * T + t) * H + h) * hd;
+    const int64_t n8 = (n + 7) / 8 * 8;
+    std::unique_ptr<float[]> sc(new float[std::max<int64_t>(n8, 8)]);
+    float m = -3.0e38f;
+    for (int64_t i = 0; i < n; ++i) {
+      float d;
+#if defined(SPECJAX_I8_VEC)
+      if (hd % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < hd; c += 8)
+          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(keys[i] + c)));
+        d = hsum8(acc);
+      } else
+#endif
+      {
+        d = 0.0f;
+        for (int64_t c = 0; c < hd; ++c) d += qr[c] * keys[i][c];
+      }
+      sc[i] = d * scale;
+      m = std::max(m, sc[i]);
+    }
+    for (int64_t i = n; i < n8; ++i) sc[i] = -1.0e30f;  // exp -> exactly 0
+    float l;
+#if defined(SPECJAX_I8_VEC)
+    {
+      __m256 lv = _mm256_setzero_ps();
+      const __m256 mv = _mm256_set1_ps(m);
+      for (int64_t i = 0; i < n8; i += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.get() + i), mv));
+        _mm256_storeu_ps(sc.get() + i, p);
+        lv = _mm256_add_ps(lv, p);
+      }
+      l = hsum8(lv);
+    }
+#else
+    {
+      float lanes[8] = {};
+      for (int64_t i = 0; i < n8; ++i) {
+        sc[i] = exp_scalar(sc[i] - m);
+        lanes[i % 8] += sc[i];
+      }
+      l = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    }
+#endif
+    const float inv = 1.0f / l;
+    for (int64_t c = 0; c < hd; ++c) orow[c] = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = sc[i];
+      const float* v = vals[i];
+      for (int64_t c = 0; c < hd; ++c) orow[c] += p * v[c];
+    }
+    for (int64_t c = 0; c < hd; ++c) orow[c] *= inv;
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define SPECJAX_GGUF_BINDING                \
@@ -646,3 +779,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsPacked, RowsPacked,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockAttention, BlockAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));

@@ -42,7 +42,8 @@ LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
 _TARGET = "specjax_rows_packed"
 _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0",
-            "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8"}
+            "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8",
+            "specjax_block_attention": "SpecjaxBlockAttention"}
 GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
@@ -270,6 +271,18 @@ def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
         terms = terms + scales[:, :, 1, :].transpose(1, 0, 2)[None].astype(np.float64) * sx[:, :, None, None]
     y = terms.sum(axis=1).reshape(M, -1)[:, :n]
     return y.astype(np.float32)
+
+
+def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask) -> jax.Array:
+    """The decode / verify block's attention (models.attention.block_attention_xla's definition:
+    q [B, T, H, hd] over ``k_all[layer]``'s first ``lengths[b]`` slots and the block's own k/v
+    under ``block_mask``) on the CPU, float32: every query row's keys as one list in position
+    order, so a token's output has the same bits in a decode step as in a verify block."""
+    ensure()
+    if q.dtype != jnp.float32 or k_all.dtype != jnp.float32:
+        raise SpecjaxError(f"the CPU block attention is float32 only, got {q.dtype} / {k_all.dtype}")
+    return jax.ffi.ffi_call("specjax_block_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_blk, v_blk, k_all, v_all, lengths.astype(jnp.int32), block_mask, layer=np.int64(layer))
 
 
 def rows_dot_reference(x: jax.Array, w: jax.Array) -> jax.Array:
