@@ -236,7 +236,7 @@ class EngineSpec:
         return registry.DRAFTERS[self.drafter.name].draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
-        """This spec with ``--rows_kernel -1`` and ``--rows_activations auto`` resolved for
+        """This spec with ``--rows_kernel -1`` and ``--rows_activations int8`` (rows_int8_auto) resolved for
         ``model`` (a LoadedModel): what runs."""
         if not (self.rows_kernel_auto or self.rows_int8_auto):
             return self
