@@ -128,7 +128,7 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         if int8 and FLAGS["rows_activations"].present and (FLAGS.rows_kernel == 0 or FLAGS.attention_impl == "pallas"):
             raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
                                "attention (--attention_impl xla or cpu)")
-        int8 = int8 and FLAGS.rows_kernel != 0 and FLAGS.attention_impl != "pallas"  # (the default: where it can)
+        int8 = int8 and FLAGS.rows_kernel != 0 and FLAGS.attention_impl != "pallas"
         kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else FLAGS.attention_impl,
                                      small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
                                      scan_layers=FLAGS.scan_layers, rows_int8=int8 and FLAGS.rows_kernel > 0),
@@ -157,12 +157,12 @@ def define_forward_flags() -> None:
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
-    flags.DEFINE_enum("rows_activations", "int8", ["int8", "float32"],
-                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode and verify blocks: "
-                      "int8 (default, wherever the rows kernel runs: each activation row rounded per group of 32, as "
-                      "llama.cpp does; not the float32 model's numbers; with the CPU attention kernel, set for it) "
-                      "or float32 (the float32 model exactly). Prefill keeps float32; speculation is lossless "
-                      "against AR either way.")
+    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"],
+                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode blocks: float32 "
+                      "(default: the float32 model exactly) or int8 (each activation row rounded per group of 32, as "
+                      "llama.cpp does, with the CPU attention kernel: faster, not the float32 model's numbers; plain "
+                      "decoding only, --drafter none: int8 rounding turns last-bit differences between compiled "
+                      "programs into other tokens, so speculation would not be token-identical).")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "
