@@ -113,7 +113,9 @@ def main(argv):
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
-        variants = {v: dataclasses.replace(fwd, rows_int8=v == "int8") for v in FLAGS.variants}
+        if set(FLAGS.variants) - {"int8"}:
+            raise app.UsageError(f"--variants takes int8 only, got {FLAGS.variants}")
+        variants = {v: dataclasses.replace(fwd, rows_int8=True, attention="cpu") for v in FLAGS.variants}
         for v, f in variants.items():
             backends[f"engine, {v}"] = JaxBackend(cfg, m.params_for(f), k_buckets=(0,), batch_buckets=(B,), slots=slots,
                                                   fwd=f, decode_steps=int(FLAGS.decode_steps[-1]))

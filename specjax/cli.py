@@ -125,14 +125,14 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
         int8 = FLAGS.rows_activations == "int8"
-        if int8 and FLAGS["rows_activations"].present and (FLAGS.rows_kernel == 0 or FLAGS.attention_impl == "pallas"):
+        if int8 and (FLAGS.rows_kernel == 0 or FLAGS.attention_impl == "pallas"):
             raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
                                "attention (--attention_impl xla or cpu)")
-        int8 = int8 and FLAGS.rows_kernel != 0 and FLAGS.attention_impl != "pallas"
         kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else FLAGS.attention_impl,
                                      small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
                                      scan_layers=FLAGS.scan_layers, rows_int8=int8 and FLAGS.rows_kernel > 0),
-                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=int8 and FLAGS.rows_kernel < 0, mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
+                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=int8 and FLAGS.rows_kernel < 0,
+                  mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
                       drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,
                       **kw)
