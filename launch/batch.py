@@ -135,8 +135,7 @@ def serve(job, spec) -> int:
                      if step is not None else "a new draft]"), file=sys.stderr)
     t0 = time.perf_counter()
     code = serve_job(job, model, backend, policy, policy_label, drafter=spec.drafter.name, chat=FLAGS.chat,
-                     system=FLAGS.system, ignore_eos=FLAGS.ignore_eos, prefill_budget=cli.prefill_budget_from_flags(),
-                     drafts=md)
+                     system=FLAGS.system, ignore_eos=FLAGS.ignore_eos, drafts=md, **cli.serving_from_flags())
     if md is not None:
         job_s = time.perf_counter() - t0
         for (where, _, _), od, saved in zip(drafts, md.distillers, md.save()):

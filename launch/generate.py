@@ -140,7 +140,7 @@ def run_jsonl(spec) -> int:
         model, loaded = cli.load_target(spec)
         return serve_job(job, model, registry.build_backend(loaded, model), *cli.policy_from_spec(loaded, model),
                          drafter=loaded.drafter.name, chat=FLAGS.chat, system=FLAGS.system,
-                         ignore_eos=FLAGS.ignore_eos, prefill_budget=cli.prefill_budget_from_flags())
+                         ignore_eos=FLAGS.ignore_eos, **cli.serving_from_flags())
 
     return cli.run_jsonl_job(serve)
 

@@ -208,6 +208,11 @@ def define_engine_flags(batch_buckets: str = "1,2,4,8", slots: int = 512) -> Non
                          "iteration while other requests decode (0: each prompt whole, at admission).")
 
 
+def serving_from_flags() -> dict:
+    """serve_job's keyword arguments from the engine and job flags."""
+    return dict(prefill_budget=prefill_budget_from_flags(), compile_ahead=FLAGS.compile == "ahead")
+
+
 def prefill_budget_from_flags() -> int | None:
     from specjax.errors import SpecjaxError
 
@@ -454,6 +459,10 @@ def define_job_flags() -> None:
     flags.DEFINE_string("input_jsonl", None, "JSONL input: one {'id', 'prompt', ...} object per line.")
     flags.DEFINE_string("output_jsonl", None, "JSONL output (appended; ids already in it are skipped on resume; "
                         "locked while the job runs).")
+    flags.DEFINE_enum("compile", "lazy", ["lazy", "ahead"], "Compile (or load) each executable when serving first "
+                      "reaches it, the rest in the background beside serving (lazy: the first results come soonest), "
+                      "or every one before serving (ahead: serving runs at its steady speed from the first step, as "
+                      "throughput benchmarks need).")
 
 
 def request_defaults() -> dict:

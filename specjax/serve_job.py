@@ -48,10 +48,10 @@ def sampling_of(fields: dict):
 
 def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, chat: bool = False,
               system: str | None = None, ignore_eos: bool = False, prefill_budget: int | None = None,
-              drafts=None) -> int:
+              drafts=None, compile_ahead: bool = False) -> int:
     """Serve every record of ``job`` at t = 0 on ``backend`` under ``policy``; each finished
-    request is written the moment it finishes. Compiles what the records need first (timed
-    apart). Prints the serving, latency and speculation summaries. Returns the job's exit status."""
+    request is written the moment it finishes. Compiles what the records need when first reached
+    and ahead in the background (``compile_ahead``: all of it before serving), timed apart. Prints the serving, latency and speculation summaries. Returns the job's exit status."""
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
     from specjax.errors import SpecjaxError
@@ -129,7 +129,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     # Executables compile when serving first reaches them, the rest ahead in the background (a
     # warm cache: loaded on first use), except where a draft-ahead path needs them all up front
     # and on a mesh (sharded executables are compiled up front, as measured so far).
-    lazy = not backend.options.draft_first and backend.layout is None
+    lazy = not (compile_ahead or backend.options.draft_first) and backend.layout is None
     # SmartSpec's K buckets join its options once compiled; a fixed K is needed from the first step
     later_ks = [k for k in backend.k_buckets if k != getattr(policy, "k", None)] if lazy else ()
     try:

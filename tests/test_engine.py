@@ -339,6 +339,12 @@ def test_live_bucket_rule():
     assert [lb.before_step(1) for _ in range(3)] == [None, None, (2, 1)]  # a big step reset the count
     lb.reset()
     assert lb.B == 0 and lb.peek(8) == 8
+    built = {8}  # only bucket 8's steps built (a lazy warm-up): 1 row shrinks into 2 once that is
+    lb = LiveBucket((1, 2, 4, 8), patience=2, usable=built.__contains__)
+    lb.grow(8)
+    assert [lb.before_step(1) for _ in range(3)] == [None, None, None] and lb.steps_left(1) is None
+    built.add(2)
+    assert [lb.before_step(1) for _ in range(2)] == [None, (8, 2)] and lb.peek(1) == 2
 
 
 def test_simulator_mirrors_live_bucket_and_charges_row_ops():
@@ -563,12 +569,22 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tm
     cfg, params = tiny
     disk = exe_cache.ExecutableCache(str(tmp_path))
 
-    def make(lazy=True, be=None):
+    def make(lazy=True, be=None, cache=None):
         be = be or JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS,
                               slots=SLOTS, shrink_patience=2)
-        be.table.disk_cache = disk
+        be.table.disk_cache = cache or disk
         be.warmup(prompt_lens=[16], greedy_modes=(True,), lazy=lazy, queue=[16], later_ks=KS if lazy else ())
         return be
+
+    # A batch draining with nothing built ahead stays in its bucket rather than wait for a
+    # smaller one's steps (LiveBucket usable); prefills run one request per call on a CPU.
+    (tmp_path / "drain").mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(JaxBackend, "_compile_later", lambda *a: None)
+        drain = make(cache=exe_cache.ExecutableCache(str(tmp_path / "drain")))
+        outs = ServingEngine(drain, FixedK(0)).run(_reqs(0.0, PROMPTS[:3]))
+    assert [o.tokens for o in outs] == reference[:3] and drain.resizes == 0
+    assert {(k.op, k.batch) for k in drain.table._exe if hasattr(k, "batch")} == {("prefill", 1), ("decode", 4)}
 
     with monkeypatch.context() as m:
         m.setattr(JaxBackend, "_compile_later", lambda *a: None)  # nothing built ahead, no K joins
@@ -585,8 +601,10 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tm
     be.reset()
     outs = ServingEngine(be, FixedK(2), clock=OpClock()).run(_reqs(arrival_gap=0.004))
     assert [o.tokens for o in outs] == reference
-    warm = make()  # everything is on disk now
-    assert warm.later_planned == 0 and warm.k_options(4) == KS and len(warm.table) == 0
+    warm = make()  # everything is on disk now: only the first bucket's K = 0 step loads ahead
+    assert warm.later_planned == 1
+    warm._later.join()  # (K steps on disk join the options once the thread passes its gate)
+    assert warm.k_options(4) == KS and {(k.op, k.batch) for k in warm.table._exe} == {("decode", 1)}
     outs = ServingEngine(warm, FixedK(2)).run([Request("a", PROMPTS[0], MAX_NEW)])
     assert outs[0].tokens == reference[0] and 0 < len(warm.table) < len(eager.table)
     (tmp_path / "partial").mkdir()
@@ -595,6 +613,6 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tm
         m.setattr(JaxBackend, "_compile_later", lambda *a: None)
         ServingEngine(make(), FixedK(0)).run([Request("a", PROMPTS[0], MAX_NEW)])
     partial = make()  # a warm cache: only the K steps are built ahead, the rest when first reached
-    assert partial.later_planned == 2 and partial.k_options(1) == partial.k_options(4) == (0,)
+    assert partial.later_planned == 1 + 2 and partial.k_options(1) == partial.k_options(4) == (0,)
     partial._later.join()
     assert partial.k_options(1) == partial.k_options(4) == KS

@@ -179,13 +179,16 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(rd, "_compiler", lambda: None)
     with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
         rd.ensure()
-    assert not rd.available()
-    from specjax.config import get_model_config
-    from specjax.models import llama
+    assert not rd.available() and not rd.buildable()
+    from specjax.engine import exe_cache
 
-    # packing registers the kernel too (an executable loaded from the disk cache calls it untraced)
+    # A program calling the kernel, traced inside rows_dot.deferred (a cold build runs beside),
+    # registers it before it is compiled or loaded from disk (the engine's table does this).
+    fn = jax.jit(lambda x: rd.rows_dot(x, rd.pack(jnp.ones((32, 16))), 16))
+    with rd.deferred():
+        fn.lower(jnp.ones((1, 32)))  # traced and lowered with no kernel built
     with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
-        llama.pack_for_rows({"layers": [], "embed": jnp.ones((4, 2))}, get_model_config("tiny-random"))
+        exe_cache.compile_cached(None, "k", fn, (jnp.ones((1, 32)),), ready=rd.ensure, lowering=rd.deferred)
 
 
 def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_decode_step():

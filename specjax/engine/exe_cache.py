@@ -21,6 +21,7 @@ or that does not verify (truncated, flipped, another entry's file) is compiled a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -133,13 +134,25 @@ def default() -> ExecutableCache | None:
     return ExecutableCache(_DIRECTORY)
 
 
-def compile_cached(cache: ExecutableCache | None, what, fn, args, **static):
-    """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one."""
+def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lowering=contextlib.nullcontext,
+                   **static):
+    """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one. ``ready()``,
+    if given, runs before the program is compiled or loaded (what it calls registered, e.g. the
+    CPU rows kernel), and the lowering runs inside ``lowering()``."""
+    def build():
+        with lowering():
+            lowered = fn.lower(*args, **static)
+        if ready is not None:
+            ready()
+        return lowered.compile()
+
     if cache is None:
-        return fn.lower(*args, **static).compile()
+        return build()
     name = cache.entry(what, args)
+    if ready is not None and cache.has(name):
+        ready()
     exe = cache.load(name)
     if exe is None:
-        exe = fn.lower(*args, **static).compile()
+        exe = build()
         cache.save(name, exe)
     return exe

@@ -75,12 +75,13 @@ def _stop_background() -> None:
         be.stop_later()
 
 
-def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None) -> list:
+def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=()) -> list:
     """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
     runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
-    bucket; the prefills of later, smaller admissions (smallest first: rows free one by one) in
-    the chunk sizes ``later_chunks`` of the prompts they will admit (None: every size), and their
-    inserts; the other buckets' K = 0 steps and row operations, largest first (the batch drains
+    bucket; the first admission's prefills in its other chunk sizes ``first_chunks`` (the serving
+    thread compiles the first it reaches itself); the prefills of later admissions (smallest
+    first: rows free one by one) in the chunk sizes ``later_chunks`` of the prompts they will
+    admit (None: every size), and their inserts; the other buckets' K = 0 steps and row operations, largest first (the batch drains
     through them); then the K > 0 steps of ``later_ks``, the first bucket's first, smaller K
     first (until one is in, the policy runs without it; nothing waits); last, the remaining
     prefills (the first admission compiles what it needs when it runs). Other K > 0 steps (a
@@ -88,8 +89,10 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None) -> list:
     def rank(item):
         what, j = item
         if what == "prefill":
+            if j[0] <= first_bucket and (j[1], j[4]) in first_chunks:
+                return (0, 1)
             later = later_chunks is None or (j[1], j[4]) in later_chunks
-            return (1, j[0]) if j[0] < first_bucket and later else (5, 0)
+            return (1, j[0]) if j[0] <= first_bucket and later else (5, 0)
         if what == "step":
             if j.k == 0 or j.k not in later_ks:
                 return (0, 0) if j.B == first_bucket else (2, -j.B)
@@ -157,8 +160,12 @@ class JaxBackend:
         self._steps_run = 0
         self.batch_buckets = opt.batch_buckets
         self.num_rows = self.batch_buckets[-1]
+        self.prefill_rows = opt.prefill_rows_on(jax.default_backend())  # requests per prefill call
         self.slots = slots
-        self.live = LiveBucket(self.batch_buckets, opt.shrink_patience)
+        # (lazy: the live state compacts only into a bucket whose K = 0 step is built, _usable)
+        self.live = LiveBucket(self.batch_buckets, opt.shrink_patience, usable=self._usable)
+        self._k0_jobs: dict[int, list] = {}  # bucket -> its K = 0 step jobs (the last warm-up's)
+        self._usable_buckets: set[int] = set()  # buckets _usable found built
         self.max_chunk = bk.largest_chunk(opt.prefill_chunk, slots)  # prompts run in chunks of at most this
         self.table = StepTable(cfg, self.params, self.dparams, d.draft, opt.fwd, opt.teacher_topk, opt.layout)
         # the most K = 0 steps one call runs (the loop's Backend field; 1: a call per step)
@@ -218,6 +225,17 @@ class JaxBackend:
         (each joins once its executables are in)."""
         waiting = self._waiting
         return tuple(k for k in self.k_buckets if (bucket, k) not in waiting) if waiting else self.k_buckets
+
+    def _usable(self, B: int) -> bool:
+        """Whether the live state may shrink into bucket ``B`` now: yes, unless a lazy warm-up
+        left B's K = 0 step unbuilt (neither in memory nor on disk), when shrinking would stall
+        serving while it compiles; the rows run the same in the larger bucket meanwhile."""
+        if not self.table.lazy or B in self._usable_buckets:
+            return True
+        ok = all(self.table.ready(lambda j=j: j.compile(self, False)) for j in self._k0_jobs.get(B, ()))
+        if ok:
+            self._usable_buckets.add(B)
+        return ok
 
     def _resize(self, B_new: int, keep_order: list[int]) -> None:
         """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
@@ -294,7 +312,7 @@ class JaxBackend:
             self.row_of[r.uid] = row
             self.samp_of[r.uid] = r.req.sampling
         self._samp = None
-        self.prefills.add(make_jobs(rs, self.drafter.draft_prefill, self.batch_buckets[-1], self.max_chunk))
+        self.prefills.add(make_jobs(rs, self.drafter.draft_prefill, self.prefill_rows, self.max_chunk))
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """Run queued prefill chunks (PrefillQueue.run: ``budget`` tokens, at least one chunk;
@@ -532,10 +550,13 @@ class JaxBackend:
         bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
         kbs = sorted(k_buckets) if k_buckets is not None else self.k_buckets
         ahead = self.k_max if self.options.draft_first else 0  # the draft-ahead call's width
-        prefills, steps, row_ops = [], [], []
+        steps, row_ops = [], []
+        # prefill calls run at most prefill_rows requests: at the buckets of those
+        pb = self.bucket(min(self.prefill_rows, self.num_rows))
+        pbs = sorted({min(B, pb) for B in bbs})
+        prefills = [(B, C, g, rd, first) for B in pbs for g in greedy_modes for C, first in chunks for rd in draft_modes]
         for B in bbs:
             for g in greedy_modes:
-                prefills += [(B, C, g, rd, first) for C, first in chunks for rd in draft_modes]
                 if self.decode_steps > 1:  # plain decoding: its calls, a single K = 0 step among them
                     steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size), B, 0, g))
                 else:
@@ -543,9 +564,11 @@ class JaxBackend:
                 steps += [StepJob(CHAIN, B, 0, g, t) for t in self.token_options(B, 0)]
                 steps += self.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: self.token_options(B, K),
                                                  ahead)
-            row_ops += [("insert", B, Bp, rd) for Bp in bbs if Bp <= B for rd in draft_modes]
+            row_ops += [("insert", B, Bp, rd) for Bp in pbs if Bp <= B for rd in draft_modes]
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))
+        self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0] for B in bbs}
+        self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
         plan = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
         later = sorted({int(k) for k in later_ks} & set(kbs) - {0})
@@ -555,7 +578,8 @@ class JaxBackend:
         if lazy:
             first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
             later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
-            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks)
+            first_chunks = bk.chunk_sizes(queue[:first], self.max_chunk) if queue else ()
+            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks, first_chunks)
         elif later:
             now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
             deferred = [p for p in plan if p[0] == "step" and p[1].k in later]
@@ -585,7 +609,9 @@ class JaxBackend:
             # A warm cache (a job like this ran before): what it lacks was mostly not reached then,
             # and compiling it beside serving slowed a warm README batch job by a third; only K
             # steps are built ahead (until built they are no option), the rest on first use.
-            todo = [p for p in todo if p[0] == "step" and p[1].k in later]
+            # The first bucket's K = 0 step, on disk, loads beside the first prefill.
+            first_k0 = [p for p in loaded if p[0] == "step" and p[1] in self._k0_jobs.get(self.bucket(first), ())]
+            todo = first_k0 + [p for p in todo if p[0] == "step" and p[1].k in later]
         planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
         waiting = {(j.B, j.k) for what, j in plan if what == "step" and getattr(j, "k", 0) in later
                    and not self.table.ready(lambda j=j: self._build("step", j), disk=False)}

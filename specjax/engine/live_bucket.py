@@ -6,20 +6,24 @@ batch has fit a smaller bucket for ``patience`` consecutive steps: a resize copi
 cache (and on a fresh buffer pays its page faults), so it must not oscillate. Meanwhile a batch
 of 1 may well run the batch-4 executable. The rule is pure bookkeeping so that the real backend
 (which performs the copies) and the simulator (which charges them) make the same decisions, and
-so that the policy plans with the bucket the step will actually run at.
+so that the policy plans with the bucket the step will actually run at. ``usable`` (the real
+backend after a lazy warm-up) names the buckets it may shrink into now: one whose executables
+are still compiling is skipped, the rows running on in the larger one meanwhile.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specjax import buckets as bk
 
 
 class LiveBucket:
-    def __init__(self, batch_buckets: Sequence[int], patience: int = 8):
+    def __init__(self, batch_buckets: Sequence[int], patience: int = 8,
+                 usable: Callable[[int], bool] | None = None):
         self.buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
         self.patience = int(patience)
+        self.usable = usable or (lambda B: True)
         self.reset()
 
     def reset(self) -> None:
@@ -39,11 +43,15 @@ class LiveBucket:
         self._small = 0
         return old, need
 
+    def _target(self, n: int) -> int:
+        """The smallest bucket of n requests the state may shrink into now (else its own)."""
+        return next(b for b in self.buckets if b >= self.fit(n) and (b >= self.B or self.usable(b)))
+
     def _shrink_target(self, n: int) -> tuple[int, int]:
         """(target bucket, counter after this step) for a step of n running requests."""
         if self.B <= 1 or n == 0:
             return self.B, 0
-        target = self.fit(n)
+        target = self._target(n)
         small = self._small + 1 if target < self.B else 0
         return (target, 0) if small >= self.patience else (self.B, small)
 
@@ -55,12 +63,12 @@ class LiveBucket:
         """Steps of ``n`` requests, counting the one before_step just applied, after which the
         state compacts (a decode call runs no more, so that the compaction happens on time);
         None: it will not compact at ``n``."""
-        return self.patience - self._small if self.B > 1 and n and self.fit(n) < self.B else None
+        return self.patience - self._small if self.B > 1 and n and self._target(n) < self.B else None
 
     def ran(self, n: int, steps: int) -> None:
         """A decode call ran ``steps`` more steps of ``n`` requests after its before_step: they
         count toward the patience too (a compaction they earn happens at the next before_step)."""
-        if self.B > 1 and n and steps > 0 and self.fit(n) < self.B:
+        if self.B > 1 and n and steps > 0 and self._target(n) < self.B:
             self._small = min(self._small + steps, self.patience - 1)
 
     def before_step(self, n: int) -> tuple[int, int] | None:

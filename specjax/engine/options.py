@@ -36,6 +36,8 @@ class BackendOptions:
     # choosing it); 1: every step its own call; None: DEFAULT_DECODE_STEPS where a call can run
     # them (one device, no teacher signal), else 1
     decode_steps: int | None = None
+    # requests one prefill call runs (a prefill job's rows); None: the rule in prefill_rows_on
+    prefill_rows: int | None = None
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
@@ -43,6 +45,8 @@ class BackendOptions:
         object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in self.batch_buckets})))
         n = self.decode_steps
         require(n is None or n >= 1, f"decode_steps must be >= 1, got {n}")
+        require(self.prefill_rows is None or self.prefill_rows >= 1,
+                f"prefill_rows must be >= 1, got {self.prefill_rows}")
         require(n is None or n == 1 or not (self.teacher_topk or self.layout is not None),
                 "decode_steps > 1 runs on one device without a teacher signal (no layout, no teacher_topk)")
 
@@ -51,6 +55,16 @@ class BackendOptions:
         if self.decode_steps is not None:
             return self.decode_steps
         return DEFAULT_DECODE_STEPS if not self.teacher_topk and self.layout is None else 1
+
+    def prefill_rows_on(self, platform: str) -> int:
+        """``prefill_rows`` resolved (None: 1 on a CPU, else the largest batch bucket). A CPU's
+        prefill chunk is compute-bound per row, so batching prompts saves nothing and pads each to
+        the longest, and one prompt per call needs one prefill program per chunk size instead of
+        one per (batch bucket, chunk size): a cold job compiles 3 where it compiled 7. An
+        accelerator's short prefills are bound by the weight reads, which a batch shares."""
+        if self.prefill_rows is not None:
+            return self.prefill_rows
+        return 1 if platform == "cpu" else self.batch_buckets[-1]
 
     def knobs(self, **changes) -> dict:
         """These options as keyword arguments (with ``changes``)."""

@@ -146,6 +146,14 @@ class StepTable:
         (exe_cache: a warm run skips tracing the model). Model executables take ``key`` as their
         static argument; the row operations the layout."""
         static = {"key": key} if isinstance(key, CompileKey) else {} if self.layout is None else {"layout": self.layout}
+        if isinstance(key, CompileKey) and key.fwd.rows_kernel:
+            # The kernel's FFI targets are registered (built if need be) before a program that may
+            # call them is compiled or loaded from disk (a loaded one traces nothing that would);
+            # its tracing and lowering do not wait for a cold build.
+            from specjax.models.cpu import rows_dot
+
+            return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), ready=rows_dot.ensure,
+                                            lowering=rows_dot.deferred, **static)
         return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), **static)
 
     def _get(self, key, spec, what: str, compile_if_missing: bool = False):

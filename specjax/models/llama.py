@@ -128,9 +128,8 @@ def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     rest are packed from float32, which adds their size again (the originals are shared)."""
     from specjax.models.cpu import rows_dot
 
-    # Registered here, not only when a forward is traced: an executable loaded from the disk cache
-    # (engine.exe_cache) calls the kernel without any tracing in this process.
-    rows_dot.ensure()
+    # (Packing does not need the kernel built: its registration is the compile's or the trace's,
+    # engine.table.StepTable._compile, so a cold build runs beside the model load and the prefill.)
     if "head" + ROWS_SUFFIX in params:
         return params
     native = native or {"layers": [{} for _ in params["layers"]]}

@@ -40,7 +40,8 @@ class LoadedModel:
         """The ``ForwardOptions.rows_kernel`` a launch script uses unless told: the rows kernel
         for blocks of up to AUTO_ROWS rows where it reads this model's quantized blocks (about
         a fifth of the float32 bytes: decode 1.7x faster, BENCHMARKS.md), runs on the CPU in a
-        vector path (AVX-512, or AVX2 + FMA + F16C) and can be built here; else 0 (float32
+        vector path (AVX-512, or AVX2 + FMA + F16C) and a compiler can build it (not waiting for
+        the build: rows_dot.buildable); else 0 (float32
         copies would double the weights' memory for 10-20%; the portable loops are slower than
         XLA's dot)."""
         import jax
@@ -48,7 +49,7 @@ class LoadedModel:
         from specjax.models.cpu import rows_dot
 
         if (self.native_packs is None or self.params["embed"].dtype != jnp.float32 or jax.default_backend() != "cpu"
-                or not rows_dot.vectorized() or not rows_dot.available()):
+                or not rows_dot.vectorized() or not rows_dot.buildable()):
             return 0
         return AUTO_ROWS
 

@@ -64,7 +64,9 @@ class SimBackend:
     def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, seed: int = 0, shrink_patience: int = 8, packed: bool = False,
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None):
+        """``prefill_rows``: requests per prefill call (BackendOptions.prefill_rows_on; None: the
+        largest batch bucket, an accelerator's rule)."""
         self.cost = cost
         self.packed = packed  # charge packed verify blocks (per-row draft counts) by their real tokens
         self.accept = accept
@@ -73,6 +75,7 @@ class SimBackend:
         self.k_max = self.k_buckets[-1]
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.num_rows = self.batch_buckets[-1]
+        self.prefill_rows = prefill_rows or self.num_rows
         self.slots = slots
         self.max_chunk = bk.largest_chunk(prefill_chunk, slots)
         self.rng = np.random.default_rng(seed)
@@ -109,7 +112,7 @@ class SimBackend:
     def start_prefill(self, rs: Sequence[Running]) -> None:
         self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
-        self.prefills.add(make_jobs(rs, self.device_draft, self.batch_buckets[-1], self.max_chunk))
+        self.prefills.add(make_jobs(rs, self.device_draft, self.prefill_rows, self.max_chunk))
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """As JaxBackend.advance_prefill, each chunk charged as a prefill of its padded tokens."""
@@ -185,12 +188,13 @@ class SimBackend:
 def simulate(requests: Sequence[Request], policy: Policy, cost: StepCostModel, accept: AcceptanceProfile, *,
              device_draft: bool, k_buckets=(0, 1, 2, 3, 4, 5), batch_buckets=(1, 2, 4, 8), slots: int = 512,
              seed: int = 0, prefill_gate: DraftPrefillGate | None = None, packed: bool = False,
-             prefill_budget: int | None = None, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK
-             ) -> tuple[list[RequestOutput], ServingEngine]:
+             prefill_budget: int | None = None, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
+             prefill_rows: int | None = None) -> tuple[list[RequestOutput], ServingEngine]:
     """Serve ``requests`` on the event clock. Simulated requests never hit EOS: give each the
     output length it should have (``max_new_tokens``, ``ignore_eos=True``). ``prefill_budget``:
     chunked prefill, as ServingEngine."""
     be = SimBackend(cost, accept, device_draft=device_draft, k_buckets=k_buckets, batch_buckets=batch_buckets,
-                    slots=slots, seed=seed, packed=packed, prefill_chunk=prefill_chunk)
+                    slots=slots, seed=seed, packed=packed, prefill_chunk=prefill_chunk,
+                    prefill_rows=prefill_rows)
     eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate, prefill_budget=prefill_budget)
     return eng.run(requests), eng

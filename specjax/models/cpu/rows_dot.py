@@ -22,6 +22,7 @@ loaded (``_build``), and registered as the FFI target
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -86,7 +87,8 @@ def _build(cxx: str, march: str | None = "native") -> str:
         shutil.rmtree(build_dir, ignore_errors=True)
         lines = r.stderr.strip().splitlines() or ["no output"]
         first = next((line for line in lines if "error" in line), lines[-1])
-        raise SpecjaxError(f"could not compile the rows kernel ({' '.join(cmd[:2])} ...): {first.strip()[:300]}")
+        raise SpecjaxError(f"could not compile the rows kernel ({' '.join(cmd[:2])} ...): {first.strip()[:300]} "
+                           "(--rows_kernel 0 runs XLA's dot instead)")
     with open(tmp, "rb") as f:
         built = f.read()
     if path is not None and ondisk.write(path, built):
@@ -128,6 +130,34 @@ def vectorized() -> bool:
     fallback, not a speed-up."""
     flags = set(_cpu_flags().split())
     return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
+
+
+_trace = threading.local()
+
+
+@contextlib.contextmanager
+def deferred():
+    """Tracing a program that calls the kernel, inside, does not wait for its build: the caller
+    ensures it before compiling (engine.exe_cache.compile_cached's ``ready``), so a cold build
+    runs beside the tracing and lowering. Outside, the trace ensures it (a plain jax.jit)."""
+    _trace.deferred = True
+    try:
+        yield
+    finally:
+        _trace.deferred = False
+
+
+def _traced() -> None:
+    if not getattr(_trace, "deferred", False):
+        ensure()
+
+
+def buildable() -> bool:
+    """Whether this process may run the kernel, without waiting for its build: a C++ compiler
+    is found and no build has failed here. (A launch script decides on the rows kernel with this
+    while the build runs in a thread, cli.prebuild_rows_kernel; if that build then fails, the
+    first compilation that needs the kernel reports it as a one-line error.)"""
+    return "error" not in _loaded and _compiler() is not None  # (no lock: the build holds it)
 
 
 def available() -> bool:
@@ -222,7 +252,7 @@ def rows_dot(x: jax.Array, wp, n: int, int8: bool = False) -> jax.Array:
     ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0, packed with
     ``pairs``) multiplies each row of x rounded to int8 per group of 32 (``quantize_rows``; the
     model ``rows_dot_int8_reference`` defines); a float32 pack ignores it."""
-    ensure()
+    _traced()
     fmt = packed_format(wp)
     if fmt != "f32" and paired(wp) != int8:
         raise SpecjaxError(f"a {fmt} pack {'in' if paired(wp) else 'not in'} the paired layout with "
@@ -278,7 +308,7 @@ def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_ma
     q [B, T, H, hd] over ``k_all[layer]``'s first ``lengths[b]`` slots and the block's own k/v
     under ``block_mask``) on the CPU, float32: every query row's keys as one list in position
     order, so a token's output has the same bits in a decode step as in a verify block."""
-    ensure()
+    _traced()
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32:
         raise SpecjaxError(f"the CPU block attention is float32 only, got {q.dtype} / {k_all.dtype}")
     return jax.ffi.ffi_call("specjax_block_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
