@@ -152,7 +152,8 @@ def run_sim(drafter, policies, rates, reqs_for_rate, cost, accept, device_draft,
                                      k_buckets=geom["k_buckets"], batch_buckets=geom["batch_buckets"],
                                      slots=geom["slots"], seed=seed + rep, prefill_gate=gate,
                                      packed=any(PolicySpec(p).packed for p in policies),
-                                     prefill_chunk=FLAGS.prefill_chunk, prefill_budget=FLAGS.prefill_budget or None)
+                                     prefill_chunk=FLAGS.prefill_chunk, prefill_budget=FLAGS.prefill_budget or None,
+                                     prefill_rows=geom["prefill_rows"])
                 rows.append(dict(mode="sim", drafter=label or drafter, real_drafter=drafter, rate=rate,
                                  policy=policy_label(pol), repeat=rep, **run_summary(eng, outs)))
                 log_row(rows[-1])
@@ -180,7 +181,14 @@ def run():
     rates = registry.number_list("rates", FLAGS.rates, float, positive=True)
     drafters = cli.drafters_from_flags(allow_none=False)
     base = cli.engine_spec_from_flags(drafter=drafters[0], policy="auto")
-    geom = dict(k_buckets=list(base.k_buckets), batch_buckets=list(base.batch_buckets), slots=base.slots)
+    # (this machine's engine: its prefill calls' rows, BackendOptions.prefill_rows_on; a --scale
+    # simulation models an accelerator's, the largest bucket)
+    import jax
+
+    from specjax.engine.options import BackendOptions
+
+    geom = dict(k_buckets=list(base.k_buckets), batch_buckets=list(base.batch_buckets), slots=base.slots,
+                prefill_rows=BackendOptions(batch_buckets=base.batch_buckets).prefill_rows_on(jax.default_backend()))
     for p in policies:  # a fixed K must be compiled (--scale runs check nothing else against a drafter)
         if PolicySpec(p).fixed_k:
             cli.engine_spec_from_flags(drafter=drafters[0], policy=p)
@@ -216,7 +224,8 @@ def run():
             sc = SCALES[name]
             cost = StepCostModel(target=LinearCost(**sc["target"]), draft=LinearCost(**sc["draft"]),
                                  prefill=LinearCost(**sc["prefill"]), context_mode="sum")
-            g = dict(geom, batch_buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc["rows"]], slots=sc["slots"])
+            g = dict(geom, batch_buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc["rows"]], slots=sc["slots"],
+                     prefill_rows=None)
             acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
             import numpy as np
 

@@ -758,6 +758,12 @@ def test_draft_prefill_gate():
     assert short.speculate() is False  # 3/4 of the recorded steps, however few
     # A closed gate reopens for one probe after reopen_after refusals in a row.
     assert [short.speculate() for _ in range(4)] == [False, True, False, False]
+    # A fruitless probe doubles the refusals before the next (here up to max_reopen_after = 64) ...
+    assert [short.speculate() for _ in range(3)] == [False, False, True]
+    assert [short.speculate() for _ in range(9)] == [False] * 8 + [True]
+    for _ in range(4):
+        short.record(3)  # ... and the gate opening (drafts pay again) resets them
+    assert short.speculate() and short._spacing == 2
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError):
             DraftPrefillGate(threshold=bad)
