@@ -3,7 +3,7 @@ the serving engine sharded over several meshes of 8 fake CPU devices gives the u
 engine's tokens, greedy (prompt lookup, suffix trees, an independent draft model, replicated and
 sharded) and sampled with fixed seeds; the sharded forward gives the same logits; bad meshes are
 one-line errors. Prints SHARDED_ENGINE_OK at the end. argv[1]: the meshes, DATAxMODEL comma list
-(default 1x2,2x4: rows unsplit and split; the slow test adds 4x2 and 8x1)."""
+(default 1x2,2x4: rows unsplit and split; the default suite runs 2x4, the slow test 1x2, 2x4, 4x2 and 8x1)."""
 import os
 import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
