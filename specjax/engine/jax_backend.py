@@ -81,8 +81,9 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_ch
     bucket; the first admission's prefills in its other chunk sizes ``first_chunks`` (the serving
     thread compiles the first it reaches itself); the prefills of later admissions (smallest
     first: rows free one by one) in the chunk sizes ``later_chunks`` of the prompts they will
-    admit (None: every size), and their inserts; the other buckets' K = 0 steps and row operations, largest first (the batch drains
-    through them); then the K > 0 steps of ``later_ks``, the first bucket's first, smaller K
+    admit (None: every size), and their inserts; the other buckets' K = 0 steps and row
+    operations, largest first (the batch drains through them); then the K > 0 steps of
+    ``later_ks``, the first bucket's first, smaller K
     first (until one is in, the policy runs without it; nothing waits); last, the remaining
     prefills (the first admission compiles what it needs when it runs). Other K > 0 steps (a
     fixed K's: the first step needs it) come first."""
@@ -554,7 +555,8 @@ class JaxBackend:
         # prefill calls run at most prefill_rows requests: at the buckets of those
         pb = self.bucket(min(self.prefill_rows, self.num_rows))
         pbs = sorted({min(B, pb) for B in bbs})
-        prefills = [(B, C, g, rd, first) for B in pbs for g in greedy_modes for C, first in chunks for rd in draft_modes]
+        prefills = [(B, C, g, rd, first) for B in pbs for g in greedy_modes for C, first in chunks
+                    for rd in draft_modes]
         for B in bbs:
             for g in greedy_modes:
                 if self.decode_steps > 1:  # plain decoding: its calls, a single K = 0 step among them
