@@ -2,11 +2,12 @@
 
 Everything that changes the code XLA compiles is a field here, and the jitted step functions
 take it as their only static argument, so an executable is identified by one hashable value:
-the model config, the operation and its shapes (batch bucket, cache slots, drafts per row or
-tree nodes, prompt bucket), the verify rule (greedy-only or mixed sampling), the device drafter
-(None for host drafts, or a prefill without the draft) and the forward options (attention
-implementation, prefix chunk, CPU projection mode), the target features a feature head reads, and,
-for a sharded engine, the ``Layout`` (mesh and rules) its inputs and its returned state are placed by.
+the model config, the operation (for a prefill run layer by layer, which of its programs) and
+its shapes (batch bucket, cache slots, drafts per row or tree nodes, prompt bucket), the verify
+rule (greedy-only or mixed sampling), the device drafter (None for host drafts, or a prefill
+without the draft) and the forward options (attention implementation, prefix chunk, CPU
+projection mode), the target features a feature head reads, and, for a sharded engine, the
+``Layout`` (mesh and rules) its inputs and its returned state are placed by.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class CompileKey:
     # drafters.eagle: the draft consumes them inside the executable); () = none, the program
     # is then exactly the one without feature heads
     features: tuple[int, ...] = ()
+    # one program of a layered prefill (prefill / chunk as 2 + L calls, step.prefill_embed ...):
+    # "embed", "finish", or "layer" + the index of the first layer of its params' shapes; "": the whole
+    part: str = ""
 
     def __post_init__(self):
         if self.op not in ("prefill", "chunk", "step", "tree", "draft", "verify", "decode"):
@@ -58,4 +62,5 @@ class CompileKey:
         packed = f", {self.tokens} packed tokens" if self.tokens else ""
         teacher = f", teacher top-{self.teacher}" if self.teacher else ""
         feats = f", target features of layers {list(self.features)}" if self.features else ""
-        return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}{feats}"
+        part = f" ({self.part} program of a layered prefill)" if self.part else ""
+        return f"{what} for batch {self.batch}, slots {self.slots}{packed}{teacher}{feats}{part}"

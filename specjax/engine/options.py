@@ -38,6 +38,9 @@ class BackendOptions:
     decode_steps: int | None = None
     # requests one prefill call runs (a prefill job's rows); None: the rule in prefill_rows_on
     prefill_rows: int | None = None
+    # a prefill chunk as one program per layer-sized part, called L + 2 times (StepTable's
+    # layered_prefill); None: the rule in prefill_by_layer_on
+    prefill_by_layer: bool | None = None
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
@@ -65,6 +68,19 @@ class BackendOptions:
         if self.prefill_rows is not None:
             return self.prefill_rows
         return 1 if platform == "cpu" else self.batch_buckets[-1]
+
+    def prefill_by_layer_on(self, platform: str) -> bool:
+        """``prefill_by_layer`` resolved (None: on a CPU wherever a layered prefill runs: one device,
+        the per-layer list, XLA attention in prefill). XLA:CPU compiles a 30-layer prefill program
+        in 2-3 s and one layer in about a tenth of that, and a CPU prefill chunk is compute-bound,
+        so the extra calls cost nothing measurable while a cold job's first admission, which needs
+        several chunk sizes, waits seconds less (BENCHMARKS.md)."""
+        possible = (self.layout is None and not self.fwd.scan_layers and self.fwd.for_prefill().attention == "xla")
+        if self.prefill_by_layer is not None:
+            require(possible or not self.prefill_by_layer, "prefill_by_layer runs on one device with the per-layer "
+                    "list of layers and XLA attention in prefill")
+            return self.prefill_by_layer
+        return possible and platform == "cpu"
 
     def knobs(self, **changes) -> dict:
         """These options as keyword arguments (with ``changes``)."""

@@ -230,28 +230,69 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
     A prompt longer than the largest chunk runs as several calls (buckets.prefill_chunks), so its
     cost follows its length and the attention scores of a call are [C, prefix + C], never the
     whole prompt's square. ``pending`` / ``prev`` are each row's first sampled token and its last
-    prompt token once its prompt is done (rows with no token in a chunk keep theirs)."""
-    cfg, slots, draft, greedy_only, fwd = key.cfg, key.slots, key.draft, key.greedy_only, key.fwd
-    B, C = tokens.shape
+    prompt token once its prompt is done (rows with no token in a chunk keep theirs).
+    The whole chunk as one program; ``prefill_embed`` + ``prefill_layer`` per layer +
+    ``prefill_finish`` are the same computation as 2 + L calls (StepTable's layered prefill)."""
     first = state is None
     if first:
-        state = fresh_state(params, dparams, B, key)
-    cache, dcache, prev, pending = state.cache, state.dcache, state.prev, state.pending
-    pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    mask = llama.causal_mask(B, C)
-    last = jnp.maximum(n_valid - 1, 0)[:, None]
+        state = fresh_state(params, dparams, tokens.shape[0], key)
+    B, C = tokens.shape
+    pos = state.cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     # (float32 activations under rows_int8: a prompt token's values do not depend on its chunk)
-    logits, cache, *feats = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, use_prefix=not first,
-                                          logits_at=last, fwd=fwd.for_prefill(), layout=key.layout,
-                                          features=key.features)
-    cache = kv.advance(cache, n_valid)
+    logits, cache, *feats = llama.forward(params, tokens, pos, state.cache, llama.causal_mask(B, C), cfg=key.cfg,
+                                          use_prefix=not first, logits_at=_last(n_valid), fwd=key.fwd.for_prefill(),
+                                          layout=key.layout, features=key.features)
+    return _prefill_end(dparams, tokens, n_valid, samp, dataclasses.replace(state, cache=cache), logits, feats, first,
+                        key)
+
+
+def _last(n_valid):
+    return jnp.maximum(n_valid - 1, 0)[:, None]
+
+
+def _prefill_end(dparams, tokens, n_valid, samp: SamplingArrays, state: StepState, logits, feats, first: bool,
+                 key: CompileKey) -> StepState:
+    """A prefill chunk after the target's forward (``state.cache`` holds the chunk's entries, not
+    yet counted): advance, sample each finished row's first token, the draft's own prefill."""
+    B, C = tokens.shape
+    pos = state.cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    cache = kv.advance(state.cache, n_valid)
     has = n_valid > 0
-    pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, greedy_only), pending)
-    prev = jnp.where(has, jnp.take_along_axis(tokens, last, axis=1)[:, 0], prev)
-    if draft is not None:
+    pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, key.greedy_only), state.pending)
+    prev = jnp.where(has, jnp.take_along_axis(tokens, _last(n_valid), axis=1)[:, 0], state.prev)
+    dcache = state.dcache
+    if key.draft is not None:
         # (a feature head also takes the target's features)
-        dcache = draft.prefill(dparams, dcache, tokens, pos, mask, n_valid, first, *feats)
+        dcache = key.draft.prefill(dparams, dcache, tokens, pos, llama.causal_mask(B, C), n_valid, first, *feats)
     return pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
+
+
+# A layered prefill: the chunk as 2 + L calls of three small programs instead of one program of
+# L layers. On XLA:CPU a 30-layer prefill program takes 2-3 s to compile and one layer about a
+# tenth of a second, while a prefill chunk is compute-bound, so the L - 1 extra calls cost
+# nothing measurable; a cold job waits for several chunk sizes before its first answer.
+# (One device, XLA attention: the layer index is a run-time value.)
+def prefill_embed(params, dparams, tokens, *, key: CompileKey):
+    """The chunk's token embeddings, and (op "prefill") the fresh state its layers write into."""
+    x = params["embed"][tokens]
+    if key.op == "prefill":
+        return x, fresh_state(params, dparams, tokens.shape[0], key)
+    return x
+
+
+def prefill_layer(lp, x, cache: kv.KVCache, layer, *, key: CompileKey):
+    """Decoder layer ``layer`` (traced) of the chunk: (x, cache); the cache is donated."""
+    return llama.decoder_layer(lp, x, cache, layer, cfg=key.cfg, fwd=key.fwd.for_prefill(),
+                               use_prefix=key.op == "chunk")
+
+
+def prefill_finish(params, dparams, tokens, n_valid, samp: SamplingArrays, x, state: StepState, feats, *,
+                   key: CompileKey) -> StepState:
+    """The last layer's output through the head, then ``_prefill_end``; ``feats``: the inputs
+    of ``key.features``' layers, in order (a feature head's signal)."""
+    logits, _ = llama.final_logits(params, x, cfg=key.cfg, fwd=key.fwd.for_prefill(), logits_at=_last(n_valid))
+    feats = (jnp.concatenate(feats, axis=-1),) if key.features else ()
+    return _prefill_end(dparams, tokens, n_valid, samp, state, logits, feats, key.op == "prefill", key)
 
 
 spec_step_jit = jax.jit(spec_step, static_argnames=("key",), donate_argnames=("state",))
@@ -260,3 +301,6 @@ spec_prefill_jit = jax.jit(spec_prefill, static_argnames=("key",))
 spec_chunk_jit = jax.jit(spec_prefill, static_argnames=("key",), donate_argnames=("state",))
 spec_draft_jit = jax.jit(spec_draft, static_argnames=("key",), donate_argnames=("state",))
 spec_decode_jit = jax.jit(spec_decode, static_argnames=("key",), donate_argnames=("state",))
+prefill_embed_jit = jax.jit(prefill_embed, static_argnames=("key",))
+prefill_layer_jit = jax.jit(prefill_layer, static_argnames=("key",), donate_argnames=("cache",))
+prefill_finish_jit = jax.jit(prefill_finish, static_argnames=("key",), donate_argnames=("state",))

@@ -38,8 +38,9 @@ from specjax.drafters.device import ModelDraft
 from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, fresh_state, pin, spec_chunk_jit, spec_decode_jit, spec_draft_jit,
-                                 spec_prefill_jit, spec_step_jit, spec_tree_step_jit)
+from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
+                                 prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
+                                 spec_step_jit, spec_tree_step_jit)
 from specjax.sharding import Layout, with_shardings
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingArrays
@@ -94,9 +95,51 @@ def clear_rows(state: StepState, free, layout: Layout | None = None) -> StepStat
     return pin(layout, dataclasses.replace(state, cache=clr(state.cache), dcache=clr(state.dcache)))
 
 
+class LayeredPrefill:
+    """A prefill chunk as 2 + L calls (step.prefill_embed, step.prefill_layer once per layer,
+    step.prefill_finish), called like the one-program executable: ``(params, dparams, tokens,
+    n_valid, samp[, state])`` -> state (a later chunk's ``state`` donated)."""
+
+    def __init__(self, embed, layers, finish, features: tuple[int, ...]):
+        self.embed, self.layers, self.finish, self.features = embed, layers, finish, features
+        self._index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
+
+    def __call__(self, params, dparams, tokens, n_valid, samp, state: StepState | None = None) -> StepState:
+        if state is None:
+            x, state = self.embed(params, dparams, tokens)
+        else:
+            x = self.embed(params, dparams, tokens)
+        cache, taken = state.cache, {}
+        for i, (exe, lp) in enumerate(zip(self.layers, params["layers"])):
+            if i in self.features:
+                taken[i] = x
+            x, cache = exe(lp, x, cache, self._index[i])
+        return self.finish(params, dparams, tokens, n_valid, samp, x, dataclasses.replace(state, cache=cache),
+                           tuple(taken[i] for i in self.features))
+
+
+def _layer_groups(layers) -> list[int]:
+    """For each layer, the first layer whose params have the same structure, shapes and dtypes
+    (one compiled layer program per group; a GGUF may store some layers in other blocks)."""
+    first: dict = {}
+    out = []
+    for i, lp in enumerate(layers):
+        leaves, tree = jax.tree_util.tree_flatten(lp)
+        sig = (tree, tuple((a.shape, jnp.dtype(a.dtype)) for a in leaves))
+        out.append(first.setdefault(sig, i))
+    return out
+
+
 class StepTable:
     def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
-                 fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0, layout: Layout | None = None):
+                 fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0, layout: Layout | None = None,
+                 layered_prefill: bool = False):
+        """``layered_prefill``: prefill chunks as one program per part (LayeredPrefill: a cold
+        start compiles one layer instead of L per chunk size); one device, the list form of the
+        layers and XLA attention in prefill only."""
+        if layered_prefill and (layout is not None or fwd.scan_layers or fwd.for_prefill().attention != "xla"):
+            raise ValueError("a layered prefill runs on one device with the per-layer list and XLA attention")
+        self.layered_prefill = layered_prefill
         self.cfg = cfg
         self.layout = layout
         self.teacher_topk = teacher_topk  # chain steps also return the target's top-k (CompileKey.teacher)
@@ -220,6 +263,8 @@ class StepTable:
         """A prefill chunk of C tokens per row: a prompt's first (fresh caches) or a later one
         (the state the earlier chunks left, donated); see step.spec_prefill."""
         key = self.key("prefill" if first else "chunk", B, S, greedy_only, run_draft, prompt=C)
+        if self.layered_prefill:
+            return self._layered(key, compile_if_missing)
 
         def spec():
             toks = self._sds((B, C), jnp.int32)
@@ -230,6 +275,27 @@ class StepTable:
                                     self.state_info(B, S, run_draft))
 
         return self._get(key, spec, key.describe(), compile_if_missing)
+
+    def _layered(self, key: CompileKey, compile_if_missing: bool):
+        """The LayeredPrefill of a prefill key (under ``ready``: whether all its programs are)."""
+        B, C, S = key.batch, key.prompt, key.slots
+        toks = self._sds((B, C), jnp.int32)
+        x = self._sds((B, C, self.cfg.hidden_size), self.params["embed"].dtype)
+        state = self.state_info(B, S, key.draft is not None)
+
+        def get(part, fn, *args):
+            k = dataclasses.replace(key, part=part)
+            return self._get(k, lambda: (fn, args), k.describe(), compile_if_missing)
+
+        embed = get("embed", prefill_embed_jit, self.params, self.dparams, toks)
+        layers, groups = self.params["layers"], _layer_groups(self.params["layers"])
+        programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache,
+                           self._sds((), jnp.int32, per_row=False)) for g in sorted(set(groups))}
+        finish = get("finish", prefill_finish_jit, self.params, self.dparams, toks, self._sds((B,), jnp.int32),
+                     self._abstract_samp(B), x, state, (x,) * len(key.features))
+        if getattr(self._probe, "on", False):
+            return bool(embed and finish and all(programs.values()))
+        return LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features)
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is

@@ -311,15 +311,7 @@ def forward(
                                      cache.lengths, positions, block_mask, pack, layout)
             x = pin(x)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
-    hidden = x
-    if logits_at is not None:
-        x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    if fwd.kernel_rows(int(np.prod(x.shape[:-1]))):
-        logits = dense(x, head, fwd, params.get("head" + ROWS_SUFFIX))
-    else:
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    logits, hidden = final_logits(params, x, cfg=cfg, fwd=fwd, logits_at=logits_at)
     if pack is not None:
         logits = unpack_rows(logits, pack, B, T)
     out = (logits, new_cache) + ((hidden,) if return_hidden else ())
@@ -327,6 +319,33 @@ def forward(
         feats = jnp.concatenate([taken[i] for i in features], axis=-1)
         out += (feats if pack is None else unpack_rows(feats, pack, B, T),)
     return out
+
+
+def final_logits(params, x, *, cfg: ModelConfig, fwd: ForwardOptions, logits_at: jax.Array | None = None):
+    """The last layer's output ``x`` [..., D] through the final norm and the vocab head (only at
+    ``logits_at`` [B, M] block indices, if given): (logits, the normed hidden states of every
+    position). ``forward``'s end, and a layered prefill's last call (engine.step)."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    hidden = x
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    if fwd.kernel_rows(int(np.prod(x.shape[:-1]))):
+        return dense(x, head, fwd, params.get("head" + ROWS_SUFFIX)), hidden
+    return jnp.dot(x, head, preferred_element_type=jnp.float32), hidden
+
+
+def decoder_layer(lp, x, cache: kv.KVCache, layer, *, cfg: ModelConfig, fwd: ForwardOptions, use_prefix: bool):
+    """One decoder layer over a causal block of new tokens at each row's cache length (a prefill
+    chunk): ``forward``'s layer body on its own, with ``layer`` (a traced index into the stacked
+    cache) chosen at run time, so one compiled program serves every layer of the same shapes
+    (engine.step's layered prefill). Returns (x, the cache with the layer's block written)."""
+    B, T = x.shape[:2]
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    rope = rope_tables(positions, rope_inv_freq(cfg), barrier=fwd.rope_barrier())
+    x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, cache.k, cache.v, layer, cache.lengths, positions,
+                             causal_mask(B, T))
+    return x, dataclasses.replace(cache, k=k_all, v=v_all)
 
 
 def feature_layers(num_layers: int) -> tuple[int, int, int]:
