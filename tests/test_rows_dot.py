@@ -189,6 +189,10 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
         fn.lower(jnp.ones((1, 32)))  # traced and lowered with no kernel built
     with pytest.raises(SpecjaxError, match="needs a C[+][+] compiler"):
         exe_cache.compile_cached(None, "k", fn, (jnp.ones((1, 32)),), ready=rd.ensure, lowering=rd.deferred)
+    # ... and one that does not call it (a prefill chunk on XLA's dot) compiles without it
+    plain = exe_cache.compile_cached(None, "p", jax.jit(lambda x: x * 2), (jnp.ones(3),), ready=rd.ensure,
+                                     lowering=rd.deferred)
+    assert np.asarray(plain(jnp.ones(3))).tolist() == [2.0] * 3
 
 
 def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_decode_step():

@@ -138,11 +138,13 @@ def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lo
                    **static):
     """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one. ``ready()``,
     if given, runs before the program is compiled or loaded (what it calls registered, e.g. the
-    CPU rows kernel), and the lowering runs inside ``lowering()``."""
+    CPU rows kernel), and the lowering runs inside ``lowering()``; where that context yields a
+    callable, ``ready`` runs before compiling only if it returns true for the lowered program
+    (the program calls what ``ready`` registers)."""
     def build():
-        with lowering():
+        with lowering() as calls:
             lowered = fn.lower(*args, **static)
-        if ready is not None:
+        if ready is not None and (calls is None or calls(lowered)):
             ready()
         return lowered.compile()
 

@@ -139,16 +139,21 @@ _trace = threading.local()
 def deferred():
     """Tracing a program that calls the kernel, inside, does not wait for its build: the caller
     ensures it before compiling (engine.exe_cache.compile_cached's ``ready``), so a cold build
-    runs beside the tracing and lowering. Outside, the trace ensures it (a plain jax.jit)."""
-    _trace.deferred = True
+    runs beside the tracing and lowering. Outside, the trace ensures it (a plain jax.jit).
+    Yields ``calls(lowered)``: whether the program lowered inside calls the kernel (one that does
+    not, e.g. a prefill chunk on XLA's dot, compiles without waiting for the build); a trace jax
+    had cached runs no Python, so then the lowered module's text decides."""
+    _trace.deferred, _trace.called = True, False
     try:
-        yield
+        yield lambda lowered: _trace.called or any(t in lowered.as_text() for t in _TARGETS)
     finally:
         _trace.deferred = False
 
 
 def _traced() -> None:
-    if not getattr(_trace, "deferred", False):
+    if getattr(_trace, "deferred", False):
+        _trace.called = True
+    else:
         ensure()
 
 
