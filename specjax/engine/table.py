@@ -136,10 +136,10 @@ class StepTable:
                  layered_prefill: bool = False):
         """``layered_prefill``: prefill chunks as one program per part (LayeredPrefill: a cold
         start compiles one layer instead of L per chunk size); one device, the list form of the
-        layers and XLA attention in prefill only."""
+        layers and XLA attention in prefill only (params placed on several devices without a
+        layout keep the one-program prefill, whose output shardings the steps are compiled for)."""
         if layered_prefill and (layout is not None or fwd.scan_layers or fwd.for_prefill().attention != "xla"):
             raise ValueError("a layered prefill runs on one device with the per-layer list and XLA attention")
-        self.layered_prefill = layered_prefill
         self.cfg = cfg
         self.layout = layout
         self.teacher_topk = teacher_topk  # chain steps also return the target's top-k (CompileKey.teacher)
@@ -161,6 +161,7 @@ class StepTable:
         self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
+        self.layered_prefill = layered_prefill and self._one_device
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
         self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
 
