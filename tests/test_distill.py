@@ -206,6 +206,7 @@ def test_checkpoints_restore_exactly_and_refuse_other_drafts_and_damage(tiny, tm
         ck.save(i, trainable, state, {"requests_seen": 10 * i, "buffer": {"records": i}})
         saved[i] = (trainable, state)
     assert ck.latest_step() == 3 and sorted(ck.mgr.all_steps()) == [2, 3]  # the last two kept
+    assert ck.latest_recorded() == 3
     # restore into fresh templates (a new process after a kill starts from the initial draft)
     fresh = tr.TrainableDraft.of(cfg, params, 1)
     step, t2, s2, record = DistillCheckpoints(str(tmp_path / "ck"), fp).restore(fresh.trainable,
@@ -340,6 +341,12 @@ def test_online_distillation_while_serving(tiny, tmp_path):
     # resume in a fresh distiller (a restarted process): the checkpointed draft swaps in
     ck.wait()  # (periodic checkpoints are written in the background)
     assert ck.latest_step() == 4  # a checkpoint every 3 updates, numbered from 1
+    # a kill between orbax finishing step 5 and its record: the step a restart restores, and the
+    # one reported as saved, stays 4
+    ck.save(5, od.trainable, od.opt_state, od.record(), wait=False)
+    ck.mgr.wait_until_finished()
+    ck._unrecorded.clear()
+    assert ck.latest_step() == 5 and od.save() == 4
     sd2 = tr.TrainableDraft.of(cfg, params, 1)
     be2 = JaxBackend(cfg, params, draft=sd2.draft, draft_params=sd2.params(sd2.trainable), k_buckets=(0, 3),
                      batch_buckets=(4,), slots=64, teacher_topk=8)

@@ -129,7 +129,15 @@ class DistillCheckpoints:
             raise SpecjaxError(f"cannot use {self.directory} for checkpoints: {e}".splitlines()[0]) from None
 
     def latest_step(self) -> int | None:
+        """The newest step orbax knows, recorded or not (a kill may have torn it): what the next
+        save numbers after."""
         return self.mgr.latest_step()
+
+    def latest_recorded(self) -> int | None:
+        """The newest step with its record on disk: the one a restart restores (unless damaged
+        since), and so the one to report as saved."""
+        return max((s for s in self.mgr.all_steps() if os.path.exists(self._step_dir(s) + ondisk.RECORD)),
+                   default=None)
 
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

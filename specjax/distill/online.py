@@ -139,7 +139,8 @@ class OnlineDistiller:
     def save(self, wait: bool = True) -> int | None:
         """Checkpoint the current draft as the next step unless no update came since the last
         save (``wait``: until it is on disk; else it is written in the background); the latest
-        step, or None without checkpoints or anything saved."""
+        recorded step (the one a restart restores: a step a kill tore is not it), or None without
+        checkpoints or anything saved."""
         if self.checkpoints is None:
             return None
         if self.updates != self.saved_updates:
@@ -147,7 +148,7 @@ class OnlineDistiller:
             self.saved_updates = self.updates
         if wait:
             self.checkpoints.wait()
-        return self.checkpoints.latest_step()
+        return self.checkpoints.latest_recorded() if wait else self.checkpoints.latest_step()
 
     def record(self) -> dict:
         """What a checkpoint keeps besides the params and the optimizer state."""
