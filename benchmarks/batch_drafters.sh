@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A batch job of 200 GSM8K questions through launch/batch.py, at each batch size given: specjax AR,
 # then every drafter named under SmartSpec, then AR again (the two AR runs bracket the machine's
-# drift; ratios are against their mean). A batch size B runs with batch buckets 1, 2, 4, ..., B
+# drift; ratios are against their mean). ROUNDS=R (default 1) repeats AR + the drafters R times
+# before the last AR: each drafter run is compared with the AR runs just before and after it, and
+# the table gives each round's ratio and their mean (two runs of one command on this machine
+# differ by more than the 2% a drafter may cost, so one pair decides nothing). A batch size B runs with batch buckets 1, 2, 4, ..., B
 # (the engine's KV rows = B). Prints one Markdown table per batch size from the job summaries
 # (serving tok/s, compilation excluded; serving CPU ms per token; mean K) and whether each run's
 # outputs equal AR's (greedy: they must). With LLAMACPP_PYTHON set (a venv with llama-cpp-python,
@@ -36,13 +39,15 @@ rm -f "$out"/*.jsonl.* "$out"/ar*.jsonl "$out"/d_*.jsonl
 for B in ${sizes//,/ }; do
   buckets=1; b=2; while [ "$b" -le "$B" ]; do buckets="$buckets,$b"; b=$((b * 2)); done
   [ "${buckets##*,}" = "$B" ] || buckets="$buckets,$B"
-  run "ar1_b$B" none none "$buckets" "$@"
-  for d in ${drafters//,/ }; do run "d_${d}_b$B" "$d" smartspec "$buckets" "$@"; done
-  run "ar2_b$B" none none "$buckets" "$@"
+  for r in $(seq 1 "${ROUNDS:-1}"); do
+    run "ar${r}_b$B" none none "$buckets" "$@"
+    for d in ${drafters//,/ }; do run "d_${d}_r${r}_b$B" "$d" smartspec "$buckets" "$@"; done
+  done
+  run "ar$(( ${ROUNDS:-1} + 1 ))_b$B" none none "$buckets" "$@"
 done
-"$py" - "$out" "$drafters" "$sizes" <<'PY'
+"$py" - "$out" "$drafters" "$sizes" "${ROUNDS:-1}" <<'PY'
 import json, os, re, sys
-out, drafters, sizes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+out, drafters, sizes, rounds = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), int(sys.argv[4])
 def field(name, pat):
     try:
         m = re.search(pat, open(f"{out}/{name}.log").read())
@@ -56,17 +61,24 @@ def ids(name):
 first = ids(f"ar1_b{sizes[0]}")
 for B in sizes:
     tps = lambda n: field(n, r"= ([0-9.]+) tok/s")
-    ar = (tps(f"ar1_b{B}") + tps(f"ar2_b{B}")) / 2
+    ars = [tps(f"ar{r}_b{B}") for r in range(1, rounds + 2)]
     ref = ids(f"ar1_b{B}")
     same_b = sum(first.get(k) == v for k, v in ref.items())
-    print(f"\nbatch {B} (AR outputs equal batch {sizes[0]}'s AR: {same_b}/{len(first)})\n")
-    print(f"| run | serving tok/s | vs AR (mean of the two AR runs, {ar:.1f}) | serving CPU ms/token | mean K | outputs equal AR's |")
-    print("|---|---|---|---|---|---|")
-    for name in [f"ar1_b{B}"] + [f"d_{d}_b{B}" for d in drafters] + [f"ar2_b{B}"]:
-        got = ids(name)
-        same = sum(got.get(k) == v for k, v in ref.items())
-        print(f"| {name} | {tps(name):.1f} | {tps(name) / ar:.3f}x | {field(name, r'serving CPU ([0-9.]+) ms/token'):.2f} | "
-              f"{field(name, r'mean K ([0-9.]+)'):.2f} | {same}/{len(ref)} |")
+    print(f"\nbatch {B} (AR outputs equal batch {sizes[0]}'s AR: {same_b}/{len(first)}); AR runs: "
+          + ", ".join(f"{a:.1f}" for a in ars) + " tok/s\n")
+    print("| drafter | serving tok/s per round | vs AR per round (the AR runs before and after it) | mean ratio | "
+          "serving CPU ms/token | mean K | outputs equal AR's |")
+    print("|---|---|---|---|---|---|---|")
+    for d in ["AR"] + drafters:
+        names = ([f"ar{r}_b{B}" for r in range(1, rounds + 2)] if d == "AR"
+                 else [f"d_{d}_r{r}_b{B}" for r in range(1, rounds + 1)])
+        ratios = [] if d == "AR" else [tps(n) / ((ars[r] + ars[r + 1]) / 2) for r, n in enumerate(names)]
+        same = min(sum(ids(n).get(k) == v for k, v in ref.items()) for n in names)
+        cpu = ", ".join(f"{field(n, r'serving CPU ([0-9.]+) ms/token'):.2f}" for n in names)
+        mk = ", ".join(f"{field(n, r'mean K ([0-9.]+)'):.2f}" for n in names)
+        mean = f"{sum(ratios) / len(ratios):.3f}x" if ratios else ""
+        print(f"| {d} | {', '.join(f'{tps(n):.1f}' for n in names)} | {', '.join(f'{x:.3f}x' for x in ratios)} | "
+              f"{mean} | {cpu} | {mk} | {same}/{len(ref)} |")
 PY
 if [ -n "${LLAMACPP_PYTHON:-}" ]; then
   echo
