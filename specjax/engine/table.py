@@ -100,9 +100,9 @@ class LayeredPrefill:
     step.prefill_finish), called like the one-program executable: ``(params, dparams, tokens,
     n_valid, samp[, state])`` -> state (a later chunk's ``state`` donated)."""
 
-    def __init__(self, embed, layers, finish, features: tuple[int, ...]):
+    def __init__(self, embed, layers, finish, features: tuple[int, ...], index):
         self.embed, self.layers, self.finish, self.features = embed, layers, finish, features
-        self._index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
+        self._index = index  # the layer indices on the device (the table's, made once)
 
     def __call__(self, params, dparams, tokens, n_valid, samp, state: StepState | None = None) -> StepState:
         if state is None:
@@ -162,6 +162,8 @@ class StepTable:
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
         self.layered_prefill = layered_prefill and self._one_device
+        self._layered_calls: dict = {}  # prefill key -> its LayeredPrefill
+        self._layer_index = None
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
         self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
 
@@ -257,6 +259,7 @@ class StepTable:
         """Forget every compiled executable (and stop refusing to compile): XLA:CPU keeps each one's
         code in memory maps of its own, which a process runs out of after a few hundred."""
         self._exe.clear()
+        self._layered_calls.clear()
         self.warm = False
 
     def prefill(self, B: int, C: int, S: int, greedy_only: bool, run_draft: bool = True,
@@ -296,7 +299,12 @@ class StepTable:
                      self._abstract_samp(B), x, state, (x,) * len(key.features))
         if getattr(self._probe, "on", False):
             return bool(embed and finish and all(programs.values()))
-        return LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features)
+        if key not in self._layered_calls:  # (made once: eager device arrays cost milliseconds each on a busy CPU)
+            if self._layer_index is None:
+                self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
+            self._layered_calls[key] = LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features,
+                                                self._layer_index)
+        return self._layered_calls[key]
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is
