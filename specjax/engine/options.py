@@ -75,7 +75,7 @@ class BackendOptions:
         in 2-3 s and one layer in about a tenth of that, and a CPU prefill chunk is compute-bound,
         so the extra calls cost nothing measurable while a cold job's first admission, which needs
         several chunk sizes, waits seconds less (BENCHMARKS.md)."""
-        possible = (self.layout is None and not self.fwd.scan_layers and self.fwd.for_prefill().attention == "xla")
+        possible = layered_prefill_runs(self.fwd, self.layout)
         if self.prefill_by_layer is not None:
             require(possible or not self.prefill_by_layer, "prefill_by_layer runs on one device with the per-layer "
                     "list of layers and XLA attention in prefill")
@@ -85,6 +85,12 @@ class BackendOptions:
     def knobs(self, **changes) -> dict:
         """These options as keyword arguments (with ``changes``)."""
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}
+
+
+def layered_prefill_runs(fwd: ForwardOptions, layout: Layout | None) -> bool:
+    """Whether a prefill can run layer by layer (StepTable's layered_prefill): one device, the
+    per-layer list of layers and XLA attention in prefill (the layer index is a run-time value)."""
+    return layout is None and not fwd.scan_layers and fwd.for_prefill().attention == "xla"
 
 
 def model_params(cfg, params, fwd: ForwardOptions, draft_params=None):

@@ -37,6 +37,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft
 from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
+from specjax.engine.options import layered_prefill_runs
 from specjax.models.options import ForwardOptions
 from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
                                  prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
@@ -138,7 +139,7 @@ class StepTable:
         start compiles one layer instead of L per chunk size); one device, the list form of the
         layers and XLA attention in prefill only (params placed on several devices without a
         layout keep the one-program prefill, whose output shardings the steps are compiled for)."""
-        if layered_prefill and (layout is not None or fwd.scan_layers or fwd.for_prefill().attention != "xla"):
+        if layered_prefill and not layered_prefill_runs(fwd, layout):
             raise ValueError("a layered prefill runs on one device with the per-layer list and XLA attention")
         self.cfg = cfg
         self.layout = layout
@@ -163,7 +164,9 @@ class StepTable:
         self.warm = False
         self.layered_prefill = layered_prefill and self._one_device
         self._layered_calls: dict = {}  # prefill key -> its LayeredPrefill
-        self._layer_index = None
+        self._layer_index = None  # the layer indices on the device, made once
+        # each layer's first layer of the same param shapes (one layer program per group)
+        self._layer_groups = _layer_groups(params["layers"]) if self.layered_prefill else None
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
         self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
 
@@ -282,6 +285,9 @@ class StepTable:
 
     def _layered(self, key: CompileKey, compile_if_missing: bool):
         """The LayeredPrefill of a prefill key (under ``ready``: whether all its programs are)."""
+        probe = getattr(self._probe, "on", False)
+        if not probe and key in self._layered_calls:  # (a prefill chunk's hot path)
+            return self._layered_calls[key]
         B, C, S = key.batch, key.prompt, key.slots
         toks = self._sds((B, C), jnp.int32)
         x = self._sds((B, C, self.cfg.hidden_size), self.params["embed"].dtype)
@@ -292,19 +298,18 @@ class StepTable:
             return self._get(k, lambda: (fn, args), k.describe(), compile_if_missing)
 
         embed = get("embed", prefill_embed_jit, self.params, self.dparams, toks)
-        layers, groups = self.params["layers"], _layer_groups(self.params["layers"])
+        layers, groups = self.params["layers"], self._layer_groups
         programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache,
                            self._sds((), jnp.int32, per_row=False)) for g in sorted(set(groups))}
         finish = get("finish", prefill_finish_jit, self.params, self.dparams, toks, self._sds((B,), jnp.int32),
                      self._abstract_samp(B), x, state, (x,) * len(key.features))
-        if getattr(self._probe, "on", False):
+        if probe:
             return bool(embed and finish and all(programs.values()))
-        if key not in self._layered_calls:  # (made once: eager device arrays cost milliseconds each on a busy CPU)
-            if self._layer_index is None:
-                self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
-            self._layered_calls[key] = LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features,
-                                                self._layer_index)
-        return self._layered_calls[key]
+        if self._layer_index is None:  # (made once: eager device arrays cost milliseconds each on a busy CPU)
+            self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
+        call = self._layered_calls[key] = LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features,
+                                                         self._layer_index)
+        return call
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
         """Abstract StepState of a [B]-row state with S slots (the fresh caches' shapes; the model is
