@@ -120,7 +120,10 @@ def validate_flags():
         raise SpecjaxError("--policies is empty; give e.g. auto,2,4,8")
     # one EngineSpec per (drafter, policy) pair, each validated
     # (keyed by the policy's resolved name, which a run's tables use: "0" is "none")
-    built = [(d, cli.engine_spec_from_flags(drafter=d, policy=p)) for p in raw if p.strip() for d in drafters]
+    # (no prefix cache: the protocol times each prompt's own prefill; warm-up and repeated
+    # prefill-by-length runs would otherwise be served from the store)
+    built = [(d, dataclasses.replace(cli.engine_spec_from_flags(drafter=d, policy=p), prefix_cache_mb=0))
+             for p in raw if p.strip() for d in drafters]
     specs = {(d, sp.policy.name): sp for d, sp in built}
     policies = list(dict.fromkeys(s.policy.name for s in specs.values()))
     if len(policies) != len([p for p in raw if p.strip()]):

@@ -27,6 +27,7 @@ User mistakes print one line ("error: ...") and exit with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -79,7 +80,8 @@ def run():
     specs = {}
     host = registry.TARGET_ONLY
     for d in [host] + [d for d in names if registry.DRAFTERS[d].device]:
-        specs[d] = cli.engine_spec_from_flags(drafter=d, policy="auto")
+        # (no prefix cache: profiling times the same prompts' prefills again and again)
+        specs[d] = dataclasses.replace(cli.engine_spec_from_flags(drafter=d, policy="auto"), prefix_cache_mb=0)
     drafters, devs = list(specs), list(specs)[1:]
     ks, bbs = list(specs[host].k_buckets), list(specs[host].batch_buckets)
     contexts, plens = registry.number_list("contexts", FLAGS.contexts, minimum=0), registry.number_list("prefill_lens", FLAGS.prefill_lens, minimum=0)

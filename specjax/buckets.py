@@ -11,6 +11,7 @@ MIN_SLOT_BUCKET = 256
 # cached prefix plus itself, so the cost grows with the prompt, never with a power-of-two pad
 # of it (measured in benchmarks/prefill_speed.py).
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFIX_CACHE_MB = 1024  # the prefix store's budget (engine.prefix_store), MiB
 SPLIT_MIN = 128  # prefill_chunks: the smallest chunk a padded tail is split into
 
 

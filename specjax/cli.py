@@ -120,6 +120,8 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         kw.update(batch_buckets=registry.number_list("batch_buckets", FLAGS.batch_buckets), slots=FLAGS.slots)
     if has("prefill_chunk"):
         kw["prefill_chunk"] = FLAGS.prefill_chunk
+    if has("prefix_cache_mb"):
+        kw["prefix_cache_mb"] = FLAGS.prefix_cache_mb
     if has("rows_kernel"):
         if FLAGS.mesh and not mesh_ok:
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
@@ -204,6 +206,8 @@ def define_engine_flags(batch_buckets: str = "1,2,4,8", slots: int = 512) -> Non
     flags.DEFINE_integer("slots", slots, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit).")
     flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
                          "of two >= 16); each chunk attends to the cached prefix and itself.")
+    flags.DEFINE_float("prefix_cache_mb", 1024, "Prefix caching: MiB of prefilled prompt chunks kept for later "
+                       "prompts that start with the same tokens (0: off; outputs are identical either way).")
     flags.DEFINE_integer("prefill_budget", 0, "Chunked prefill: about this many prompt tokens prefilled per engine "
                          "iteration while other requests decode (0: each prompt whole, at admission).")
 

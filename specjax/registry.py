@@ -194,7 +194,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
-                         packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, **kw):
+                         packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
+                         prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB, **kw):
     """A SpecGenerator for ``drafter`` on ``model`` (a LoadedModel); ``kw`` as for drafter_parts
     (``draft_first`` / ``packed``: see backend_options)."""
     from specjax.errors import SpecjaxError
@@ -206,7 +207,8 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, dr
     fwd = fwd or ForwardOptions()
     return SpecGenerator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
-                         fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk, **parts)
+                         fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
+                         prefix_cache_mb=prefix_cache_mb, **parts)
 
 
 def spec_shapes(gen, prompt_len: int, max_new_tokens: int, batch: int = 1) -> tuple[int, int, int]:
@@ -251,7 +253,8 @@ def format_spec_stats(stats) -> str:
 
 def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profiling=False, fwd=None,
                  draft_first: bool = False, packed: bool = False, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
-                 parts=None, teacher_topk: int = 0, layout=None, **drafter_kw):
+                 parts=None, teacher_topk: int = 0, layout=None, prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB,
+                 **drafter_kw):
     """A serving-engine JaxBackend for ``drafter`` on ``model``; ``drafter_kw`` as for drafter_parts
     (``profiling``: prompt lookup replaced by host drafts of exactly K tokens; ``draft_first``:
     also compile a device drafter's draft-ahead path, for confidence policies; ``packed``: packed
@@ -270,7 +273,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     fwd = fwd or ForwardOptions()
     return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
                       fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
-                      teacher_topk=teacher_topk, layout=layout, **(parts if isinstance(parts, dict) else {"drafter": parts}))
+                      teacher_topk=teacher_topk, layout=layout, prefix_cache_mb=prefix_cache_mb, **(parts if isinstance(parts, dict) else {"drafter": parts}))
 
 
 def model_name(spec: str) -> str:
@@ -422,7 +425,8 @@ def build_backend(spec, model, *, draft=None, **kw):
     kw.setdefault("draft_first", spec.policy.draft_first)
     kw.setdefault("packed", spec.policy.packed)
     return make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
-                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
+                        prefix_cache_mb=spec.prefix_cache_mb, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
 
 
 def build_generator(spec, model, draft=None):
@@ -431,7 +435,9 @@ def build_generator(spec, model, draft=None):
     if spec.drafter.name == "none":
         from specjax.generate import Generator
 
-        return Generator(model.cfg, model.params_for(spec.fwd), eos_ids=model.tokenizer.eos_ids, fwd=spec.fwd)
+        return Generator(model.cfg, model.params_for(spec.fwd), eos_ids=model.tokenizer.eos_ids, fwd=spec.fwd,
+                         prefill_chunk=spec.prefill_chunk, prefix_cache_mb=spec.prefix_cache_mb)
     return build_spec_generator(model, spec.drafter.name, k=spec.drafter.k, k_buckets=spec.k_buckets, fwd=spec.fwd,
                                 draft_first=spec.policy.draft_first, packed=spec.policy.packed,
-                                prefill_chunk=spec.prefill_chunk, **drafter_kwargs(spec.drafter, model, draft, spec.dtype))
+                                prefill_chunk=spec.prefill_chunk, prefix_cache_mb=spec.prefix_cache_mb,
+                                **drafter_kwargs(spec.drafter, model, draft, spec.dtype))

@@ -164,4 +164,6 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
               f"{policy_label}", file=sys.stderr)
         if backend.k_max:
             print(f"spec {drafter}, policy {policy_label}: {format_spec_stats(stats)}", file=sys.stderr)
+    if backend.prefix is not None and backend.prefix.stats.lookups:
+        print(backend.prefix.stats.line(), file=sys.stderr)
     return code

@@ -238,6 +238,21 @@ class Layout:
                  if f.name not in out}
         return type(cache)(**out, **extra)
 
+    def segment(self, seg: dict) -> dict:
+        """Shardings of a prefix-store segment (table.take_segment: one row's chunk of entries,
+        [L, Hkv, C, hd], and its scalars): KV heads over ``model`` as in the cache, so a stored
+        chunk stays on the devices its row's shards live on; a replicated draft's replicated."""
+        def part(c, draft):
+            if c is None:
+                return None
+            if draft and not self.shard_draft:
+                return {n: self.replicated() for n in c}
+            kv = {n: self.sharding(tuple(a for a in CACHE_AXES[n] if a != "batch"), c[n].shape) for n in ("k", "v")}
+            return {n: kv.get(n, self.replicated()) for n in c}
+
+        return {"cache": part(seg["cache"], False), "dcache": part(seg["dcache"], True),
+                "prev": self.replicated(), "pending": self.replicated()}
+
     def state(self, st):
         """StepState of shardings (one for every prefill, step and row operation of a bucket)."""
         cls = type(st)

@@ -35,6 +35,7 @@ from specjax.drafters.protocol import CHAIN, DecodeStep, StepInputs, StepJob
 from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.options import BackendOptions, model_params
+from specjax.engine import prefix_store
 from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.scheduler import Running
 from specjax.engine.table import StepTable
@@ -173,6 +174,10 @@ class JaxBackend:
         # the most K = 0 steps one call runs (the loop's Backend field; 1: a call per step)
         self.decode_steps = opt.plain_decode_steps()
         self._eos_mask = (None, None)  # (EOS ids, their [vocab] mask on the device)
+        # prefilled prompt chunks kept for prompts that repeat them (kept across reset: a
+        # generator's later calls reuse them too)
+        self.prefix = (prefix_store.PrefixStore(int(opt.prefix_cache_mb * 2 ** 20)) if opt.prefix_cache_mb > 0
+                       else None)
         self.reset()
 
     # ------------------------------------------------------------ state
@@ -215,6 +220,8 @@ class JaxBackend:
         require(self.drafter.params is not None, "this backend has no device draft whose params could be swapped")
         check_same_avals(self.dparams, new, "new draft params")
         self.dparams = new
+        if self.prefix is not None:
+            self.prefix.clear(run_draft=True)  # (stored draft entries were computed with the old params)
 
     def step_bucket(self, n: int) -> int:
         """The bucket the next step of ``n`` running requests runs at (the live state may be
@@ -314,7 +321,38 @@ class JaxBackend:
             self.row_of[r.uid] = row
             self.samp_of[r.uid] = r.req.sampling
         self._samp = None
-        self.prefills.add(make_jobs(rs, self.drafter.draft_prefill, self.prefill_rows, self.max_chunk))
+        jobs = make_jobs(rs, self.drafter.draft_prefill, self.prefill_rows, self.max_chunk)
+        for job in jobs:
+            self._restore_prefix(job)
+        self.prefills.add(jobs)
+
+    def _restore_prefix(self, job: PrefillJob) -> None:
+        """Start ``job`` after the chunks of its prompts the prefix store holds: their segments
+        written into a fresh prefill state, which the job's remaining chunks continue."""
+        paths = prefix_store.start_job(self.prefix, job)
+        if not job.next:
+            return
+        Bp = self.bucket(len(job.rs))
+        state = _zeros_like_info(self.table.state_info(Bp, self.slots, job.run_draft))
+        for b, path in enumerate(paths):
+            for node in path:
+                put = self.table.segment_put(Bp, self.slots, node.key[0], job.run_draft)
+                state = put(state, node.segment, np.int32(b), np.int32(node.start))
+        job.state = state
+
+    def _store_prefix(self, job: PrefillJob, start: int, C: int, n_valid) -> None:
+        """After a chunk: store it for each row that ran it whole (prefix_store.after_chunk)."""
+        if self.prefix is None:
+            return
+        Bp = self.bucket(len(job.rs))
+        if self.table.lazy and not self.table.ready(lambda: self.table.segment_take(Bp, self.slots, C, job.run_draft),
+                                                    disk=False):
+            job.nodes = [None] * len(job.rs)  # (a lazy warm-up has not built the capture yet: nothing waits for it)
+            return
+        take = self.table.segment_take(Bp, self.slots, C, job.run_draft)
+        prefix_store.after_chunk(self.prefix, job, start, C, n_valid,
+                                 self.table.segment_bytes(Bp, self.slots, C, job.run_draft),
+                                 lambda b: take(job.state, np.int32(b), np.int32(start)))
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """Run queued prefill chunks (PrefillQueue.run: ``budget`` tokens, at least one chunk;
@@ -365,6 +403,7 @@ class JaxBackend:
         exe = self.table.prefill(Bp, C, self.slots, greedy, job.run_draft, first=job.state is None)
         args = (self.params, self.dparams, jax.device_put(toks), jax.device_put(n), samp)
         job.state = exe(*args) if job.state is None else exe(*args, job.state)
+        self._store_prefix(job, start, C, n)
 
     def prepare(self, rs: Sequence[Running]) -> None:
         """Resize / clear the live state for the coming step (once per step, before any call
@@ -570,6 +609,9 @@ class JaxBackend:
             row_ops += [("insert", B, Bp, rd) for Bp in pbs if Bp <= B for rd in draft_modes]
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))
+        if self.prefix is not None:  # storing and restoring prefilled chunks of every size a prompt runs
+            row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted({c for c, _ in chunks})
+                        for rd in draft_modes]
         self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0] for B in bbs}
         self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
@@ -642,6 +684,8 @@ class JaxBackend:
             return self.table.insert(j[1], j[2], S, j[3])
         if j[0] == "take":
             return self.table.take(j[1], j[2], S)
+        if j[0] == "segment":
+            return self.table.segment_take(j[1], S, j[2], j[3]) and self.table.segment_put(j[1], S, j[2], j[3])
         return self.table.clear(j[1], S)
 
     def _compile_later(self, plan, later, waiting) -> None:

@@ -41,6 +41,9 @@ class BackendOptions:
     # a prefill chunk as one program per layer-sized part, called L + 2 times (StepTable's
     # layered_prefill); None: the rule in prefill_by_layer_on
     prefill_by_layer: bool | None = None
+    # prefix caching (engine.prefix_store): MiB of prefilled prompt chunks kept for prompts that
+    # repeat them; 0 turns it off (outputs are the same either way)
+    prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
@@ -50,6 +53,7 @@ class BackendOptions:
         require(n is None or n >= 1, f"decode_steps must be >= 1, got {n}")
         require(self.prefill_rows is None or self.prefill_rows >= 1,
                 f"prefill_rows must be >= 1, got {self.prefill_rows}")
+        require(self.prefix_cache_mb >= 0, f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         require(n is None or n == 1 or not (self.teacher_topk or self.layout is not None),
                 "decode_steps > 1 runs on one device without a teacher signal (no layout, no teacher_topk)")
 

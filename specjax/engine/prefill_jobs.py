@@ -26,6 +26,7 @@ class PrefillJob:
     plan: list[tuple[int, int]]  # (start, size) chunks
     next: int = 0  # chunks run so far
     state: Any = None  # the backend's partial state (the real backend: a device StepState)
+    nodes: list | None = None  # each row's last chunk in the prefix store (engine.prefix_store)
 
     @property
     def done(self) -> bool:

@@ -147,7 +147,8 @@ class EngineSpec:
 
     model / dtype: the target (a config name, .gguf file or HF directory). drafter: DrafterSpec
     (name ``none``: plain decoding, compiled at K = 0 only). k_buckets: the compiled Ks;
-    batch_buckets / slots: the engine's rows and KV slots per row; prefill_chunk: prompt chunks.
+    batch_buckets / slots: the engine's rows and KV slots per row; prefill_chunk: prompt chunks;
+    prefix_cache_mb: the prefix store's budget (engine.prefix_store; 0: off).
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
     where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8, with
     the CPU attention they need) if the rows kernel runs", resolved once the model is loaded
@@ -162,6 +163,7 @@ class EngineSpec:
     batch_buckets: tuple = (1, 2, 4, 8)
     slots: int = 512
     prefill_chunk: int = 512
+    prefix_cache_mb: float = 1024  # (buckets.DEFAULT_PREFIX_CACHE_MB)
     fwd: ForwardOptions = ForwardOptions()
     rows_kernel_auto: bool = False
     rows_int8_auto: bool = False
@@ -216,6 +218,8 @@ class EngineSpec:
         if self.slots < 16:
             raise SpecjaxError(f"--slots must be >= 16, got {self.slots}")
         bk.check_prefill_chunk(self.prefill_chunk, "--prefill_chunk")
+        if not self.prefix_cache_mb >= 0:
+            raise SpecjaxError(f"--prefix_cache_mb must be >= 0 (0: no prefix cache), got {self.prefix_cache_mb}")
         if self.mesh:
             parts = self.mesh.lower().split("x")
             if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):

@@ -88,6 +88,44 @@ def take_rows(state: StepState, idx, layout: Layout | None = None) -> StepState:
                                   prev=state.prev[src], pending=state.pending[src]))
 
 
+def _row_fields(c: kv.KVCache, row) -> dict:
+    # a cache's per-row fields besides its entries (lengths; a feature head's carried feature)
+    return {f.name: getattr(c, f.name)[row] for f in dataclasses.fields(c) if f.name not in ("k", "v")}
+
+
+@partial(jax.jit, static_argnames=("size", "layout"))
+def take_segment(state: StepState, row, start, *, size: int, layout: Layout | None = None) -> dict:
+    """Row ``row``'s cache entries at slots [start, start + size), target and draft ([L, Hkv, size,
+    hd] each; during a prefill the draft's entries sit at the target's positions), and the rest
+    of its row as the chunk left it: a prefix-store segment (engine.prefix_store)."""
+    def part(c):
+        if c is None:
+            return None
+        k, v = (jax.lax.dynamic_slice_in_dim(a[:, row], start, size, axis=2) for a in (c.k, c.v))
+        return {"k": k, "v": v, **_row_fields(c, row)}
+
+    seg = {"cache": part(state.cache), "dcache": part(state.dcache), "prev": state.prev[row],
+           "pending": state.pending[row]}
+    return seg if layout is None else jax.lax.with_sharding_constraint(seg, layout.segment(seg))
+
+
+@partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
+def put_segment(state: StepState, seg: dict, row, start, layout: Layout | None = None) -> StepState:
+    """Write a segment back into row ``row`` at slots [start, start + size): the row is then what
+    the chunk left it (take_segment's inverse)."""
+    def part(c, s):
+        if c is None:
+            return None
+        k, v = (jax.lax.dynamic_update_slice(a, s[n][:, None].astype(a.dtype), (0, row, 0, start, 0))
+                for n, a in (("k", c.k), ("v", c.v)))
+        return dataclasses.replace(c, k=k, v=v, **{n: getattr(c, n).at[row].set(x) for n, x in s.items()
+                                                    if n not in ("k", "v")})
+
+    return pin(layout, StepState(cache=part(state.cache, seg["cache"]), dcache=part(state.dcache, seg["dcache"]),
+                                  prev=state.prev.at[row].set(seg["prev"]),
+                                  pending=state.pending.at[row].set(seg["pending"])))
+
+
 @partial(jax.jit, donate_argnames=("state",), static_argnames=("layout",))
 def clear_rows(state: StepState, free, layout: Layout | None = None) -> StepState:
     def clr(c):
@@ -190,11 +228,12 @@ class StepTable:
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
                           self.layout, steps, draft.features if draft is not None else ())
 
-    def _compile(self, key, fn, args):
+    def _compile(self, key, fn, args, more_static=None):
         """``fn`` lowered for ``args`` and compiled, or loaded from the on-disk executable cache
         (exe_cache: a warm run skips tracing the model). Model executables take ``key`` as their
-        static argument; the row operations the layout."""
+        static argument; the row operations the layout (and ``more_static``)."""
         static = {"key": key} if isinstance(key, CompileKey) else {} if self.layout is None else {"layout": self.layout}
+        static.update(more_static or {})
         if isinstance(key, CompileKey) and key.fwd.rows_kernel:
             # The kernel's FFI targets are registered (built if need be) before a program that may
             # call them is compiled or loaded from disk (a loaded one traces nothing that would);
@@ -408,6 +447,42 @@ class StepTable:
             return insert_rows, (self.state_info(B, S), self.state_info(Bp, S, run_draft), rows)
 
         return self._get(key, spec, f"row insert of {Bp} into batch {B}")
+
+    def segment_take(self, B: int, S: int, C: int, run_draft: bool):
+        """take_segment of a C-token chunk from a [B]-row prefill state."""
+        run_draft = bool(run_draft) and self.draft is not None
+        key = ("segment_take", B, S, C, run_draft)
+
+        def spec():
+            i = self._sds((), jnp.int32, per_row=False)
+            return take_segment, (self.state_info(B, S, run_draft), i, i), {"size": C}
+
+        return self._get(key, spec, f"prefix segment capture of {C} tokens from batch {B}")
+
+    def segment_info(self, B: int, S: int, C: int, run_draft: bool):
+        """Abstract segment of a C-token chunk of a [B]-row prefill state (take_segment's output)."""
+        run_draft = bool(run_draft) and self.draft is not None
+        key = ("segment_info", B, S, C, run_draft)
+        if key not in self._info:
+            i = self._sds((), jnp.int32, per_row=False)
+            seg = jax.eval_shape(partial(take_segment, size=C), self.state_info(B, S, run_draft), i, i)
+            self._info[key] = seg if self.layout is None else with_shardings(seg, self.layout.segment(seg))
+        return self._info[key]
+
+    def segment_bytes(self, B: int, S: int, C: int, run_draft: bool) -> int:
+        """Bytes one stored segment of a C-token chunk holds (its share of a prefix store's budget)."""
+        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self.segment_info(B, S, C, run_draft)))
+
+    def segment_put(self, B: int, S: int, C: int, run_draft: bool):
+        """put_segment of a C-token chunk into a [B]-row prefill state (the state donated)."""
+        run_draft = bool(run_draft) and self.draft is not None
+        key = ("segment_put", B, S, C, run_draft)
+
+        def spec():
+            i = self._sds((), jnp.int32, per_row=False)
+            return put_segment, (self.state_info(B, S, run_draft), self.segment_info(B, S, C, run_draft), i, i)
+
+        return self._get(key, spec, f"prefix segment restore of {C} tokens into batch {B}")
 
     def take(self, B_from: int, B_to: int, S: int):
         key = ("take", B_from, B_to, S)

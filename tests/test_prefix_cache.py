@@ -1,0 +1,104 @@
+"""Prefix caching (engine.prefix_store): prompts that repeat prefilled chunks reuse them, and
+outputs are token-identical to serving without the store, for every drafter kind, greedy and
+sampled, with requests joining and leaving, after evictions; the store keeps to its budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.engine.prefix_store import PrefixStore
+
+
+def test_store_keeps_to_its_budget_and_evicts_least_recently_used_leaves():
+    rng = np.random.default_rng(0)
+    store = PrefixStore(budget_bytes=1000)
+    prompts = [list(rng.integers(0, 5, 64)) for _ in range(40)]
+    plan = [(0, 16), (16, 16), (32, 16), (48, 16)]
+    for p in prompts:
+        parent = None
+        for start, size in plan:
+            node = store.insert(parent, p, start, size, False, segment=("seg", start), nbytes=150)
+            assert store.nbytes <= store.budget
+            assert store.nbytes == sum(n.nbytes for n in store._nodes())
+            if node is None:
+                break
+            parent = node
+        path = store.match(p + [1], plan, False)
+        assert [n.end for n in path] == [16, 32, 48, 64][:len(path)]
+        assert all(n.parent is None or n.parent.parent is None or n.parent in store._nodes() or True for n in path)
+    # every stored node's parent is stored (paths are whole)
+    nodes = list(store._nodes())
+    assert all(n.parent in store.roots.values() or n.parent in nodes for n in nodes)
+    # a prompt's last chunk always runs: a stored prompt matched exactly reuses all but its last chunk
+    p = prompts[-1]
+    assert [n.end for n in store.match(p, plan, False)] == [16, 32, 48]
+    assert store.match(p + [9], plan, True) == []  # entries with the draft's cache are apart
+    # the least recently used leaf goes first; a matched and used path is kept
+    store = PrefixStore(budget_bytes=300)
+    a, b = [1] * 32, [2] * 32
+    store.insert(None, a, 0, 16, False, "a", 100)
+    store.insert(None, b, 0, 16, False, "b", 100)
+    store.use(store.match(a + [0] * 20, plan, False))
+    store.insert(None, [3] * 32, 0, 16, False, "c", 100)
+    store.insert(None, [4] * 32, 0, 16, False, "d", 100)  # evicts b (a was used since)
+    assert store.match(a + [0], plan, False) and not store.match(b + [0], plan, False)
+    assert store.stats.evicted == 1 and not store.wants(301) and store.insert(None, [5] * 32, 0, 16, False, "e", 301) is None
+    store.clear()
+    assert store.nbytes == 0 and len(store) == 0
+
+
+def _serve(be, prompts, sampling, max_new, arrivals):
+    from specjax.engine.loop import EventClock, ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.goodput import FixedK
+
+    be.reset()
+    reqs = [Request(f"r{i}", p, m, s, a) for i, (p, s, m, a) in enumerate(zip(prompts, sampling, max_new, arrivals))]
+    return [o.tokens for o in ServingEngine(be, FixedK(2), clock=EventClock()).run(reqs)]
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "draft_model", "eagle"])
+def test_prefix_cache_outputs_are_the_uncached_ones(tiny, drafter):
+    """Prompts sharing 16-64 tokens (chunk boundaries at 16, 32, 48: hits at a boundary and in
+    the middle of a chunk), admitted at different times into a batch of 4 rows while others
+    decode, greedy and sampled: the same tokens with the store as without it, and again after
+    the store evicted (a budget of two segments)."""
+    from specjax.drafters import eagle
+    from specjax.drafters.device import ModelDraft
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.models import llama
+    from specjax.sampling import SamplingParams
+
+    cfg, params = tiny
+    kw = {}
+    if drafter == "prompt_lookup":
+        kw = dict(drafter=PromptLookupDrafter())
+    elif drafter == "draft_model":
+        dcfg = cfg.replace(name="tiny-draft", num_layers=2)
+        kw = dict(draft=ModelDraft(dcfg), draft_params=llama.init_random_params(dcfg, seed=1))
+    elif drafter == "eagle":
+        d, dp = eagle.init_params(cfg, params)
+        kw = dict(draft=d, draft_params=dp)
+    rng = np.random.default_rng(7)
+    shared, other = (list(rng.integers(1, cfg.vocab_size, 64)) for _ in range(2))
+    prompts = [pre[:n] + list(rng.integers(1, cfg.vocab_size, m)) for pre, n, m in
+               ((shared, 64, 9), (shared, 48, 20), (other, 40, 3), (shared, 64, 30), (shared, 16, 1),
+                (other, 33, 14), (shared, 64, 9), (shared, 5, 4), (other, 48, 2))]
+    sampling = [SamplingParams(temperature=0.8 if i % 3 == 1 else 0.0, seed=i) for i in range(len(prompts))]
+    max_new = [6, 9, 4, 7, 5, 8, 6, 3, 5]
+    arrivals = [0.0, 0.0, 1e-6, 2e-6, 2e-6, 3e-6, 4e-6, 4e-6, 5e-6]
+    common = dict(k_buckets=(0, 2), batch_buckets=(1, 2, 4), slots=256, prefill_chunk=16, **kw)
+    want = _serve(JaxBackend(cfg, params, prefix_cache_mb=0, **common), prompts, sampling, max_new, arrivals)
+    be = JaxBackend(cfg, params, **common)
+    seg = be.table.segment_bytes(1, 256, 16, False)
+    stats = []
+    for budget in (None, 2 * seg + 1):
+        if budget is not None:
+            be.prefix = PrefixStore(budget)
+        for _ in range(2):
+            assert _serve(be, prompts, sampling, max_new, arrivals) == want
+            assert be.prefix.nbytes <= be.prefix.budget
+        stats.append(be.prefix.stats)
+    assert stats[0].hits >= 8 and stats[0].tokens_saved >= 8 * 32 and stats[1].evicted > 0, stats
