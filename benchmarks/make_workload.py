@@ -21,6 +21,11 @@ of each of three kinds built from the same data:
 - ``code_edit``: a module of HumanEval functions with their solutions, then a request to return
   it with one function renamed everywhere (an edit that copies most of the prompt).
 
+``--shared_prefix N``: a batch job (launch/batch.py records, ``{"id", "prompt"}``) of N GSM8K test
+questions behind one shared few-shot block of worked GSM8K training solutions (``--prefix_chars``,
+about 1.1k SmolLM2 tokens by default): the prefix-caching workload (one instruction block and
+the same examples in front of every record).
+
 ``--mix_specbench N``: the mixed stream instead: the repetitive prompts interleaved one for one
 with open-ended Spec-Bench questions (the first N of each category, as many as there are
 repetitive prompts), half repetitive, half not.
@@ -94,6 +99,23 @@ def long_prompts(data_dir: str, n: int) -> list[dict]:
     return rows
 
 
+FEWSHOT_HEAD = "Solve each math word problem step by step, then give the final answer after ####. Examples:\n\n"
+
+
+def shared_prefix_job(data_dir: str, n: int, prefix_chars: int) -> list[dict]:
+    """n batch-job records: the same few-shot block (worked training solutions, ``prefix_chars``
+    characters or a little more), then one test question each (deterministic)."""
+    gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
+    tests = _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))
+    shots = []
+    while sum(map(len, shots)) < prefix_chars:
+        g = gsm[len(shots)]
+        shots.append(f"Question: {g['question']}\nAnswer: {g['answer']}\n\n")
+    head = FEWSHOT_HEAD + "".join(shots)
+    return [{"id": f"gsm{i}", "prompt": head + f"Question: {tests[i % len(tests)]['question']}\nAnswer:"}
+            for i in range(n)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -102,7 +124,17 @@ def main():
     ap.add_argument("--data_dir", default=DATA)
     ap.add_argument("--mix_specbench", type=int, default=0, help="interleave with N Spec-Bench questions per category")
     ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
+    ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
+    ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
     a = ap.parse_args()
+    if a.shared_prefix:
+        rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars)
+        with open(a.out, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {len(rows)} records sharing a {len(os.path.commonprefix([r['prompt'] for r in rows]))}-character "
+              f"prefix to {a.out}")
+        return
     if a.long:
         rows = long_prompts(a.data_dir, a.long)
         with open(a.out, "w", encoding="utf-8") as f:

@@ -157,6 +157,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
               f"{table.ahead} in the background beside serving ({table.ahead_s:.1f} s)"
               + (f"; steps of K {left} not compiled at every batch bucket by the end" if left else ""),
               file=sys.stderr)
+    if backend.prefix is not None and backend.prefix.stats.lookups:
+        print(backend.prefix.stats.line(), file=sys.stderr)
     s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
     if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "
@@ -164,6 +166,4 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
               f"{policy_label}", file=sys.stderr)
         if backend.k_max:
             print(f"spec {drafter}, policy {policy_label}: {format_spec_stats(stats)}", file=sys.stderr)
-    if backend.prefix is not None and backend.prefix.stats.lookups:
-        print(backend.prefix.stats.line(), file=sys.stderr)
     return code

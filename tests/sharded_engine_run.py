@@ -100,6 +100,32 @@ assert {lay.mesh.shape["model"] for lay in traced} == {2, 4}  # the kernel went 
 print("pallas under shard_map ok", round(time.time() - t0, 1), flush=True)
 # a draft sharded like the target gives the same tokens
 assert run("draft", sh.Layout(sh.make_mesh(2, 4), shard_draft=True), greedy)[0] == want["draft"][0]
+# prefix caching on a mesh: prompts sharing 32 of their 40-42 tokens (chunks of 16), served twice
+# by one sharded backend with a draft model (the second run restores stored chunks, target and
+# draft entries, kept in the cache's head sharding) give the unsharded, uncached tokens
+shared = list(map(int, rng.integers(1, 255, size=32)))
+pre = [Request(f"p{i}", shared + list(map(int, rng.integers(1, 255, size=8 + i))), 8, arrival=0.0) for i in range(3)]
+
+
+def run_prefix(layout, mb):
+    be = JaxBackend(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, k_buckets=(0, 2), batch_buckets=(4,),
+                    slots=64, layout=layout, prefill_chunk=16, prefix_cache_mb=mb)
+    outs = []
+    for _ in range(2):
+        be.reset()
+        outs.append([o.tokens for o in ServingEngine(be, FixedK(2), clock=EventClock()).run(
+            [Request(r.id, r.prompt, r.max_new_tokens) for r in pre])])
+    return outs, be
+
+
+want_p = run_prefix(None, 0)[0][0]
+lay = sh.Layout(sh.make_mesh(2, 4))
+got, be = run_prefix(lay, 1024)
+assert got == [want_p, want_p], "prefix cache on a mesh"
+assert be.prefix.stats.hits >= 3 and be.prefix.stats.tokens_saved >= 3 * 32, be.prefix.stats
+seg = next(iter(be.prefix._nodes())).segment
+assert seg["dcache"] is not None and seg["cache"]["k"].sharding.is_equivalent_to(lay.segment(seg)["cache"]["k"], 4)
+print("prefix cache on a mesh ok", round(time.time() - t0, 1), flush=True)
 # bad meshes: one line each, before any device work
 for data, model, needle in ((1, 8, "tiny-random does not fit mesh data=1 x model=8: 4 attention heads"),
                             (4, 4, "needs 16 devices; 8 cpu device(s) present"), (0, 2, "positive integers")):

@@ -58,7 +58,10 @@ def _serve(be, prompts, sampling, max_new, arrivals):
     return [o.tokens for o in ServingEngine(be, FixedK(2), clock=EventClock()).run(reqs)]
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "draft_model", "eagle"])
+# (the default run: a host drafter, whose K = 0 steps are AR's, and the feature head, whose draft
+# cache carries a feature; a draft model's KV cache: tests/sharded_engine_run.py; both: slow)
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "eagle", pytest.param("none", marks=pytest.mark.slow),
+                                     pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_prefix_cache_outputs_are_the_uncached_ones(tiny, drafter):
     """Prompts sharing 16-64 tokens (chunk boundaries at 16, 32, 48: hits at a boundary and in
     the middle of a chunk), admitted at different times into a batch of 4 rows while others
@@ -102,3 +105,27 @@ def test_prefix_cache_outputs_are_the_uncached_ones(tiny, drafter):
             assert be.prefix.nbytes <= be.prefix.budget
         stats.append(be.prefix.stats)
     assert stats[0].hits >= 8 and stats[0].tokens_saved >= 8 * 32 and stats[1].evicted > 0, stats
+
+
+def test_the_simulator_charges_only_the_chunks_it_prefills():
+    """SimBackend runs the engine's store rule: of ten requests sharing a 1,100-token prefix
+    (chunks of 512), the first prefills everything, the rest start after two stored chunks, and
+    the event clock charges only what ran."""
+    from specjax.goodput import FixedK
+    from specjax.goodput.perf_model import LinearCost, StepCostModel
+    from specjax.engine.scheduler import Request
+    from specjax.simulate import AcceptanceProfile, simulate
+
+    cost = StepCostModel(target=LinearCost(0.0, 0.0, 0.01), prefill=LinearCost(0.0, 0.001, 0.0))
+    shared = [7] * 1100
+    reqs = [Request(f"r{i}", shared + [i + 1] * 20, 4, ignore_eos=True) for i in range(10)]
+    ends = {}
+    for mb in (0, 64):
+        outs, eng = simulate(reqs, FixedK(0), cost, AcceptanceProfile((0.0,)), device_draft=False,
+                             batch_buckets=(1,), slots=2048, prefix_cache_mb=mb, kv_bytes_per_token=1000)
+        ends[mb] = max(o.finished for o in outs)
+        if mb:
+            st = eng.backend.prefix.stats
+            assert (st.hits, st.tokens_saved) == (9, 9 * 1024) and st.inserted == 2, st
+    # 10 x 1,120 prompt tokens padded to 1,152 each, against one of those and 9 x 128
+    assert ends[64] < ends[0] * 0.25, ends

@@ -27,7 +27,9 @@ import numpy as np
 
 from specjax import buckets as bk
 from specjax.engine.live_bucket import LiveBucket
+from specjax.engine import prefix_store
 from specjax.engine.prefill_jobs import PrefillQueue, make_jobs
+from specjax.engine.prefix_store import PrefixStore
 from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput, Running
 from specjax.goodput.acceptance import AcceptanceCounts
@@ -64,9 +66,12 @@ class SimBackend:
     def __init__(self, cost: StepCostModel, accept: AcceptanceProfile, *, device_draft: bool,
                  k_buckets: Sequence[int] = (0, 1, 2, 3, 4, 5), batch_buckets: Sequence[int] = (1, 2, 4, 8),
                  slots: int = 512, seed: int = 0, shrink_patience: int = 8, packed: bool = False,
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None):
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None,
+                 prefix_cache_mb: float = 0, kv_bytes_per_token: int = 0):
         """``prefill_rows``: requests per prefill call (BackendOptions.prefill_rows_on; None: the
-        largest batch bucket, an accelerator's rule)."""
+        largest batch bucket, an accelerator's rule). ``prefix_cache_mb``: a prefix store of that
+        budget (engine.prefix_store, the engine's rule; stored chunks cost ``kv_bytes_per_token``
+        a token): chunks it holds are not prefilled, so not charged."""
         self.cost = cost
         self.packed = packed  # charge packed verify blocks (per-row draft counts) by their real tokens
         self.accept = accept
@@ -86,6 +91,8 @@ class SimBackend:
         self._running = 0  # rows held: decoding or being prefilled
         self._to_clear = False
         self.prefills = PrefillQueue()
+        self.prefix = PrefixStore(int(prefix_cache_mb * 2 ** 20)) if prefix_cache_mb > 0 else None
+        self.kv_bytes_per_token = int(kv_bytes_per_token)
         self._pending_t = 0.0  # row-op time of admissions, charged with their first chunks
         self.row_ops: list[tuple[str, int, int]] = []
 
@@ -112,7 +119,10 @@ class SimBackend:
     def start_prefill(self, rs: Sequence[Running]) -> None:
         self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
-        self.prefills.add(make_jobs(rs, self.device_draft, self.prefill_rows, self.max_chunk))
+        jobs = make_jobs(rs, self.device_draft, self.prefill_rows, self.max_chunk)
+        for job in jobs:
+            prefix_store.start_job(self.prefix, job)
+        self.prefills.add(jobs)
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """As JaxBackend.advance_prefill, each chunk charged as a prefill of its padded tokens."""
@@ -121,6 +131,8 @@ class SimBackend:
         def run_chunk(job, start, size):
             nonlocal t
             t += self.cost.prefill_time(self.bucket(len(job.rs)), size, draft=job.run_draft)
+            n = [min(max(len(r.req.prompt) - start, 0), size) for r in job.rs]
+            prefix_store.after_chunk(self.prefix, job, start, size, n, size * self.kv_bytes_per_token, lambda b: None)
 
         done = self.prefills.run(budget, run_chunk, self.bucket)
         return [(r, 0) for job in done for r in job.rs], t
@@ -189,12 +201,14 @@ def simulate(requests: Sequence[Request], policy: Policy, cost: StepCostModel, a
              device_draft: bool, k_buckets=(0, 1, 2, 3, 4, 5), batch_buckets=(1, 2, 4, 8), slots: int = 512,
              seed: int = 0, prefill_gate: DraftPrefillGate | None = None, packed: bool = False,
              prefill_budget: int | None = None, prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK,
-             prefill_rows: int | None = None) -> tuple[list[RequestOutput], ServingEngine]:
+             prefill_rows: int | None = None, prefix_cache_mb: float = 0,
+             kv_bytes_per_token: int = 0) -> tuple[list[RequestOutput], ServingEngine]:
     """Serve ``requests`` on the event clock. Simulated requests never hit EOS: give each the
     output length it should have (``max_new_tokens``, ``ignore_eos=True``). ``prefill_budget``:
-    chunked prefill, as ServingEngine."""
+    chunked prefill, as ServingEngine; ``prefix_cache_mb`` / ``kv_bytes_per_token``: prefix caching,
+    as SimBackend."""
     be = SimBackend(cost, accept, device_draft=device_draft, k_buckets=k_buckets, batch_buckets=batch_buckets,
                     slots=slots, seed=seed, packed=packed, prefill_chunk=prefill_chunk,
-                    prefill_rows=prefill_rows)
+                    prefill_rows=prefill_rows, prefix_cache_mb=prefix_cache_mb, kv_bytes_per_token=kv_bytes_per_token)
     eng = ServingEngine(be, policy, clock=EventClock(), prefill_gate=prefill_gate, prefill_budget=prefill_budget)
     return eng.run(requests), eng
