@@ -26,6 +26,11 @@ questions behind one shared few-shot block of worked GSM8K training solutions (`
 about 1.1k SmolLM2 tokens by default): the prefix-caching workload (one instruction block and
 the same examples in front of every record).
 
+``--conversations C --turns T``: a batch job of C conversations resent turn by turn, as a chat
+client does: record (c, t) is conversation c's first t - 1 exchanges (GSM8K training questions
+and their worked answers as the assistant's turns) and its t-th question; every turn repeats the
+previous turn's prompt as its prefix.
+
 ``--mix_specbench N``: the mixed stream instead: the repetitive prompts interleaved one for one
 with open-ended Spec-Bench questions (the first N of each category, as many as there are
 repetitive prompts), half repetitive, half not.
@@ -116,6 +121,20 @@ def shared_prefix_job(data_dir: str, n: int, prefix_chars: int) -> list[dict]:
             for i in range(n)]
 
 
+def multi_turn_job(data_dir: str, conversations: int, turns: int) -> list[dict]:
+    """conversations x turns batch-job records (see the module docstring), conversation by
+    conversation, turn by turn (deterministic)."""
+    gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
+    rows = []
+    for c in range(conversations):
+        qa = gsm[c * turns:(c + 1) * turns]
+        for t in range(turns):
+            past = "".join(f"User: {q['question']}\nAssistant: {q['answer']}\n\n" for q in qa[:t])
+            rows.append({"id": f"c{c}t{t}", "prompt": "Our conversation so far:\n\n" + past
+                         + f"User: {qa[t]['question']}\nAssistant:"})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -126,7 +145,16 @@ def main():
     ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
     ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
+    ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
+    ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()
+    if a.conversations:
+        rows = multi_turn_job(a.data_dir, a.conversations, a.turns)
+        with open(a.out, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"wrote {len(rows)} records ({a.conversations} conversations x {a.turns} turns) to {a.out}")
+        return
     if a.shared_prefix:
         rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars)
         with open(a.out, "w", encoding="utf-8") as f:

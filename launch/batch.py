@@ -40,6 +40,7 @@ User mistakes print one line ("error: ...") and exit with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -59,7 +60,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
     cli.define_model_flags()
     cli.define_drafter_flags("prompt_lookup", num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
-    cli.define_engine_flags()
+    cli.define_engine_flags(slots=0)
     cli.define_request_flags()
     cli.define_forward_flags()
     cli.define_distributed_flags()
@@ -115,9 +116,16 @@ def serve(job, spec) -> int:
         router, drafts = open_drafts(FLAGS.online_distill, model.cfg, model.params, draft_layers=FLAGS.draft_layers,
                                      draft_model=draft, tags=FLAGS.distill_tags, clusters=FLAGS.distill_clusters)
     first = drafts[0][1] if drafts else None
-    backend = registry.build_backend(spec, model, draft=draft, layout=layout, teacher_topk=FLAGS.distill_topk if drafts else 0,
-                                     parts=None if first is None else {"draft": first.draft,
-                                                                       "draft_params": first.params(first.trainable)})
+    if drafts and not spec.slots:  # (online distillation trains on one backend's steps: one row size)
+        spec = dataclasses.replace(spec, slots=512)
+    if not spec.slots:  # KV rows sized from the job's records (serve_job's slot classes)
+        def backend(slots):
+            return registry.build_backend(dataclasses.replace(spec, slots=slots), model, draft=draft, layout=layout)
+    else:
+        backend = registry.build_backend(spec, model, draft=draft, layout=layout,
+                                         teacher_topk=FLAGS.distill_topk if drafts else 0,
+                                         parts=None if first is None else {"draft": first.draft,
+                                                                           "draft_params": first.params(first.trainable)})
     policy, policy_label = cli.policy_from_spec(spec, model)
     md = None
     if drafts:  # each draft learns its own requests, with its own policy (its own acceptance estimate)

@@ -55,7 +55,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt.")
     cli.define_model_flags()
     cli.define_drafter_flags()
-    cli.define_engine_flags()
+    cli.define_engine_flags(slots=0)
     cli.define_request_flags()
     cli.define_forward_flags()
     cli.define_distributed_flags()
@@ -137,8 +137,13 @@ def run_jsonl(spec) -> int:
     from specjax.serve_job import serve_job
 
     def serve(job):
+        import dataclasses
+
         model, loaded = cli.load_target(spec)
-        return serve_job(job, model, registry.build_backend(loaded, model), *cli.policy_from_spec(loaded, model),
+        # (--slots 0: KV rows sized from the job's records, serve_job's slot classes)
+        backend = (registry.build_backend(loaded, model) if loaded.slots else
+                   lambda slots: registry.build_backend(dataclasses.replace(loaded, slots=slots), model))
+        return serve_job(job, model, backend, *cli.policy_from_spec(loaded, model),
                          drafter=loaded.drafter.name, chat=FLAGS.chat, system=FLAGS.system,
                          ignore_eos=FLAGS.ignore_eos, **cli.serving_from_flags())
 

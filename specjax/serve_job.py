@@ -11,7 +11,10 @@ integer; default ``#<line number>``) and optional per-record overrides of the sa
 per non-blank input line, {"id", "prompt", "output",
 "output_ids", "num_prompt_tokens", "num_tokens", "finish_reason"}, or {"id", "error"} for a
 line that is not valid UTF-8 or JSON, a bad or repeated id, a bad override, an empty prompt or a
-prompt that does not fit the engine's ``--slots`` KV slots. None of these stops the job. The job
+prompt that does not fit the engine's KV slots (``--slots N``; with ``--slots 0``, the default,
+the model's context: records are grouped by the slot bucket they need, smallest first, and each
+group is served by a backend with rows of that size, so short records never reserve the longest
+one's cache). None of these stops the job. The job
 layer (``specjax.jobs``; README "JSONL jobs") holds the rules: ids, duplicates, resume, the lock
 on the output, retries and exit statuses.
 
@@ -46,11 +49,25 @@ def sampling_of(fields: dict):
                           seed=fields["seed"])
 
 
+def slot_classes(items, k_max: int, buckets) -> dict[int, list[int]]:
+    """Indices of ``items`` (prepared Requests) by the smallest of the cache-slot ``buckets`` that
+    holds the prompt, its new tokens and one full verify block (the engine's admission rule)."""
+    from specjax import buckets as bk
+
+    out: dict[int, list[int]] = {}
+    for i, r in enumerate(items):
+        out.setdefault(bk.pick(buckets, len(r.prompt) + r.max_new_tokens + k_max + 1, "KV slots"), []).append(i)
+    return dict(sorted(out.items()))
+
+
 def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, chat: bool = False,
               system: str | None = None, ignore_eos: bool = False, prefill_budget: int | None = None,
               drafts=None, compile_ahead: bool = False) -> int:
     """Serve every record of ``job`` at t = 0 on ``backend`` under ``policy``; each finished
-    request is written the moment it finishes. Compiles what the records need when first reached
+    request is written the moment it finishes. ``backend``: a JaxBackend, or a function of a
+    slot count returning one (KV rows sized from the job: the records in groups by the slot
+    bucket they need, smallest first, each on a backend of that size made when its group is
+    served and released after). Compiles what the records need when first reached
     and ahead in the background (``compile_ahead``: all of it before serving), timed apart. Prints the serving, latency and speculation summaries. Returns the job's exit status."""
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
@@ -60,11 +77,19 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     from specjax.registry import format_spec_stats
     from specjax.spec_generate import SpecStats
 
+    from specjax import buckets as bk
+
     tok = model.tokenizer
     if chat:
         tok.encode_chat("hi", system)  # a model without a chat template fails here, not on every record
     gate = DraftPrefillGate() if isinstance(policy, GoodputPolicy) else None
-    check = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1).check  # the engine's admission rule
+    make = backend if callable(backend) else None  # KV rows sized from the job (slot classes)
+    # (classes from 512 slots: the engine's long-standing default row)
+    buckets = tuple(b for b in bk.context_slot_buckets(model.cfg.max_position) if b >= 512) or (model.cfg.max_position,)
+    if make is not None:
+        backend = make(buckets[0])  # (the smallest class's; its rows and K stand for every class's)
+    # the engine's admission rule (with slot classes: the largest class's)
+    check = Scheduler(backend.num_rows, backend.slots if make is None else buckets[-1], backend.k_max + 1).check
 
     def prepare(rec):
         ids = tok.encode_chat(rec.prompt, system) if chat else tok.encode(rec.prompt)
@@ -78,29 +103,29 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             raise SpecjaxError(str(e).removeprefix("request r: ")) from None
         return req
 
-    warmed: set = set()
-    runs = []  # (engine, outputs) of every engine run (one, unless a failure was retried)
+    warmed: dict = {}  # slots -> the (prompt length, greedy) shapes its backend compiled for
+    backends: dict = {backend.slots: backend}  # every backend that served (their summaries)
+    runs = []  # (engine, outputs) of every engine run (one per slot class, unless a failure was retried)
     t = dict(compile=0.0, serve=0.0, serve_cpu=0.0)  # serve_cpu: this process's CPU seconds (all threads)
     stats = SpecStats()
 
-    def generate(items, emit):
-        shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed
+    def serve_class(be, items, idx, emit):
+        shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed.setdefault(be.slots, set())
         if shapes:  # what this run may need (a retry needs nothing new)
             t0 = time.perf_counter()
-            backend.warmup(prompt_lens=sorted({n for n, _ in shapes}),
-                           greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
-                           lazy=lazy, queue=[len(r.prompt) for r in items],
-                           later_ks=later_ks, execute=run_once)
+            be.warmup(prompt_lens=sorted({n for n, _ in shapes}),
+                      greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
+                      lazy=lazy, queue=[len(r.prompt) for r in items], later_ks=later_ks, execute=run_once)
             t["compile"] += time.perf_counter() - t0
-            warmed.update(shapes)
-            how = (f"compiling on first use, {backend.later_planned} executables ahead in the background"
-                   if lazy else f"compiled {len(backend.table)} executables{' and ran each once' if run_once else ''} "
+            warmed[be.slots].update(shapes)
+            how = (f"compiling on first use, {be.later_planned} executables ahead in the background"
+                   if lazy else f"compiled {len(be.table)} executables{' and ran each once' if run_once else ''} "
                    f"in {t['compile']:.1f} s")
             job.note(f"[{how}; serving {len(items)} requests, policy {policy_label}, drafter {drafter}, "
-                     f"{backend.num_rows} KV rows x {backend.slots} slots]")
+                     f"{be.num_rows} KV rows x {be.slots} slots]")
 
         def on_finish(o):
-            i = int(o.id)
+            i = idx[int(o.id)]
             if o.error is not None:
                 emit(i, error=o.error)
             else:
@@ -110,11 +135,11 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             if drafts is not None:  # after the record is on disk: an update never delays a result
                 drafts.on_finish(o)
 
-        backend.reset()  # a fresh live state (also after a failed run)
+        be.reset()  # a fresh live state (also after a failed run)
         reqs = [dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)]
         if drafts is not None:
             drafts.expect(reqs)
-        engine = ServingEngine(backend, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
+        engine = ServingEngine(be, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
                                prefill_budget=prefill_budget, should_stop=job.should_stop,
                                on_step=None if drafts is None else drafts.on_step, drafts=drafts)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -125,6 +150,25 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
         finally:
             t["serve"] += time.perf_counter() - t0
             t["serve_cpu"] += time.process_time() - c0
+
+    def generate(items, emit):
+        if make is None:
+            return serve_class(backend, items, list(range(len(items))), emit)
+        for S, idx in slot_classes(items, backend.k_max, buckets).items():
+            be = backends.get(S) or backends.setdefault(S, make(S))
+            try:
+                serve_class(be, [items[i] for i in idx], idx, emit)
+            finally:
+                # this class's cache, stored prefixes and executables go (their memory maps are
+                # what a process runs out of); its counts stay for the summary
+                be.stop_later()
+                be.reset()
+                be.table.release()
+                warmed.pop(S, None)
+                if be.prefix is not None:
+                    be.prefix.clear()
+            if job.should_stop():
+                return
 
     wall0 = time.perf_counter()
     # Executables compile when serving first reaches them, the rest ahead in the background (a
@@ -141,9 +185,9 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     try:
         code = job.serve(prepare, generate)
     finally:
-        left = backend.stop_later()  # (the executable in progress is finished and kept on disk)
-    table = backend.table
-    waited = table.late_s if lazy else 0.0  # serving stalled on these compilations (or loads)
+        left = sorted({k for be in backends.values() for k in be.stop_later()})  # (in progress: finished, on disk)
+    tables = [be.table for be in backends.values()]
+    waited = sum(tb.late_s for tb in tables) if lazy else 0.0  # serving stalled on these compilations (or loads)
     t["compile"] += waited
     t["serve"] -= waited
     outputs = [o for _, outs in runs for o in outs]
@@ -153,12 +197,20 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
           f"(+ {t['compile']:.1f} s compilation; {time.perf_counter() - wall0:.1f} s for the job; serving CPU "
           f"{1e3 * t['serve_cpu'] / max(n_tok, 1):.2f} ms/token)", file=sys.stderr)
     if lazy:
-        print(f"compilation: {table.late} executables compiled or loaded when first reached ({waited:.1f} s waited), "
-              f"{table.ahead} in the background beside serving ({table.ahead_s:.1f} s)"
+        print(f"compilation: {sum(tb.late for tb in tables)} executables compiled or loaded when first reached "
+              f"({waited:.1f} s waited), {sum(tb.ahead for tb in tables)} in the background beside serving "
+              f"({sum(tb.ahead_s for tb in tables):.1f} s)"
               + (f"; steps of K {left} not compiled at every batch bucket by the end" if left else ""),
               file=sys.stderr)
-    if backend.prefix is not None and backend.prefix.stats.lookups:
-        print(backend.prefix.stats.line(), file=sys.stderr)
+    if make is not None and len(backends) > 1:
+        print(f"KV rows sized from the job: {len(runs)} slot classes served ({', '.join(map(str, sorted(backends)))} "
+              "slots per row)", file=sys.stderr)
+    prefix = [be.prefix.stats for be in backends.values() if be.prefix is not None and be.prefix.stats.lookups]
+    if prefix:
+        from specjax.engine.prefix_store import PrefixStats
+
+        print(PrefixStats(*(sum(getattr(p, f.name) for p in prefix) for f in dataclasses.fields(PrefixStats))).line(),
+              file=sys.stderr)
     s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
     if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "

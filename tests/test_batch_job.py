@@ -253,3 +253,27 @@ def test_online_distillation_with_a_draft_per_tag_or_cluster(tmp_path):
             assert _checkpoints(ck / d), (d, r.stderr[-2000:])
         if dirs == ["a", "b"]:  # 8 records each, an update every 2 of its own
             assert r.stderr.count("[online distillation: 4 updates") == 2, r.stderr[-2000:]
+
+
+def test_kv_rows_are_sized_from_the_job_without_a_slots_flag(tmp_path):
+    """No --slots: records that need 512 and 1,024 KV slots are served in two slot classes, each
+    on rows of its own size (the short ones do not reserve the long ones' cache), with the same
+    outputs as one engine whose rows hold the longest record; a record longer than the context is
+    still an error record."""
+    inp = tmp_path / "in.jsonl"
+    long = "the quick brown fox jumps over the lazy dog " * 14  # ~630 byte tokens
+    recs = [{"id": "s0", "prompt": "hi"}, {"id": "l0", "prompt": long}, {"id": "s1", "prompt": "hello there"},
+            {"id": "l1", "prompt": long[::-1]}, {"id": "huge", "prompt": "x" * 1100}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    geom = ["--model", "tiny-random", "--batch_buckets", "1,2", "--k_buckets", "0,2", "--num_spec_tokens", "2",
+            "--max_new_tokens", "8", "--input_jsonl", str(inp), "--drafter", "prompt_lookup", "--policy", "2"]
+    auto, fixed = str(tmp_path / "auto.jsonl"), str(tmp_path / "fixed.jsonl")
+    r = run(*geom, "--output_jsonl", auto)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 slot classes served (512, 1024 slots per row)" in r.stderr, r.stderr[-3000:]
+    assert "512 slots]" in r.stderr and "1024 slots]" in r.stderr
+    r = run(*geom, "--output_jsonl", fixed, "--slots", "1024")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ({o["id"]: o for o in _read(p)} for p in (auto, fixed))
+    assert set(a) == {r["id"] for r in recs} and "error" in a["huge"]
+    assert {k: o.get("output_ids") for k, o in a.items()} == {k: o.get("output_ids") for k, o in b.items()}

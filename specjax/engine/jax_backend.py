@@ -329,10 +329,11 @@ class JaxBackend:
     def _restore_prefix(self, job: PrefillJob) -> None:
         """Start ``job`` after the chunks of its prompts the prefix store holds: their segments
         written into a fresh prefill state, which the job's remaining chunks continue."""
-        paths = prefix_store.start_job(self.prefix, job)
+        Bp = self.bucket(len(job.rs))
+        paths = prefix_store.start_job(self.prefix, job, lambda C: self._segment_op_ok(
+            lambda: self.table.segment_put(Bp, self.slots, C, job.run_draft)))
         if not job.next:
             return
-        Bp = self.bucket(len(job.rs))
         state = _zeros_like_info(self.table.state_info(Bp, self.slots, job.run_draft))
         for b, path in enumerate(paths):
             for node in path:
@@ -340,14 +341,20 @@ class JaxBackend:
                 state = put(state, node.segment, np.int32(b), np.int32(node.start))
         job.state = state
 
+    def _segment_op_ok(self, build_call) -> bool:
+        """Whether a prefix-store row operation may run now: always before a warm-up (it compiles
+        on first use); after one, only if built (a warm table refuses to compile it) or, lazy, on
+        disk (loaded on first use); a lazy warm-up's background builds the rest: serving never
+        waits for a compilation the store would only save on."""
+        return not self.table.warm or self.table.ready(build_call, disk=self.table.lazy)
+
     def _store_prefix(self, job: PrefillJob, start: int, C: int, n_valid) -> None:
         """After a chunk: store it for each row that ran it whole (prefix_store.after_chunk)."""
         if self.prefix is None:
             return
         Bp = self.bucket(len(job.rs))
-        if self.table.lazy and not self.table.ready(lambda: self.table.segment_take(Bp, self.slots, C, job.run_draft),
-                                                    disk=False):
-            job.nodes = [None] * len(job.rs)  # (a lazy warm-up has not built the capture yet: nothing waits for it)
+        if not self._segment_op_ok(lambda: self.table.segment_take(Bp, self.slots, C, job.run_draft)):
+            job.nodes = [None] * len(job.rs)  # (not built: nothing waits for the store)
             return
         take = self.table.segment_take(Bp, self.slots, C, job.run_draft)
         prefix_store.after_chunk(self.prefix, job, start, C, n_valid,
@@ -609,9 +616,9 @@ class JaxBackend:
             row_ops += [("insert", B, Bp, rd) for Bp in pbs if Bp <= B for rd in draft_modes]
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))
-        if self.prefix is not None:  # storing and restoring prefilled chunks of every size a prompt runs
-            row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted({c for c, _ in chunks})
-                        for rd in draft_modes]
+        if self.prefix is not None:  # storing and restoring the chunk sizes these prompts run whole
+            whole = {C for n in prompt_lens for s, C in bk.prefill_chunks(n, self.max_chunk) if s + C <= n}
+            row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted(whole) for rd in draft_modes]
         self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0] for B in bbs}
         self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)

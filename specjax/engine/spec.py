@@ -147,7 +147,8 @@ class EngineSpec:
 
     model / dtype: the target (a config name, .gguf file or HF directory). drafter: DrafterSpec
     (name ``none``: plain decoding, compiled at K = 0 only). k_buckets: the compiled Ks;
-    batch_buckets / slots: the engine's rows and KV slots per row; prefill_chunk: prompt chunks;
+    batch_buckets / slots: the engine's rows and KV slots per row (0: sized from a JSONL job's
+    records, serve_job's slot classes); prefill_chunk: prompt chunks;
     prefix_cache_mb: the prefix store's budget (engine.prefix_store; 0: off).
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
     where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8, with
@@ -215,8 +216,8 @@ class EngineSpec:
         if not bbs or bbs[0] < 1:
             raise SpecjaxError(f"--batch_buckets must be >= 1, got {list(bbs)}")
         object.__setattr__(self, "batch_buckets", bbs)
-        if self.slots < 16:
-            raise SpecjaxError(f"--slots must be >= 16, got {self.slots}")
+        if self.slots < 16 and self.slots != 0:
+            raise SpecjaxError(f"--slots must be >= 16 (or 0: sized from the job), got {self.slots}")
         bk.check_prefill_chunk(self.prefill_chunk, "--prefill_chunk")
         if not self.prefix_cache_mb >= 0:
             raise SpecjaxError(f"--prefix_cache_mb must be >= 0 (0: no prefix cache), got {self.prefix_cache_mb}")
