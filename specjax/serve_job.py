@@ -104,7 +104,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
         return req
 
     warmed: dict = {}  # slots -> the (prompt length, greedy) shapes its backend compiled for
-    backends: dict = {backend.slots: backend}  # every backend that served (their summaries)
+    backends: dict = {backend.slots: backend}  # every backend made (their summaries)
+    served: set = set()  # the slot classes served
     runs = []  # (engine, outputs) of every engine run (one per slot class, unless a failure was retried)
     t = dict(compile=0.0, serve=0.0, serve_cpu=0.0)  # serve_cpu: this process's CPU seconds (all threads)
     stats = SpecStats()
@@ -156,6 +157,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             return serve_class(backend, items, list(range(len(items))), emit)
         for S, idx in slot_classes(items, backend.k_max, buckets).items():
             be = backends.get(S) or backends.setdefault(S, make(S))
+            served.add(S)
             try:
                 serve_class(be, [items[i] for i in idx], idx, emit)
             finally:
@@ -202,9 +204,9 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
               f"({sum(tb.ahead_s for tb in tables):.1f} s)"
               + (f"; steps of K {left} not compiled at every batch bucket by the end" if left else ""),
               file=sys.stderr)
-    if make is not None and len(backends) > 1:
-        print(f"KV rows sized from the job: {len(runs)} slot classes served ({', '.join(map(str, sorted(backends)))} "
-              "slots per row)", file=sys.stderr)
+    if make is not None:
+        print(f"KV rows sized from the job: {len(served)} slot class{'es' if len(served) != 1 else ''} served "
+              f"({', '.join(map(str, sorted(served)))} slots per row)", file=sys.stderr)
     prefix = [be.prefix.stats for be in backends.values() if be.prefix is not None and be.prefix.stats.lookups]
     if prefix:
         from specjax.engine.prefix_store import PrefixStats

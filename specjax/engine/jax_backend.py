@@ -321,14 +321,12 @@ class JaxBackend:
             self.row_of[r.uid] = row
             self.samp_of[r.uid] = r.req.sampling
         self._samp = None
-        jobs = make_jobs(rs, self.drafter.draft_prefill, self.prefill_rows, self.max_chunk)
-        for job in jobs:
-            self._restore_prefix(job)
-        self.prefills.add(jobs)
+        self.prefills.add(make_jobs(rs, self.drafter.draft_prefill, self.prefill_rows, self.max_chunk))
 
     def _restore_prefix(self, job: PrefillJob) -> None:
-        """Start ``job`` after the chunks of its prompts the prefix store holds: their segments
-        written into a fresh prefill state, which the job's remaining chunks continue."""
+        """Start ``job`` after the chunks of its prompts the prefix store holds (looked up as the job
+        starts, so the jobs queued before it have stored theirs): their segments written into a
+        fresh prefill state, which the job's remaining chunks continue."""
         Bp = self.bucket(len(job.rs))
         paths = prefix_store.start_job(self.prefix, job, lambda C: self._segment_op_ok(
             lambda: self.table.segment_put(Bp, self.slots, C, job.run_draft)))
@@ -368,7 +366,7 @@ class JaxBackend:
         t0 = time.perf_counter()
         w0 = self.table.late_s
         done = []
-        for job in self.prefills.run(budget, self._run_chunk, self.bucket):
+        for job in self.prefills.run(budget, self._run_chunk, self.bucket, self._restore_prefix):
             Bp = job.state.pending.shape[0]
             dst = np.full(Bp, self.B, np.int32)  # out of range: padding rows are dropped
             for b, r in enumerate(job.rs):

@@ -27,6 +27,7 @@ class PrefillJob:
     next: int = 0  # chunks run so far
     state: Any = None  # the backend's partial state (the real backend: a device StepState)
     nodes: list | None = None  # each row's last chunk in the prefix store (engine.prefix_store)
+    started: bool = False  # PrefillQueue.run called ``begin`` for it
 
     @property
     def done(self) -> bool:
@@ -62,13 +63,19 @@ class PrefillQueue:
         self.jobs.clear()
 
     def run(self, budget: int | None, run_chunk: Callable[[PrefillJob, int, int], None],
-            rows: Callable[[int], int]) -> list[PrefillJob]:
+            rows: Callable[[int], int], begin: Callable[[PrefillJob], None] | None = None) -> list[PrefillJob]:
         """Run chunks in order until ``budget`` tokens (padded rows x chunk size, ``rows``: the
         batch bucket of n requests) are spent, at least one chunk (None: every queued chunk).
-        ``run_chunk(job, start, size)`` runs one. Returns the jobs that finished."""
+        ``run_chunk(job, start, size)`` runs one; ``begin(job)``, before a job's first chunk, may
+        start it later in its plan (the prefix store: chunks the jobs before it stored). Returns
+        the jobs that finished."""
         finished, spent = [], 0
         while self.jobs and (budget is None or spent < budget):
             job = self.jobs[0]
+            if not job.started:
+                job.started = True
+                if begin is not None:
+                    begin(job)
             start, size = job.plan[job.next]
             run_chunk(job, start, size)
             job.next += 1

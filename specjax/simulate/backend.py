@@ -119,10 +119,7 @@ class SimBackend:
     def start_prefill(self, rs: Sequence[Running]) -> None:
         self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
-        jobs = make_jobs(rs, self.device_draft, self.prefill_rows, self.max_chunk)
-        for job in jobs:
-            prefix_store.start_job(self.prefix, job)
-        self.prefills.add(jobs)
+        self.prefills.add(make_jobs(rs, self.device_draft, self.prefill_rows, self.max_chunk))
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """As JaxBackend.advance_prefill, each chunk charged as a prefill of its padded tokens."""
@@ -134,7 +131,7 @@ class SimBackend:
             n = [min(max(len(r.req.prompt) - start, 0), size) for r in job.rs]
             prefix_store.after_chunk(self.prefix, job, start, size, n, size * self.kv_bytes_per_token, lambda b: None)
 
-        done = self.prefills.run(budget, run_chunk, self.bucket)
+        done = self.prefills.run(budget, run_chunk, self.bucket, lambda job: prefix_store.start_job(self.prefix, job))
         return [(r, 0) for job in done for r in job.rs], t
 
     def _draw_would_accept(self, cap: int) -> int:
