@@ -10,7 +10,7 @@
 #   e.g. python benchmarks/make_workload.py --out /tmp/sp.jsonl --shared_prefix 64
 #        bash benchmarks/prefix_cache.sh /tmp/pc /tmp/sp.jsonl none,suffix 32 --slots 2048
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." && { [ -f .venv/bin/activate ] && . .venv/bin/activate; }
 out="$1"; job="$2"; drafters="${3:-none}"; max_new="${4:-32}"; shift $(( $# < 4 ? $# : 4 ))
 py="${PYTHON:-python}"
 mkdir -p "$out"
