@@ -44,8 +44,11 @@ def test_store_keeps_to_its_budget_and_evicts_least_recently_used_leaves():
     store.insert(None, [4] * 32, 0, 16, False, "d", 100)  # evicts b (a was used since)
     assert store.match(a + [0], plan, False) and not store.match(b + [0], plan, False)
     assert store.stats.evicted == 1 and not store.wants(301) and store.insert(None, [5] * 32, 0, 16, False, "e", 301) is None
+    # a chunk whose parent was evicted since its job read it is not stored (it would be unreachable)
+    c = store.match([3] * 32 + [0], plan, False)[0]
     store.clear()
     assert store.nbytes == 0 and len(store) == 0
+    assert store.insert(c, [3] * 32, 16, 16, False, "g", 50) is None and store.nbytes == 0
 
 
 def _serve(be, prompts, sampling, max_new, arrivals):

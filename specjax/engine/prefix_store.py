@@ -131,6 +131,8 @@ class PrefixStore:
         it must be the chunk before). Evicts least recently used leaves to stay within the
         budget, never ``parent``'s path; returns the node (None if it cannot fit)."""
         parent = parent if parent is not None else self.roots[bool(run_draft)]
+        if not self._attached(parent):
+            return None  # (evicted since the job read it: its chunks are no longer a stored path)
         key = chunk_key(prompt, start, size)
         node = parent.children.get(key)
         if node is not None:
@@ -143,6 +145,13 @@ class PrefixStore:
         self.stats.inserted += 1
         self._touch(node)
         return node
+
+    def _attached(self, node: Node) -> bool:
+        while node.parent is not None:
+            if node.parent.children.get(node.key) is not node:
+                return False
+            node = node.parent
+        return any(node is r for r in self.roots.values())
 
     def _make_room(self, nbytes: int, keep: Node) -> bool:
         protected = set()
