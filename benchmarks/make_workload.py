@@ -58,6 +58,12 @@ CODE_TEMPLATE = """Write three pytest test functions for the following Python fu
 {prompt}"""
 
 
+def _write(path, rows) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def _jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -150,24 +156,18 @@ def main():
     a = ap.parse_args()
     if a.conversations:
         rows = multi_turn_job(a.data_dir, a.conversations, a.turns)
-        with open(a.out, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _write(a.out, rows)
         print(f"wrote {len(rows)} records ({a.conversations} conversations x {a.turns} turns) to {a.out}")
         return
     if a.shared_prefix:
         rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars)
-        with open(a.out, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _write(a.out, rows)
         print(f"wrote {len(rows)} records sharing a {len(os.path.commonprefix([r['prompt'] for r in rows]))}-character "
               f"prefix to {a.out}")
         return
     if a.long:
         rows = long_prompts(a.data_dir, a.long)
-        with open(a.out, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        _write(a.out, rows)
         print(f"wrote {len(rows)} long prompts to {a.out}")
         return
     rows = []
@@ -190,9 +190,7 @@ def main():
                     seen[q["category"]] = seen.get(q["category"], 0) + 1
                     open_ended.append(q)
         rows = [r for pair in zip(rows, open_ended) for r in pair]
-    with open(a.out, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    _write(a.out, rows)
     print(f"wrote {len(rows)} prompts to {a.out}")
 
 
