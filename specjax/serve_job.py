@@ -49,14 +49,14 @@ def sampling_of(fields: dict):
                           seed=fields["seed"])
 
 
-def slot_classes(items, k_max: int, buckets) -> dict[int, list[int]]:
+def slot_classes(items, row_need, buckets) -> dict[int, list[int]]:
     """Indices of ``items`` (prepared Requests) by the smallest of the cache-slot ``buckets`` that
-    holds the prompt, its new tokens and one full verify block (the engine's admission rule)."""
+    holds ``row_need(request)`` slots (Scheduler.row_need: the engine's admission rule)."""
     from specjax import buckets as bk
 
     out: dict[int, list[int]] = {}
     for i, r in enumerate(items):
-        out.setdefault(bk.pick(buckets, len(r.prompt) + r.max_new_tokens + k_max + 1, "KV slots"), []).append(i)
+        out.setdefault(bk.pick(buckets, row_need(r), "KV slots"), []).append(i)
     return dict(sorted(out.items()))
 
 
@@ -89,7 +89,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     if make is not None:
         backend = make(buckets[0])  # (the smallest class's; its rows and K stand for every class's)
     # the engine's admission rule (with slot classes: the largest class's)
-    check = Scheduler(backend.num_rows, backend.slots if make is None else buckets[-1], backend.k_max + 1).check
+    sched = Scheduler(backend.num_rows, backend.slots if make is None else buckets[-1], backend.k_max + 1)
+    check = sched.check
 
     def prepare(rec):
         ids = tok.encode_chat(rec.prompt, system) if chat else tok.encode(rec.prompt)
@@ -155,7 +156,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     def generate(items, emit):
         if make is None:
             return serve_class(backend, items, list(range(len(items))), emit)
-        for S, idx in slot_classes(items, backend.k_max, buckets).items():
+        for S, idx in slot_classes(items, sched.row_need, buckets).items():
             be = backends.get(S) or backends.setdefault(S, make(S))
             served.add(S)
             try:
