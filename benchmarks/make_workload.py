@@ -26,6 +26,12 @@ questions behind one shared few-shot block of worked GSM8K training solutions (`
 about 1.1k SmolLM2 tokens by default): the prefix-caching workload (one instruction block and
 the same examples in front of every record).
 
+``--shared_prefix N --prefix_kind json``: the same job as structured extraction instead: one
+shared instruction block asking for a fixed JSON schema (the question copied verbatim, the
+problem's numbers, the calculations, the answer) with worked examples built from GSM8K training
+problems (their numbers and ``<<a*b=c>>`` annotations), then one test problem each: an offline
+extraction job with a long shared template (the AgenticSQL-style pattern of the SuffixDecoding paper).
+
 ``--conversations C --turns T``: a batch job of C conversations resent turn by turn, as a chat
 client does: record (c, t) is conversation c's first t - 1 exchanges (GSM8K training questions
 and their worked answers as the assistant's turns) and its t-th question; every turn repeats the
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -113,17 +120,38 @@ def long_prompts(data_dir: str, n: int) -> list[dict]:
 FEWSHOT_HEAD = "Solve each math word problem step by step, then give the final answer after ####. Examples:\n\n"
 
 
-def shared_prefix_job(data_dir: str, n: int, prefix_chars: int) -> list[dict]:
-    """n batch-job records: the same few-shot block (worked training solutions, ``prefix_chars``
-    characters or a little more), then one test question each (deterministic)."""
+EXTRACT_HEAD = """You are a data extraction service. For each math word problem, answer with one JSON object and nothing else, with exactly these keys in this order:
+{"question": the question being asked, copied verbatim; "numbers": every number in the problem, in order; "calculations": the calculations that solve it, one string each; "answer": the final answer as a number}
+Examples:
+
+"""
+
+
+def _extraction(g: dict) -> str:
+    """The schema's JSON for a worked GSM8K problem (its numbers, its <<a*b=c>> annotations)."""
+    q = g["question"]
+    last = re.split(r"(?<=[.!?])\s+", q.strip())[-1]
+    def num(x):
+        return float(x) if "." in x else int(x)
+
+    return json.dumps({"question": last, "numbers": [num(x) for x in re.findall(r"\d+(?:\.\d+)?", q.replace(",", ""))],
+                       "calculations": re.findall(r"<<([^>]*)>>", g["answer"]),
+                       "answer": num(g["answer"].split("####")[-1].strip().replace(",", ""))})
+
+
+def shared_prefix_job(data_dir: str, n: int, prefix_chars: int, kind: str = "fewshot") -> list[dict]:
+    """n batch-job records: the same block of worked training problems (``prefix_chars``
+    characters or a little more; ``kind`` fewshot: solutions, json: extractions), then one test
+    problem each (deterministic)."""
     gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
     tests = _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))
     shots = []
     while sum(map(len, shots)) < prefix_chars:
         g = gsm[len(shots)]
-        shots.append(f"Question: {g['question']}\nAnswer: {g['answer']}\n\n")
-    head = FEWSHOT_HEAD + "".join(shots)
-    return [{"id": f"gsm{i}", "prompt": head + f"Question: {tests[i % len(tests)]['question']}\nAnswer:"}
+        shots.append(f"Question: {g['question']}\nAnswer: {g['answer']}\n\n" if kind == "fewshot"
+                     else f"Problem: {g['question']}\nJSON: {_extraction(g)}\n\n")
+    head, ask = (FEWSHOT_HEAD, "Question: {}\nAnswer:") if kind == "fewshot" else (EXTRACT_HEAD, "Problem: {}\nJSON:")
+    return [{"id": f"gsm{i}", "prompt": head + "".join(shots) + ask.format(tests[i % len(tests)]["question"])}
             for i in range(n)]
 
 
@@ -151,6 +179,8 @@ def main():
     ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
     ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
+    ap.add_argument("--prefix_kind", choices=("fewshot", "json"), default="fewshot",
+                    help="--shared_prefix's block: worked solutions, or structured extractions")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()
@@ -160,7 +190,7 @@ def main():
         print(f"wrote {len(rows)} records ({a.conversations} conversations x {a.turns} turns) to {a.out}")
         return
     if a.shared_prefix:
-        rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars)
+        rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars, a.prefix_kind)
         _write(a.out, rows)
         print(f"wrote {len(rows)} records sharing a {len(os.path.commonprefix([r['prompt'] for r in rows]))}-character "
               f"prefix to {a.out}")

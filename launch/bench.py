@@ -65,6 +65,8 @@ flags.DEFINE_list("prefill_lens", [], "Also time specjax AR prefill (best of 3, 
 cli.define_drafter_flags(several=["prompt_lookup", "layer_skip"])
 cli.define_forward_flags()
 cli.define_policy_flags()
+cli.define_prefill_flags(prefix_cache_mb=0, why_off="0 by default here: the protocol times each prompt's own "
+                         "prefill; given, a warm-store run (the warm-up's prompts stored, timed prompts reuse them)")
 flags.DEFINE_string("distilled_draft", None, "Also run each device drafter of --drafters with the draft distilled "
                     "into this checkpoint directory (launch/distill.py, --online_distill) as method <drafter>-distilled, "
                     "next to the untrained one.")
@@ -120,10 +122,7 @@ def validate_flags():
         raise SpecjaxError("--policies is empty; give e.g. auto,2,4,8")
     # one EngineSpec per (drafter, policy) pair, each validated
     # (keyed by the policy's resolved name, which a run's tables use: "0" is "none")
-    # (no prefix cache: the protocol times each prompt's own prefill; warm-up and repeated
-    # prefill-by-length runs would otherwise be served from the store)
-    built = [(d, dataclasses.replace(cli.engine_spec_from_flags(drafter=d, policy=p), prefix_cache_mb=0))
-             for p in raw if p.strip() for d in drafters]
+    built = [(d, cli.engine_spec_from_flags(drafter=d, policy=p)) for p in raw if p.strip() for d in drafters]
     specs = {(d, sp.policy.name): sp for d, sp in built}
     policies = list(dict.fromkeys(s.policy.name for s in specs.values()))
     if len(policies) != len([p for p in raw if p.strip()]):
@@ -331,6 +330,10 @@ def bench() -> int:
                                         if f != "draft_checkpoint") + ")")
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "
                  f"({len(mismatches)} mismatches).")
+    if ar.prefix_stats is not None:
+        notes.append(f"Prefix cache on (--prefix_cache_mb {FLAGS.prefix_cache_mb:g}: a warm store, the warm-up's "
+                     "prompts stored), all runs: " + "; ".join(
+                         f"{n}: {g.prefix_stats.line().removeprefix('prefix cache: ')}" for n, g in [("ar", ar), *gens.items()]))
     if hf:
         he, x = hf["env"], over["hf"]
         notes.append(f"transformers peer: transformers {he['transformers']}, torch {he['torch']} (CPU capability "
@@ -412,7 +415,10 @@ def bench() -> int:
                           "compile_events_during_timing": counter.count},
                "summary": summary, "goodput_checks": checks, "num_mismatches": len(mismatches),
                "mismatches": mismatches, "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
-               "hf": hf, "llamacpp": peer_res.get("llamacpp"), "prefill_s": prefill_s, "markdown": md}
+               "hf": hf, "llamacpp": peer_res.get("llamacpp"), "prefill_s": prefill_s, "markdown": md,
+               # the prefix store's hits and prompt tokens reused, per method (None: the store off)
+               "prefix_cache": {n: (None if g.prefix_stats is None else g.prefix_stats.as_dict())
+                                for n, g in [("ar", ar), *gens.items()]}}
         with open(FLAGS.json_out, "w") as f:
             json.dump(res, f, indent=1)
     return 1 if (mismatches and FLAGS.fail_on_mismatch) else 0

@@ -200,16 +200,22 @@ def init_distributed() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def define_prefill_flags(prefix_cache_mb: float = 1024, why_off: str = "") -> None:
+    """Prefill chunks and the prefix store (EngineSpec.prefill_chunk / prefix_cache_mb)."""
+    flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
+                         "of two >= 16); each chunk attends to the cached prefix and itself.")
+    flags.DEFINE_float("prefix_cache_mb", prefix_cache_mb, "Prefix caching: MiB of prefilled prompt chunks kept for "
+                       "later prompts that start with the same tokens (0: off; outputs are identical either way)"
+                       + (f"; {why_off}" if why_off else "."))
+
+
 def define_engine_flags(batch_buckets: str = "1,2,4,8", slots: int = 512) -> None:
     """The serving engine's geometry and prefill (EngineSpec; ServingEngine's prefill_budget)."""
     flags.DEFINE_string("batch_buckets", batch_buckets, "Batch buckets; the engine's KV rows = the largest.")
     flags.DEFINE_integer("slots", slots, "KV slots per request row (prompt + max_new_tokens + K + 1 must fit)"
                          + ("; 0: sized from a JSONL job's records (groups by the slot bucket they need, each served "
                             "with rows of that size), up to the model's context" if not slots else "."))
-    flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
-                         "of two >= 16); each chunk attends to the cached prefix and itself.")
-    flags.DEFINE_float("prefix_cache_mb", 1024, "Prefix caching: MiB of prefilled prompt chunks kept for later "
-                       "prompts that start with the same tokens (0: off; outputs are identical either way).")
+    define_prefill_flags()
     flags.DEFINE_integer("prefill_budget", 0, "Chunked prefill: about this many prompt tokens prefilled per engine "
                          "iteration while other requests decode (0: each prompt whole, at admission).")
 

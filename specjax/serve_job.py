@@ -156,22 +156,26 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     def generate(items, emit):
         if make is None:
             return serve_class(backend, items, list(range(len(items))), emit)
+        store = None  # one prefix store for every class: a long prompt reuses a shorter one's chunks
         for S, idx in slot_classes(items, sched.row_need, buckets).items():
             be = backends.get(S) or backends.setdefault(S, make(S))
+            if store is not None and be.prefix is not None:
+                be.share_prefix(store)
+            store = be.prefix
             served.add(S)
             try:
                 serve_class(be, [items[i] for i in idx], idx, emit)
             finally:
-                # this class's cache, stored prefixes and executables go (their memory maps are
-                # what a process runs out of); its counts stay for the summary
+                # this class's cache and executables go (their memory maps are what a process
+                # runs out of); its counts stay for the summary
                 be.stop_later()
                 be.reset()
                 be.table.release()
                 warmed.pop(S, None)
-                if be.prefix is not None:
-                    be.prefix.clear()
             if job.should_stop():
-                return
+                break
+        if store is not None:
+            store.clear()
 
     wall0 = time.perf_counter()
     # Executables compile when serving first reaches them, the rest ahead in the background (a
@@ -208,7 +212,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     if make is not None:
         print(f"KV rows sized from the job: {len(served)} slot class{'es' if len(served) != 1 else ''} served "
               f"({', '.join(map(str, sorted(served)))} slots per row)", file=sys.stderr)
-    prefix = [be.prefix.stats for be in backends.values() if be.prefix is not None and be.prefix.stats.lookups]
+    prefix = [st.stats for st in {id(be.prefix): be.prefix for be in backends.values() if be.prefix is not None}.values()
+              if st.stats.lookups]  # (each store once: slot classes share one)
     if prefix:
         from specjax.engine.prefix_store import PrefixStats
 

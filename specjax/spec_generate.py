@@ -88,6 +88,9 @@ class SpecGenerator:
             # (a resize copies the whole cache), as the batch they started in.
             be = self._backends[slots] = JaxBackend(self.cfg, self.params, drafter=self.drafter, slots=slots,
                                                     **self.options.knobs(shrink_patience=1 << 30))
+            shared = next((b.prefix for b in self._backends.values() if b is not be and b.prefix is not None), None)
+            if shared is not None:
+                be.share_prefix(shared)  # one prefix store for every slot bucket
             if self.drafter.params is not None and self.dparams is not self.drafter.params:
                 be.swap_draft_params(self.dparams)  # (swapped before this bucket's backend existed)
             # (the backend's own fresh table is dropped when this slot bucket already has one)
@@ -95,6 +98,12 @@ class SpecGenerator:
             be.table.warm = self._compiled.warm
         be.shrink_to_proposal = self.shrink_to_proposal
         return be
+
+    @property
+    def prefix_stats(self):
+        """The prefix store's counts (engine.prefix_store.PrefixStats; None with the store off)."""
+        be = next(iter(self._backends.values()), None)
+        return None if be is None or be.prefix is None else be.prefix.stats
 
     def _compile_signature(self):
         return (self.cfg, self.drafter.draft, self.options.fwd, param_avals(self.params),

@@ -134,9 +134,13 @@ def test_bench_on_tiny_model(tmp_path):
     bm.write_text("# Benchmarks\n\nearlier section kept\n")
     r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "2",
             "--max_new_tokens", "16", "--max_prompt_tokens", "60",
-            "--drafters", "prompt_lookup,suffix", "--num_spec_tokens", "8", "--json_out", str(js), "--markdown_out", str(md), "--benchmarks_md", str(bm))
+            "--drafters", "prompt_lookup,suffix", "--num_spec_tokens", "8", "--json_out", str(js), "--markdown_out", str(md), "--benchmarks_md", str(bm),
+            "--prefix_cache_mb", "64", "--prefill_chunk", "16")  # (a warm store: timed prompts reuse the warm-up's chunks)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(js.read_text())
+    pc = res["prefix_cache"]
+    assert set(pc) == {"ar", "prompt_lookup", "suffix"} and all(p["hits"] >= 1 and p["tokens_saved"] >= 16 for p in pc.values()), pc
+    assert "Prefix cache on (--prefix_cache_mb 64" in r.stdout
     assert [e["category"] for e in res["summary"]] == CATS + ["overall"]
     assert res["num_mismatches"] == 0 and "MISMATCH" not in r.stderr
     assert res["timing"]["compile_events_during_timing"] == 0
@@ -179,6 +183,7 @@ def test_bench_several_policies_per_drafter(tmp_path):
             "--json_out", str(js))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(js.read_text())
+    assert set(res["prefix_cache"].values()) == {None}  # (off unless --prefix_cache_mb is given)
     # ("0" is the policy "none": a drafter's K = 0 path, compared with AR)
     names = [f"{d}@{p}" for d in ("prompt_lookup", "layer_skip") for p in ("auto", "none", "4")]
     assert [m["name"] for m in res["config"]["methods"]] == names and res["config"]["policies"] == ["auto", "none", "4"]

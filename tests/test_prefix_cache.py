@@ -109,6 +109,26 @@ def test_prefix_cache_outputs_are_the_uncached_ones(tiny, drafter):
     assert stats[0].hits >= 8 and stats[0].tokens_saved >= 8 * 32 and stats[1].evicted > 0, stats
 
 
+def test_a_generators_slot_buckets_share_one_store(tiny):
+    """SpecGenerator's backends of different cache-slot buckets serve from one store: a prompt in
+    the 128-slot bucket reuses the chunks a shorter one stored from the 64-slot bucket, with the
+    tokens the generator gives without the store."""
+    from specjax.spec_generate import SpecGenerator
+
+    cfg, params = tiny
+    rng = np.random.default_rng(3)
+    short = [int(t) for t in rng.integers(1, cfg.vocab_size, 40)]
+    long = short[:32] + [int(t) for t in rng.integers(1, cfg.vocab_size, 60)]
+    common = dict(k_buckets=(0,), batch_buckets=(1,), slot_buckets=(64, 128), prefill_chunk=16)
+    off = SpecGenerator(cfg, params, prefix_cache_mb=0, **common)
+    on = SpecGenerator(cfg, params, **common)
+    for p in (short, long):
+        assert (on.generate([p], max_new_tokens=4, num_spec_tokens=0)[0].tokens
+                == off.generate([p], max_new_tokens=4, num_spec_tokens=0)[0].tokens)
+    assert on.backend(64).prefix is on.backend(128).prefix and off.prefix_stats is None
+    assert (on.prefix_stats.hits, on.prefix_stats.tokens_saved) == (1, 32), on.prefix_stats
+
+
 def test_the_simulator_charges_only_the_chunks_it_prefills():
     """SimBackend runs the engine's store rule: of ten requests sharing a 1,100-token prefix
     (chunks of 512), the first prefills everything, the rest start after two stored chunks, and

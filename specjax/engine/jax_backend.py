@@ -211,6 +211,13 @@ class JaxBackend:
         ops, self.row_ops = self.row_ops, []
         return ops
 
+    def share_prefix(self, store: prefix_store.PrefixStore) -> None:
+        """Serve from ``store``, another backend's prefix store (same model and options), instead of
+        this backend's own: a segment is one row's chunk, whatever the row's slot count or the
+        batch's size, so the slot classes of a job (serve_job) reuse each other's prefixes."""
+        require(self.prefix is not None, "this backend's prefix cache is off (prefix_cache_mb=0)")
+        self.prefix = store
+
     def swap_draft_params(self, new) -> None:
         """Run the device draft on ``new`` from the next step on (online distillation). Same tree,
         shapes and dtypes as the compiled draft (a one-line error otherwise), so no executable
