@@ -16,8 +16,6 @@ import time
 import weakref
 from typing import Literal, Sequence
 
-import jax
-
 from specjax.config import ModelConfig
 from specjax.drafters.kinds import as_drafter
 from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals

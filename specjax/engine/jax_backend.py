@@ -597,7 +597,6 @@ class JaxBackend:
         outputs do not change. Returns seconds."""
         t0 = time.perf_counter()
         self.stop_later()  # (an earlier warm-up's steps it did not finish stay out of k_options)
-        S = self.slots
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
         draft_modes = (True, False) if self.drafter.draft_prefill else (False,)
         bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
