@@ -2,7 +2,7 @@
 # Prefix caching end to end: a batch job whose records share a long prefix
 # (benchmarks/make_workload.py --shared_prefix), served by launch/batch.py without the prefix
 # store (--prefix_cache_mb 0) and with it (the default budget), alternated ROUNDS times (default
-# 2) for each drafter (none = AR), everything compiled before serving (--compile ahead). Prints
+# 2) for each drafter (none = AR; MBS=1024: only with it), everything compiled before serving (--compile ahead). Prints
 # one Markdown row per run from the job summaries (serving seconds and tok/s, compilation
 # excluded; the store's hits and prompt tokens reused) and checks that every run's outputs equal
 # the first run's (greedy: they must, with or without the store, with or without a drafter).
@@ -19,7 +19,7 @@ echo "|---|---|---|---|---|---|---|---|"
 first=""
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for d in ${drafters//,/ }; do
-    for mb in 0 1024; do
+    for mb in ${MBS:-0 1024}; do
       name="r${r}_${d}_mb${mb}"
       rm -f "$out/$name.jsonl"
       "$py" launch/batch.py --chat --input_jsonl "$job" --output_jsonl "$out/$name.jsonl" --drafter "$d" \

@@ -268,7 +268,7 @@ def test_kv_rows_are_sized_from_the_job_without_a_slots_flag(tmp_path):
             {"id": "l1", "prompt": long[::-1]}, {"id": "huge", "prompt": "x" * 1100},
             {"id": "p0", "prompt": shared + "?"}, {"id": "p1", "prompt": shared + long}]
     inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    geom = ["--model", "tiny-random", "--batch_buckets", "1,2", "--k_buckets", "0,2", "--num_spec_tokens", "2",
+    geom = ["--model", "tiny-random", "--batch_buckets", "1", "--k_buckets", "0,2", "--num_spec_tokens", "2",
             "--max_new_tokens", "8", "--input_jsonl", str(inp), "--drafter", "prompt_lookup", "--policy", "2",
             "--prefill_chunk", "128"]
     auto, fixed = str(tmp_path / "auto.jsonl"), str(tmp_path / "fixed.jsonl")
