@@ -31,6 +31,7 @@ shared instruction block asking for a fixed JSON schema (the question copied ver
 problem's numbers, the calculations, the answer) with worked examples built from GSM8K training
 problems (their numbers and ``<<a*b=c>>`` annotations), then one test problem each: an offline
 extraction job with a long shared template (the AgenticSQL-style pattern of the SuffixDecoding paper).
+``--prefix_kind both``: a job with two templates, the two kinds' records interleaved.
 
 ``--conversations C --turns T``: a batch job of C conversations resent turn by turn, as a chat
 client does: record (c, t) is conversation c's first t - 1 exchanges (GSM8K training questions
@@ -143,6 +144,9 @@ def shared_prefix_job(data_dir: str, n: int, prefix_chars: int, kind: str = "few
     """n batch-job records: the same block of worked training problems (``prefix_chars``
     characters or a little more; ``kind`` fewshot: solutions, json: extractions), then one test
     problem each (deterministic)."""
+    if kind == "both":  # a job with two templates: the two blocks' records interleaved
+        a, b = (shared_prefix_job(data_dir, (n + 1) // 2, prefix_chars, k) for k in ("fewshot", "json"))
+        return [dict(r, id=f"{k}-{r['id']}") for pair in zip(a, b) for k, r in zip(("fewshot", "json"), pair)][:n]
     gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
     tests = _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))
     shots = []
@@ -179,8 +183,8 @@ def main():
     ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
     ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
-    ap.add_argument("--prefix_kind", choices=("fewshot", "json"), default="fewshot",
-                    help="--shared_prefix's block: worked solutions, or structured extractions")
+    ap.add_argument("--prefix_kind", choices=("fewshot", "json", "both"), default="fewshot",
+                    help="--shared_prefix's block: worked solutions, structured extractions, or both interleaved")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()
@@ -192,8 +196,10 @@ def main():
     if a.shared_prefix:
         rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars, a.prefix_kind)
         _write(a.out, rows)
-        print(f"wrote {len(rows)} records sharing a {len(os.path.commonprefix([r['prompt'] for r in rows]))}-character "
-              f"prefix to {a.out}")
+        kinds = [[r["prompt"] for r in rows if r["id"].startswith(k)] for k in ("fewshot", "json")] if a.prefix_kind == "both" \
+            else [[r["prompt"] for r in rows]]
+        print(f"wrote {len(rows)} records sharing {' and '.join(str(len(os.path.commonprefix(k))) for k in kinds)}-character "
+              f"prefixes to {a.out}")
         return
     if a.long:
         rows = long_prompts(a.data_dir, a.long)

@@ -60,6 +60,17 @@ def slot_classes(items, row_need, buckets) -> dict[int, list[int]]:
     return dict(sorted(out.items()))
 
 
+def prefix_order(items, idx) -> list[int]:
+    """``idx`` (indices of prepared Requests) with the records that share a prompt prefix next to
+    each other, so that a prefix store serves them while it still holds that prefix (a job whose
+    templates are interleaved would otherwise evict one for the other under a tight budget).
+    Sorting the prompts' token bytes groups every shared prefix (memcmp order, not numeric: only
+    adjacency matters); records with equal prompts keep their job order."""
+    import numpy as np
+
+    return sorted(idx, key=lambda i: np.asarray(items[i].prompt, np.int32).tobytes())
+
+
 def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, chat: bool = False,
               system: str | None = None, ignore_eos: bool = False, prefill_budget: int | None = None,
               drafts=None, compile_ahead: bool = False) -> int:
@@ -155,13 +166,17 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
 
     def generate(items, emit):
         if make is None:
-            return serve_class(backend, items, list(range(len(items))), emit)
+            idx = list(range(len(items)))
+            idx = prefix_order(items, idx) if backend.prefix is not None else idx
+            return serve_class(backend, [items[i] for i in idx], idx, emit)
         store = None  # one prefix store for every class: a long prompt reuses a shorter one's chunks
         for S, idx in slot_classes(items, sched.row_need, buckets).items():
             be = backends.get(S) or backends.setdefault(S, make(S))
             if store is not None and be.prefix is not None:
                 be.share_prefix(store)
             store = be.prefix
+            if store is not None:
+                idx = prefix_order(items, idx)
             served.add(S)
             try:
                 serve_class(be, [items[i] for i in idx], idx, emit)

@@ -129,6 +129,24 @@ def test_a_generators_slot_buckets_share_one_store(tiny):
     assert (on.prefix_stats.hits, on.prefix_stats.tokens_saved) == (1, 32), on.prefix_stats
 
 
+def test_a_job_serves_records_sharing_a_prefix_together():
+    """serve_job's order: records whose prompts share a prefix are next to each other (a job
+    whose templates are interleaved keeps each template stored while its records run); equal
+    prompts keep their job order."""
+    from types import SimpleNamespace
+
+    from specjax.serve_job import prefix_order
+
+    a, b = [5, 300, 7, 9], [5, 300, 8]
+    prompts = [a + [1], b + [2], a + [3], [70000], b + [1], a + [1], b]
+    order = prefix_order([SimpleNamespace(prompt=p) for p in prompts], range(len(prompts)))
+    assert sorted(order) == list(range(len(prompts)))
+    runs = [tuple(prompts[i][:3]) for i in order]
+    assert runs.count(tuple(a[:3])) == 3 and runs.count(tuple(b[:3])) == 3
+    assert all(runs[j] == runs[j + 1] or runs[j] not in runs[j + 1:] for j in range(len(runs) - 1)), order  # grouped
+    assert order.index(0) < order.index(5)  # (equal prompts: job order)
+
+
 def test_the_simulator_charges_only_the_chunks_it_prefills():
     """SimBackend runs the engine's store rule: of ten requests sharing a 1,100-token prefix
     (chunks of 512), the first prefills everything, the rest start after two stored chunks, and
