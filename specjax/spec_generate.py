@@ -86,11 +86,11 @@ class SpecGenerator:
             # (a resize copies the whole cache), as the batch they started in.
             be = self._backends[slots] = JaxBackend(self.cfg, self.params, drafter=self.drafter, slots=slots,
                                                     **self.options.knobs(shrink_patience=1 << 30))
-            shared = next((b.prefix for b in self._backends.values() if b is not be and b.prefix is not None), None)
-            if shared is not None:
-                be.share_prefix(shared)  # one prefix store for every slot bucket
             if self.drafter.params is not None and self.dparams is not self.drafter.params:
                 be.swap_draft_params(self.dparams)  # (swapped before this bucket's backend existed)
+            shared = next((b.prefix for b in self._backends.values() if b is not be and b.prefix is not None), None)
+            if shared is not None:  # (after the swap: the shared store's entries are the current draft's)
+                be.share_prefix(shared)  # one prefix store for every slot bucket
             # (the backend's own fresh table is dropped when this slot bucket already has one)
             be.table = self._compiled.tables.setdefault(slots, be.table)
             be.table.warm = self._compiled.warm
