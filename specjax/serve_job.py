@@ -122,7 +122,10 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     t = dict(compile=0.0, serve=0.0, serve_cpu=0.0)  # serve_cpu: this process's CPU seconds (all threads)
     stats = SpecStats()
 
-    def serve_class(be, items, idx, emit):
+    def serve_class(be, job_items, idx, emit):
+        # (with a prefix store: records sharing a prefix one after another, while it holds it)
+        idx = prefix_order(job_items, idx) if be.prefix is not None else idx
+        items = [job_items[i] for i in idx]
         shapes = {(len(r.prompt), r.sampling.greedy) for r in items} - warmed.setdefault(be.slots, set())
         if shapes:  # what this run may need (a retry needs nothing new)
             t0 = time.perf_counter()
@@ -166,20 +169,16 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
 
     def generate(items, emit):
         if make is None:
-            idx = list(range(len(items)))
-            idx = prefix_order(items, idx) if backend.prefix is not None else idx
-            return serve_class(backend, [items[i] for i in idx], idx, emit)
+            return serve_class(backend, items, list(range(len(items))), emit)
         store = None  # one prefix store for every class: a long prompt reuses a shorter one's chunks
         for S, idx in slot_classes(items, sched.row_need, buckets).items():
             be = backends.get(S) or backends.setdefault(S, make(S))
             if store is not None and be.prefix is not None:
                 be.share_prefix(store)
             store = be.prefix
-            if store is not None:
-                idx = prefix_order(items, idx)
             served.add(S)
             try:
-                serve_class(be, [items[i] for i in idx], idx, emit)
+                serve_class(be, items, idx, emit)
             finally:
                 # this class's cache and executables go (their memory maps are what a process
                 # runs out of); its counts stay for the summary
