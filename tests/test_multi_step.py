@@ -189,7 +189,8 @@ def test_speculative_steps_and_decode_calls_share_a_state(be, reference):
 
 def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     """SmartSpec choosing K = 0 again and again runs 1, 2, 4, ... K = 0 steps per call (the
-    backend's decode_steps caps it), with the reference's tokens; a K > 0 choice ends the run."""
+    backend's decode_steps caps it), with the reference's tokens; a K > 0 step that paid ends the
+    run, one that did not leaves its length."""
     costly = StepCostModel(target=LinearCost(0.0, 1e-2, 1e-3))  # every verified token costs: K = 0 wins
     reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
     outs, eng, calls = _serve(be, reqs, GoodputPolicy(costly))
@@ -199,5 +200,15 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     cheap = GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2)))  # verifying is free: speculate
     view = BatchView(ctx_lens=[20], bucket=1, k_options=(0, 2), request_ids=["a"], draft_lens=[2])
     none = dataclasses.replace(view, draft_lens=[0])
-    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none, none, view, none)] == \
-        [(0, 1), (0, 2), (0, 4), (2, 1), (0, 1)]
+    def spec_step(accepted, seconds):  # a K = 2 choice, its verification and its time
+        k = cheap.choose(view)
+        cheap.observe(k, [2], [accepted], ["a"])
+        cheap.observe_time(view, k, 3, seconds)
+        return k, cheap.plain_steps
+
+    t0 = cheap.step_cost(none, 0)
+    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none, none)] == [(0, 1), (0, 2), (0, 4)]
+    assert spec_step(2, 1.5 * t0) == (2, 1)  # 3 tokens in 1.5 plain steps' time: it paid
+    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none)] == [(0, 1), (0, 2)]  # a new run
+    assert spec_step(0, 1.5 * t0) == (2, 1)  # nothing accepted: 1 token in 1.5 plain steps' time
+    assert (cheap.choose(none), cheap.plain_steps) == (0, 4)  # the run goes on

@@ -162,7 +162,8 @@ class GoodputPolicy(Policy):
         self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
-        self._plain_run = 0  # K = 0 choices in a row (plain_steps)
+        self._plain_run = 0  # K = 0 choices since the last speculative step that paid (plain_steps)
+        self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
     def draft_threshold(self) -> float | None:
@@ -249,6 +250,9 @@ class GoodputPolicy(Policy):
         return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
+        if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
+            self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
+        self._accepted = 0
         if self.calibration is not None:
             self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
@@ -282,9 +286,13 @@ class GoodputPolicy(Policy):
         """K = 0 chosen again and again (a drafter that finds nothing on this text): commit to a
         run of K = 0 steps that doubles with every such choice (1, 2, 4, ...; the backend's
         decode_steps caps it), so the engine runs them as one device call with no proposal,
-        choice or host round trip per token, as plain decoding does. A K > 0 choice ends the
-        run: where speculation pays, a choice is due every step."""
-        self._plain_run = self._plain_run + 1 if k == 0 else 0
+        choice or host round trip per token, as plain decoding does. A K > 0 step runs alone;
+        only one that paid (``observe_time``) restarts the run at one step: where speculation
+        pays, a choice is due every step. One that did not (the rare draft of open-ended text,
+        mostly rejected) leaves the run's length, else every such step would cost a ramp of
+        short calls, each paying a call's fixed cost over few tokens."""
+        if k == 0:
+            self._plain_run += 1
         self.plain_steps = 1 << min(self._plain_run - 1, 16) if k == 0 else 1
 
     def _gate_draft_call(self, view: BatchView, best_k: int) -> None:
@@ -339,6 +347,8 @@ class GoodputPolicy(Policy):
         (measured acceptance can change as requests change) instead of never again."""
         if k > 0 and np.sum(drafted) > 0:
             self._stale = 0
+            if classes is None:  # the step's own verification (not a shadow-verified proposal)
+                self._accepted = int(np.sum(accepted))
             if classes is None and self._classes:
                 classes = [self._classes.get(r) for r in request_ids]
             self.acc.observe(drafted, accepted, k, request_ids, classes)
