@@ -66,11 +66,18 @@ def _executable_cache(tmp_path_factory):
     engine compiles what an earlier test compiled (same compile key and argument shapes) loads it
     instead, as a warm launch does. Launch scripts run as subprocesses share it through
     $SPECJAX_CACHE_DIR, so the suite neither reads nor fills the user's ~/.cache/specjax, and a run
-    starts cold wherever it runs (CI and a developer's machine time the same work)."""
+    starts cold wherever it runs (CI and a developer's machine time the same work). The xdist
+    workers of one run share it (their base temporary folders' parent): the same program is then
+    compiled once per run, not once per worker (entries are written by an atomic rename, and a
+    damaged one is compiled again)."""
     from specjax import ondisk
     from specjax.engine import exe_cache
 
-    root = str(tmp_path_factory.mktemp("specjax-cache"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    (base / "specjax-cache").mkdir(exist_ok=True)
+    root = str(base / "specjax-cache")
     old = os.environ.get("SPECJAX_CACHE_DIR")
     os.environ["SPECJAX_CACHE_DIR"] = root
     exe_cache.set_directory(ondisk.cache_dir("executables", root=root))
