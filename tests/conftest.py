@@ -76,8 +76,9 @@ def _executable_cache(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
-    (base / "specjax-cache").mkdir(exist_ok=True)
-    root = str(base / "specjax-cache")
+    root = base / "specjax-cache"
+    root.mkdir(exist_ok=True)
+    root = str(root)
     old = os.environ.get("SPECJAX_CACHE_DIR")
     os.environ["SPECJAX_CACHE_DIR"] = root
     exe_cache.set_directory(ondisk.cache_dir("executables", root=root))

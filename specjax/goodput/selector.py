@@ -349,8 +349,8 @@ class GoodputPolicy(Policy):
             self._stale = 0
             if classes is None:  # the step's own verification (not a shadow-verified proposal)
                 self._accepted = int(np.sum(accepted))
-            if classes is None and self._classes:
-                classes = [self._classes.get(r) for r in request_ids]
+                if self._classes:
+                    classes = [self._classes.get(r) for r in request_ids]
             self.acc.observe(drafted, accepted, k, request_ids, classes)
             self._calibrate_scores(drafted, accepted, request_ids)
             return
