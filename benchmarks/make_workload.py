@@ -31,7 +31,11 @@ shared instruction block asking for a fixed JSON schema (the question copied ver
 problem's numbers, the calculations, the answer) with worked examples built from GSM8K training
 problems (their numbers and ``<<a*b=c>>`` annotations), then one test problem each: an offline
 extraction job with a long shared template (the AgenticSQL-style pattern of the SuffixDecoding paper).
-``--prefix_kind both``: a job with two templates, the two kinds' records interleaved.
+``--prefix_kind code``: a code-rewriting job instead: one shared module (HumanEval functions with
+their solutions, from the start of the set), then a request to rewrite one later HumanEval
+function in the module's style with more descriptive names: SmolLM2's answers copy most of the
+function (the kind of offline job where SuffixDecoding pays). ``--prefix_kind both``: a job with two
+templates (fewshot and json), the two kinds' records interleaved.
 
 ``--conversations C --turns T``: a batch job of C conversations resent turn by turn, as a chat
 client does: record (c, t) is conversation c's first t - 1 exchanges (GSM8K training questions
@@ -128,6 +132,10 @@ Examples:
 """
 
 
+CODE_TASK = ("Rewrite the following new function in the same style as the module, with more descriptive variable "
+             "names. Reply with only the code.")
+
+
 def _extraction(g: dict) -> str:
     """The schema's JSON for a worked GSM8K problem (its numbers, its <<a*b=c>> annotations)."""
     q = g["question"]
@@ -147,6 +155,15 @@ def shared_prefix_job(data_dir: str, n: int, prefix_chars: int, kind: str = "few
     if kind == "both":  # a job with two templates: the two blocks' records interleaved
         a, b = (shared_prefix_job(data_dir, (n + 1) // 2, prefix_chars, k) for k in ("fewshot", "json"))
         return [dict(r, id=f"{k}-{r['id']}") for pair in zip(a, b) for k, r in zip(("fewshot", "json"), pair)][:n]
+    if kind == "code":  # the module from HumanEval's start, the records' functions from its end
+        code = _jsonl(os.path.join(data_dir, "humaneval", "HumanEval.jsonl"))
+        src = [(c["prompt"] + c["canonical_solution"]).strip() for c in code]
+        module = []
+        while sum(map(len, module)) < prefix_chars:
+            module.append(src[len(module)])
+        head = "Here is our project's module:\n\n```python\n" + "\n\n\n".join(module) + "\n```\n\n" + CODE_TASK
+        return [{"id": code[-1 - i]["task_id"].replace("/", "_"), "prompt": f"{head}\n\n```python\n{src[-1 - i]}\n```"}
+                for i in range(n)]
     gsm = _jsonl(os.path.join(data_dir, "gsm8k", "train.jsonl"))
     tests = _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))
     shots = []
@@ -183,8 +200,8 @@ def main():
     ap.add_argument("--long", type=int, default=0, help="write N long prompts of each kind instead")
     ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
-    ap.add_argument("--prefix_kind", choices=("fewshot", "json", "both"), default="fewshot",
-                    help="--shared_prefix's block: worked solutions, structured extractions, or both interleaved")
+    ap.add_argument("--prefix_kind", choices=("fewshot", "json", "code", "both"), default="fewshot",
+                    help="--shared_prefix's block: worked solutions, structured extractions, code cleanup, or fewshot and json interleaved")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()

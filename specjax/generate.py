@@ -26,10 +26,11 @@ class Generator(SpecGenerator):
 
     def __init__(self, cfg: ModelConfig, params, *, eos_ids: Sequence[int] = (),
                  batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS, fwd: ForwardOptions = ForwardOptions(),
-                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB):
+                 prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK, prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB,
+                 prefix_cache_outputs: bool = False):
         super().__init__(cfg, params, eos_ids=eos_ids, k_buckets=(0,), batch_buckets=batch_buckets,
                          slot_buckets=bk.context_slot_buckets(cfg.max_position), fwd=fwd, prefill_chunk=prefill_chunk,
-                         prefix_cache_mb=prefix_cache_mb)
+                         prefix_cache_mb=prefix_cache_mb, prefix_cache_outputs=prefix_cache_outputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  max_new_tokens: int = 128, ignore_eos: bool = False, num_spec_tokens: int = 0,

@@ -129,6 +129,53 @@ def test_a_generators_slot_buckets_share_one_store(tiny):
     assert (on.prefix_stats.hits, on.prefix_stats.tokens_saved) == (1, 32), on.prefix_stats
 
 
+def test_finished_outputs_serve_a_conversations_next_turn(tiny):
+    """prefix_cache_outputs: a finished request's prompt + output chunks are stored from its row,
+    so the next turn (prompt, output, a new message) prefills only what follows them, with the
+    tokens of a generator without the store; the stored chunks are what a prefill of the same
+    tokens stores (KV to rounding; length, last and next token exactly)."""
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.errors import SpecjaxError
+    from specjax.spec_generate import SpecGenerator
+
+    cfg, params = tiny
+    rng = np.random.default_rng(5)
+    first, message, other = ([int(t) for t in rng.integers(1, cfg.vocab_size, n)] for n in (40, 10, 20))
+    common = dict(k_buckets=(0, 2), batch_buckets=(1, 2), slot_buckets=(128,), prefill_chunk=16,
+                  drafter=PromptLookupDrafter())
+    gens = {name: SpecGenerator(cfg, params, **common, **kw) for name, kw in
+            (("off", dict(prefix_cache_mb=0)), ("prompts", {}), ("outputs", dict(prefix_cache_outputs=True)))}
+    turns, saved = {}, {}
+    for name, g in gens.items():  # turn 1 beside another request, then turn 2
+        one = g.generate([first, other], max_new_tokens=30, num_spec_tokens=2)[0].tokens
+        before = g.prefix_stats.tokens_saved if g.prefix_stats else 0
+        turns[name] = (one, g.generate([first + one + message], max_new_tokens=8, num_spec_tokens=2)[0].tokens)
+        saved[name] = g.prefix_stats.tokens_saved - before if g.prefix_stats else 0
+    assert turns["outputs"] == turns["off"] == turns["prompts"]
+    # turn 2 (40 + 30 + 10 tokens) reuses the prompt's two whole chunks, or with the outputs
+    # stored the four within the 69 tokens turn 1's row holds
+    assert (saved["prompts"], saved["outputs"]) == (32, 64), saved
+    assert gens["outputs"].prefix_stats.from_outputs >= 2 and gens["prompts"].prefix_stats.from_outputs == 0
+    # the chunks stored from the row against those a prefill of the same tokens stores
+    second = first + turns["off"][0] + message
+    gens["prompts"].generate([second + [1] * 16], max_new_tokens=1, num_spec_tokens=2)
+    a, b = (gens[n].backend(128).prefix for n in ("outputs", "prompts"))
+    na = nb = None
+    for start in range(0, 64, 16):
+        na, nb = a.child(na, second, start, 16, False), b.child(nb, second, start, 16, False)
+        got, want = na.segment, nb.segment
+        for f in ("k", "v"):
+            np.testing.assert_allclose(np.asarray(got["cache"][f]), np.asarray(want["cache"][f]), rtol=1e-4, atol=1e-5)
+        assert [int(got[f]) for f in ("prev", "pending")] == [int(want[f]) for f in ("prev", "pending")], start
+        assert int(got["cache"]["lengths"]) == int(want["cache"]["lengths"]) == start + 16
+    with pytest.raises(SpecjaxError, match="host drafters"):
+        from specjax.drafters import eagle
+
+        d, dp = eagle.init_params(cfg, params)
+        JaxBackend(cfg, params, draft=d, draft_params=dp, prefix_cache_outputs=True)
+
+
 def test_a_job_serves_records_sharing_a_prefix_together():
     """serve_job's order: records whose prompts share a prefix are next to each other (a job
     whose templates are interleaved keeps each template stored while its records run); equal

@@ -178,6 +178,9 @@ class JaxBackend:
         # generator's later calls reuse them too)
         self.prefix = (prefix_store.PrefixStore(int(opt.prefix_cache_mb * 2 ** 20)) if opt.prefix_cache_mb > 0
                        else None)
+        require(not opt.prefix_cache_outputs or d.draft is None,
+                "prefix_cache_outputs works with plain decoding and the host drafters: a device draft's cache "
+                "is not kept by position during decoding")
         self.reset()
 
     # ------------------------------------------------------------ state
@@ -365,6 +368,31 @@ class JaxBackend:
         prefix_store.after_chunk(self.prefix, job, start, C, n_valid,
                                  self.table.segment_bytes(Bp, self.slots, C, job.run_draft),
                                  lambda b: take(job.state, np.int32(b), np.int32(start)))
+
+    def _store_output(self, r: Running) -> None:
+        """A finished request's prompt + output chunks into the prefix store, from its row
+        (prefix_store.after_output). Its row holds the KV of every token but the last output
+        (sampled, never fed back); a stored segment is the row as a prefill of its chunk leaves
+        it (length, last token, next token)."""
+        seq = list(r.req.prompt) + list(r.out.tokens)
+        kv_len = min(r.ctx_len, len(seq) - 1)
+        C, row = self.max_chunk, self.row_of[r.uid]
+        if self.state is None or kv_len < C or not self._segment_op_ok(
+                lambda: self.table.segment_take(self.B, self.slots, C, False)):
+            return
+        take = self.table.segment_take(self.B, self.slots, C, False)
+
+        def capture(start: int) -> dict:
+            seg = take(self.state, np.int32(row), np.int32(start))
+            end = start + C
+            fix = {"prev": seq[end - 1], "pending": seq[end]}
+            seg = {**seg, **{n: jax.device_put(np.asarray(v, seg[n].dtype), seg[n].sharding) for n, v in fix.items()}}
+            lengths = seg["cache"]["lengths"]
+            seg["cache"] = {**seg["cache"], "lengths": jax.device_put(np.asarray(end, lengths.dtype), lengths.sharding)}
+            return seg
+
+        prefix_store.after_output(self.prefix, seq, kv_len, C, self.table.segment_bytes(self.B, self.slots, C, False),
+                                  capture)
 
     def advance_prefill(self, budget: int | None = None) -> tuple[list[tuple[Running, int]], float]:
         """Run queued prefill chunks (PrefillQueue.run: ``budget`` tokens, at least one chunk;
@@ -561,6 +589,8 @@ class JaxBackend:
         return x
 
     def release(self, r: Running) -> None:
+        if self.options.prefix_cache_outputs and r.out.tokens:
+            self._store_output(r)
         row = self.row_of.pop(r.uid)
         self.rows[row] = None
         self.samp_of.pop(r.uid, None)
@@ -623,6 +653,8 @@ class JaxBackend:
         if self.prefix is not None:  # storing and restoring the chunk sizes these prompts run whole
             whole = {C for n in prompt_lens for s, C in bk.prefill_chunks(n, self.max_chunk) if s + C <= n}
             row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted(whole) for rd in draft_modes]
+            if self.options.prefix_cache_outputs:  # taking a finished request's chunks from the live state
+                row_ops += [j for j in (("segment", B, self.max_chunk, False) for B in bbs) if j not in row_ops]
         self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0] for B in bbs}
         self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)

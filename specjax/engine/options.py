@@ -44,6 +44,10 @@ class BackendOptions:
     # prefix caching (engine.prefix_store): MiB of prefilled prompt chunks kept for prompts that
     # repeat them; 0 turns it off (outputs are the same either way)
     prefix_cache_mb: float = bk.DEFAULT_PREFIX_CACHE_MB
+    # ... and, on request, the full chunks of a finished request's prompt + output, taken from its
+    # row (prefix_store.after_output: a conversation's next turn; KV from decode steps, equal to
+    # a prefill's to rounding only, hence off by default); plain decoding and host drafters
+    prefix_cache_outputs: bool = False
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
@@ -54,6 +58,8 @@ class BackendOptions:
         require(self.prefill_rows is None or self.prefill_rows >= 1,
                 f"prefill_rows must be >= 1, got {self.prefill_rows}")
         require(self.prefix_cache_mb >= 0, f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
+        require(not self.prefix_cache_outputs or self.prefix_cache_mb > 0,
+                "prefix_cache_outputs stores outputs in the prefix cache: give it a budget (prefix_cache_mb > 0)")
         require(n is None or n == 1 or not (self.teacher_topk or self.layout is not None),
                 "decode_steps > 1 runs on one device without a teacher signal (no layout, no teacher_topk)")
 

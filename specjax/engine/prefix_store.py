@@ -16,6 +16,13 @@ recently used leaves evicted first (a node is evicted only after its children, s
 path is whole), and counts for the job summary. Entries with and without the device draft's
 cache are kept apart (``run_draft``: a request admitted without the draft prefill may reuse
 neither kind for the other).
+
+Finished outputs, on request (``after_output``; BackendOptions.prefix_cache_outputs): when a
+request ends, the full chunks of its prompt + output that the store lacks are taken from its
+serving row, so a conversation's next turn, which resends both, prefills only what follows.
+Those entries come from decode and verify steps, not from a prefill: their KV equals a
+prefill's to rounding, not bit for bit, so a next turn's tokens equal a cold prefill's except
+where the target's top two logits are that close; off by default for that reason.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class PrefixStats:
     tokens_saved: int = 0  # prompt tokens not prefilled thanks to the store
     tokens_prefilled: int = 0  # prompt tokens prefilled (padding excluded)
     inserted: int = 0  # chunks stored
+    from_outputs: int = 0  # ... of them taken from finished outputs (after_output)
     evicted: int = 0  # chunks evicted
 
     def as_dict(self) -> dict:
@@ -65,7 +73,8 @@ class PrefixStats:
         d = self.as_dict()
         return (f"prefix cache: {self.hits}/{self.lookups} prompts hit ({d['hit_rate']:.0%}), "
                 f"{self.tokens_saved} of {self.tokens_saved + self.tokens_prefilled} prompt tokens reused "
-                f"({d['saved_fraction']:.0%}), {self.inserted} chunks stored, {self.evicted} evicted")
+                f"({d['saved_fraction']:.0%}), {self.inserted} chunks stored"
+                + (f" ({self.from_outputs} from outputs)" if self.from_outputs else "") + f", {self.evicted} evicted")
 
 
 class PrefixStore:
@@ -222,3 +231,27 @@ def after_chunk(store: PrefixStore | None, job, start: int, size: int, n_valid: 
         if node is None and store.wants(nbytes):
             node = store.insert(parent, r.req.prompt, start, size, job.run_draft, capture(b), nbytes)
         job.nodes[b] = node
+
+
+def after_output(store: PrefixStore | None, seq: Sequence[int], kv_len: int, size: int, nbytes: int, capture) -> int:
+    """After a request finished whose row holds the KV of ``seq[:kv_len]`` (its prompt and all
+    but its last output token): store the chunks of ``size`` tokens from ``seq``'s start that lie
+    within ``kv_len`` and are not stored yet (a prompt's plan runs full chunks of its largest size
+    first, so a longer prompt that starts with ``seq`` walks these), ``capture(start)`` giving
+    the row's segment of [start, start + size). Only entries without a draft cache. Returns the
+    chunks stored."""
+    if store is None or not store.wants(nbytes):
+        return 0
+    node, stored = None, 0
+    for start in range(0, kv_len - size + 1, size):
+        child = store.child(node, seq, start, size, False)
+        if child is None:
+            child = store.insert(node, seq, start, size, False, capture(start), nbytes)
+            if child is None:
+                break
+            stored += 1
+        else:
+            store.use([child])
+        node = child
+    store.stats.from_outputs += stored
+    return stored
