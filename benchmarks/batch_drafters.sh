@@ -13,8 +13,9 @@
 # alone), after every specjax run, never beside one.
 #   bash benchmarks/batch_drafters.sh OUT_DIR [DRAFTERS] [BATCH_SIZES] [MAX_NEW] [extra batch.py flags]
 #   e.g. bash benchmarks/batch_drafters.sh /tmp/bd prompt_lookup,suffix,suffix_path,hybrid,layer_skip 8,16 96
-# eagle and draft_model need a profiled perf model for SmartSpec (launch/profile.py); without one
-# their runs end with rc 2 and a one-line error in their log.
+# eagle and draft_model need a profiled perf model for SmartSpec (launch/profile.py; eagle's for
+# SmolLM2 on the rows kernel is shipped); without one their runs end with rc 2 and a one-line
+# error in their log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-/tmp/specjax_batch_drafters}"; drafters="${2:-prompt_lookup,suffix,suffix_path,hybrid,layer_skip}"
