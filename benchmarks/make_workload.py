@@ -201,7 +201,7 @@ def main():
     ap.add_argument("--shared_prefix", type=int, default=0, help="write a batch job of N records sharing a prefix")
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
     ap.add_argument("--prefix_kind", choices=("fewshot", "json", "code", "both"), default="fewshot",
-                    help="--shared_prefix's block: worked solutions, structured extractions, code cleanup, or fewshot and json interleaved")
+                    help="--shared_prefix's block: worked solutions, structured extractions, code rewriting, or fewshot and json interleaved")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()

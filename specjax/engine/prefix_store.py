@@ -250,8 +250,7 @@ def after_output(store: PrefixStore | None, seq: Sequence[int], kv_len: int, siz
             if child is None:
                 break
             stored += 1
-        else:
-            store.use([child])
         node = child
+    store.use([node] if node is not None else [])  # (the path's last chunk: its ancestors too)
     store.stats.from_outputs += stored
     return stored
