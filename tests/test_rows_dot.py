@@ -195,6 +195,52 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
     assert np.asarray(plain(jnp.ones(3))).tolist() == [2.0] * 3
 
 
+_FORWARDERS = """
+import numpy as np, jax, jax.numpy as jnp
+from specjax.engine import exe_cache
+from specjax.models.cpu import rows_dot as rd
+rng = np.random.default_rng(0)
+w, x = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 24), (3, 64)))
+wp = rd.pack(w)
+fn = jax.jit(lambda x, wp: rd.rows_dot(x, wp, 24))
+with rd.deferred():
+    low = fn.lower(x, wp)
+rd.ensure_targets()
+exe = low.compile()  # compiled against the forwarders: the kernel is not loaded in this process
+assert "ok" not in rd._loaded
+try:
+    exe(x, wp).block_until_ready()
+    raise SystemExit("ran before the kernel was loaded")
+except jax.errors.JaxRuntimeError as e:
+    assert "before it was loaded" in str(e), e
+rd.ensure()
+np.testing.assert_array_equal(np.asarray(exe(x, wp)), np.asarray(fn(x, wp)))
+np.testing.assert_allclose(np.asarray(exe(x, wp)), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-4)
+# the engine's path: register before compiling, the kernel loaded before the program is returned
+ran = []
+got = exe_cache.compile_cached(None, "k", fn, (x, wp), ready=lambda: ran.append("ready") or rd.ensure(),
+                               register=lambda: ran.append("register") or rd.ensure_targets(), lowering=rd.deferred)
+assert ran == ["register", "ready"], ran
+np.testing.assert_array_equal(np.asarray(got(x, wp)), np.asarray(exe(x, wp)))
+print("ok")
+"""
+
+
+def test_a_program_compiles_against_the_forwarders_and_runs_once_the_kernel_is_loaded():
+    """XLA sees the kernel's forwarders (rows_dot_stub.cc) under its target names, so a program
+    calling it compiles while the kernel builds; run before ``ensure`` it fails with an FFI error
+    (never a wrong result), after it computes what the kernel does. A fresh process: this one
+    has loaded the kernel long ago."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _FORWARDERS], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_decode_step():
     """attention 'cpu' (rows_dot.block_attention): XLA's attention within float32 rounding, chain
     and tree masks, GQA; and a block's last token gives the same bits when its earlier tokens are

@@ -135,26 +135,35 @@ def default() -> ExecutableCache | None:
 
 
 def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lowering=contextlib.nullcontext,
-                   **static):
+                   register=None, **static):
     """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one. ``ready()``,
-    if given, runs before the program is compiled or loaded (what it calls registered, e.g. the
-    CPU rows kernel), and the lowering runs inside ``lowering()``; where that context yields a
-    callable, ``ready`` runs before compiling only if it returns true for the lowered program
-    (the program calls what ``ready`` registers)."""
+    if given, runs before the program is returned (what it calls loaded, e.g. the CPU rows
+    kernel), and ``register()`` before it is compiled or loaded (what it calls known to XLA by
+    name; without it ``ready`` runs then). The lowering runs inside ``lowering()``; where that
+    context yields a callable, both run only if it returns true for the lowered program (the
+    program calls what they provide), and a program loaded from disk counts as calling it."""
+    register = register or ready
+
     def build():
         with lowering() as calls:
             lowered = fn.lower(*args, **static)
-        if ready is not None and (calls is None or calls(lowered)):
+        needs = ready is not None and (calls is None or calls(lowered))
+        if needs:
+            register()
+        exe = lowered.compile()
+        if needs:
             ready()
-        return lowered.compile()
+        return exe
 
     if cache is None:
         return build()
     name = cache.entry(what, args)
     if ready is not None and cache.has(name):
-        ready()
+        register()
     exe = cache.load(name)
     if exe is None:
         exe = build()
         cache.save(name, exe)
+    elif ready is not None:
+        ready()
     return exe

@@ -235,13 +235,14 @@ class StepTable:
         static = {"key": key} if isinstance(key, CompileKey) else {} if self.layout is None else {"layout": self.layout}
         static.update(more_static or {})
         if isinstance(key, CompileKey) and key.fwd.rows_kernel:
-            # The kernel's FFI targets are registered (built if need be) before a program that may
-            # call them is compiled or loaded from disk (a loaded one traces nothing that would);
-            # its tracing and lowering do not wait for a cold build.
+            # The kernel's FFI target names are registered (its forwarders) before a program that
+            # may call them is compiled or loaded from disk (a loaded one traces nothing that
+            # would), and the kernel is built before such a program is returned: its tracing,
+            # lowering and compilation run beside a cold build.
             from specjax.models.cpu import rows_dot
 
             return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), ready=rows_dot.ensure,
-                                            lowering=rows_dot.deferred, **static)
+                                            register=rows_dot.ensure_targets, lowering=rows_dot.deferred, **static)
         return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), **static)
 
     def _get(self, key, spec, what: str, compile_if_missing: bool = False):

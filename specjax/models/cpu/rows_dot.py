@@ -15,8 +15,10 @@ It is compiled on first use with the system C++ compiler (``g++ -O3 -march=nativ
 path, or the AVX2 + FMA + F16C one, where the CPU has it; portable loops elsewhere) into
 ``$SPECJAX_CACHE_DIR/ext`` (default ``~/.cache/specjax/ext``), keyed by its source, the
 compiler, jaxlib and this CPU's feature flags, verified against its recorded hash before it is
-loaded (``_build``), and registered as the FFI target
-``specjax_rows_packed`` (and ``specjax_rows_q4_1`` / ``specjax_rows_q8_0``). ``ensure()`` raises a one-line SpecjaxError where that is impossible.
+loaded (``_build``). XLA sees forwarders (``rows_dot_stub.cc``, ``ensure_targets``) registered as
+the FFI targets ``specjax_rows_packed`` (and ``specjax_rows_q4_1`` / ``specjax_rows_q8_0``, ...), so
+a program calling the kernel compiles beside the kernel's build; ``ensure()`` builds it and
+points the forwarders at it, and raises a one-line SpecjaxError where that is impossible.
 ``rows_dot_reference`` is the plain-XLA definition the tests hold it to.
 """
 
@@ -41,6 +43,7 @@ from specjax.errors import SpecjaxError
 
 LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
+_STUB_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot_stub.cc")
 _TARGET = "specjax_rows_packed"
 _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0",
             "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8",
@@ -48,6 +51,8 @@ _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1"
 GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
+_stub_lock = threading.Lock()
+_stub: dict = {}  # "lib": the forwarders' library once its targets are registered
 
 
 def _cpu_flags() -> str:
@@ -62,26 +67,28 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, march: str | None = "native") -> str:
-    """The shared library's path, compiled for ``-march=<march>`` now unless an identical build is
+def _build(cxx: str, march: str | None = "native", src_path: str = _SRC) -> str:
+    """The shared library's path (of ``src_path``: the kernel, or its forwarders), compiled for
+    ``-march=<march>`` now unless an identical build is
     cached (None: no -march, the kernel's portable loops; the tests and rows_builds.py compare
     other builds with the default one). A cached build is loaded only if it matches the size and
     hash recorded beside it (specjax.ondisk): loading a damaged library is no Python exception
     but a crash (a truncated one: SIGBUS), so one that does not match is built again and replaced.
     Where the cache cannot be used, the build goes to a private temporary directory."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    with open(_SRC, "rb") as f:
+    with open(src_path, "rb") as f:
         src = f.read()
     key = hashlib.sha256(b"\n".join([src, repr(version).encode(), jaxlib.__version__.encode(),
                                      _cpu_flags().encode(), repr(march).encode(), b"recorded"])).hexdigest()[:24]
     cache = ondisk.cache_dir("ext")
-    path = None if cache is None else os.path.join(cache, f"rows_dot_{key}.so")
+    stem = os.path.splitext(os.path.basename(src_path))[0]
+    path = None if cache is None else os.path.join(cache, f"{stem}_{key}.so")
     if path is not None and ondisk.verified(path):
         return path
     build_dir = tempfile.mkdtemp(prefix="specjax-rows-")
-    tmp = os.path.join(build_dir, f"rows_dot_{key}.so")
+    tmp = os.path.join(build_dir, f"{stem}_{key}.so")
     cmd = [cxx, "-O3", *([f"-march={march}"] if march else []), "-std=c++17", "-shared", "-fPIC",
-           f"-I{jax.ffi.include_dir()}", _SRC, "-o", tmp]
+           f"-I{jax.ffi.include_dir()}", src_path, "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         shutil.rmtree(build_dir, ignore_errors=True)
@@ -105,17 +112,50 @@ def register(path: str, suffix: str = "") -> None:
         jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
+def _compiler_or_error() -> str:
+    cxx = _compiler()
+    if cxx is None:
+        raise SpecjaxError("the rows kernel needs a C++ compiler (g++), and none was found")
+    return cxx
+
+
+def ensure_targets() -> None:
+    """Register the kernel's FFI target names, without waiting for its build: forwarders
+    (``rows_dot_stub.cc``: the C API alone, a fraction of a second to build) that ``ensure``
+    points at the built handlers. A program calling the kernel may then be compiled or loaded
+    beside the kernel's build; it must not run before ``ensure`` returns (until then a call is
+    an FFI error, never a wrong result). A one-line error if no compiler is found."""
+    with _stub_lock:
+        if "lib" in _stub:
+            return
+        if "error" in _loaded:  # (the kernel's build failed: say why, not that the stub built)
+            raise SpecjaxError(_loaded["error"])
+        try:
+            lib = ctypes.cdll.LoadLibrary(_build(_compiler_or_error(), march=None, src_path=_STUB_SRC))
+        except OSError as e:
+            raise SpecjaxError(f"could not load the rows kernel's forwarders: {e}") from None
+        for i, target in enumerate(_TARGETS):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"specjax_rows_stub_{i}")),
+                                        platform="cpu")
+        _stub["lib"] = lib
+
+
 def ensure() -> None:
-    """Build (or find) and register the kernel once per process; a one-line error if impossible."""
+    """Build (or find) the kernel once per process and point its registered targets at it
+    (``ensure_targets``); a one-line error if impossible. A program calling the kernel runs
+    only after this returned."""
     with _lock:
         if "ok" in _loaded:
             return
         if "error" not in _loaded:
             try:
-                cxx = _compiler()
-                if cxx is None:
-                    raise SpecjaxError("the rows kernel needs a C++ compiler (g++), and none was found")
-                register(_build(cxx))
+                lib = ctypes.cdll.LoadLibrary(_build(_compiler_or_error()))
+                ensure_targets()
+                set_real = _stub["lib"].specjax_rows_stub_set
+                set_real.argtypes = (ctypes.c_int, ctypes.c_void_p)
+                for i, symbol in enumerate(_TARGETS.values()):
+                    if set_real(i, ctypes.cast(getattr(lib, symbol), ctypes.c_void_p)):
+                        raise SpecjaxError(f"the rows kernel's forwarders have no slot for {symbol}")
                 _loaded["ok"] = True
                 return
             except (SpecjaxError, OSError) as e:
