@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -44,9 +46,184 @@
 #define SPECJAX_RELAX() std::this_thread::yield()
 #endif
 
-#include "xla/ffi/api/ffi.h"
+#include "xla/ffi/api/c_api.h"
 
-namespace ffi = xla::ffi;
+// The handlers speak XLA's FFI C API directly, through the few types below (named as in
+// xla/ffi/api/ffi.h, which the kernels were first written against). That header's binding
+// templates took about 5 s of g++ on a 2-core machine, more than the kernels themselves: a
+// cold start waited for them. The checks are the ones its binding made: operand and result
+// counts, buffer element types, the one integer attribute.
+namespace ffi {
+
+enum DataType : int {
+  F32 = XLA_FFI_DataType_F32, F16 = XLA_FFI_DataType_F16, S32 = XLA_FFI_DataType_S32,
+  PRED = XLA_FFI_DataType_PRED, S8 = XLA_FFI_DataType_S8, U8 = XLA_FFI_DataType_U8,
+  ANY = XLA_FFI_DataType_INVALID,  // an AnyBuffer's "type": not checked
+};
+
+template <int T> struct Native;
+template <> struct Native<F32> { using type = float; };
+template <> struct Native<F16> { using type = uint16_t; };
+template <> struct Native<S32> { using type = int32_t; };
+template <> struct Native<PRED> { using type = bool; };
+
+class Error {
+ public:
+  static Error Success() { return Error(XLA_FFI_Error_Code_OK, ""); }
+  static Error InvalidArgument(const char* msg) { return Error(XLA_FFI_Error_Code_INVALID_ARGUMENT, msg); }
+  bool failure() const { return code_ != XLA_FFI_Error_Code_OK; }
+  XLA_FFI_Error_Code code() const { return code_; }
+  const char* message() const { return msg_; }  // (a string literal: outlives the call)
+
+ private:
+  Error(XLA_FFI_Error_Code code, const char* msg) : code_(code), msg_(msg) {}
+  XLA_FFI_Error_Code code_;
+  const char* msg_;
+};
+
+class Dims {  // a buffer's dimensions
+ public:
+  Dims(const int64_t* d, int64_t n) : d_(d), n_(n) {}
+  size_t size() const { return static_cast<size_t>(n_); }
+  int64_t operator[](size_t i) const { return d_[i]; }
+  const int64_t* begin() const { return d_; }
+  const int64_t* end() const { return d_ + n_; }
+
+ private:
+  const int64_t* d_;
+  int64_t n_;
+};
+
+class AnyBuffer {
+ public:
+  explicit AnyBuffer(void* b) : b_(static_cast<XLA_FFI_Buffer*>(b)) {}
+  Dims dimensions() const { return Dims(b_->dims, b_->rank); }
+  DataType element_type() const { return static_cast<DataType>(b_->dtype); }
+  void* untyped_data() const { return b_->data; }
+
+ protected:
+  XLA_FFI_Buffer* b_;
+};
+
+template <int T>
+class Buffer : public AnyBuffer {
+ public:
+  using AnyBuffer::AnyBuffer;
+  typename Native<T>::type* typed_data() const { return static_cast<typename Native<T>::type*>(b_->data); }
+  const Buffer* operator->() const { return this; }  // (a result is used as ffi.h's ResultBuffer was)
+};
+
+template <int T>
+using ResultBuffer = Buffer<T>;
+
+class ThreadPool {  // XLA's intra-op pool
+ public:
+  ThreadPool(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx) : api_(api), ctx_(ctx) {}
+
+  int64_t num_threads() const {
+    int64_t n = 0;
+    XLA_FFI_ThreadPool_NumThreads_Args a{XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, nullptr, ctx_, &n};
+    return Ok(api_->XLA_FFI_ThreadPool_NumThreads(&a)) ? n : 0;
+  }
+
+  // Runs a copy of f on a pool thread; where the pool refuses, f does not run (every caller
+  // here also does the work itself: parallel_chunks).
+  template <typename F>
+  void Schedule(F&& f) {
+    using Task = typename std::decay<F>::type;
+    Task* task = new Task(std::forward<F>(f));
+    XLA_FFI_ThreadPool_Schedule_Args a{XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, nullptr, ctx_,
+                                       [](void* data) {
+                                         Task* t = static_cast<Task*>(data);
+                                         (*t)();
+                                         delete t;
+                                       },
+                                       task};
+    if (!Ok(api_->XLA_FFI_ThreadPool_Schedule(&a))) delete task;
+  }
+
+ private:
+  bool Ok(XLA_FFI_Error* e) const {
+    if (e == nullptr) return true;
+    XLA_FFI_Error_Destroy_Args d{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, e};
+    api_->XLA_FFI_Error_Destroy(&d);
+    return false;
+  }
+  const XLA_FFI_Api* api_;
+  XLA_FFI_ExecutionContext* ctx_;
+};
+
+// One call: answers XLA's registration query (the metadata extension), checks the operands'
+// and results' counts and element types, and turns a failed ffi::Error into XLA's.
+class Call {
+ public:
+  explicit Call(XLA_FFI_CallFrame* f) : f_(f) {}
+
+  void* arg(int i) const { return f_->args.args[i]; }
+  void* ret(int i) const { return f_->rets.rets[i]; }
+  ThreadPool pool() const { return ThreadPool(f_->api, f_->ctx); }
+
+  // The scalar int64 attribute `name`, or false.
+  bool attr_i64(const char* name, int64_t* out) const {
+    for (int64_t i = 0; i < f_->attrs.size; ++i) {
+      const XLA_FFI_ByteSpan* n = f_->attrs.names[i];
+      if (f_->attrs.types[i] != XLA_FFI_AttrType_SCALAR || n->len != std::strlen(name) ||
+          std::memcmp(n->ptr, name, n->len) != 0)
+        continue;
+      const XLA_FFI_Scalar* sc = static_cast<const XLA_FFI_Scalar*>(f_->attrs.attrs[i]);
+      if (sc->dtype != XLA_FFI_DataType_S64) return false;
+      std::memcpy(out, sc->value, sizeof(int64_t));
+      return true;
+    }
+    return false;
+  }
+
+  // False: a metadata query answered (error() is null) or bad operands (error() says which).
+  bool Runnable(std::initializer_list<int> args, std::initializer_list<int> rets) {
+    XLA_FFI_Extension_Base* ext = f_->extension_start;
+    if (ext != nullptr && ext->type == XLA_FFI_Extension_Metadata) {
+      XLA_FFI_Metadata* md = reinterpret_cast<XLA_FFI_Metadata_Extension*>(ext)->metadata;
+      md->api_version = XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR,
+                                            XLA_FFI_API_MINOR};
+      md->traits = 0;
+      return false;
+    }
+    if (f_->stage != XLA_FFI_ExecutionStage_EXECUTE) return Fail("called outside the execute stage");
+    if (f_->args.size != static_cast<int64_t>(args.size()) || f_->rets.size != static_cast<int64_t>(rets.size()))
+      return Fail("wrong number of operands or results");
+    int i = 0;
+    for (int t : args) {
+      if (f_->args.types[i] != XLA_FFI_ArgType_BUFFER ||
+          (t != ANY && static_cast<XLA_FFI_Buffer*>(f_->args.args[i])->dtype != t))
+        return Fail("wrong operand element type");
+      ++i;
+    }
+    i = 0;
+    for (int t : rets) {
+      if (f_->rets.types[i] != XLA_FFI_RetType_BUFFER || static_cast<XLA_FFI_Buffer*>(f_->rets.rets[i])->dtype != t)
+        return Fail("wrong result element type");
+      ++i;
+    }
+    return true;
+  }
+
+  XLA_FFI_Error* Result(const Error& e) const { return e.failure() ? Make(e.code(), e.message()) : error_; }
+  XLA_FFI_Error* error() const { return error_; }
+
+ private:
+  bool Fail(const char* msg) {
+    error_ = Make(XLA_FFI_Error_Code_INVALID_ARGUMENT, msg);
+    return false;
+  }
+  XLA_FFI_Error* Make(XLA_FFI_Error_Code code, const char* msg) const {
+    XLA_FFI_Error_Create_Args a{XLA_FFI_Error_Create_Args_STRUCT_SIZE, nullptr, msg, code};
+    return f_->api->XLA_FFI_Error_Create(&a);
+  }
+  XLA_FFI_CallFrame* f_;
+  XLA_FFI_Error* error_ = nullptr;
+};
+
+}  // namespace ffi
 
 namespace {
 
@@ -761,34 +938,36 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 }  // namespace
 
-#define SPECJAX_GGUF_BINDING                \
-  ffi::Ffi::Bind()                          \
-      .Ctx<ffi::ThreadPool>()               \
-      .Arg<ffi::Buffer<ffi::F32>>()         \
-      .Arg<ffi::AnyBuffer>()                \
-      .Arg<ffi::Buffer<ffi::F16>>()         \
-      .Ret<ffi::Buffer<ffi::F32>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ4_1, RowsGguf<false>, SPECJAX_GGUF_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ8_0, RowsGguf<true>, SPECJAX_GGUF_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ4_1I8, RowsGgufI8<false>, SPECJAX_GGUF_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsQ8_0I8, RowsGgufI8<true>, SPECJAX_GGUF_BINDING);
+// The exported handlers (rows_dot.py registers them, through its forwarders, under the
+// specjax_* target names).
+#define SPECJAX_HANDLER(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame* frame)
+#define SPECJAX_GGUF_HANDLER(name, fn)                                                                   \
+  SPECJAX_HANDLER(name) {                                                                                \
+    ffi::Call c(frame);                                                                                  \
+    if (!c.Runnable({ffi::F32, ffi::ANY, ffi::F16}, {ffi::F32})) return c.error();                       \
+    return c.Result(fn(c.pool(), ffi::Buffer<ffi::F32>(c.arg(0)), ffi::AnyBuffer(c.arg(1)),              \
+                       ffi::Buffer<ffi::F16>(c.arg(2)), ffi::ResultBuffer<ffi::F32>(c.ret(0))));          \
+  }
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ4_1, RowsGguf<false>)
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0, RowsGguf<true>)
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ4_1I8, RowsGgufI8<false>)
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0I8, RowsGgufI8<true>)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsPacked, RowsPacked,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_HANDLER(SpecjaxRowsPacked) {
+  ffi::Call c(frame);
+  if (!c.Runnable({ffi::F32, ffi::F32}, {ffi::F32})) return c.error();
+  return c.Result(RowsPacked(c.pool(), ffi::Buffer<ffi::F32>(c.arg(0)), ffi::Buffer<ffi::F32>(c.arg(1)),
+                             ffi::ResultBuffer<ffi::F32>(c.ret(0))));
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockAttention, BlockAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("layer"));
+SPECJAX_HANDLER(SpecjaxBlockAttention) {
+  ffi::Call c(frame);
+  if (!c.Runnable({ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::S32, ffi::PRED}, {ffi::F32}))
+    return c.error();
+  int64_t layer = 0;
+  if (!c.attr_i64("layer", &layer)) return c.Result(ffi::Error::InvalidArgument("block_attention: no int64 'layer'"));
+  using F = ffi::Buffer<ffi::F32>;
+  return c.Result(BlockAttention(c.pool(), F(c.arg(0)), F(c.arg(1)), F(c.arg(2)), F(c.arg(3)), F(c.arg(4)),
+                                 ffi::Buffer<ffi::S32>(c.arg(5)), ffi::Buffer<ffi::PRED>(c.arg(6)),
+                                 ffi::ResultBuffer<ffi::F32>(c.ret(0)), layer));
+}
