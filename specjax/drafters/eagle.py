@@ -38,6 +38,7 @@ import numpy as np
 from specjax import cache as kv
 from specjax import ondisk
 from specjax.config import ModelConfig
+from specjax.device_arrays import to_device
 from specjax.drafters.device import DeviceDrafter, ModelDraft, frequent_tokens
 from specjax.errors import SpecjaxError, require
 from specjax.models import llama
@@ -243,15 +244,18 @@ def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dic
     dtype; a directory without one, or a head of another target: a one-line SpecjaxError."""
     spec = read_spec(directory, cfg)
     ids = spec["vocab_ids"]
-    draft, template = init_params(cfg, params, ids, shared_head=bool(spec.get("shared_head", False)))
-    trainable = trainable_of(draft, template)  # (the structure to restore into; values replaced)
-    saved = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, spec.get("dtype", a.dtype)), trainable)
-    saved = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), saved)
+    shared_head = bool(spec.get("shared_head", False))
+    draft = _draft(cfg, ids, shared_head)
+    # The structure to restore into, as numpy zeros: traced, not computed (eager jax ops here
+    # compiled a program per array: a second of a first answer).
+    shapes = jax.eval_shape(lambda p: trainable_of(draft, init_params(cfg, p, ids, shared_head=shared_head)[1]), params)
+    saved = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jnp.dtype(spec.get("dtype", a.dtype))), shapes)
     got = _checkpoints(directory, cfg, draft, saved, ids).restore(saved, {})
     if got is None:
         raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
     dtype = params["embed"].dtype
-    return draft, with_target(draft, jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), got[1]), ids, cfg, params)
+    head = jax.tree_util.tree_map(lambda a: to_device(np.asarray(a), dtype), got[1])
+    return draft, with_target(draft, head, ids, cfg, params)
 
 
 class EagleDrafter(DeviceDrafter):

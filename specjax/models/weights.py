@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig, RopeScaling, WeightsSource
+from specjax.device_arrays import to_device
 from specjax.errors import SpecjaxError
 from specjax.models.gguf_file import GGUFFile
 
@@ -117,17 +118,18 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: dict[st
         a = get(names[key].format(i=i))
         if key in fixes:
             a = fixes[key](a)
-        return jnp.asarray(a.T if a.ndim == 2 else a, dtype)
+        return to_device(a.T if a.ndim == 2 else a, dtype)
 
     layers = [{key: tensor(key, i) for key in keys} for i in range(L)]
     params = {
-        "embed": jnp.asarray(get(names["embed"]), dtype),
+        "embed": to_device(get(names["embed"]), dtype),
         "layers": layers,
-        "final_norm": jnp.asarray(get(names["final_norm"]), dtype),
+        "final_norm": to_device(get(names["final_norm"]), dtype),
     }
     if not cfg.tie_embeddings:
-        params["lm_head"] = jnp.asarray(get(names["lm_head"]).T, dtype)
+        params["lm_head"] = to_device(get(names["lm_head"]).T, dtype)
     return params
+
 
 
 _GGUF_NAMES = {

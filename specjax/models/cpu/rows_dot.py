@@ -39,6 +39,7 @@ import jaxlib
 import numpy as np
 
 from specjax import ondisk
+from specjax.device_arrays import to_device
 from specjax.errors import SpecjaxError
 
 LANES = 16  # output columns per packed block
@@ -250,7 +251,7 @@ def pack_q4_1(d: np.ndarray, m: np.ndarray, qs: np.ndarray, pairs: bool = False)
     [ceil(N/16), G, 8, 32]: the same bytes, read without shuffles by that path)."""
     codes = _column_blocks(np.asarray(qs, np.uint8))
     scales = _column_blocks(np.stack([np.asarray(d, np.float16), np.asarray(m, np.float16)], axis=2))
-    return {"codes": jnp.asarray(_pair_rows(codes) if pairs else codes), "scales": jnp.asarray(scales)}
+    return {"codes": to_device(_pair_rows(codes) if pairs else codes), "scales": to_device(scales)}
 
 
 def pack_q8_0(d: np.ndarray, qs: np.ndarray, pairs: bool = False) -> dict:
@@ -258,8 +259,8 @@ def pack_q8_0(d: np.ndarray, qs: np.ndarray, pairs: bool = False) -> dict:
     [ceil(N/16), G, 32, 16] int8 ([ceil(N/16), G, 16, 32] with ``pairs``), scales
     [ceil(N/16), G, 16] float16."""
     codes = _column_blocks(np.asarray(qs, np.int8))
-    return {"codes": jnp.asarray(_pair_rows(codes) if pairs else codes),
-            "scales": jnp.asarray(_column_blocks(np.asarray(d, np.float16)))}
+    return {"codes": to_device(_pair_rows(codes) if pairs else codes),
+            "scales": to_device(_column_blocks(np.asarray(d, np.float16)))}
 
 
 def packed_format(wp) -> str:
