@@ -46,7 +46,7 @@
 #define SPECJAX_RELAX() std::this_thread::yield()
 #endif
 
-#include "xla/ffi/api/c_api.h"
+#include "rows_dot_ffi.h"
 
 // The handlers speak XLA's FFI C API directly, through the few types below (named as in
 // xla/ffi/api/ffi.h, which the kernels were first written against). That header's binding
@@ -180,14 +180,7 @@ class Call {
 
   // False: a metadata query answered (error() is null) or bad operands (error() says which).
   bool Runnable(std::initializer_list<int> args, std::initializer_list<int> rets) {
-    XLA_FFI_Extension_Base* ext = f_->extension_start;
-    if (ext != nullptr && ext->type == XLA_FFI_Extension_Metadata) {
-      XLA_FFI_Metadata* md = reinterpret_cast<XLA_FFI_Metadata_Extension*>(ext)->metadata;
-      md->api_version = XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR,
-                                            XLA_FFI_API_MINOR};
-      md->traits = 0;
-      return false;
-    }
+    if (specjax_answer_metadata(f_)) return false;
     if (f_->stage != XLA_FFI_ExecutionStage_EXECUTE) return Fail("called outside the execute stage");
     if (f_->args.size != static_cast<int64_t>(args.size()) || f_->rets.size != static_cast<int64_t>(rets.size()))
       return Fail("wrong number of operands or results");

@@ -45,6 +45,7 @@ from specjax.errors import SpecjaxError
 LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
 _STUB_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot_stub.cc")
+_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot_ffi.h")
 _TARGET = "specjax_rows_packed"
 _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0",
             "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8",
@@ -77,8 +78,8 @@ def _build(cxx: str, march: str | None = "native", src_path: str = _SRC) -> str:
     but a crash (a truncated one: SIGBUS), so one that does not match is built again and replaced.
     Where the cache cannot be used, the build goes to a private temporary directory."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    with open(src_path, "rb") as f:
-        src = f.read()
+    with open(src_path, "rb") as f, open(_HEADER, "rb") as h:
+        src = f.read() + h.read()  # (both sources include the header)
     key = hashlib.sha256(b"\n".join([src, repr(version).encode(), jaxlib.__version__.encode(),
                                      _cpu_flags().encode(), repr(march).encode(), b"recorded"])).hexdigest()[:24]
     cache = ondisk.cache_dir("ext")

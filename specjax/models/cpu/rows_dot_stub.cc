@@ -1,16 +1,14 @@
 // Forwarding FFI handlers for the rows kernel (rows_dot.cc), registered under its target names.
 //
 // XLA:CPU looks an FFI target up when it compiles (or loads) a program that calls it, and the
-// kernel's own build takes seconds of g++ (its handlers' templates). These forwarders include
+// kernel's own build takes seconds of g++ (its vectorized loops). These forwarders include
 // only the C API, build in a fraction of a second, and are what XLA sees: a program calling the
 // kernel compiles while the kernel builds, and rows_dot.ensure() points each forwarder at the
 // built handler (specjax_rows_stub_set) before any such program runs. Until then a call fails
 // with an FFI error instead of running anything, and a registration query (the metadata
 // extension) is answered as the kernel's handlers answer it: this API version, no traits.
 
-#include <cstddef>
-
-#include "xla/ffi/api/c_api.h"
+#include "rows_dot_ffi.h"
 
 namespace {
 
@@ -18,14 +16,7 @@ constexpr int kTargets = 8;
 XLA_FFI_Handler* g_real[kTargets] = {};
 
 XLA_FFI_Error* Pending(XLA_FFI_CallFrame* frame) {
-  XLA_FFI_Extension_Base* ext = frame->extension_start;
-  if (ext != nullptr && ext->type == XLA_FFI_Extension_Metadata) {
-    XLA_FFI_Metadata* md = reinterpret_cast<XLA_FFI_Metadata_Extension*>(ext)->metadata;
-    md->api_version = XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR,
-                                          XLA_FFI_API_MINOR};
-    md->traits = 0;
-    return nullptr;
-  }
+  if (specjax_answer_metadata(frame)) return nullptr;
   XLA_FFI_Error_Create_Args args{XLA_FFI_Error_Create_Args_STRUCT_SIZE, nullptr,
                                  "specjax rows kernel called before it was loaded (rows_dot.ensure)",
                                  XLA_FFI_Error_Code_FAILED_PRECONDITION};
