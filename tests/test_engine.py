@@ -557,6 +557,26 @@ def _batch_of(key) -> int:
     return key.batch if hasattr(key, "batch") else key[1]
 
 
+def test_lazy_order_builds_the_admitted_draft_mode_first():
+    """A device drafter's requests are admitted with its draft prefill: a lazy warm-up's
+    background builds that mode's prefills and inserts first and the other mode's (a request
+    admitted with the draft disabled) last, after the K steps a single answer would use."""
+    from specjax.drafters.protocol import CHAIN, StepJob
+    from specjax.engine.jax_backend import lazy_order
+
+    k0, k2 = StepJob(CHAIN, 1, 0, True, 0), StepJob(CHAIN, 1, 2, True, 0)
+    plan = [("prefill", (1, 64, True, rd, True)) for rd in (False, True)] + [("step", k2), ("step", k0)]
+    plan += [("row", ("insert", 1, 1, rd)) for rd in (False, True)] + [("row", ("clear", 1))]
+    got = lazy_order(plan, 1, later_ks=(2,), later_chunks=set(), first_chunks={(64, True)}, draft_mode=True)
+    assert got == [("step", k0), ("row", ("insert", 1, 1, True)), ("row", ("clear", 1)),
+                   ("prefill", (1, 64, True, True, True)), ("step", k2),
+                   ("prefill", (1, 64, True, False, True)), ("row", ("insert", 1, 1, False))]
+    # without a draft mode (host drafters: one mode) both are first-admission work
+    assert lazy_order(plan, 1, later_ks=(2,), later_chunks=set(), first_chunks={(64, True)})[:5] == [
+        ("step", k0), ("row", ("insert", 1, 1, False)), ("row", ("insert", 1, 1, True)), ("row", ("clear", 1)),
+        ("prefill", (1, 64, True, False, True))]
+
+
 def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tmp_path, monkeypatch):
     """A lazy warm-up compiles nothing up front: serving compiles each executable when it first
     reaches it (one request, with nothing built ahead: nothing of the 4-row bucket), K > 0 steps

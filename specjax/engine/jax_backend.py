@@ -76,7 +76,7 @@ def _stop_background() -> None:
         be.stop_later()
 
 
-def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=()) -> list:
+def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=(), draft_mode=None) -> list:
     """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
     runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
     bucket; the first admission's prefills in its other chunk sizes ``first_chunks`` (the serving
@@ -87,9 +87,15 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_ch
     ``later_ks``, the first bucket's first, smaller K
     first (until one is in, the policy runs without it; nothing waits); last, the remaining
     prefills (the first admission compiles what it needs when it runs). Other K > 0 steps (a
-    fixed K's: the first step needs it) come first."""
+    fixed K's: the first step needs it) come first. ``draft_mode``: the draft-prefill mode
+    requests are admitted with (a device drafter's: True, unless admission disables the draft);
+    prefills and inserts of the other mode come last with the remaining prefills (a single
+    answer never reaches them, and building them took cores from it)."""
     def rank(item):
         what, j = item
+        if draft_mode is not None and ((what == "prefill" and j[3] != draft_mode)
+                                       or (what == "row" and j[0] == "insert" and j[3] != draft_mode)):
+            return (5, 0)
         if what == "prefill":
             if j[0] <= first_bucket and (j[1], j[4]) in first_chunks:
                 return (0, 1)
@@ -667,7 +673,8 @@ class JaxBackend:
             first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
             later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
             first_chunks = bk.chunk_sizes(queue[:first], self.max_chunk) if queue else ()
-            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks, first_chunks)
+            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks, first_chunks,
+                                           draft_mode=True if len(draft_modes) > 1 else None)
         elif later:
             now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
             deferred = [p for p in plan if p[0] == "step" and p[1].k in later]
