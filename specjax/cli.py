@@ -275,6 +275,23 @@ def prebuild_rows_kernel() -> None:
         threading.Thread(target=rows_dot.available, name="specjax-rows-kernel", daemon=True).start()
 
 
+def prewarm_drafter(name: str) -> None:
+    """Start what a drafter needs before its first use in a thread now, beside the model load:
+    the suffix drafters' numba kernels (their import and first calls, about a second; the
+    drafter's constructor waits for them)."""
+    import threading
+
+    from specjax.registry import SUFFIX_DRAFTERS
+
+    if name in SUFFIX_DRAFTERS:
+        def warm():
+            from specjax.drafters.suffix.drafter import warm_kernels
+
+            warm_kernels()
+
+        threading.Thread(target=warm, name="specjax-suffix-kernels", daemon=True).start()
+
+
 def load_target(spec, layout=None):
     """The target model of ``spec`` (said on stderr) and ``spec`` resolved for it."""
     import sys
@@ -283,6 +300,7 @@ def load_target(spec, layout=None):
 
     if spec.rows_kernel_auto or spec.fwd.rows_kernel:
         prebuild_rows_kernel()
+    prewarm_drafter(spec.drafter.name)
     model = load_model(spec.model, spec.dtype, layout=layout)  # (an HF directory: straight into the shards)
     print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {spec.dtype}) in "
           f"{model.load_seconds:.1f} s]", file=sys.stderr)

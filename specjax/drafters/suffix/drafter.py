@@ -15,6 +15,7 @@ cursors advance one token at a time, rebuilt only after the global trie changes.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -59,16 +60,24 @@ class _Row:
 
 
 _warm = False
+_warm_lock = threading.RLock()  # (re-entered: the throwaway drafter's constructor calls warm_kernels)
 
 
 def warm_kernels() -> None:
-    """Call every numba kernel the drafter uses once, on a throwaway drafter (once per process):
-    a kernel's first call compiles it (about 19 s here with numba's disk cache cold, 0.3 s warm),
-    and that must not land on the first requests a serving engine drafts for."""
+    """Call every numba kernel the drafter uses once, on a throwaway drafter (once per process;
+    another thread's call meanwhile waits for it, so a launch script may start it in a thread
+    beside the model load, cli.prewarm_drafter): a kernel's first call compiles it (about 19 s
+    here with numba's disk cache cold, 0.3 s warm), and that must not land on the first requests
+    a serving engine drafts for."""
     global _warm
-    if _warm:
-        return
-    _warm = True
+    with _warm_lock:
+        if _warm:
+            return
+        _warm = True
+        _warm_up()
+
+
+def _warm_up() -> None:
     d = SuffixDrafter(SuffixConfig(max_cached_requests=1))
     for row in range(3):  # the third finish evicts (removes) a cached output
         d.start(row, [5, 6, 7, 5, 6])
