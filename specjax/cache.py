@@ -40,9 +40,20 @@ class KVCache:
 class FeatureCache(KVCache):
     """A feature head's cache (drafters.eagle): its KV entries plus ``feat`` [B, D], the feature
     that goes with each row's next entry (the fused target feature of the last committed
-    position), so the head's next forward needs nothing from outside the state."""
+    position), so the head's next forward needs nothing from outside the state; and the
+    positions plain (K = 0) steps committed that the head has not caught up on yet: ``lag``
+    [B] of them, their tokens ``lag_tok`` [B, W] and raw target features ``lag_feat`` [B, W, F]
+    (the head's ``lengths`` trail the target's by ``lag``)."""
 
     feat: jax.Array
+    lag_tok: jax.Array
+    lag_feat: jax.Array
+    lag: jax.Array
+
+
+# FeatureCache fields of what plain steps deferred: empty after a prefill (a prefix-store
+# segment leaves them out)
+DEFERRED_FIELDS = ("lag_tok", "lag_feat", "lag")
 
 
 def batch_axis(field: str) -> int:

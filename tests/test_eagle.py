@@ -6,6 +6,8 @@ verifies with the head's real draft distributions, and a head saves and loads.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import types
 
 import jax
@@ -59,8 +61,9 @@ B = 4  # the one batch bucket: every test shares its few executables (compiling 
 def backend(tiny, head):
     """One eagle backend for the module; its executables compile on first use (no warm-up)."""
     cfg, params = tiny
-    return JaxBackend(cfg, params, drafter=eagle.EagleDrafter(*head), k_buckets=(0, 2), batch_buckets=(B,),
-                      slots=SLOTS)
+    draft, dparams = head  # a window of 2 deferred positions: plain steps fill it within a test
+    return JaxBackend(cfg, params, drafter=eagle.EagleDrafter(dataclasses.replace(draft, lag_window=2), dparams),
+                      k_buckets=(0, 2), batch_buckets=(B,), slots=SLOTS)
 
 
 def test_features_off_adds_nothing(tiny, backend):
@@ -97,12 +100,15 @@ def _step_text(table):
                                None, None, key=key).as_text()
 
 
-@pytest.mark.parametrize("greedy,steps", [(False, (2, 2, 2)), (True, (2, 0, 2))])
+@pytest.mark.parametrize("greedy,steps", [(False, (2, 2, 2)), (True, (2, 0, 2)), (True, (0, 0, 0, 2, 0, 0, 0))])
 def test_head_state_equals_a_prefill_of_what_was_committed(backend, greedy, steps):
     """After a prefill and chain steps (K = 2 with drafts accepted and rejected; K = 0), row 0's
     committed head cache entries and carried feature are those a prefill of its committed tokens
     gives: every committed position is caught up with the target's real features, none keeps the
-    head's own. Sampled at a high temperature, drafts of a random head get accepted."""
+    head's own. Plain steps defer the head's entries (a window of 2: the third plain step in a
+    row catches up first; a K = 2 step catches up before drafting), so the state is compared
+    once caught up (``settle``). Sampled at a high temperature, drafts of a random head get
+    accepted."""
     t = backend.table
     prompt = [5, 17, 42, 9, 100]
     samp = SamplingArrays.build([SamplingParams(temperature=0.0 if greedy else 20.0, seed=3)], B)
@@ -126,8 +132,11 @@ def test_head_state_equals_a_prefill_of_what_was_committed(backend, greedy, step
         out += [int(x) for x in o.tokens[0, :n + 1]]
     L = int(state.cache.lengths[0])
     assert L == len(prompt) + len(out) - 1 and (greedy or accepted > 0)
+    plain = tuple(reversed(steps)).index(2) if 2 in steps else len(steps)  # plain steps since the last K = 2
+    assert int(state.dcache.lag[0]) == (0 if plain == 0 else (plain - 1) % 2 + 1)  # (a window of 2)
+    assert not np.asarray(state.dcache.lag[1:]).any()  # (inactive rows defer nothing)
     ref = prefill((prompt + out)[:L])
-    got, want = state.dcache, ref.dcache
+    got, want = jax.jit(t.draft.settle)(backend.dparams, state.dcache), ref.dcache
     assert int(got.lengths[0]) == int(want.lengths[0]) == L
     np.testing.assert_allclose(got.k[:, 0, :, :L], want.k[:, 0, :, :L], atol=1e-5)
     np.testing.assert_allclose(got.v[:, 0, :, :L], want.v[:, 0, :, :L], atol=1e-5)

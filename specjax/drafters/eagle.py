@@ -17,7 +17,10 @@ committed position (its length equals the target's) and ``feat``, the fused targ
 the last committed position, which goes with the pending token. Drafting writes speculative
 entries from the head's own features; after verification, in the same executable,
 ``catch_up`` rewrites the block's entries with the target's real features and commits the
-accepted ones (a K = 0 step commits its one entry too, so the head never falls behind).
+accepted ones. A K = 0 step only keeps its token and target features (``defer``; the head's
+lengths then trail the target's): the head catches up on them in one block forward when its
+window (``lag_window``) is full or before it drafts (``settle``), so plain steps do not read the
+head's weights each time.
 
 Params (``init_params``): ``fc`` [3D, D]; ``layer`` (``llama`` layer names; wq/wk/wv [2D, .],
 ``embed_norm`` for the token half); ``lm_head`` [D, N] and ``vocab_ids`` [N]; plus the
@@ -57,10 +60,18 @@ class EagleDraft(ModelDraft):
     label: str = "eagle"
     features: tuple[int, ...] = ()
     shared_head: bool = False  # lm_head: the target's own rows for vocab_ids (not trained, not saved)
+    # Plain (K = 0) steps leave the head's entries for later (``defer``): up to this many
+    # positions per row, caught up in one block forward when the window is full or the head
+    # drafts (``settle``). One entry per step read the head's weights each step (its float32
+    # layer and fc, about a fifth of the Q4_1 target's bytes) while SmartSpec chose not to draft.
+    lag_window: int = 16
 
     def init_cache(self, B, slots, dtype):
         c = llama.init_cache_for(self.cfg, B, slots, dtype)
-        return kv.FeatureCache(k=c.k, v=c.v, lengths=c.lengths, feat=jnp.zeros((B, self.cfg.hidden_size), dtype))
+        W, F = self.lag_window, len(self.features) * self.cfg.hidden_size
+        return kv.FeatureCache(k=c.k, v=c.v, lengths=c.lengths, feat=jnp.zeros((B, self.cfg.hidden_size), dtype),
+                               lag_tok=jnp.zeros((B, W), jnp.int32), lag_feat=jnp.zeros((B, W, F), dtype),
+                               lag=jnp.zeros((B,), jnp.int32))
 
     def _fuse(self, dparams, feats):
         """Target features [B, T, 3D] -> the head's feature space [B, T, D]."""
@@ -121,6 +132,29 @@ class EagleDraft(ModelDraft):
         _, dc = self._forward(dparams, kv.set_lengths(dcache, lengths), block, g, pos, llama.causal_mask(B, T))
         last = jnp.take_along_axis(fused, jnp.maximum(n_commit - 1, 0)[:, None, None], axis=1)[:, 0]
         return dataclasses.replace(kv.advance(dc, n_commit), feat=jnp.where((n_commit > 0)[:, None], last, feat0))
+
+
+    def settle(self, dparams, dcache):
+        """The head caught up on the positions plain steps deferred (``catch_up`` of its lag
+        window, each token with the target feature of the position before it), its lengths the
+        target's again; unchanged where nothing is deferred."""
+        def go(dc):
+            dc = self.catch_up(dparams, dc, dc.feat, dc.lag_tok, dc.lag_feat, dc.lengths, dc.lag)
+            return dataclasses.replace(dc, lag=jnp.zeros_like(dc.lag))
+
+        return jax.lax.cond(jnp.any(dcache.lag > 0), go, lambda dc: dc, dcache)
+
+    def defer(self, dparams, dcache, token, feats, active):
+        """A plain step's committed token [B] and its target features [B, F], kept for a later
+        catch-up by active rows (a full window is caught up first)."""
+        W = self.lag_window
+        dcache = jax.lax.cond(jnp.any(active & (dcache.lag >= W)), lambda dc: self.settle(dparams, dc),
+                              lambda dc: dc, dcache)
+        rows, at = jnp.arange(token.shape[0]), jnp.where(active, dcache.lag, W)  # (W: dropped)
+        return dataclasses.replace(dcache, lag_tok=dcache.lag_tok.at[rows, at].set(token, mode="drop"),
+                                   lag_feat=dcache.lag_feat.at[rows, at].set(feats.astype(dcache.lag_feat.dtype),
+                                                                             mode="drop"),
+                                   lag=dcache.lag + active.astype(jnp.int32))
 
 
 def head_config(cfg: ModelConfig) -> ModelConfig:

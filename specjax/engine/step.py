@@ -83,8 +83,11 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     if q is not None:
         q = q[:, :K]
     dcache = state.dcache
+    if K > 0 and key.features:  # a feature head first catches up on what plain steps deferred
+        dcache = draft.settle(dparams, dcache)
+    feat0 = None if dcache is None or not key.features else dcache.feat
     if K > 0 and draft is not None:
-        draft_tokens, q, dcache = draft.draft(dparams, state.dcache, state.prev, state.pending, state.cache.lengths,
+        draft_tokens, q, dcache = draft.draft(dparams, dcache, state.prev, state.pending, state.cache.lengths,
                                               K, samp, greedy_only)
         # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
         num_draft = jnp.minimum(num_draft, K)
@@ -95,9 +98,10 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     logits, cache, *feats = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
                                           fwd=fwd, pack=pack, layout=key.layout, features=key.features)
     tokens, n, _ = verify_chain(logits, draft_tokens[:, :K], num_draft, samp, cache.lengths + 1, q, greedy_only)
-    if key.features:  # a feature head catches up on the committed tokens with the target's own features
-        dcache = draft.catch_up(dparams, dcache, state.dcache.feat, block, feats[0], cache.lengths,
-                                jnp.where(active, n + 1, 0))
+    if key.features and K == 0:  # a feature head keeps a plain step's token for a later catch-up
+        dcache = draft.defer(dparams, dcache, state.pending, feats[0][:, 0], active)
+    elif key.features:  # ... and catches up on a verify step's with the target's own features
+        dcache = draft.catch_up(dparams, dcache, feat0, block, feats[0], cache.lengths, jnp.where(active, n + 1, 0))
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)

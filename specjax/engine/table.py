@@ -89,8 +89,10 @@ def take_rows(state: StepState, idx, layout: Layout | None = None) -> StepState:
 
 
 def _row_fields(c: kv.KVCache, row) -> dict:
-    # a cache's per-row fields besides its entries (lengths; a feature head's carried feature)
-    return {f.name: getattr(c, f.name)[row] for f in dataclasses.fields(c) if f.name not in ("k", "v")}
+    # a cache's per-row fields besides its entries (lengths; a feature head's carried feature),
+    # as a prefill leaves them (it defers nothing: a fresh prefill state's empty window stays)
+    return {f.name: getattr(c, f.name)[row] for f in dataclasses.fields(c)
+            if f.name not in ("k", "v") + kv.DEFERRED_FIELDS}
 
 
 @partial(jax.jit, static_argnames=("size", "layout"))
