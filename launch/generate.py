@@ -87,11 +87,11 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
                        **({} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats,
                                                     "policy": policy}))[0]
+    print(tok.decode(res.tokens), flush=True)  # (before waiting for a background build in progress)
     t = time.perf_counter()
     in_time = [k for k in later if k in gen.k_options()]
     gen.stop_later()
     wait_s = time.perf_counter() - t
-    print(tok.decode(res.tokens))
     n = len(res.tokens)
     pre_w, all_w = gen.compile_waits()  # compilation the answer waited for, inside its prefill and decode times
     prefill_s, decode_s = res.prefill_s - pre_w, res.decode_s - (all_w - pre_w)
