@@ -75,13 +75,13 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     samp = cli.sampling_from_flags()
     validate_request(ids, FLAGS.max_new_tokens, model.cfg)
     # Nothing compiles up front: the prefill compiles when the answer reaches it while the K = 0
-    # step (and a fixed K's step: its first step needs it) compile beside it on the other core.
-    # SmartSpec's K buckets (a fixed K runs buckets <= K: host drafts shrink the block) join the
-    # policy's options as they finish, from the LATER_AFTER_STEPS-th step on (a short answer is
-    # not slowed by loading them).
+    # step compiles beside it on the other core. The K > 0 buckets (SmartSpec's; a fixed K's and
+    # those below it: host drafts shrink the block) join the policy's options as they finish, from
+    # the LATER_AFTER_STEPS-th step on (a short answer is not slowed by loading them; a fixed K
+    # runs plain decode calls until its step is in: the same tokens).
     k_fixed = getattr(policy, "k", None)
     k_warm = k_fixed if k_fixed is not None else max(gen.k_buckets)
-    later = [b for b in gen.k_buckets if 0 < b <= k_warm and b != k_fixed]
+    later = [b for b in gen.k_buckets if 0 < b <= k_warm]
     registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], k_warm, greedy=samp.greedy,
                        later=later, later_after_steps=LATER_AFTER_STEPS, lazy=True)
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,

@@ -251,6 +251,11 @@ class JaxBackend:
         waiting = self._waiting
         return tuple(k for k in self.k_buckets if (bucket, k) not in waiting) if waiting else self.k_buckets
 
+    def k_coming(self, bucket: int) -> Sequence[int]:
+        """The K buckets ``k_options`` leaves out at ``bucket`` for now: a warm-up's background
+        thread is building them."""
+        return tuple(k for k in self.k_buckets if (bucket, k) in self._waiting)
+
     def _usable(self, B: int) -> bool:
         """Whether the live state may shrink into bucket ``B`` now: yes, unless a lazy warm-up
         left B's K = 0 step unbuilt (neither in memory nor on disk), when shrinking would stall

@@ -116,6 +116,8 @@ class Backend(Protocol):
 
     def k_options(self, bucket: int) -> Sequence[int]: ...
 
+    def k_coming(self, bucket: int) -> Sequence[int]: ...  # K buckets a background warm-up still builds
+
     def start_prefill(self, rs: Sequence[Running]) -> None: ...  # hold rows, queue the prefill chunks
 
     # run queued chunks (budget: prompt tokens, at least one chunk; None: all): (request, first token) done
@@ -310,7 +312,8 @@ class ServingEngine:
                          confidences=prop.confidences, true_accept=prop.true_accept,
                          draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
                          drafted_ahead=prop.drafted_ahead,
-                         token_options={k: tuple(be.token_options(bucket, k)) for k in opts})
+                         token_options={k: tuple(be.token_options(bucket, k)) for k in opts},
+                         k_coming=be.k_coming(bucket))
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")

@@ -49,6 +49,8 @@ class BatchView:
       (confidence-based proposal): their cost is spent whatever K is chosen.
     token_options: K -> the packed verify sizes the backend compiled for (bucket, K) (empty: the
       block always costs bucket x (K + 1) rows); a packed step costs its real tokens.
+    k_coming: K buckets not in ``k_options`` yet that a background warm-up is building for this
+      bucket (each joins ``k_options`` once in).
     """
 
     ctx_lens: Sequence[int]
@@ -62,6 +64,7 @@ class BatchView:
     draft_classes: Sequence[Hashable | None] | None = None
     drafted_ahead: int = 0
     token_options: dict = dataclasses.field(default_factory=dict)
+    k_coming: Sequence[int] = ()
 
     @property
     def n(self) -> int:
@@ -105,7 +108,9 @@ class Policy:
 
 class FixedK(Policy):
     """The baselines: K drafts every step (K = 0: no speculation). For host drafters the
-    engine still shrinks the block to the longest proposal (a bucket holding it)."""
+    engine still shrinks the block to the longest proposal (a bucket holding it). While K's
+    step is still being built in the background (``view.k_coming``: a lazy first answer), the
+    largest compiled K below it runs, as decode calls at K = 0: the tokens are the same."""
 
     def __init__(self, k: int):
         self.k = int(k)
@@ -114,9 +119,13 @@ class FixedK(Policy):
         self.plain_steps = 1 if self.k else 1 << 30  # K = 0 for good: nothing is ever decided
 
     def choose(self, view: BatchView) -> int:
-        if self.k not in view.k_options:
-            raise ValueError(f"K={self.k} is not compiled for bucket {view.bucket}: {list(view.k_options)}")
-        return self.k
+        k = self.k
+        if k not in view.k_options:
+            if k not in view.k_coming:
+                raise ValueError(f"K={k} is not compiled for bucket {view.bucket}: {list(view.k_options)}")
+            k = max(o for o in view.k_options if o <= k)
+        self.plain_steps = 1 if k else 1 << 30
+        return k
 
 
 class GoodputPolicy(Policy):

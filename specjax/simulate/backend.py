@@ -116,6 +116,9 @@ class SimBackend:
     def k_options(self, bucket: int) -> Sequence[int]:
         return self.k_buckets
 
+    def k_coming(self, bucket: int) -> Sequence[int]:
+        return ()
+
     def start_prefill(self, rs: Sequence[Running]) -> None:
         self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
