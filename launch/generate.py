@@ -16,11 +16,12 @@ stderr; smartspec requires the model; an integer is that fixed K; none is K = 0)
 
 Compilation: with ``--prompt``, nothing compiles before generation. The answer compiles (or,
 from the executable cache, loads) each executable when it first reaches it, while a background
-thread compiles the K = 0 step (and a fixed K's step) beside the prefill's compilation, on the
-other core (JaxBackend.warmup, ``lazy``); the seconds the answer waited for them are printed and
-excluded from tok/s. SmartSpec's other K buckets compile in that thread from step 16 on and
-join the policy's choices as they finish (their cost is inside the reported speed; the script
-waits at the end only for the one in progress). The executable cache (``$SPECJAX_CACHE_DIR``,
+thread compiles the K = 0 step beside the prefill's compilation, on the other core
+(JaxBackend.warmup, ``lazy``); the seconds the answer waited for them are printed and excluded
+from tok/s. The K > 0 buckets (SmartSpec's, or a fixed K's: it runs plain decode calls until its
+step is in) compile in that thread from step 16 on and join the policy's choices as they finish
+(their cost is inside the reported speed; the answer is printed first, then the script waits
+only for the one in progress, so that the next run finds it). The executable cache (``$SPECJAX_CACHE_DIR``,
 specjax.engine.exe_cache) stores every executable keyed without tracing, so a later run loads the
 ones it reaches instead.
 
