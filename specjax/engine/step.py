@@ -265,10 +265,19 @@ def _prefill_end(dparams, tokens, n_valid, samp: SamplingArrays, state: StepStat
     pending = jnp.where(has, sample(logits[:, 0], samp, cache.lengths, key.greedy_only), state.pending)
     prev = jnp.where(has, jnp.take_along_axis(tokens, _last(n_valid), axis=1)[:, 0], state.prev)
     dcache = state.dcache
-    if key.draft is not None:
+    if layered_draft(key):  # its layers ran as calls of their own: its chunk is written, not yet counted
+        dcache = kv.advance(dcache, n_valid)
+    elif key.draft is not None:
         # (a feature head also takes the target's features)
         dcache = key.draft.prefill(dparams, dcache, tokens, pos, llama.causal_mask(B, C), n_valid, first, *feats)
     return pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
+
+
+def layered_draft(key: CompileKey) -> bool:
+    """Whether a layered prefill's draft model (not a feature head, which reads the target's
+    features) runs its layers as calls of ``prefill_layer`` too: embed gives its embeddings and
+    finish only counts its chunk."""
+    return bool(key.part) and key.draft is not None and not key.draft.features
 
 
 # A layered prefill: the chunk as 2 + L calls of three small programs instead of one program of
@@ -277,11 +286,11 @@ def _prefill_end(dparams, tokens, n_valid, samp: SamplingArrays, state: StepStat
 # nothing measurable; a cold job waits for several chunk sizes before its first answer.
 # (One device, XLA attention: the layer index is a run-time value.)
 def prefill_embed(params, dparams, tokens, *, key: CompileKey):
-    """The chunk's token embeddings, and (op "prefill") the fresh state its layers write into."""
-    x = params["embed"][tokens]
-    if key.op == "prefill":
-        return x, fresh_state(params, dparams, tokens.shape[0], key)
-    return x
+    """The chunk's token embeddings, the draft model's (``layered_draft``; else None), and (op
+    "prefill") the fresh state the layers write into (else None)."""
+    dx = dparams["embed"][tokens] if layered_draft(key) else None
+    state = fresh_state(params, dparams, tokens.shape[0], key) if key.op == "prefill" else None
+    return params["embed"][tokens], dx, state
 
 
 def prefill_layer(lp, x, cache: kv.KVCache, layer, *, key: CompileKey):

@@ -39,7 +39,7 @@ from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.engine.options import layered_prefill_runs
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
+from specjax.engine.step import (StepState, fresh_state, layered_draft, pin, prefill_embed_jit, prefill_finish_jit,
                                  prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
 from specjax.sharding import Layout, with_shardings
@@ -137,26 +137,29 @@ def clear_rows(state: StepState, free, layout: Layout | None = None) -> StepStat
 
 
 class LayeredPrefill:
-    """A prefill chunk as 2 + L calls (step.prefill_embed, step.prefill_layer once per layer,
-    step.prefill_finish), called like the one-program executable: ``(params, dparams, tokens,
-    n_valid, samp[, state])`` -> state (a later chunk's ``state`` donated)."""
+    """A prefill chunk as 2 + L (+ the draft model's L') calls (step.prefill_embed,
+    step.prefill_layer once per layer, step.prefill_finish), called like the one-program
+    executable: ``(params, dparams, tokens, n_valid, samp[, state])`` -> state (a later chunk's
+    ``state`` donated)."""
 
-    def __init__(self, embed, layers, finish, features: tuple[int, ...], index):
+    def __init__(self, embed, layers, finish, features: tuple[int, ...], index, draft_layers=()):
         self.embed, self.layers, self.finish, self.features = embed, layers, finish, features
+        self.draft_layers = draft_layers  # a draft model's layer programs (step.layered_draft)
         self._index = index  # the layer indices on the device (the table's, made once)
 
     def __call__(self, params, dparams, tokens, n_valid, samp, state: StepState | None = None) -> StepState:
-        if state is None:
-            x, state = self.embed(params, dparams, tokens)
-        else:
-            x = self.embed(params, dparams, tokens)
+        x, dx, fresh = self.embed(params, dparams, tokens)
+        state = fresh if state is None else state
         cache, taken = state.cache, {}
         for i, (exe, lp) in enumerate(zip(self.layers, params["layers"])):
             if i in self.features:
                 taken[i] = x
             x, cache = exe(lp, x, cache, self._index[i])
-        return self.finish(params, dparams, tokens, n_valid, samp, x, dataclasses.replace(state, cache=cache),
-                           tuple(taken[i] for i in self.features))
+        dcache = state.dcache
+        for i, (exe, lp) in enumerate(zip(self.draft_layers, dparams["layers"] if self.draft_layers else ())):
+            dx, dcache = exe(lp, dx, dcache, self._index[i])
+        return self.finish(params, dparams, tokens, n_valid, samp, x,
+                           dataclasses.replace(state, cache=cache, dcache=dcache), tuple(taken[i] for i in self.features))
 
 
 def _layer_groups(layers) -> list[int]:
@@ -341,16 +344,28 @@ class StepTable:
 
         embed = get("embed", prefill_embed_jit, self.params, self.dparams, toks)
         layers, groups = self.params["layers"], self._layer_groups
-        programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache,
-                           self._sds((), jnp.int32, per_row=False)) for g in sorted(set(groups))}
+        index = self._sds((), jnp.int32, per_row=False)
+        programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache, index)
+                    for g in sorted(set(groups))}
+        dprograms, dgroups = {}, ()
+        if layered_draft(dataclasses.replace(key, part="finish")):  # a draft model's layers: calls too
+            # (its own config and forward options, as ModelDraft.prefill runs them)
+            dlayers, dgroups = self.dparams["layers"], _layer_groups(self.dparams["layers"])
+            dkey = dataclasses.replace(key, cfg=key.draft.cfg, fwd=ForwardOptions())
+            dx = self._sds((B, C, key.draft.cfg.hidden_size), self.dparams["embed"].dtype)
+            dprograms = {g: self._get(k, lambda g=g: (prefill_layer_jit, (dlayers[g], dx, state.dcache, index)),
+                                      k.describe(), compile_if_missing)
+                         for g in sorted(set(dgroups)) for k in [dataclasses.replace(dkey, part=f"draft layer {g}")]}
         finish = get("finish", prefill_finish_jit, self.params, self.dparams, toks, self._sds((B,), jnp.int32),
                      self._abstract_samp(B), x, state, (x,) * len(key.features))
         if probe:
-            return bool(embed and finish and all(programs.values()))
+            return bool(embed and finish and all(programs.values()) and all(dprograms.values()))
         if self._layer_index is None:  # (made once: eager device arrays cost milliseconds each on a busy CPU)
-            self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(len(layers))]
+            dl = self.dparams.get("layers", ()) if isinstance(self.dparams, dict) else ()  # (a head has "layer")
+            n = max(len(layers), len(dl) if isinstance(dl, list) else 0)
+            self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(n)]
         call = self._layered_calls[key] = LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features,
-                                                         self._layer_index)
+                                                         self._layer_index, [dprograms[g] for g in dgroups])
         return call
 
     def state_info(self, B: int, S: int, run_draft: bool = True):
