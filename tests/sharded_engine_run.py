@@ -21,6 +21,7 @@ from specjax.errors import SpecjaxError
 from specjax.goodput import FixedK
 from specjax.models import attention, llama
 from specjax.models.options import ForwardOptions
+from specjax.reference_ar import reference_generate
 from specjax.sampling import SamplingParams
 
 assert len(jax.devices()) == 8
@@ -69,9 +70,13 @@ def logits(p, layout=None):
 want_logits = logits(params)
 
 meshes = [tuple(map(int, m.split("x"))) for m in (sys.argv[1] if len(sys.argv) > 1 else "1x2,2x4").split(",")]
-want = {kind: run(kind, None, greedy) for kind in ("prompt_lookup", "suffix", "draft")}
-want_s = run("prompt_lookup", None, sampled)
-print("baselines", round(time.time() - t0, 1), {k: v[1] for k, v in want.items()}, flush=True)
+# greedy: every drafter's tokens are the reference AR loop's (the unsharded engine's, which
+# test_engine.py and test_launch_matrix.py check against that loop), so one AR run is the baseline
+# of all three; sampled: the unsharded engine's own tokens, run only when a mesh samples (1x2, 4x2)
+ar = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=12, batch_buckets=(8,))]
+want = {kind: (ar, None) for kind in ("prompt_lookup", "suffix", "draft")}
+want_s = None
+print("baseline", round(time.time() - t0, 1), flush=True)
 for data, model in meshes:
     lay = sh.Layout(sh.make_mesh(data, model))
     got = logits(lay.put_params(cfg, params), lay)
@@ -83,7 +88,9 @@ for data, model in meshes:
     for kind in kinds:
         got = run(kind, lay, greedy)
         assert got[0] == want[kind][0], (kind, data, model)
+        assert got[1] > 0, (kind, data, model, "no draft accepted")  # the verify path ran, not only K = 0
     if (data, model) in ((1, 2), (4, 2)):
+        want_s = want_s or run("prompt_lookup", None, sampled)
         assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)
     print("mesh", data, model, "ok", round(time.time() - t0, 1), flush=True)
 # the scanned layer stack (ForwardOptions.scan_layers), sharded, gives the same tokens
@@ -118,7 +125,8 @@ def run_prefix(layout, mb):
     return outs, be
 
 
-want_p = run_prefix(None, 0)[0][0]
+want_p = [r.tokens for r in reference_generate(cfg, params, [r.prompt for r in pre], max_new_tokens=8,
+                                               batch_buckets=(4,))]
 lay = sh.Layout(sh.make_mesh(2, 4))
 got, be = run_prefix(lay, 1024)
 assert got == [want_p, want_p], "prefix cache on a mesh"
