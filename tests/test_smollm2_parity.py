@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.generate import Generator
 from specjax.models import llama
 from specjax.models.loader import load_model
 from specjax.models.options import ForwardOptions
+from specjax.spec_generate import SpecGenerator, SpecStats
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_hf_reference.npz")
 
@@ -92,3 +94,22 @@ def test_chat_answer_is_sensible(model, greedy_runs):
     eos = [i for i, t in enumerate(toks) if t in model.tokenizer.eos_ids]
     assert eos, model.tokenizer.decode(toks)
     assert "Paris" in model.tokenizer.decode(toks[:eos[0] + 1])
+
+
+def test_greedy_spec_on_the_real_weights_equals_autoregressive(ref, model, greedy_runs):
+    """Speculative decoding on the real weights (the default suite's; device drafts on them:
+    test_spec_generate.py's test_smollm2_greedy_spec_grid, marked slow): prompt lookup at K = 4
+    over the same batch of mixed prompt lengths gives, token for token, the first 32 tokens of
+    the AR run above (for the fixture's prompts: transformers' greedy tokens), and drafts were
+    accepted (the code prompt's continuation copies from it)."""
+    prompts = [ref[f"prompt_ids_{i}"].tolist() for i in range(int(ref["num_prompts"]))]
+    prompts.append(model.tokenizer.encode_chat(CHAT))
+    fwd = ForwardOptions()
+    gen = SpecGenerator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, fwd=fwd,
+                        drafter=PromptLookupDrafter(), batch_buckets=(4,), k_buckets=(0, 4), slot_buckets=(256,))
+    st = SpecStats()
+    got = [r.tokens for r in gen.generate(prompts, max_new_tokens=32, num_spec_tokens=4, ignore_eos=True, stats=st)]
+    assert got == [r.tokens[:32] for r in greedy_runs(0)]
+    for i in range(int(ref["num_prompts"])):
+        assert got[i] == ref[f"greedy64_{i}"].tolist()[:32], f"prompt {i} diverged from transformers' greedy"
+    assert st.mean_accepted_tokens > 1.0, st.mean_accepted_tokens
