@@ -59,13 +59,13 @@ def reference(tiny):
 
 @pytest.fixture(scope="module")
 def backends(tiny):
+    """One backend per drafter for the module; each compiles what a test reaches, on first use
+    (warming both sampling modes of every bucket up front compiled much the tests never ran)."""
     cfg, params = tiny
     pld = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS, slots=SLOTS,
                      shrink_patience=2)
-    pld.warmup(prompt_lens=[16], greedy_modes=(True, False))
     ls = JaxBackend(cfg, params, **_ls(cfg, params, 2), k_buckets=KS, batch_buckets=ROWS,
                     slots=SLOTS, shrink_patience=2, draft_first=True)
-    ls.warmup(prompt_lens=[16], greedy_modes=(True, False))
     return {"prompt_lookup": pld, "layer_skip": ls}
 
 
@@ -444,6 +444,7 @@ def test_warmup_can_execute_every_executable(backends, reference):
     costs do not land on the first requests served), compiles nothing new, and leaves the
     backend empty: serving afterwards is still exactly greedy decoding."""
     be = backends["prompt_lookup"]
+    be.warmup(prompt_lens=[16], greedy_modes=(True, False))
     n = len(be.table)
     be.warmup(prompt_lens=[16], greedy_modes=(True, False), execute=True)
     assert len(be.table) == n and be.state is None and not be.row_of
