@@ -737,6 +737,9 @@ def test_fixed_k_and_bad_estimator():
     assert pol.plain_steps > 1
     assert pol.choose(BatchView(ctx_lens=[1], bucket=1, k_options=(0, 1), k_coming=(4,))) == 1
     assert pol.choose(BatchView(ctx_lens=[1], bucket=1, k_options=(0, 1, 4))) == 4 and pol.plain_steps == 1
+    zero = FixedK(0)
+    zero.plain_steps = 1  # (a caller's own commitment stays)
+    assert zero.choose(view) == 0 and zero.plain_steps == 1
     with pytest.raises(ValueError):
         GoodputPolicy(_cost(), estimator="psychic")
 

@@ -117,13 +117,18 @@ class FixedK(Policy):
         self.name = "no-SD" if k == 0 else f"K={k}"
         self.may_speculate = self.k > 0
         self.plain_steps = 1 if self.k else 1 << 30  # K = 0 for good: nothing is ever decided
+        self._plain = None  # plain_steps, kept while K's step is still being built
 
     def choose(self, view: BatchView) -> int:
-        k = self.k
-        if k not in view.k_options:
-            if k not in view.k_coming:
-                raise ValueError(f"K={k} is not compiled for bucket {view.bucket}: {list(view.k_options)}")
-            k = max(o for o in view.k_options if o <= k)
+        if self.k in view.k_options:
+            if self._plain is not None:  # (K came in: the commitment it had before)
+                self.plain_steps, self._plain = self._plain, None
+            return self.k
+        if self.k not in view.k_coming:
+            raise ValueError(f"K={self.k} is not compiled for bucket {view.bucket}: {list(view.k_options)}")
+        k = max(o for o in view.k_options if o <= self.k)
+        if self._plain is None:
+            self._plain = self.plain_steps
         self.plain_steps = 1 if k else 1 << 30
         return k
 
