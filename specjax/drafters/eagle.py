@@ -280,7 +280,7 @@ def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dic
     ids = spec["vocab_ids"]
     shared_head = bool(spec.get("shared_head", False))
     draft = _draft(cfg, ids, shared_head)
-    # The structure to restore into, as numpy zeros: traced, not computed (eager jax ops here
+    # The structure to restore into, as numpy zeros of a traced init's shapes (eager jax ops here
     # compiled a program per array: a second of a first answer).
     shapes = jax.eval_shape(lambda p: trainable_of(draft, init_params(cfg, p, ids, shared_head=shared_head)[1]), params)
     saved = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jnp.dtype(spec.get("dtype", a.dtype))), shapes)

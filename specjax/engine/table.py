@@ -39,7 +39,7 @@ from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.engine.options import layered_prefill_runs
 from specjax.models.options import ForwardOptions
-from specjax.engine.step import (StepState, fresh_state, layered_draft, pin, prefill_embed_jit, prefill_finish_jit,
+from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
                                  prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
 from specjax.sharding import Layout, with_shardings
@@ -210,6 +210,9 @@ class StepTable:
         self._layer_index = None  # the layer indices on the device, made once
         # each layer's first layer of the same param shapes (one layer program per group)
         self._layer_groups = _layer_groups(params["layers"]) if self.layered_prefill else None
+        # ... and a draft model's (step.layered_draft: a feature head's prefill stays in finish)
+        self._draft_groups = (_layer_groups(dparams["layers"]) if self.layered_prefill and draft is not None
+                              and not draft.features else None)
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
         self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
 
@@ -348,21 +351,23 @@ class StepTable:
         programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache, index)
                     for g in sorted(set(groups))}
         dprograms, dgroups = {}, ()
-        if layered_draft(dataclasses.replace(key, part="finish")):  # a draft model's layers: calls too
+        if key.draft is not None and self._draft_groups:  # a draft model's layers: calls too
             # (its own config and forward options, as ModelDraft.prefill runs them)
-            dlayers, dgroups = self.dparams["layers"], _layer_groups(self.dparams["layers"])
-            dkey = dataclasses.replace(key, cfg=key.draft.cfg, fwd=ForwardOptions())
+            dgroups, dlayers = self._draft_groups, self.dparams["layers"]
             dx = self._sds((B, C, key.draft.cfg.hidden_size), self.dparams["embed"].dtype)
-            dprograms = {g: self._get(k, lambda g=g: (prefill_layer_jit, (dlayers[g], dx, state.dcache, index)),
-                                      k.describe(), compile_if_missing)
-                         for g in sorted(set(dgroups)) for k in [dataclasses.replace(dkey, part=f"draft layer {g}")]}
+
+            def dget(g):
+                k = dataclasses.replace(key, cfg=key.draft.cfg, fwd=ForwardOptions(), part=f"draft layer {g}")
+                return self._get(k, lambda: (prefill_layer_jit, (dlayers[g], dx, state.dcache, index)), k.describe(),
+                                 compile_if_missing)
+
+            dprograms = {g: dget(g) for g in sorted(set(dgroups))}
         finish = get("finish", prefill_finish_jit, self.params, self.dparams, toks, self._sds((B,), jnp.int32),
                      self._abstract_samp(B), x, state, (x,) * len(key.features))
         if probe:
             return bool(embed and finish and all(programs.values()) and all(dprograms.values()))
         if self._layer_index is None:  # (made once: eager device arrays cost milliseconds each on a busy CPU)
-            dl = self.dparams.get("layers", ()) if isinstance(self.dparams, dict) else ()  # (a head has "layer")
-            n = max(len(layers), len(dl) if isinstance(dl, list) else 0)
+            n = max(len(layers), len(self._draft_groups or ()))
             self._layer_index = [jnp.asarray(i, jnp.int32) for i in range(n)]
         call = self._layered_calls[key] = LayeredPrefill(embed, [programs[g] for g in groups], finish, key.features,
                                                          self._layer_index, [dprograms[g] for g in dgroups])
