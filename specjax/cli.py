@@ -149,9 +149,11 @@ def sampling_from_flags():
 
 def define_forward_flags() -> None:
     """The compiled-forward settings (models.options.ForwardOptions)."""
-    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas"],
-                      "Decode/verify attention: plain XLA, or the Pallas tree-attention kernel (GPU/TPU; "
-                      "interpret mode on CPU, slow; prefill always uses XLA).")
+    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas", "cpu"],
+                      "Decode/verify attention: plain XLA, the Pallas tree-attention kernel (GPU/TPU; interpret "
+                      "mode on CPU, slow), or the CPU kernel (with the rows kernel: a token's logits then have the "
+                      "same bits in a decode step as in a verify block; int8 activations use it); prefill always "
+                      "uses XLA.")
     flags.DEFINE_integer("small_rows", 0, "Project 2..N activation rows as per-row matrix-vector products "
                          "instead of one GEMM (a CPU-specific setting; see benchmarks/projection_rows.py; 0 = off).")
     flags.DEFINE_integer("rows_kernel", -1, "Run decode and verify blocks of up to N activation rows on the CPU rows "
@@ -162,9 +164,8 @@ def define_forward_flags() -> None:
     flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"],
                       "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode blocks: float32 "
                       "(default: the float32 model exactly) or int8 (each activation row rounded per group of 32, as "
-                      "llama.cpp does, with the CPU attention kernel: faster, not the float32 model's numbers; plain "
-                      "decoding only, --drafter none: int8 rounding turns last-bit differences between compiled "
-                      "programs into other tokens, so speculation would not be token-identical).")
+                      "llama.cpp does, with the CPU attention kernel: faster, not the float32 model's numbers; "
+                      "speculation under it gives its plain decoding's tokens).")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "

@@ -266,3 +266,118 @@ def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_dec
             va = va.at[0, b, :, int(lens[b]) + i].set(vb[b, j])
     one = rd.block_attention(q[:, 3:], kb[:, 3:], vb[:, 3:], ka, va, 0, lens + 2, jnp.ones((B, 1, 1), bool))
     np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(blk[:, 3]))
+
+
+def _wide_heads_gguf(tmp_path):
+    """A two-layer GGUF model with Q4_1 projections, a Q8_0 tied embedding and SmolLM2's head size
+    (RoPE tables 32 wide per position, where XLA:CPU's own cos and sin vectorise differently for
+    one-token and several-token blocks), loaded."""
+    from gguf import GGMLQuantizationType as Q
+    from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
+
+    from specjax.models import llama
+    from specjax.models.loader import load_model
+
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg("llama_tied", len(tokens)).replace(head_dim=64, num_layers=2)
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=7), tokens, merges, types, proj_type=Q.Q4_1,
+                    embed_type=Q.Q8_0)
+    return load_model(str(path))
+
+
+def test_a_token_gets_the_same_logits_bits_in_one_token_steps_as_in_a_verify_block(tmp_path):
+    """With the rows kernel and the CPU attention, float32 or int8 activations, the whole model
+    computes a token's logits with the same bits in a block of 6 as in 6 one-token steps after
+    it (RoPE's cos and sin do not depend on the block's shape: llama.rope_tables). That is what
+    makes speculation token-identical to plain decoding even where int8 rounding would turn a
+    last-bit difference into another code. XLA's attention (prefix and block summed apart)
+    stays within float32 rounding only."""
+    from specjax import cache as kv
+    from specjax.models import llama
+
+    m = _wide_heads_gguf(tmp_path)
+    rng = np.random.default_rng(7)
+    P, N = 45, 6
+    prompt, cont = (jnp.asarray(rng.integers(3, m.cfg.vocab_size, (1, n)), jnp.int32) for n in (P, N))
+
+    def run(params, toks, cache, fwd, start):
+        T = toks.shape[1]
+        pos = start + jnp.arange(T, dtype=jnp.int32)[None]
+        return llama.forward(params, toks, pos, cache, llama.causal_mask(1, T), cfg=m.cfg, fwd=fwd,
+                             use_prefix=start > 0)[:2]
+
+    run = jax.jit(run, static_argnames=("fwd", "start"))
+    for fwd in (ForwardOptions(rows_kernel=32, attention="cpu"),
+                ForwardOptions(rows_kernel=32, attention="cpu", rows_int8=True), ForwardOptions(rows_kernel=32)):
+        p = m.params_for(fwd)
+        _, cache = run(p, prompt, llama.init_cache_for(m.cfg, 1, 64), fwd.for_prefill(), 0)
+        cache = kv.set_lengths(cache, jnp.asarray([P], jnp.int32))
+        block, _ = run(p, cont, cache, fwd, P)
+        steps = []
+        for i in range(N):
+            lg, cache = run(p, cont[:, i:i + 1], cache, fwd, P + i)
+            cache = kv.set_lengths(cache, cache.lengths + 1)
+            steps.append(np.asarray(lg[0, 0]))
+        if fwd.attention == "cpu":
+            np.testing.assert_array_equal(np.stack(steps), np.asarray(block[0]), err_msg=str(fwd))
+        else:
+            np.testing.assert_allclose(np.stack(steps), np.asarray(block[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_tables_are_the_exact_angles_and_gathered_the_same_in_any_shape():
+    """llama.rope_tables: within two float32 roundings of cos and sin of position x inverse
+    frequency computed in float64, the same values for a position in any block, the padding
+    positions (negative, or past max_position) finite."""
+    from specjax.config import get_model_config
+    from specjax.models import llama
+
+    cfg = get_model_config("smollm2-135m")
+    inv = llama.rope_inv_freq(cfg).astype(np.float64)
+    pos = np.array([[0, 1, 63, 64, 65, 4095, 8191, 8192 + 100, -1]], np.int32)
+    c, s = (np.asarray(t)[0, :, 0] for t in jax.jit(lambda p: llama.rope_tables(p, cfg))(jnp.asarray(pos)))
+    ang = pos[0, :7, None].astype(np.float64) * inv
+    np.testing.assert_allclose(c[:7], np.cos(ang), rtol=0, atol=3e-7)
+    np.testing.assert_allclose(s[:7], np.sin(ang), rtol=0, atol=3e-7)
+    assert np.isfinite(c).all() and np.isfinite(s).all()
+    for p in (pos[:, 3:4], pos[:, 2:6]):  # the same bits alone or in another block
+        c2, _ = jax.jit(lambda p: llama.rope_tables(p, cfg, barrier=True))(jnp.asarray(p))
+        np.testing.assert_array_equal(np.asarray(c2)[0, :, 0], c[np.searchsorted(pos[0, :7], p[0])])
+
+
+def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decodings_tokens(tmp_path):
+    """int8 activations with a drafter: a policy alternating verify steps (K = 4, prompt lookup)
+    with runs of plain decoding calls (K = 0, up to 4 steps a call) gives exactly int8 plain
+    decoding's tokens. Before RoPE's tables were shape-independent it did not (a last-bit
+    difference between the two programs became another int8 code): int8 was then refused with
+    a drafter."""
+    from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.engine.jax_backend import JaxBackend
+    from specjax.engine.loop import ServingEngine
+    from specjax.engine.scheduler import Request
+    from specjax.generate import Generator
+    from specjax.goodput.selector import Policy
+
+    class Alternate(Policy):
+        name, plain_steps = "alternate", 4
+
+        def __init__(self):
+            self.i = 0
+
+        def choose(self, view):
+            self.i += 1
+            return 4 if self.i % 2 else 0
+
+    m = _wide_heads_gguf(tmp_path)
+    i8 = ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu")
+    p8 = m.params_for(i8)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, m.cfg.vocab_size, 9).tolist() * 4 for _ in range(3)]
+    new = 40
+    ar = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(4,), fwd=i8).generate(prompts, max_new_tokens=new)]
+    be = JaxBackend(m.cfg, p8, k_buckets=(0, 4), batch_buckets=(4,), slots=256, fwd=i8,
+                    drafter=PromptLookupDrafter())
+    eng = ServingEngine(be, Alternate())
+    outs = eng.run([Request(str(i), p, new) for i, p in enumerate(prompts)])
+    assert [o.tokens for o in outs] == ar
+    assert sum(o.drafted for o in outs) > 0 and eng.counts.accepted > 0  # verify blocks ran and accepted drafts

@@ -81,7 +81,7 @@ class EagleDraft(ModelDraft):
                  kv_before=None):
         """The head's layer on a block: (output hidden [B, T, D], dc with the block's K/V written
         at its lengths). ``kv_before``: llama._layer's (training: earlier unroll steps)."""
-        rope = llama.rope_tables(positions, llama.rope_inv_freq(self.cfg))
+        rope = llama.rope_tables(positions, self.cfg)
         x, k, v = llama._layer(self.cfg, rope, ForwardOptions(), use_prefix, feat, dparams["layer"], dc.k, dc.v, 0,
                                dc.lengths, positions, mask, embed_in=dparams["embed"][tokens], kv_before=kv_before)
         return x, dataclasses.replace(dc, k=k, v=v)

@@ -207,10 +207,6 @@ class EngineSpec:
 
                 raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
                                    f"that drafts ahead ({', '.join(registry.AHEAD_DRAFTERS)}), not {self.drafter.name}")
-        if speculates and (self.fwd.rows_int8 or self.rows_int8_auto):
-            raise SpecjaxError("--rows_activations int8 is for plain decoding (--drafter none): int8 rounding turns "
-                               "last-bit differences between compiled programs into other tokens, so speculation "
-                               "would not be token-identical to it; use --rows_activations float32 with a drafter")
         object.__setattr__(self, "k_buckets", ks)
         bbs = tuple(sorted(set(self.batch_buckets)))
         if not bbs or bbs[0] < 1:

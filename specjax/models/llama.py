@@ -24,6 +24,7 @@ from __future__ import annotations
 
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -52,28 +53,55 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray, barrier: bool = False) -> tuple[jax.Array, jax.Array]:
+# A position p is split as hi * ROPE_LO + lo, and its angles' cos and sin are put together from
+# two small tables of exact values (cos(a + b) = cos a cos b - sin a sin b): a gather and a few
+# multiplies per element instead of transcendentals.
+ROPE_LO = 64
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_parts(inv_freq: bytes, n_hi: int) -> tuple[np.ndarray, ...]:
+    """cos and sin of the angles of positions hi * ROPE_LO (hi < n_hi) and lo (< ROPE_LO), each
+    [n, hd/2], computed in float64 and rounded once to float32."""
+    inv = np.frombuffer(inv_freq, np.float32).astype(np.float64)
+    hi = np.arange(n_hi, dtype=np.float64)[:, None] * ROPE_LO * inv
+    lo = np.arange(ROPE_LO, dtype=np.float64)[:, None] * inv
+    return tuple(f(a).astype(np.float32) for a in (hi, lo) for f in (np.cos, np.sin))
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig, barrier: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B, T, 1, hd/2] of every position's RoPE angles, computed once per forward.
 
-    ``barrier`` (ForwardOptions.rope_once): compute them inside a conditional. XLA:CPU otherwise
-    fuses the transcendentals into every layer's rotation and evaluates them once per head and
-    layer (60 fusions a SmolLM2 step; 1.0 ms of a 9-row verify step at 1k context, 0.05 ms of a
-    decode step); ``optimization_barrier`` does not stop that fusion there, a conditional does
-    (its results cannot be fused into their users). Both branches compute the same tables, so
-    the (data-dependent, hence unfoldable) predicate never matters."""
+    A position's values do not depend on the block it is in: they are gathered from exact tables
+    (``_rope_parts``) and combined with plain multiplies and adds. XLA:CPU's own cos and sin
+    vectorise differently for different block shapes, so a token's rotation differed in the
+    last bit between a one-token decode step and a verify block (and, with int8 activations,
+    that became another code and another token). With these tables, the rows kernel and the CPU
+    attention kernel, a decode step and a verify block compute every token's logits with the same
+    bits (tests/test_rows_dot.py). Positions past ``cfg.max_position`` (padding) are clipped.
+
+    ``barrier`` (ForwardOptions.rope_once): compute them inside a conditional, so that XLA:CPU
+    does not fuse them into (and evaluate them again in) every layer's rotation, 60 fusions a
+    SmolLM2 step; ``optimization_barrier`` does not stop that fusion there, a conditional does.
+    Both branches compute the same tables, so the (data-dependent) predicate never matters."""
+    inv = rope_inv_freq(cfg)
+    parts = [jnp.asarray(a) for a in _rope_parts(inv.tobytes(), cfg.max_position // ROPE_LO + 1)]
+
     def tables(p):
-        ang = p.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
-        return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+        take = lambda t, i: jnp.take(t, i, axis=0, mode="clip")  # noqa: E731
+        hi, lo = p // ROPE_LO, p % ROPE_LO
+        ch, sh, cl, sl = take(parts[0], hi), take(parts[1], hi), take(parts[2], lo), take(parts[3], lo)
+        return (ch * cl - sh * sl)[:, :, None, :], (sh * cl + ch * sl)[:, :, None, :]
 
     if not barrier:
         return tables(positions)
     return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None = None, tables=None) -> jax.Array:
-    """Rotate-half RoPE. x: [B, T, H, hd], positions: [B, T]; ``tables``: rope_tables(positions,
-    inv_freq), when the caller has them already (``forward`` shares them across layers)."""
-    cos, sin = tables if tables is not None else rope_tables(positions, inv_freq)
+def apply_rope(x: jax.Array, tables) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, hd]; ``tables``: rope_tables of its positions (``forward``
+    shares them across layers)."""
+    cos, sin = tables
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -210,8 +238,8 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
         q = q + lp["bq"]
         k = k + lp["bk"]
         v = v + lp["bv"]
-    q = apply_rope(block(q).reshape(B, T, H, hd), positions, tables=rope)
-    k = apply_rope(block(k).reshape(B, T, Hkv, hd), positions, tables=rope)
+    q = apply_rope(block(q).reshape(B, T, H, hd), rope)
+    k = apply_rope(block(k).reshape(B, T, Hkv, hd), rope)
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
     if kv_before is not None:
@@ -277,7 +305,7 @@ def forward(
     n_layers = next(iter(layers.values())).shape[0] if stacked else len(layers)
     if cache.k.shape[0] != n_layers:
         raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
-    rope = rope_tables(positions, rope_inv_freq(cfg), barrier=fwd.rope_barrier())
+    rope = rope_tables(positions, cfg, barrier=fwd.rope_barrier())
     B, T = tokens.shape
     if pack is not None and (logits_at is not None or return_hidden):
         raise ValueError("pack does not combine with logits_at / return_hidden")
@@ -342,7 +370,7 @@ def decoder_layer(lp, x, cache: kv.KVCache, layer, *, cfg: ModelConfig, fwd: For
     (engine.step's layered prefill). Returns (x, the cache with the layer's block written)."""
     B, T = x.shape[:2]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rope = rope_tables(positions, rope_inv_freq(cfg), barrier=fwd.rope_barrier())
+    rope = rope_tables(positions, cfg, barrier=fwd.rope_barrier())
     x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, cache.k, cache.v, layer, cache.lengths, positions,
                              causal_mask(B, T))
     return x, dataclasses.replace(cache, k=k_all, v=v_all)

@@ -42,7 +42,9 @@ class ForwardOptions:
     "cpu": rounding to int8 turns a last-bit difference in an activation into a different code,
     so everything before it must give a token the same bits in a decode step as in a verify block,
     which XLA's attention (prefix and block summed apart) does not (9 of 26 Spec-Bench outputs
-    differed from AR with it).
+    differed from AR with it). With the CPU attention and the shape-independent RoPE tables
+    (llama.rope_tables) it does, float32 or int8 (tests/test_rows_dot.py), so speculation under
+    int8 gives int8 plain decoding's tokens.
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
