@@ -129,7 +129,7 @@ def test_kill_and_resume(tmp_path, seed):
     assert got == want, f"seed {seed}"
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [
     (["--input_jsonl", "IN"], "--output_jsonl is required"),
     (["--output_jsonl", "OUT"], "--input_jsonl is required"),
     (["--input_jsonl", "/nonexistent.jsonl", "--output_jsonl", "OUT"], "input file not found"),
@@ -150,16 +150,33 @@ def test_kill_and_resume(tmp_path, seed):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--mesh", "2by4"], "--mesh must be DATAxMODEL"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--num_processes", "2", "--process_id", "0"],
      "needs --coordinator_address host:port"),
-])
-def test_bad_flags_give_one_line_error(tmp_path, args, message):
-    inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
-    out = str(tmp_path / "out.jsonl")
-    r = run(*[{"IN": str(inp), "OUT": out, "CK": str(tmp_path / "ck")}.get(a, a) for a in args], timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory):
+    """Every BAD_FLAGS case run by launch/batch.py's main in one process (tests/flag_errors.py: a
+    start-up per file, not per case), each with its own input and output files; returns
+    [(exit status, stderr, output path)]."""
+    from flag_errors import run_cases
+
+    cases, outs = [], []
+    for i, (args, _) in enumerate(BAD_FLAGS):
+        d = tmp_path_factory.mktemp(f"bad{i}")
+        (d / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+        outs.append(str(d / "out.jsonl"))
+        cases.append([{"IN": str(d / "in.jsonl"), "OUT": outs[-1], "CK": str(d / "ck")}.get(a, a) for a in args])
+    return [(code, err, out) for (code, err), out in zip(run_cases(SCRIPT, cases), outs)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[m for _, m in BAD_FLAGS])
+def test_bad_flags_give_one_line_error(bad_flag_runs, case):
+    message = BAD_FLAGS[case][1]
+    code, err, out = bad_flag_runs[case]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]
     assert not os.path.exists(out) or not open(out).read()  # nothing served, nothing half-written
 
 
