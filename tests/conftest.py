@@ -121,9 +121,10 @@ def _release_executables():
 # collection order, so the long ones start at once and the many short ones fill in around them
 # instead of one long file running alone at the end. Only an order: a stale list costs balance.
 _LONGEST_FIRST = ("test_sharding.py", "test_spec_generate.py", "test_distill.py", "test_launch_matrix.py",
-                  "test_batch_job.py", "test_engine.py", "test_launch_spec.py", "test_tree_attention_kernels.py",
-                  "test_launch_generate.py", "test_device_check.py", "test_verify_tree.py", "test_smollm2_parity.py",
-                  "test_per_request.py", "test_verify_lossless.py")
+                  "test_batch_job.py", "test_engine.py", "test_tree_attention_kernels.py", "test_device_check.py",
+                  "test_verify_tree.py", "test_smollm2_parity.py", "test_chunked_prefill.py", "test_per_request.py",
+                  "test_verify_lossless.py", "test_launch_spec.py", "test_ondisk.py", "test_job_reliability.py",
+                  "test_prefix_cache.py", "test_pallas_end_to_end.py", "test_rows_dot.py", "test_launch_generate.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,9 +16,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "batch.py")
 # Small geometry to keep compilation short; the persistent XLA cache ($SPECJAX_CACHE_DIR, inherited)
-# makes every run after the first load its executables instead of compiling them.
+# makes every run after the first load its executables instead of compiling them. 60 new tokens:
+# enough steps per record for a kill to land mid-job, few enough that each run serves quickly.
+MAX_NEW = 60
 GEOM = ["--model", "tiny-random", "--batch_buckets", "1,2", "--k_buckets", "0,1,2", "--num_spec_tokens", "2",
-        "--slots", "256", "--max_new_tokens", "150"]
+        "--slots", "256", "--max_new_tokens", str(MAX_NEW)]
 
 
 def _env():
@@ -69,7 +71,7 @@ def _write_input(path):
     lines = [json.dumps({"id": k, "prompt": v}).encode() for k, v in valid.items()]
     lines.insert(2, b"{not json")  # line 3
     lines.insert(5, json.dumps(["not", "an", "object"]).encode())  # line 6
-    lines += [json.dumps({"id": "long", "prompt": "x" * 200}).encode(),  # 200 + 150 + 3 > 256 slots
+    lines += [json.dumps({"id": "long", "prompt": "x" * 200}).encode(),  # 200 + MAX_NEW + 3 > 256 slots
               json.dumps({"id": "short", "prompt": "tiny one", "max_new_tokens": 5}).encode(),
               json.dumps({"id": "badtemp", "prompt": "hello", "temperature": -1}).encode(),
               json.dumps({"id": "r0", "prompt": "a duplicate id"}).encode(),  # line 16
@@ -120,14 +122,14 @@ def test_kill_and_resume(tmp_path, seed):
     got = {json.dumps(x["id"]): x for x in recs}
     for rid, msg in errors.items():
         assert set(got[rid]) == {"id", "error"} and msg in got[rid]["error"], got[rid]
-    assert got['"short"']["num_tokens"] == 5 and got['"r1"']["num_tokens"] == 150
+    assert got['"short"']["num_tokens"] == 5 and got['"r1"']["num_tokens"] == MAX_NEW
     assert got['"r0"']["prompt"] == "row 0 "  # the first record of a duplicated id is the one served
     assert got['"#20"']["prompt"] == "no id"
     # Greedy decoding is deterministic whatever the batch composition: resumed == uninterrupted.
     assert got == want, f"seed {seed}"
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [
     (["--input_jsonl", "IN"], "--output_jsonl is required"),
     (["--output_jsonl", "OUT"], "--input_jsonl is required"),
     (["--input_jsonl", "/nonexistent.jsonl", "--output_jsonl", "OUT"], "input file not found"),
@@ -148,16 +150,33 @@ def test_kill_and_resume(tmp_path, seed):
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--mesh", "2by4"], "--mesh must be DATAxMODEL"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--num_processes", "2", "--process_id", "0"],
      "needs --coordinator_address host:port"),
-])
-def test_bad_flags_give_one_line_error(tmp_path, args, message):
-    inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
-    out = str(tmp_path / "out.jsonl")
-    r = run(*[{"IN": str(inp), "OUT": out, "CK": str(tmp_path / "ck")}.get(a, a) for a in args], timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory):
+    """Every BAD_FLAGS case run by launch/batch.py's main in one process (tests/flag_errors.py: a
+    start-up per file, not per case), each with its own input and output files; returns
+    [(exit status, stderr, output path)]."""
+    from flag_errors import run_cases
+
+    cases, outs = [], []
+    for i, (args, _) in enumerate(BAD_FLAGS):
+        d = tmp_path_factory.mktemp(f"bad{i}")
+        (d / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+        outs.append(str(d / "out.jsonl"))
+        cases.append([{"IN": str(d / "in.jsonl"), "OUT": outs[-1], "CK": str(d / "ck")}.get(a, a) for a in args])
+    return [(code, err, out) for (code, err), out in zip(run_cases(SCRIPT, cases), outs)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[m for _, m in BAD_FLAGS])
+def test_bad_flags_give_one_line_error(bad_flag_runs, case):
+    message = BAD_FLAGS[case][1]
+    code, err, out = bad_flag_runs[case]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]
     assert not os.path.exists(out) or not open(out).read()  # nothing served, nothing half-written
 
 
@@ -180,7 +199,7 @@ def test_online_distillation_survives_a_kill(tmp_path, seed):
     with open(inp, "w") as f:
         for i in range(40):
             f.write(json.dumps({"id": f"q{i}", "prompt": f"row {i % 5} " + "ab" * (i % 3)}) + "\n")
-    geom = [a if a != "150" else "40" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
+    geom = [a if a != str(MAX_NEW) else "16" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
     r = run("--input_jsonl", inp, "--output_jsonl", ref, *geom)
     assert r.returncode == 0, r.stderr[-3000:]
     want = {x["id"]: x for x in _read(ref)}
@@ -236,7 +255,7 @@ def test_online_distillation_with_a_draft_per_tag_or_cluster(tmp_path):
             for i in range(16)] + [{"id": "bad", "prompt": "x", "tag": 5}]
     write = "".join(json.dumps(r) + "\n" for r in rows)
     inp.write_text(write)
-    geom = [a if a != "150" else "12" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
+    geom = [a if a != str(MAX_NEW) else "12" for a in GEOM] + ["--drafter", "layer_skip", "--draft_layers", "1"]
     r = run("--input_jsonl", str(inp), "--output_jsonl", ref, *geom)
     assert r.returncode == 0, r.stderr[-3000:]
     want = {x["id"]: x for x in _read(ref)}

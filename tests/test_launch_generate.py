@@ -17,7 +17,7 @@ def run(*args, timeout=300):
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--prompt", ""], "empty prompt"),
     (["--prompt", "   "], "empty prompt"),
     (["--prompt", "hi", "--temperature", "-1"], "--temperature must be 0 (greedy) or in [0.0001, 10000]"),
@@ -32,13 +32,26 @@ def run(*args, timeout=300):
      "input file not found"),
     (["--prompt", "hi", "--model", "tiny-random", "--mesh", "1x2"], "--mesh is served by launch/batch.py"),
     (["--prompt", "hi", "--model", "tiny-random", "--num_processes", "2"], "splits a JSONL job (--input_jsonl)"),
-])
-def test_bad_input_gives_one_line_error(args, message):
-    r = run(*args)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Every BAD_INPUT case run by generate.py's main in one process (tests/flag_errors.py: one
+    start-up for the file, not one per case): [(exit status, stderr)]."""
+    from flag_errors import run_cases
+
+    return run_cases(SCRIPT, [args for args, _ in BAD_INPUT])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
+def test_bad_input_gives_one_line_error(bad_input_runs, case):
+    message = BAD_INPUT[case][1]
+    code, err = bad_input_runs[case]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]
 
 
 def test_prompt_runs_on_tiny_model():

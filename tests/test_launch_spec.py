@@ -56,7 +56,7 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     _assert_metrics(r.stderr)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_SPEC = [
     (["--drafter", "prompt_lookup", "--num_spec_tokens", "16"], "larger than the largest bucket"),
     (["--drafter", "prompt_lookup", "--num_spec_tokens", "3"], "not a bucket"),
     (["--drafter", "prompt_lookup", "--num_spec_tokens", "3", "--k_buckets", "0,1,2"],
@@ -76,14 +76,27 @@ def test_spec_drafter_runs_and_prints_metrics(extra, draft_dirs):
     (["--drafter", "prompt_lookup", "--policy", "smartspec"], "no performance model for 'tiny-random|prompt_lookup"),
     (["--drafter", "prompt_lookup", "--policy", "3"], "--policy K=3 is not in --k_buckets"),
     (["--drafter", "prompt_lookup", "--policy", "fast"], "--policy must be auto, smartspec"),
-])
-def test_bad_spec_input_gives_one_line_error(args, message, draft_dirs):
-    args = [draft_dirs.get(a, a) for a in args]
-    r = run(GENERATE, "--prompt", "hi", *TINY, *args)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_spec_runs(draft_dirs):
+    """Every BAD_SPEC case run by generate.py's main in one process (tests/flag_errors.py: one
+    start-up for the file, not one per case): [(exit status, stderr)]."""
+    from flag_errors import run_cases
+
+    return run_cases(GENERATE, [["--prompt", "hi", *TINY, *[draft_dirs.get(a, a) for a in args]]
+                                for args, _ in BAD_SPEC])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_SPEC)), ids=[m for _, m in BAD_SPEC])
+def test_bad_spec_input_gives_one_line_error(bad_spec_runs, case):
+    message = BAD_SPEC[case][1]
+    code, err = bad_spec_runs[case]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]
 
 
 def test_hybrid_with_preloaded_history(tmp_path):
@@ -203,7 +216,7 @@ def test_bench_several_policies_per_drafter(tmp_path):
     assert "- Goodput check over every drafter" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_BENCH = [
     (["--question_file", "/nonexistent/question.jsonl"], "question file not found"),
     (["--categories", "nosuch"], "unknown categories"),
     (["--drafters", "prompt_lookup,medusa"], "unknown drafters"),
@@ -213,11 +226,24 @@ def test_bench_several_policies_per_drafter(tmp_path):
     (["--policies", "4,2,4"], "lists a policy twice"),
     (["--policies", ""], "--policies is empty"),
     (["--policy", "4", "--policies", "2,4"], "not both"),
-])
-def test_bench_bad_input_gives_one_line_error(args, message, tmp_path):
-    base = ["--question_file", _questions(tmp_path / "q.jsonl"), "--nochat"]
-    r = run(BENCH, *TINY, *base, *args)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, r.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_bench_runs(tmp_path_factory):
+    """Every BAD_BENCH case run by bench.py's main in one process (tests/flag_errors.py):
+    [(exit status, stderr)]."""
+    from flag_errors import run_cases
+
+    base = ["--question_file", _questions(tmp_path_factory.mktemp("bad_bench") / "q.jsonl"), "--nochat"]
+    return run_cases(BENCH, [[*TINY, *base, *args] for args, _ in BAD_BENCH])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_BENCH)), ids=[m for _, m in BAD_BENCH])
+def test_bench_bad_input_gives_one_line_error(bad_bench_runs, case):
+    message = BAD_BENCH[case][1]
+    code, err = bad_bench_runs[case]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]

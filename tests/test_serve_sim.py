@@ -36,7 +36,7 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     assert len({r["mean_latency_s"] for r in data["runs"] if r["policy"] == "no-SD" and r["rate"] == 16}) == 2
 
 
-@pytest.mark.parametrize("args, msg", [
+FLAG_ERRORS = [
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--rates", "0,1"], "--rates must be positive"),
     (["--scale", "9b"], "unknown --scale"),
@@ -49,11 +49,25 @@ def test_simulated_sweep_pools_repeats(tmp_path):
     (["--prefill_budget", "-1"], "--prefill_budget must be >= 0"),
     (["--mode", "real", "--scale", "", "--drafters", "draft_model"], "needs --draft_model"),
     (["--mode", "real", "--scale", "", "--drafters", "layer_skip", "--draft_model", "x.gguf"], "only used with"),
-])
-def test_flag_errors_are_one_line(args, msg):
-    p = run("--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args)
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert msg in p.stderr and "Traceback" not in p.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def flag_error_runs():
+    """Every FLAG_ERRORS case run by serve_sim.py's main in one process (tests/flag_errors.py: one
+    start-up for the file, not one per case): [(exit status, stderr)]."""
+    from flag_errors import run_cases
+
+    return run_cases(SCRIPT, [["--mode", "sim", "--scale", "7b", "--num_requests", "3", "--rates", "1", *args]
+                              for args, _ in FLAG_ERRORS])
+
+
+@pytest.mark.parametrize("case", range(len(FLAG_ERRORS)), ids=[m for _, m in FLAG_ERRORS])
+def test_flag_errors_are_one_line(flag_error_runs, case):
+    msg = FLAG_ERRORS[case][1]
+    code, err = flag_error_runs[case]
+    assert code == 2, err[-2000:]
+    assert msg in err and "Traceback" not in err
 
 
 def test_rotated_policy_order():
