@@ -21,7 +21,8 @@ thread compiles the K = 0 step beside the prefill's compilation, on the other co
 from tok/s. The K > 0 buckets (SmartSpec's, or a fixed K's: it runs plain decode calls until its
 step is in) compile in that thread from step 16 on and join the policy's choices as they finish
 (their cost is inside the reported speed; the answer is printed first, then the script waits
-only for the one in progress, so that the next run finds it). The executable cache (``$SPECJAX_CACHE_DIR``,
+only for the one in progress, so that the next run finds it). ``--compile ahead`` builds all of
+them before the answer instead, which then speculates from its first step. The executable cache (``$SPECJAX_CACHE_DIR``,
 specjax.engine.exe_cache) stores every executable keyed without tracing, so a later run loads the
 ones it reaches instead.
 
@@ -80,11 +81,14 @@ def run_single(model, gen, stats=None, policy=None, policy_label="") -> None:
     # those below it: host drafts shrink the block) join the policy's options as they finish, from
     # the LATER_AFTER_STEPS-th step on (a short answer is not slowed by loading them; a fixed K
     # runs plain decode calls until its step is in: the same tokens).
+    # --compile ahead: every executable the answer may reach is built first, so it speculates from
+    # its first step (what a timing or a token-identity check of this path needs).
     k_fixed = getattr(policy, "k", None)
     k_warm = k_fixed if k_fixed is not None else max(gen.k_buckets)
-    later = [b for b in gen.k_buckets if 0 < b <= k_warm]
+    ahead = FLAGS.compile == "ahead"
+    later = [] if ahead else [b for b in gen.k_buckets if 0 < b <= k_warm]
     registry.warm_spec(gen, [registry.spec_shapes(gen, len(ids), FLAGS.max_new_tokens)], k_warm, greedy=samp.greedy,
-                       later=later, later_after_steps=LATER_AFTER_STEPS, lazy=True)
+                       later=later, later_after_steps=LATER_AFTER_STEPS, lazy=not ahead)
     res = gen.generate([ids], samp, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=FLAGS.ignore_eos,
                        **({} if stats is None else {"num_spec_tokens": FLAGS.num_spec_tokens, "stats": stats,
                                                     "policy": policy}))[0]

@@ -493,7 +493,8 @@ def define_job_flags() -> None:
     flags.DEFINE_enum("compile", "lazy", ["lazy", "ahead"], "Compile (or load) each executable when serving first "
                       "reaches it, the rest in the background beside serving (lazy: the first results come soonest), "
                       "or every one before serving, each run once on empty rows (ahead: serving runs at its steady speed from the "
-                      "first step, as throughput benchmarks need).")
+                      "first step, as throughput benchmarks need; generate.py's --prompt then speculates from its "
+                      "first step).")
 
 
 def request_defaults() -> dict:

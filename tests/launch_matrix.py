@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,20 +37,23 @@ def drafter_flags(d: str, flag: str = "--drafter") -> list[str]:
     return [flag, d, *extra.get(d, [])]
 
 
-def call(mod, argv: list[str]) -> str:
-    """mod.main(argv) with the flags parsed from ``argv``; returns its stdout (SystemExit 0 expected)."""
+def call(mod, argv: list[str], err: list | None = None) -> str:
+    """mod.main(argv) with the flags parsed from ``argv``; returns its stdout (SystemExit 0
+    expected); what it printed to sys.stderr is appended to ``err`` if given."""
     import time
 
     t0 = time.perf_counter()
     flags.FLAGS.unparse_flags()
     flags.FLAGS(argv)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, errs = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(errs if err is not None else sys.stderr):
         try:
             mod.main([argv[0]])
         except SystemExit as e:
             if e.code:
                 raise RuntimeError(f"{argv} exited with {e.code}") from None
+    if err is not None:
+        err.append(errs.getvalue())
     print(f"[matrix: {' '.join(argv)}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     return out.getvalue()
 
@@ -84,10 +88,15 @@ def main(script: str, out_path: str, work: str) -> None:
             res[d] = {r["key"]: r[d]["equal_to_ar"] and r[d]["new_tokens"] == r["ar"]["new_tokens"] for r in rows}
     for d in DRAFTERS if script != "bench" else ():
         if script == "generate":  # the single-prompt path (SpecGenerator) and the JSONL path (the engine)
-            text = call(mod, [script, *COMMON, *drafter_flags(d), "--prompt", PROMPTS[1]])
+            # (--compile ahead: the K = 2 step is built before the answer, which would otherwise run
+            # plain decode calls until a background build, from step 16, is in: nothing speculated)
+            err: list = []
+            text = call(mod, [script, *COMMON, *drafter_flags(d), "--prompt", PROMPTS[1], "--compile", "ahead"], err)
             o = os.path.join(work, f"gen_{d}.jsonl")
             call(mod, [script, *COMMON, *ENGINE, *drafter_flags(d), "--input_jsonl", inp, "--output_jsonl", o])
-            res[d] = {"single": text, **jsonl_ids(o)}
+            # the single answer's draft count, from its "[spec ...: ... (accepted/drafted drafts)" line
+            drafted = re.search(r"\((\d+)/(\d+) drafts\)", err[0])
+            res[d] = {"single": text, "single_drafted": int(drafted.group(2)) if drafted else 0, **jsonl_ids(o)}
         elif script == "batch":
             o = os.path.join(work, f"batch_{d}.jsonl")
             call(mod, [script, *COMMON, *ENGINE, *drafter_flags(d), "--input_jsonl", inp, "--output_jsonl", o])
