@@ -37,6 +37,15 @@ def run_cases(script: str, cases: list[list[str]], timeout: float = 600) -> list
             return [(c, e) for c, e in json.load(f)]
 
 
+def assert_one_line_error(code: int, err: str, message: str) -> None:
+    """What every bad-input case must give: exit status 2, no traceback, and a last line
+    ``error: ...`` that contains ``message``."""
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err[-2000:]
+
+
 def _one(mod, script: str, argv: list[str]) -> tuple[int, str]:
     import traceback
 

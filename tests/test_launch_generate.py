@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from flag_errors import assert_one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "generate.py")
@@ -48,10 +49,7 @@ def bad_input_runs():
 def test_bad_input_gives_one_line_error(bad_input_runs, case):
     message = BAD_INPUT[case][1]
     code, err = bad_input_runs[case]
-    assert code == 2, err[-2000:]
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, err[-2000:]
+    assert_one_line_error(code, err, message)
 
 
 def test_prompt_runs_on_tiny_model():
