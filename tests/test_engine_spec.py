@@ -34,6 +34,7 @@ def test_policy_names_are_parsed_once():
     (dict(drafter=DrafterSpec("prompt_lookup", k=8, pld_min_ngram=3, pld_max_ngram=2)), "min_ngram <= max_ngram"),
     (dict(mesh="2by4"), "--mesh must be DATAxMODEL"),
     (dict(mesh="1x2", fwd=ForwardOptions(rows_kernel=32)), "--rows_kernel runs on one device"),
+    (dict(drafter=DrafterSpec("suffix", k=4), k_buckets=(0, 4), rows_int8_auto=True), "token trees"),
     (dict(batch_buckets=(0, 2)), "--batch_buckets must be >= 1"),
     (dict(prefill_chunk=100), "power of two"),
 ])

@@ -43,8 +43,9 @@ class ForwardOptions:
     so everything before it must give a token the same bits in a decode step as in a verify block,
     which XLA's attention (prefix and block summed apart) does not (9 of 26 Spec-Bench outputs
     differed from AR with it). With the CPU attention and the shape-independent RoPE tables
-    (llama.rope_tables) it does, float32 or int8 (tests/test_rows_dot.py), so speculation under
-    int8 gives int8 plain decoding's tokens.
+    (llama.rope_tables) it does for a chain block, float32 or int8 (tests/test_rows_dot.py), so chain
+    speculation under int8 gives int8 plain decoding's tokens; tree steps are not there yet
+    (EngineSpec refuses suffix / hybrid trees with int8).
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
