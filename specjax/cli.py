@@ -432,7 +432,8 @@ def run_job(job, argv) -> None:
     signal.signal(signal.SIGTERM, raise_terminated)  # (a job's serving loop handles it as Ctrl-C)
     try:
         check_common_flags()
-        enable_compilation_cache()
+        if enable_compilation_cache():
+            prefetch_executables()
         code = job()
     except SpecjaxError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -444,6 +445,24 @@ def run_job(job, argv) -> None:
         print("\ninterrupted (Ctrl-C) before anything was generated", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)
+
+
+def prefetch_executables() -> None:
+    """Start loading the executables the last run of this command used first (exe_cache.prefetch),
+    beside the model load. A command is the script and its flags' values, less its text and
+    JSONL files (another prompt or job of the same command mostly runs the same programs)."""
+    import sys
+
+    from specjax.engine import exe_cache
+
+    def register():
+        from specjax.models.cpu import rows_dot
+
+        rows_dot.ensure_targets()
+
+    skip = set(TEXT_FLAGS) | {name for name in FLAGS if name.endswith("_jsonl")}
+    job = [os.path.basename(sys.argv[0])] + [f"{n}={FLAGS[n].value!r}" for n in sorted(FLAGS) if n not in skip]
+    exe_cache.prefetch("\n".join(job), register)
 
 
 # ---------------------------------------------------------------- JSONL jobs and shared checks

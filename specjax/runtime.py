@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
-    """Persist compiled executables across runs so a second launch neither compiles nor traces.
+    """Persist compiled executables across runs so a second launch neither compiles nor traces,
+    and a GGUF model's prepared arrays so that it loads without preparing them (models.prepared,
+    in ``<path>/models``).
 
     Location: ``<path>/executables``, path defaulting to $SPECJAX_CACHE_DIR, else
     ~/.cache/specjax. The executables every generator and the engine run (StepTable) are stored
@@ -20,6 +22,7 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 
     from specjax import ondisk
     from specjax.engine import exe_cache
+    from specjax.models import prepared
 
     if jax.config.jax_compilation_cache_dir:
         ondisk.warn_once("jax-cache", "jax's persistent compilation cache (%s) is turned off: specjax cannot "
@@ -28,4 +31,5 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         jax.config.update("jax_compilation_cache_dir", None)
     where = ondisk.cache_dir("executables", root=path)
     exe_cache.set_directory(where)
+    prepared.set_directory(ondisk.cache_dir("models", root=path) if where else None)
     return where

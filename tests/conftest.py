@@ -69,9 +69,11 @@ def _executable_cache(tmp_path_factory):
     starts cold wherever it runs (CI and a developer's machine time the same work). The xdist
     workers of one run share it (their base temporary folders' parent): the same program is then
     compiled once per run, not once per worker (entries are written by an atomic rename, and a
-    damaged one is compiled again)."""
+    damaged one is compiled again). Models loaded from a GGUF keep their prepared arrays there
+    too (specjax.models.prepared), so each is prepared once per run."""
     from specjax import ondisk
     from specjax.engine import exe_cache
+    from specjax.models import prepared
 
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -82,8 +84,10 @@ def _executable_cache(tmp_path_factory):
     old = os.environ.get("SPECJAX_CACHE_DIR")
     os.environ["SPECJAX_CACHE_DIR"] = root
     exe_cache.set_directory(ondisk.cache_dir("executables", root=root))
+    prepared.set_directory(ondisk.cache_dir("models", root=root))
     yield
     exe_cache.set_directory(None)
+    prepared.set_directory(None)
     if old is None:
         os.environ.pop("SPECJAX_CACHE_DIR", None)
     else:

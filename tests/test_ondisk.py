@@ -139,3 +139,40 @@ def test_a_cached_executable_swapped_for_another_is_compiled_again(tmp_path, cap
             f"ignoring {tmp_path / d}: it does not match the size and hash recorded when it was written "
             "(damaged or incomplete)"]
         assert cache.load(d) is not None  # the recompiled one replaced it
+
+
+def test_a_command_prefetches_the_executables_its_last_run_used_first(tmp_path, monkeypatch):
+    """exe_cache.prefetch: a run remembers (at exit) the entries it used first; the next run of
+    the same command starts loading them in a thread, and compile_cached hands out the loaded
+    executable without tracing the function again. Another command prefetches nothing."""
+    import atexit
+
+    traces = []
+
+    @jax.jit
+    def triple(v):
+        traces.append(1)
+        return v * 3
+
+    x = jnp.arange(4, dtype=jnp.float32)
+    monkeypatch.setattr(exe_cache, "_DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(exe_cache, "_used", [])
+    monkeypatch.setattr(exe_cache, "_prefetched", {})
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", at_exit.append)
+
+    exe_cache.prefetch("run --flag=1")  # (nothing remembered yet)
+    assert exe_cache._prefetched == {}
+    exe_cache.compile_cached(exe_cache.default(), "triple", triple, (x,))
+    assert len(traces) == 1
+    at_exit.pop()()  # the first run exits
+
+    monkeypatch.setattr(exe_cache, "_used", [])
+    exe_cache.prefetch("run --flag=2")
+    assert exe_cache._prefetched == {}
+    exe_cache.prefetch("run --flag=1")
+    (name,) = exe_cache._prefetched
+    assert name == exe_cache.default().entry("triple", (x,))
+    exe = exe_cache.compile_cached(exe_cache.default(), "triple", triple, (x,))
+    np.testing.assert_array_equal(exe(x), np.arange(4) * 3)
+    assert len(traces) == 1 and exe_cache._prefetched == {}

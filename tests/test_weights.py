@@ -350,3 +350,79 @@ def test_random_named_model_loads():
     m = load_model("tiny-random")
     assert m.cfg == TINY
     assert_params_equal(m.params, llama.init_random_params(TINY, seed=TINY.weights.seed))
+
+
+# ---------------------------------------------------------------- prepared arrays on disk
+
+def _mapped_ranges(path):
+    """The address ranges this process maps ``path`` at (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(path):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_a_prepared_model_maps_back_without_copying_and_a_damaged_one_is_prepared_again(tmp_path, monkeypatch, caplog):
+    """models.prepared: the second load of a GGUF maps its stored arrays instead of preparing them,
+    with the same config, params, tokenizer and rows-kernel packs (both layouts), its params on
+    the device aliasing the mapped file (no copy); a flipped byte in the file is one warning and a
+    load that prepares the model again (and replaces the entry); a rewritten GGUF is a new entry
+    that removes the old one."""
+    import logging
+
+    from gguf import GGMLQuantizationType as Q
+
+    from specjax import ondisk
+    from specjax.models import prepared
+
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg("llama", len(tokens)).replace(hidden_size=64, intermediate_size=128)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=5), tokens, merges, types, proj_type=Q.Q4_1)
+    root = tmp_path / "models"
+    monkeypatch.setattr(prepared, "_DIRECTORY", str(root))
+    monkeypatch.setattr(ondisk, "_warned", set())
+
+    def load():
+        m = load_model(str(path))
+        packs = {pairs: m.native_packs(pairs) for pairs in (False, True)}
+        prepared.wait()
+        return m, packs
+
+    fresh, fresh_packs = load()
+    first_embed = np.array(fresh.params["embed"])  # (a copy: an F32 tensor's params alias the GGUF's own mapping)
+    (entry,) = [os.path.join(root, a, b) for a in os.listdir(root) for b in os.listdir(root / a)]
+    assert sorted(f for f in os.listdir(entry) if f.endswith((".bin", ".pkl"))) == [
+        "model.bin", "model.pkl", "packs0.bin", "packs0.pkl", "packs1.bin", "packs1.pkl"]
+    hit, hit_packs = load()
+    assert hit.cfg == fresh.cfg and hit_packs.keys() == fresh_packs.keys()
+    assert_params_equal(hit.params, fresh.params)
+    for pairs in fresh_packs:
+        assert_params_equal(hit_packs[pairs], fresh_packs[pairs])
+    assert hit.tokenizer.encode("hello the world") == fresh.tokenizer.encode("hello the world")
+    assert hit.tokenizer.chat_template == fresh.tokenizer.chat_template
+    ranges = _mapped_ranges(os.path.join(entry, "model.bin"))
+    assert ranges and all(any(lo <= leaf.unsafe_buffer_pointer() < hi for lo, hi in ranges)
+                          for leaf in jax.tree.leaves(hit.params))
+
+    with open(os.path.join(entry, "model.bin"), "r+b") as f:  # one flipped bit
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 1]))
+    with caplog.at_level(logging.WARNING):
+        again, _ = load()
+    assert_params_equal(again.params, fresh.params)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ignoring {entry}/model.bin: it does not match the size and hash recorded when it was written "
+        "(damaged or incomplete)"]
+    assert ondisk.mapped(os.path.join(entry, "model.bin")) is not None  # replaced
+
+    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=6), tokens, merges, types, proj_type=Q.Q4_1)
+    other, _ = load()
+    assert not np.array_equal(np.asarray(other.params["embed"]), first_embed)
+    (newer,) = [os.path.join(root, a, b) for a in os.listdir(root) for b in os.listdir(root / a)]
+    assert newer != entry

@@ -13,6 +13,10 @@ determines that module instead, so a hit skips tracing, lowering and compiling:
 
 Launch scripts turn it on through ``runtime.enable_compilation_cache``, which leaves jax's own
 persistent cache off (see ``default``).
+A launch script also asks for the executables the last run of the same command (flags other than
+its text and files) loaded first (``prefetch``): they are deserialized in a thread while the model
+loads, instead of after it (SmolLM2's 16-step decode call takes a second to deserialize on a
+2-core CPU, which a warm first answer waited for).
 Only single-device executables are stored: a sharded one's placement is not in its key. Each
 entry is written atomically with its size and hash recorded beside it (specjax.ondisk) and read
 back only if it matches; one that cannot be written (an executable holding a host callback, say)
@@ -21,12 +25,16 @@ or that does not verify (truncated, flipped, another entry's file) is compiled a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jaxlib
@@ -116,6 +124,9 @@ class ExecutableCache:
 
 
 _DIRECTORY: str | None = None
+_FIRST = 8  # executables a run remembers for the next run of its command to prefetch
+_used: list = []  # [entry name, whether it calls a registered FFI target], in the order first used
+_prefetched: dict[str, Future] = {}
 
 
 def set_directory(path: str | None) -> None:
@@ -132,6 +143,54 @@ def default() -> ExecutableCache | None:
     if _DIRECTORY is None or jax.config.jax_compilation_cache_dir:
         return None
     return ExecutableCache(_DIRECTORY)
+
+
+def _use(name: str, registers: bool) -> None:
+    if len(_used) < _FIRST and all(n != name for n, _ in _used):
+        _used.append([name, registers])
+
+
+def _load(cache: ExecutableCache, name: str):
+    """``cache.load(name)``, or the prefetched executable: waited for if its load has started,
+    loaded here if it has not."""
+    fut = _prefetched.pop(name, None)
+    if fut is not None and not fut.cancel():
+        exe = fut.result()
+        if exe is not None:
+            return exe
+    return cache.load(name)
+
+
+def prefetch(job: str, register=None) -> None:
+    """Start loading, one after another in a thread, the executables the last run of ``job`` (a
+    command's identity) used first, and remember this run's for the next one (written at exit).
+    ``register()`` runs first if any of them calls an FFI target (the CPU rows kernel's names)."""
+    cache = default()
+    if cache is None:
+        return
+    path = os.path.join(cache.path, "first-" + hashlib.sha256(job.encode()).hexdigest()[:32] + ".json")
+    atexit.register(lambda: _used and ondisk.write(path, json.dumps(_used).encode()))
+    blob = ondisk.read(path) if os.path.exists(path) else None
+    names = [(n, r) for n, r in (json.loads(blob) if blob else []) if cache.has(n)]
+    if not names:
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="specjax-prefetch")
+    registered = threading.Event()
+
+    def load(name, registers):
+        if registers and not registered.is_set():
+            try:
+                register()
+            except Exception:  # (the caller's own register then says why)
+                return None
+            registered.set()
+        return cache.load(name)
+
+    for name, registers in names:
+        if registers and register is None:
+            continue
+        _prefetched[name] = pool.submit(load, name, registers)
+    pool.shutdown(wait=False)
 
 
 def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lowering=contextlib.nullcontext,
@@ -158,9 +217,10 @@ def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lo
     if cache is None:
         return build()
     name = cache.entry(what, args)
+    _use(name, ready is not None)
     if ready is not None and cache.has(name):
         register()
-    exe = cache.load(name)
+    exe = _load(cache, name)
     if exe is None:
         exe = build()
         cache.save(name, exe)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specjax.config import ModelConfig, available_models, get_model_config
 from specjax.errors import SpecjaxError
-from specjax.models import llama, weights
+from specjax.models import llama, prepared, weights
 from specjax.models.options import ForwardOptions
 from specjax.tokenizer import Tokenizer, build_bpe
 
@@ -130,19 +130,41 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "float32", layout
 
 
 def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedModel:
-    reader = weights.open_gguf(path)
-    file_cfg = weights.config_from_gguf(reader, name=cfg.name if cfg else os.path.basename(path))
-    if cfg is not None:
-        # The named config must describe the file; a mismatch means a wrong file.
+    if not os.path.isfile(path):
+        raise SpecjaxError(f"GGUF file not found: {path}")
+    name = cfg.name if cfg else os.path.basename(path)
+    store = prepared.Store.for_file(path, name, dtype)
+    reader = None
+
+    def opened():
+        nonlocal reader
+        reader = reader or weights.open_gguf(path)
+        return reader
+
+    def checked(file_cfg):
+        """The named config if it describes the file (a mismatch means a wrong file), else the file's."""
+        if cfg is None:
+            return file_cfg
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "tie_embeddings"):
             if getattr(cfg, f) != getattr(file_cfg, f):
                 raise SpecjaxError(f"{path}: {f}={getattr(file_cfg, f)} but config {cfg.name} says {getattr(cfg, f)}")
-    else:
-        cfg = file_cfg
-    params = weights.load_gguf_params(reader, cfg, dtype)
-    tok = Tokenizer.from_gguf(reader)
-    native = (lambda pairs: weights.gguf_row_packs(reader, cfg, pairs)) if weights.gguf_has_row_packs(reader) else None
-    return LoadedModel(cfg, params, tok, time.perf_counter() - t0, native_packs=native)
+        return cfg
+
+    def prepare():
+        r = opened()
+        file_cfg = weights.config_from_gguf(r, name=name)
+        return {"cfg": file_cfg, "params": weights.load_gguf_params(r, checked(file_cfg), dtype),
+                "tokenizer": Tokenizer.from_gguf(r), "row_packs": weights.gguf_has_row_packs(r)}
+
+    model = store.cached("model", prepare) if store else prepare()
+    model_cfg = checked(model["cfg"])
+
+    def packs(pairs):
+        build = lambda: weights.gguf_row_packs(opened(), model_cfg, pairs)  # noqa: E731
+        return store.cached(f"packs{int(pairs)}", build) if store else build()
+
+    return LoadedModel(model_cfg, model["params"], model["tokenizer"], time.perf_counter() - t0,
+                       native_packs=packs if model["row_packs"] else None)
 
 
 def _load_hf_dir(path: str, dtype, t0: float, layout=None) -> LoadedModel:
