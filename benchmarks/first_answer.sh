@@ -5,6 +5,7 @@
 # the arguments (default: every one; draft_model drafts with the target itself, SmolLM2 having no
 # smaller same-tokenizer sibling in the package).
 cd "$(dirname "$0")/.." && { [ -f .venv/bin/activate ] && . .venv/bin/activate; }
+unset PYTHONDONTWRITEBYTECODE  # (a user's Python keeps its bytecode; some sandboxes turn that off)
 OUT=${TMPDIR:-/tmp}/specjax_first_answer; mkdir -p $OUT
 DRAFTERS=${*:-none prompt_lookup suffix suffix_path hybrid layer_skip draft_model eagle}
 for d in $DRAFTERS; do
