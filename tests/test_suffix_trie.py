@@ -158,3 +158,36 @@ def test_wide_expansion_matches_brute_force():
             ctx = rng.integers(0, 40, 3).tolist()
             kw = dict(max_spec=60, alpha=30.0, min_prob=0.0, tree=True)
             assert _draft_tuple(trie.speculate(ctx, **kw)) == tuple(brute.speculate(ctx, **kw))
+
+
+def test_a_drafter_told_everything_before_its_kernels_are_in_drafts_as_an_eager_one(monkeypatch):
+    """drafter.py's note: until its kernels are in, a drafter records rows' tokens and finished
+    outputs (a first answer that never drafts never waits for numba), and builds its tries from
+    that record at its first draft: the same drafts, evictions and cursors as a drafter that built
+    them as it went, before and after the build."""
+    from specjax.drafters.suffix import drafter as sd
+
+    sd.warm_kernels()
+    rng = np.random.default_rng(3)
+    cfg = SuffixConfig(max_depth=12, max_cached_requests=3, min_prob=0.0)
+    history = [rng.integers(0, 6, size=20).tolist() for _ in range(2)]
+    eager = SuffixDrafter(cfg, history=history)
+    monkeypatch.setattr(sd, "_ready", __import__("threading").Event())  # the kernels not in yet
+    lazy = SuffixDrafter(cfg, history=history)
+    ops = []
+    for row in range(4):
+        ops.append(("start", row, rng.integers(0, 6, size=int(rng.integers(3, 30))).tolist()))
+        ops += [("extend", row, rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()) for _ in range(3)]
+        if row < 3:
+            ops.append(("finish", row, None))  # the third finish evicts
+    for name, row, toks in ops:
+        for d in (eager, lazy):
+            getattr(d, name)(row, *([toks] if toks is not None else []))
+    assert lazy._global is None and len(lazy._outputs) == 5  # recorded, not built
+    for step in range(6):
+        for k in (1, 4, 8):
+            assert _draft_tuple(lazy.draft(3, k)) == _draft_tuple(eager.draft(3, k))
+        toks = rng.integers(0, 6, size=2).tolist()
+        eager.extend(3, toks)
+        lazy.extend(3, toks)
+    assert lazy.evicted == eager.evicted == 2 and lazy.global_trie.num_sequences == eager.global_trie.num_sequences

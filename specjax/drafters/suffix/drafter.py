@@ -10,18 +10,26 @@ their best draft over all match lengths (Algorithm 1 of the paper, see
 Matching is incremental: the local trie's own bookkeeping already knows which
 suffixes of the sequence repeat (`active_cursors`), and the global trie's match
 cursors advance one token at a time, rebuilt only after the global trie changes.
+
+The tries run numba kernels, whose import and cached code take about a second to load. Until a
+drafter first drafts, or until they are in (``warm_kernels``, which a launch script starts in a
+thread beside the model load), a drafter only records what it is told (rows' tokens, finished
+outputs) and builds its tries from that record then: the same tries, so the same drafts. A
+first answer that never drafts never waits for numba.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from specjax.drafters.suffix.trie import Cursors, Draft, SuffixTrie
 from specjax.errors import require
+
+if TYPE_CHECKING:
+    from specjax.drafters.suffix.trie import Cursors, Draft, SuffixTrie
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +58,18 @@ class SuffixConfig:
 class _Row:
     __slots__ = ("local", "sid", "history", "prompt_len", "gcur", "last")
 
-    def __init__(self, max_depth: int):
-        self.local = SuffixTrie(max_depth)
-        self.sid = self.local.add()
+    def __init__(self):
+        self.local = None  # its SuffixTrie, once the drafter's tries are built
+        self.sid = -1
         self.history: list[int] = []
         self.prompt_len = 0
         self.gcur: Cursors | None = None
-        self.last = Draft.empty()
+        self.last: Draft | None = None
 
 
 _warm = False
-_warm_lock = threading.RLock()  # (re-entered: the throwaway drafter's constructor calls warm_kernels)
+_warm_lock = threading.RLock()  # (re-entered: the throwaway drafter's first draft calls warm_kernels)
+_ready = threading.Event()  # the kernels are in
 
 
 def warm_kernels() -> None:
@@ -75,6 +84,7 @@ def warm_kernels() -> None:
             return
         _warm = True
         _warm_up()
+        _ready.set()
 
 
 def _warm_up() -> None:
@@ -92,13 +102,37 @@ class SuffixDrafter:
     """Host drafter (start / extend / propose / propose_tree / finish per batch row)."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), history: Iterable[Sequence[int]] = ()):
-        warm_kernels()
         self.config = config
-        self.global_trie = SuffixTrie(config.max_depth, initial_nodes=4096)
+        self._global: SuffixTrie | None = None  # built by _build
+        self._outputs: list[list[int]] = []  # finished outputs recorded before it was
         self._rows: dict[int, _Row] = {}
         self.evicted = 0
         for out in history:
             self.add_output(out)
+
+    @property
+    def global_trie(self) -> "SuffixTrie":
+        self._build(wait=True)
+        return self._global
+
+    def _build(self, wait: bool) -> bool:
+        """Build the tries from what was recorded (the kernels loaded first: waited for if
+        ``wait``, else only if they are in already); whether they are built."""
+        if self._global is not None:
+            return True
+        if not (wait or _ready.is_set()):
+            return False
+        from specjax.drafters.suffix.trie import SuffixTrie
+
+        warm_kernels()
+        self._global = SuffixTrie(self.config.max_depth, initial_nodes=4096)
+        outputs, self._outputs = self._outputs, []
+        for out in outputs:
+            self.add_output(out)
+        for r in self._rows.values():
+            r.local = SuffixTrie(self.config.max_depth)
+            r.sid = r.local.add(r.history)
+        return True
 
     @property
     def proposes_trees(self) -> bool:
@@ -107,10 +141,15 @@ class SuffixDrafter:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, row: int, tokens: Sequence[int]) -> None:
-        r = _Row(self.config.max_depth)
+        r = _Row()
         self._rows[row] = r
         toks = [int(t) for t in tokens]
         r.prompt_len = len(toks)
+        if self._global is not None:
+            from specjax.drafters.suffix.trie import SuffixTrie
+
+            r.local = SuffixTrie(self.config.max_depth)
+            r.sid = r.local.add()
         self._append(r, toks)
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
@@ -127,7 +166,10 @@ class SuffixDrafter:
         cfg = self.config
         if cfg.max_cached_requests == 0 or len(tokens) == 0:
             return
-        g = self.global_trie
+        if not self._build(wait=False):
+            self._outputs.append([int(t) for t in tokens])
+            return
+        g = self._global
         g.add(tokens)
         limit = cfg.max_cached_mb * 2 ** 20
         while g.num_sequences > 1 and (
@@ -138,14 +180,21 @@ class SuffixDrafter:
 
     def clear_cache(self) -> None:
         """Empty the global tree (e.g. after a warm-up run whose output must not be reused)."""
-        self.global_trie = SuffixTrie(self.config.max_depth, initial_nodes=4096)
-        for r in self._rows.values():
-            r.gcur = None
+        self._outputs.clear()
+        if self._global is not None:
+            from specjax.drafters.suffix.trie import SuffixTrie
+
+            self._global = SuffixTrie(self.config.max_depth, initial_nodes=4096)
+            for r in self._rows.values():
+                r.gcur = None
 
     # ------------------------------------------------------------------ drafting
 
     def draft(self, row: int, max_spec: int, tree: bool | None = None) -> Draft:
         """The best draft of both trees for this row (highest score, then longer match)."""
+        from specjax.drafters.suffix.trie import Draft
+
+        self._build(wait=True)
         cfg = self.config
         r = self._get(row)
         tree = cfg.tree if tree is None else tree
@@ -156,7 +205,7 @@ class SuffixDrafter:
             return best
         kw = dict(max_spec=m, alpha=cfg.alpha, offset=cfg.offset, min_prob=cfg.min_prob, tree=tree,
                   max_pattern=cfg.max_pattern or None)
-        g = self.global_trie
+        g = self._global
         if g.num_tokens:
             if r.gcur is None or r.gcur.version != g.version:
                 r.gcur = g.cursors(r.history[-cfg.max_depth:])
@@ -179,7 +228,10 @@ class SuffixDrafter:
         return d.parents, d.tokens, d.probs
 
     def last_draft(self, row: int) -> Draft:
-        return self._get(row).last
+        from specjax.drafters.suffix.trie import Draft
+
+        last = self._get(row).last
+        return Draft.empty() if last is None else last
 
     # ------------------------------------------------------------------ internals
 
@@ -187,8 +239,11 @@ class SuffixDrafter:
         if not toks:
             return
         r.history.extend(toks)
+        if r.local is None:  # (built later from the history, or now: from it)
+            self._build(wait=False)
+            return
         r.local.extend(r.sid, toks)
-        g = self.global_trie
+        g = self._global
         if r.gcur is not None and r.gcur.version == g.version:
             r.gcur.step(toks)
         else:
