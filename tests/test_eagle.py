@@ -207,19 +207,28 @@ def test_reduced_head_drafts_only_its_tokens(tiny, head):
     assert (q[..., outside] == 0).all() and (q[..., VOCAB_IDS] > 0).all()
 
 
-def test_save_load_and_registry(tiny, head, tmp_path):
-    """A saved head loads back exactly (through ``--eagle_head`` too), the target's shared arrays
-    are not in it, and a head of another target is refused; the eagle drafter does not draft ahead."""
+def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
+    """A saved head loads back exactly (through ``--eagle_head`` too; restored once, then mapped
+    from models.prepared's store), the target's shared arrays are not in it, and a head of another
+    target is refused; the eagle drafter does not draft ahead."""
+    from specjax.models import prepared
+
     cfg, params = tiny
     draft, dparams = head
-    eagle.save_head(str(tmp_path), cfg, dparams)
+    eagle.save_head(str(tmp_path / "head"), cfg, dparams)
+    monkeypatch.setattr(prepared, "_DIRECTORY", str(tmp_path / "store"))
     model = types.SimpleNamespace(cfg=cfg, params=params)
-    d = registry.drafter_parts(model, "eagle", k=2, eagle_head=str(tmp_path))["drafter"]
-    assert isinstance(d, eagle.EagleDrafter) and d.draft == draft
-    for k in ("fc", "lm_head", "vocab_ids"):
-        np.testing.assert_array_equal(d.params[k], dparams[k])
-    jax.tree_util.tree_map(np.testing.assert_array_equal, d.params["layer"], dparams["layer"])
-    assert d.params["embed"] is params["embed"]  # shared, not copied
+    for restored in (True, False):
+        if not restored:  # the second load maps the store's copy: no checkpoint is read
+            monkeypatch.setattr(eagle, "_checkpoints", lambda *a: pytest.fail("restored again"))
+        d = registry.drafter_parts(model, "eagle", k=2, eagle_head=str(tmp_path / "head"))["drafter"]
+        prepared.wait()
+        assert isinstance(d, eagle.EagleDrafter) and d.draft == draft
+        for k in ("fc", "lm_head", "vocab_ids"):
+            np.testing.assert_array_equal(d.params[k], dparams[k])
+        jax.tree_util.tree_map(np.testing.assert_array_equal, d.params["layer"], dparams["layer"])
+        assert d.params["embed"] is params["embed"]  # shared, not copied
+    tmp_path = tmp_path / "head"
     with pytest.raises(SpecjaxError, match="not of other"):
         eagle.load_head(str(tmp_path), cfg.replace(name="other"), params)
     with pytest.raises(SpecjaxError, match="holds no EAGLE head"):

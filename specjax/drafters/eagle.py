@@ -44,7 +44,7 @@ from specjax.config import ModelConfig
 from specjax.device_arrays import to_device
 from specjax.drafters.device import DeviceDrafter, ModelDraft, frequent_tokens
 from specjax.errors import SpecjaxError, require
-from specjax.models import llama
+from specjax.models import llama, prepared
 from specjax.models.options import ForwardOptions
 
 DEFAULT_VOCAB = 32768  # reduced head rows (EAGLE-3's draft vocabulary), at most the target's
@@ -192,8 +192,13 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
 
 
 def _target_rows(cfg: ModelConfig, params, ids) -> jax.Array:
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.take(head, jnp.asarray(ids), axis=1)
+    try:  # (on the host: eager jax ops compiled a transpose and a gather of the whole vocab head,
+        # half a second of a first answer)
+        rows = np.asarray(params["embed"])[ids] if cfg.tie_embeddings else np.asarray(params["lm_head"])[:, ids].T
+        return to_device(np.ascontiguousarray(rows.T))
+    except jax.errors.TracerArrayConversionError:  # traced (eval_shape, training)
+        head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+        return jnp.take(head, jnp.asarray(ids), axis=1)
 
 
 def _check_ids(vocab_ids, V: int) -> np.ndarray:
@@ -280,15 +285,26 @@ def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dic
     ids = spec["vocab_ids"]
     shared_head = bool(spec.get("shared_head", False))
     draft = _draft(cfg, ids, shared_head)
-    # The structure to restore into, as numpy zeros of a traced init's shapes (eager jax ops here
-    # compiled a program per array: a second of a first answer).
-    shapes = jax.eval_shape(lambda p: trainable_of(draft, init_params(cfg, p, ids, shared_head=shared_head)[1]), params)
-    saved = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jnp.dtype(spec.get("dtype", a.dtype))), shapes)
-    got = _checkpoints(directory, cfg, draft, saved, ids).restore(saved, {})
-    if got is None:
-        raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
     dtype = params["embed"].dtype
-    head = jax.tree_util.tree_map(lambda a: to_device(np.asarray(a), dtype), got[1])
+
+    def restore():
+        # The structure to restore into, as numpy zeros of a traced init's shapes (eager jax ops
+        # here compiled a program per array: a second of a first answer).
+        shapes = jax.eval_shape(lambda p: trainable_of(draft, init_params(cfg, p, ids, shared_head=shared_head)[1]),
+                                params)
+        saved = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jnp.dtype(spec.get("dtype", a.dtype))), shapes)
+        got = _checkpoints(directory, cfg, draft, saved, ids).restore(saved, {})
+        if got is None:
+            raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
+        return jax.tree_util.tree_map(lambda a: to_device(np.asarray(a), dtype), got[1])
+
+    # Restored once, then mapped back (models.prepared), keyed by the files' records.
+    records = sorted(f for f in os.listdir(directory) if f.endswith(ondisk.RECORD))
+    version = "\n".join(f + ":" + open(os.path.join(directory, f), encoding="ascii", errors="replace").read()
+                         for f in records)
+    store = prepared.Store.for_source(f"eagle head\n{os.path.abspath(directory)}\n{cfg.name}\n{jnp.dtype(dtype).name}",
+                                      version)
+    head = store.cached("head", restore) if store else restore()
     return draft, with_target(draft, head, ids, cfg, params)
 
 

@@ -7,7 +7,8 @@ the rows kernel. A store keeps each part's arrays in one file (``specjax.ondisk.
 beside a pickle of the rest of it (config, tokenizer, tree structure). Loading maps the file and
 hands its pages to jax, which aliases host memory on the CPU rather than copying it: the pages are
 read from the page cache when a program first touches them. The parts are the model (config,
-tokenizer, params) and each layout of the rows kernel's packs.
+tokenizer, params) and each layout of the rows kernel's packs; an EAGLE head's restored arrays
+are kept the same way (drafters.eagle.load_head: orbax's import and restore took a second).
 
 An entry is keyed by the file (absolute path, size, modification time), the model name and dtype
 asked for, and the digest of specjax's code; a new entry for the same file, name and dtype removes
@@ -64,17 +65,24 @@ class Store:
         self.path = path
 
     @classmethod
-    def for_file(cls, gguf_path: str, name: str, dtype) -> "Store | None":
-        """The store of ``gguf_path`` loaded as ``name`` in ``dtype``; None without a directory."""
+    def for_source(cls, source: str, version: str) -> "Store | None":
+        """The store of what ``source`` names (a stable description) at ``version`` (what its
+        content depends on; specjax's code digest is added); None without a directory."""
         if _DIRECTORY is None:
             return None
         from specjax.engine.exe_cache import code_digest
 
+        key = [hashlib.sha256(s.encode()).hexdigest()[:32] for s in (source, f"{version}\n{code_digest()}")]
+        return cls(os.path.join(_DIRECTORY, *key))
+
+    @classmethod
+    def for_file(cls, gguf_path: str, name: str, dtype) -> "Store | None":
+        """The store of ``gguf_path`` loaded as ``name`` in ``dtype``; None without a directory."""
+        if _DIRECTORY is None:
+            return None
         st = os.stat(gguf_path)  # (a rewrite changes the change time; in place, same size, within one tick would not)
-        source = hashlib.sha256(f"{os.path.abspath(gguf_path)}\n{name}\n{jnp.dtype(dtype).name}".encode()).hexdigest()
-        version = hashlib.sha256(f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}\n{code_digest()}".encode()
-                                 ).hexdigest()
-        return cls(os.path.join(_DIRECTORY, source[:32], version[:32]))
+        return cls.for_source(f"{os.path.abspath(gguf_path)}\n{name}\n{jnp.dtype(dtype).name}",
+                              f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}")
 
     def load(self, part: str) -> Any | None:
         """The stored ``part`` with its arrays on the device (aliasing the mapped file), or None
