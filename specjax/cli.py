@@ -165,8 +165,7 @@ def define_forward_flags() -> None:
                       "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode blocks: float32 "
                       "(default: the float32 model exactly) or int8 (each activation row rounded per group of 32, as "
                       "llama.cpp does, with the CPU attention kernel: faster, not the float32 model's numbers; "
-                      "speculation with a chain drafter gives its plain decoding's tokens; token trees, suffix and hybrid, "
-                      "are refused with it).")
+                      "speculation under it, chains and token trees, gives its plain decoding's tokens).")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "

@@ -34,7 +34,6 @@ def test_policy_names_are_parsed_once():
     (dict(drafter=DrafterSpec("prompt_lookup", k=8, pld_min_ngram=3, pld_max_ngram=2)), "min_ngram <= max_ngram"),
     (dict(mesh="2by4"), "--mesh must be DATAxMODEL"),
     (dict(mesh="1x2", fwd=ForwardOptions(rows_kernel=32)), "--rows_kernel runs on one device"),
-    (dict(drafter=DrafterSpec("suffix", k=4), k_buckets=(0, 4), rows_int8_auto=True), "token trees"),
     (dict(batch_buckets=(0, 2)), "--batch_buckets must be >= 1"),
     (dict(prefill_chunk=100), "power of two"),
 ])
@@ -58,6 +57,8 @@ def test_the_code_key_follows_what_is_compiled():
     # --rows_activations int8 with --rows_kernel -1: int8 activations (and the CPU attention) if the kernel resolves on
     run8 = dataclasses.replace(spec, rows_int8_auto=True).resolved(Model())  # (with a drafter: speculation is lossless)
     assert run8.fwd.rows_int8 and "rows_int8=1" in run8.code_key() and "attention=cpu" in run8.code_key()
+    trees8 = dataclasses.replace(spec, drafter=DrafterSpec("suffix", k=8), rows_int8_auto=True)  # token trees too
+    assert trees8.resolved(Model()).fwd.rows_int8
     assert not EngineSpec(rows_int8_auto=True).resolved(Model()).fwd.rows_int8  # rows kernel 0: float32
     assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
     assert dataclasses.replace(run, dtype="bfloat16").code_key() != run.code_key()

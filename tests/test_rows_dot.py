@@ -271,7 +271,10 @@ def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_dec
 def _wide_heads_gguf(tmp_path):
     """A two-layer GGUF model with Q4_1 projections, a Q8_0 tied embedding and SmolLM2's head size
     (RoPE tables 32 wide per position, where XLA:CPU's own cos and sin vectorise differently for
-    one-token and several-token blocks), loaded."""
+    one-token and several-token blocks), hidden size and heads (576 wide: XLA:CPU's own row sums
+    add a norm's squares in another order in a block of 8 or more tokens), loaded. The embedding is
+    scaled down so that the layers, not a token's own tied embedding, choose the next token (at
+    576 wide greedy decoding otherwise repeats one token)."""
     from gguf import GGMLQuantizationType as Q
     from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
 
@@ -279,50 +282,59 @@ def _wide_heads_gguf(tmp_path):
     from specjax.models.loader import load_model
 
     tokens, merges, types = tiny_bpe_vocab()
-    cfg = _gguf_cfg("llama_tied", len(tokens)).replace(head_dim=64, num_layers=2)
+    cfg = _gguf_cfg("llama_tied", len(tokens)).replace(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                                                       num_layers=2)
     path = tmp_path / "q.gguf"
-    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=7), tokens, merges, types, proj_type=Q.Q4_1,
-                    embed_type=Q.Q8_0)
+    params = llama.init_random_params(cfg, seed=7)
+    params["embed"] = params["embed"] * 0.03
+    write_tiny_gguf(path, cfg, params, tokens, merges, types, proj_type=Q.Q4_1, embed_type=Q.Q8_0)
     return load_model(str(path))
 
 
 def test_a_token_gets_the_same_logits_bits_in_one_token_steps_as_in_a_verify_block(tmp_path):
     """With the rows kernel and the CPU attention, float32 or int8 activations, the whole model
-    computes a token's logits with the same bits in a block of 6 as in 6 one-token steps after
-    it (RoPE's cos and sin do not depend on the block's shape: llama.rope_tables). That is what
-    makes speculation token-identical to plain decoding even where int8 rounding would turn a
-    last-bit difference into another code. XLA's attention (prefix and block summed apart)
-    stays within float32 rounding only."""
+    computes each token's logits with the same bits in a verify block, a chain of 9 or a token
+    tree of 12 (ancestor mask, positions by depth), as in one-token steps along the token's path.
+    That is what makes speculation token-identical to plain decoding even where int8 rounding
+    would turn a last-bit difference into another code. It took RoPE's cos and sin gathered
+    independently of the block's shape (llama.rope_tables) and the RMS norms' sums in one fixed
+    order (llama.rms_norm: XLA's reduce adds a 576-wide row in another order in a block of 8 or
+    more tokens). XLA's attention (prefix and block summed apart) stays within float32 rounding."""
     from specjax import cache as kv
+    from specjax import tree
     from specjax.models import llama
 
     m = _wide_heads_gguf(tmp_path)
     rng = np.random.default_rng(7)
-    P, N = 45, 6
-    prompt, cont = (jnp.asarray(rng.integers(3, m.cfg.vocab_size, (1, n)), jnp.int32) for n in (P, N))
+    P = 45
+    blocks = {"chain": tree.chain_parents(9), "tree": np.array([-1, 0, 1, 2, 0, 4, 5, 1, 7, 4, 9, 10])}
+    prompt, toks = (jnp.asarray(rng.integers(3, m.cfg.vocab_size, (1, n)), jnp.int32) for n in (P, 12))
 
-    def run(params, toks, cache, fwd, start):
-        T = toks.shape[1]
-        pos = start + jnp.arange(T, dtype=jnp.int32)[None]
-        return llama.forward(params, toks, pos, cache, llama.causal_mask(1, T), cfg=m.cfg, fwd=fwd,
-                             use_prefix=start > 0)[:2]
+    def run(params, toks, pos, mask, cache, fwd, use_prefix=True):
+        return llama.forward(params, toks, pos, cache, mask, cfg=m.cfg, fwd=fwd, use_prefix=use_prefix)[:2]
 
-    run = jax.jit(run, static_argnames=("fwd", "start"))
+    run = jax.jit(run, static_argnames=("fwd", "use_prefix"))
     for fwd in (ForwardOptions(rows_kernel=32, attention="cpu"),
                 ForwardOptions(rows_kernel=32, attention="cpu", rows_int8=True), ForwardOptions(rows_kernel=32)):
         p = m.params_for(fwd)
-        _, cache = run(p, prompt, llama.init_cache_for(m.cfg, 1, 64), fwd.for_prefill(), 0)
+        _, cache = run(p, prompt, jnp.arange(P)[None], llama.causal_mask(1, P), llama.init_cache_for(m.cfg, 1, 64),
+                       fwd.for_prefill(), use_prefix=False)
         cache = kv.set_lengths(cache, jnp.asarray([P], jnp.int32))
-        block, _ = run(p, cont, cache, fwd, P)
-        steps = []
-        for i in range(N):
-            lg, cache = run(p, cont[:, i:i + 1], cache, fwd, P + i)
-            cache = kv.set_lengths(cache, cache.lengths + 1)
-            steps.append(np.asarray(lg[0, 0]))
-        if fwd.attention == "cpu":
-            np.testing.assert_array_equal(np.stack(steps), np.asarray(block[0]), err_msg=str(fwd))
-        else:
-            np.testing.assert_allclose(np.stack(steps), np.asarray(block[0]), rtol=1e-4, atol=1e-4)
+        for kind, parents in blocks.items():
+            n = parents.size
+            block, _ = run(p, toks[:, :n], jnp.asarray(P + tree.depths(parents))[None],
+                           jnp.asarray(tree.ancestor_mask(parents))[None], cache, fwd)
+            for path in tree.root_to_leaf_paths(parents):
+                c, steps = cache, []
+                for d, node in enumerate(path):
+                    lg, c = run(p, toks[:, node:node + 1], jnp.asarray([[P + d]]), jnp.ones((1, 1, 1), bool), c, fwd)
+                    c = kv.set_lengths(c, c.lengths + 1)
+                    steps.append(np.asarray(lg[0, 0]))
+                got, want = np.stack(steps), np.asarray(block[0, path])
+                if fwd.attention == "cpu":
+                    np.testing.assert_array_equal(got, want, err_msg=f"{kind} path {path}, {fwd}")
+                else:
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_rope_tables_are_the_exact_angles_and_gathered_the_same_in_any_shape():
@@ -345,13 +357,17 @@ def test_rope_tables_are_the_exact_angles_and_gathered_the_same_in_any_shape():
         np.testing.assert_array_equal(np.asarray(c2)[0, :, 0], c[np.searchsorted(pos[0, :7], p[0])])
 
 
-def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decodings_tokens(tmp_path):
-    """int8 activations with a drafter: a policy alternating verify steps (K = 4, prompt lookup)
-    with runs of plain decoding calls (K = 0, up to 4 steps a call) gives exactly int8 plain
-    decoding's tokens. Before RoPE's tables were shape-independent it did not (a last-bit
-    difference between the two programs became another int8 code): int8 was then refused with
-    a drafter."""
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix trees"])
+def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decodings_tokens(tmp_path, drafter):
+    """int8 activations with a drafter: a policy alternating verify steps (K = 8: chains of 9
+    tokens from prompt lookup, or token trees of up to 9 nodes from SuffixDecoding) with runs of
+    plain decoding calls (K = 0, up to 4 steps a call) gives exactly int8 plain decoding's
+    tokens. Before RoPE's tables were shape-independent it did not (a last-bit difference
+    between the two programs became another int8 code): int8 was then refused with a drafter;
+    and with token trees until the RMS norms summed in a fixed order (blocks of 8 or more tokens
+    differed; test above)."""
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
+    from specjax.drafters.suffix import SuffixConfig, SuffixDrafter
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
@@ -366,7 +382,7 @@ def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decod
 
         def choose(self, view):
             self.i += 1
-            return 4 if self.i % 2 else 0
+            return 8 if self.i % 2 else 0
 
     m = _wide_heads_gguf(tmp_path)
     i8 = ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu")
@@ -375,8 +391,12 @@ def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decod
     prompts = [rng.integers(3, m.cfg.vocab_size, 9).tolist() * 4 for _ in range(3)]
     new = 40
     ar = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(4,), fwd=i8).generate(prompts, max_new_tokens=new)]
-    be = JaxBackend(m.cfg, p8, k_buckets=(0, 4), batch_buckets=(4,), slots=256, fwd=i8,
-                    drafter=PromptLookupDrafter())
+    # (suffix: the outputs seen before, and their beginnings ending in another token, each thrice,
+    # so that trees branch: the wrong token and the right continuation)
+    seen = ar + [o[:j] + [o[j] + 1] for o in ar for j in range(4, new, 4) for _ in range(3)]
+    host = PromptLookupDrafter() if drafter == "prompt_lookup" else SuffixDrafter(
+        SuffixConfig(min_prob=0.01, use_local=False), history=seen)
+    be = JaxBackend(m.cfg, p8, k_buckets=(0, 8), batch_buckets=(4,), slots=256, fwd=i8, drafter=host)
     eng = ServingEngine(be, Alternate())
     outs = eng.run([Request(str(i), p, new) for i, p in enumerate(prompts)])
     assert [o.tokens for o in outs] == ar

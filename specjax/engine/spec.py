@@ -43,11 +43,6 @@ class DrafterSpec:
     def __post_init__(self):
         require(self.k >= 0, f"the draft budget k must be >= 0, got {self.k}")
 
-    @property
-    def trees(self) -> bool:
-        """Whether it proposes token trees (suffix and hybrid with suffix_tree; suffix_path never)."""
-        return self.name in ("suffix", "hybrid") and self.suffix_tree
-
     def check(self) -> None:
         """The drafter's own knobs, checked before any model is loaded (SpecjaxError on the
         first bad one). Only the knobs the drafter reads (its registry entry's ``reads``)."""
@@ -212,11 +207,6 @@ class EngineSpec:
 
                 raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
                                    f"that drafts ahead ({', '.join(registry.AHEAD_DRAFTERS)}), not {self.drafter.name}")
-        if self.drafter.trees and (self.fwd.rows_int8 or self.rows_int8_auto):
-            # (chains are bit-exact, tests/test_rows_dot.py; tree steps are not yet)
-            raise SpecjaxError(f"--rows_activations int8 with token trees (--drafter {self.drafter.name}) is not "
-                               "token-identical to int8 plain decoding yet (2 of 13 Spec-Bench outputs differed); use "
-                               "a chain drafter (prompt_lookup, suffix_path or --nosuffix_tree, a device drafter) or float32 activations")
         object.__setattr__(self, "k_buckets", ks)
         bbs = tuple(sorted(set(self.batch_buckets)))
         if not bbs or bbs[0] < 1:

@@ -108,9 +108,26 @@ def apply_rope(x: jax.Array, tables) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def sum_fixed_order(a: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept, size 1) in one order whatever the array's shape: its halves
+    added elementwise until one element is left (an odd length gets a zero first)."""
+    while a.shape[-1] > 1:
+        if a.shape[-1] % 2:
+            a = jnp.concatenate([a, jnp.zeros_like(a[..., :1])], axis=-1)
+        h = a.shape[-1] // 2
+        a = a[..., :h] + a[..., h:]
+    return a
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, fixed_order: bool = False) -> jax.Array:
+    """``fixed_order``: sum the squares with ``sum_fixed_order``, so a row's norm has the same bits
+    in any block. XLA:CPU's own reduce sums a row in another order once the block is large enough
+    (from 8 rows 576 wide, 16 rows 256 wide): a SmolLM2 token's norm differed in the last bit
+    between a decode step and a 9-token verify block, and int8 rounding made that another code."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    sq = xf * xf
+    ms = sum_fixed_order(sq) / xf.shape[-1] if fixed_order else jnp.mean(sq, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -228,9 +245,12 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     def proj(a, name):
         return dense(a, lp[name], fwd, lp.get(name + ROWS_SUFFIX))
 
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    def norm(a, name):
+        return rms_norm(a, lp[name], cfg.rms_eps, fwd.exact_blocks)
+
+    h = norm(x, "attn_norm")
     if embed_in is not None:
-        h = jnp.concatenate([rms_norm(embed_in, lp["embed_norm"], cfg.rms_eps), h], axis=-1)
+        h = jnp.concatenate([norm(embed_in, "embed_norm"), h], axis=-1)
     q = proj(h, "wq")
     k = proj(h, "wk")
     v = proj(h, "wv")
@@ -249,7 +269,7 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     )
     o = o.reshape(B, T, H * hd)
     x = x + proj(o if pack is None else pack_rows(o, pack), "wo")
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
+    h = norm(x, "mlp_norm")
     g = proj(h, "w_gate")
     u = proj(h, "w_up")
     x = x + proj(jax.nn.silu(g) * u, "w_down")
@@ -353,7 +373,7 @@ def final_logits(params, x, *, cfg: ModelConfig, fwd: ForwardOptions, logits_at:
     """The last layer's output ``x`` [..., D] through the final norm and the vocab head (only at
     ``logits_at`` [B, M] block indices, if given): (logits, the normed hidden states of every
     position). ``forward``'s end, and a layered prefill's last call (engine.step)."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_eps, fwd.exact_blocks)
     hidden = x
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[..., None], axis=1)

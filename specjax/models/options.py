@@ -42,10 +42,10 @@ class ForwardOptions:
     "cpu": rounding to int8 turns a last-bit difference in an activation into a different code,
     so everything before it must give a token the same bits in a decode step as in a verify block,
     which XLA's attention (prefix and block summed apart) does not (9 of 26 Spec-Bench outputs
-    differed from AR with it). With the CPU attention and the shape-independent RoPE tables
-    (llama.rope_tables) it does for a chain block, float32 or int8 (tests/test_rows_dot.py), so chain
-    speculation under int8 gives int8 plain decoding's tokens; tree steps are not there yet
-    (EngineSpec refuses suffix / hybrid trees with int8).
+    differed from AR with it). With the CPU attention, the shape-independent RoPE tables
+    (llama.rope_tables) and the RMS norms' fixed-order sums (``exact_blocks``) it does for any
+    chain or token-tree block, float32 or int8 (tests/test_rows_dot.py), so speculation under
+    int8 gives int8 plain decoding's tokens.
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
@@ -85,6 +85,12 @@ class ForwardOptions:
         attention for "cpu" (the kernel is for decode and verify blocks)."""
         out = dataclasses.replace(self, rows_int8=False, rows_kernel=0) if self.rows_int8 else self
         return dataclasses.replace(out, attention="xla") if self.attention == "cpu" else out
+
+    @property
+    def exact_blocks(self) -> bool:
+        """Whether a token's values must have the same bits in any decode or verify block (the CPU
+        attention's promise): the RMS norms then sum in one fixed order (llama.rms_norm)."""
+        return self.attention == "cpu"
 
     def kernel_rows(self, rows: int) -> bool:
         """Whether a block of ``rows`` activation rows runs on the rows kernel."""
