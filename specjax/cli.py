@@ -278,8 +278,8 @@ def prebuild_rows_kernel() -> None:
 
 def prewarm_drafter(name: str) -> None:
     """Start what a drafter needs before its first use in a thread now, beside the model load:
-    the suffix drafters' numba kernels (their import and first calls, about a second; the
-    drafter's constructor waits for them)."""
+    the suffix drafters' numba kernels (their import and first calls, about a second; a
+    drafter's first draft waits for them, drafters.suffix.drafter)."""
     import threading
 
     from specjax.registry import SUFFIX_DRAFTERS
