@@ -10,7 +10,7 @@ read from the page cache when a program first touches them. The parts are the mo
 tokenizer, params) and each layout of the rows kernel's packs; an EAGLE head's restored arrays
 are kept the same way (drafters.eagle.load_head: orbax's import and restore took a second).
 
-An entry is keyed by the file (absolute path, size, modification time), the model name and dtype
+An entry is keyed by the file (absolute path, size, change and modification times, inode), the model name and dtype
 asked for, and the digest of specjax's code; a new entry for the same file, name and dtype removes
 the older ones (a code change would otherwise leave 600 MB behind each time). Entries are written
 in a background thread (not a daemon: the process finishes the write before it exits) and read
