@@ -72,13 +72,15 @@ def _record_text(path: str) -> str:
     return _record(path, [(*_digest(os.path.normpath(os.path.join(path, rel))), rel) for rel in _files(path)])
 
 
-def _replace(path: str, data: bytes) -> None:
-    """``data`` into ``path`` through a temporary file in its directory (readers see the old file
-    or the whole new one), flushed to disk before the rename."""
+def _replace(path: str, data) -> None:
+    """``data`` (bytes, or an iterable of buffers written one after another) into ``path`` through
+    a temporary file in its directory (readers see the old file or the whole new one), flushed to
+    disk before the rename."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in (data,) if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -157,33 +159,28 @@ def write_mapped(path: str, arrays) -> list[int] | None:
     """``arrays`` (numpy, C-contiguous) end to end in ``path``, each at an offset that is a multiple
     of MAP_ALIGN (returned, for ``mapped``'s reader to view them), and its record (a ``sum64:``
     digest); None, with one warning per directory, if the disk refuses."""
-    fd, tmp = None, None
+    views = [memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays]
+    offsets, at = [], 0
+    for v in views:
+        at += -at % MAP_ALIGN
+        offsets.append(at)
+        at += len(v)
+
+    def chunks():
+        end = 0
+        for off, v in zip(offsets, views):
+            yield b"\0" * (off - end)
+            yield v
+            end = off + len(v)
+
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-        offsets, at = [], 0
-        with os.fdopen(fd, "wb") as f:
-            for a in arrays:
-                pad = -at % MAP_ALIGN
-                f.write(b"\0" * pad)
-                offsets.append(at + pad)
-                data = memoryview(np.ascontiguousarray(a)).cast("B")
-                f.write(data)
-                at += pad + len(data)
-            f.flush()
-            os.fsync(f.fileno())
-        data = np.memmap(tmp, np.uint8, "r") if at else np.zeros(0, np.uint8)
-        record = _record(path, [(at, _sum64(data), ".")])
-        del data
-        os.replace(tmp, path)
-        tmp = None
-        _replace(path + RECORD, record.encode())
+        _replace(path, chunks())
+        data = np.memmap(path, np.uint8, "r") if at else np.zeros(0, np.uint8)
+        _replace(path + RECORD, _record(path, [(at, _sum64(data), ".")]).encode())
         return offsets
     except OSError as e:
         warn_once("write:" + os.path.dirname(path), "could not write %s (%s); going on without it", path, e)
         return None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def mapped(path: str) -> np.ndarray | None:

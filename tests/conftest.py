@@ -71,7 +71,7 @@ def _executable_cache(tmp_path_factory):
     compiled once per run, not once per worker (entries are written by an atomic rename, and a
     damaged one is compiled again). Models loaded from a GGUF keep their prepared arrays there
     too (specjax.models.prepared), so each is prepared once per run."""
-    from specjax import ondisk
+    from specjax import runtime
     from specjax.engine import exe_cache
     from specjax.models import prepared
 
@@ -83,8 +83,7 @@ def _executable_cache(tmp_path_factory):
     root = str(root)
     old = os.environ.get("SPECJAX_CACHE_DIR")
     os.environ["SPECJAX_CACHE_DIR"] = root
-    exe_cache.set_directory(ondisk.cache_dir("executables", root=root))
-    prepared.set_directory(ondisk.cache_dir("models", root=root))
+    runtime.enable_compilation_cache(root)  # (executables and prepared models, as launch scripts have them)
     yield
     exe_cache.set_directory(None)
     prepared.set_directory(None)

@@ -298,12 +298,8 @@ def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dic
             raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
         return jax.tree_util.tree_map(lambda a: to_device(np.asarray(a), dtype), got[1])
 
-    # Restored once, then mapped back (models.prepared), keyed by the files' records.
-    records = sorted(f for f in os.listdir(directory) if f.endswith(ondisk.RECORD))
-    version = "\n".join(f + ":" + open(os.path.join(directory, f), encoding="ascii", errors="replace").read()
-                         for f in records)
-    store = prepared.Store.for_source(f"eagle head\n{os.path.abspath(directory)}\n{cfg.name}\n{jnp.dtype(dtype).name}",
-                                      version)
+    # Restored once, then mapped back (models.prepared).
+    store = prepared.Store.for_directory(directory, f"eagle head\n{cfg.name}\n{jnp.dtype(dtype).name}")
     head = store.cached("head", restore) if store else restore()
     return draft, with_target(draft, head, ids, cfg, params)
 

@@ -130,8 +130,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "float32", layout
 
 
 def _load_gguf(path: str, cfg: ModelConfig | None, dtype, t0: float) -> LoadedModel:
-    if not os.path.isfile(path):
-        raise SpecjaxError(f"GGUF file not found: {path}")
+    weights.check_gguf_path(path)  # (before the store looks the file up)
     name = cfg.name if cfg else os.path.basename(path)
     store = prepared.Store.for_file(path, name, dtype)
     reader = None

@@ -84,6 +84,20 @@ class Store:
         return cls.for_source(f"{os.path.abspath(gguf_path)}\n{name}\n{jnp.dtype(dtype).name}",
                               f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}")
 
+    @classmethod
+    def for_directory(cls, directory: str, what: str) -> "Store | None":
+        """The store of ``what`` (a description) made from ``directory``'s files, versioned by the
+        records beside them (specjax.ondisk: every file's size and SHA-256, so new contents are a
+        new version); None without a directory."""
+        if _DIRECTORY is None:
+            return None
+        records = []
+        for f in sorted(os.listdir(directory)):
+            if f.endswith(ondisk.RECORD):
+                with open(os.path.join(directory, f), "rb") as fh:
+                    records.append(f"{f}:{fh.read().hex()}")
+        return cls.for_source(f"{what}\n{os.path.abspath(directory)}", "\n".join(records))
+
     def load(self, part: str) -> Any | None:
         """The stored ``part`` with its arrays on the device (aliasing the mapped file), or None
         if it is absent or does not verify."""

@@ -25,9 +25,14 @@ from specjax.models.gguf_file import GGUFFile
 # ---------------------------------------------------------------- GGUF
 
 
-def open_gguf(path: str) -> GGUFFile:
+def check_gguf_path(path: str) -> None:
+    """A one-line error unless ``path`` is a file."""
     if not os.path.isfile(path):
         raise SpecjaxError(f"GGUF file not found: {path}")
+
+
+def open_gguf(path: str) -> GGUFFile:
+    check_gguf_path(path)
     return GGUFFile(path)
 
 
