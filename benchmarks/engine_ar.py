@@ -47,7 +47,8 @@ flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side
 flags.DEFINE_list("variants", [], "Also, per variant, an engine side (decode calls of the last --decode_steps value) "
                   "and a reference loop with other forward options: 'int8' (rows_int8: activations rounded to int8, "
                   "another model, so its tokens are compared with its own reference loop, and the CPU attention "
-                  "kernel), 'cpu_attention' (float32, the CPU attention kernel).")
+                  "kernel), 'cpu_attention' (float32, the CPU attention kernel), 'scan' (scan_layers: the layers as one loop, "
+                  "with the rows kernel over its packed stacks in place); several joined by + combine.")
 flags.DEFINE_bool("reference", True,
                   "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
@@ -114,10 +115,13 @@ def main(argv):
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
-        known = {"int8": dict(rows_int8=True, attention="cpu"), "cpu_attention": dict(attention="cpu")}
-        if set(FLAGS.variants) - set(known):
-            raise app.UsageError(f"--variants takes {sorted(known)}, got {FLAGS.variants}")
-        variants = {v: dataclasses.replace(fwd, **known[v]) for v in FLAGS.variants}
+        known = {"int8": dict(rows_int8=True, attention="cpu"), "cpu_attention": dict(attention="cpu"),
+                 "scan": dict(scan_layers=True)}
+        parts = {v: v.split("+") for v in FLAGS.variants}  # ("scan+cpu_attention": both)
+        if {p for ps in parts.values() for p in ps} - set(known):
+            raise app.UsageError(f"--variants takes {sorted(known)} (or several joined by +), got {FLAGS.variants}")
+        variants = {v: dataclasses.replace(fwd, **{k: x for p in ps for k, x in known[p].items()})
+                    for v, ps in parts.items()}
         for v, f in variants.items():
             backends[f"engine, {v}"] = JaxBackend(cfg, m.params_for(f), k_buckets=(0,), batch_buckets=(B,), slots=slots,
                                                   fwd=f, decode_steps=int(FLAGS.decode_steps[-1]))

@@ -38,7 +38,7 @@ def abstract_table(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16,
     """A StepTable over abstract params placed by ``layout`` (the config and mesh are checked
     first: a mesh that cannot hold the model is a one-line error before any compilation)."""
     layout.check(cfg)
-    params = layout.abstract_params(cfg, dtype, stacked=fwd.scan_layers)
+    params = layout.abstract_params(cfg, dtype, stacked=fwd.scan_stacked)
     return StepTable(cfg, params, params, fwd=fwd, layout=layout)
 
 

@@ -8,6 +8,8 @@ and speculation through it gives plain decoding's tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -62,6 +64,17 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
                                        err_msg=fmt)
             # bit-identical rows whatever else is in the call: a decode row == that row of a verify block
             np.testing.assert_array_equal(got[M - 1:M], np.asarray(f(x[M - 1:M], wp)))
+    # a stack of one pack per layer, read at a run-time layer index (a scan's counter), in place
+    other = _random_packs(rng, K, N)
+    fl = jax.jit(lambda x, wp, i, int8: rd.rows_dot(x, wp, N, int8=int8, layer=i), static_argnums=3)
+    for fmt in packs:
+        int8 = fmt.endswith("pairs")
+        stack = rd.stack_packs([packs[fmt][0], other[fmt][0]])
+        for i, wp in enumerate((packs[fmt][0], other[fmt][0])):
+            np.testing.assert_array_equal(np.asarray(fl(x[:5], stack, jnp.int32(i), int8)),
+                                          np.asarray(rd.rows_dot(x[:5], wp, N, int8=int8)), err_msg=fmt)
+        with pytest.raises(Exception, match="layer index outside"):
+            np.asarray(fl(x[:5], stack, jnp.int32(2), int8))
     wp = packs["f32"][0]
     y3 = rd.rows_dot(x[:6].reshape(2, 3, K), wp, N)  # leading dims are kept
     np.testing.assert_array_equal(np.asarray(y3).reshape(6, N), np.asarray(f(x[:6], wp)))
@@ -90,7 +103,7 @@ def test_portable_build_matches_the_vectorized_build():
         np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)), err_msg=fmt)
 
 
-def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
+def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monkeypatch):
     """A GGUF with Q4_1 projections (q/k rows permuted, as llama.cpp writes them) and a Q8_0 tied
     embedding: the packs the engine reads stand for exactly the float32 weights the loader gives,
     and greedy decoding through them (plain and with prompt-lookup verify blocks) gives the
@@ -115,9 +128,9 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     fwd = ForwardOptions(rows_kernel=32)
     p = m.params_for(fwd)
     assert m.params_for(fwd) is p  # packed once
-    for lp, lq in zip(m.params["layers"], p["layers"]):
+    for i, lp in enumerate(m.params["layers"]):
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-            packed = lq[name + llama.ROWS_SUFFIX]
+            packed = rd.layer_of(p[llama.LAYER_PACKS][name], i)
             assert rd.packed_format(packed) == "q4_1"
             np.testing.assert_array_equal(rd.dequantize_packed(packed, lp[name].shape[1]), np.asarray(lp[name]))
     assert rd.packed_format(p["head" + llama.ROWS_SUFFIX]) == "q8_0"
@@ -130,6 +143,26 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=fwd)
     assert spec.params is p
     assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
+    # the layers as one loop over the kernel's stacks (scan_layers): the same params, the same tokens
+    scan = dataclasses.replace(fwd, scan_layers=True)
+    assert m.params_for(scan) is p
+    spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=scan)
+    assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
+    # compiled lazily (a launch script's first answer), steps run first as those scanned twins
+    # while the steps themselves compile behind them: the same tokens, then the steps' own programs
+    # (not on disk: with a step there, a caller loads it instead)
+    from specjax.engine import exe_cache
+
+    monkeypatch.setattr(exe_cache, "default", lambda: None)
+    spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=fwd)
+    registry.warm_spec(spec, [registry.spec_shapes(spec, 12, 10, batch=2)], 4, lazy=True)
+    assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
+    table = next(iter(spec._backends.values())).table
+    table.wait_behind()
+    twins = [k for k in table._exe if getattr(k, "fwd", None) == scan]
+    assert twins and all(table.stand_in(dataclasses.replace(k, fwd=fwd)) == k for k in twins)
+    assert all(dataclasses.replace(k, fwd=fwd) in table._exe for k in twins)
+    spec.stop_later()
     # int8 activations: another model (its own reference), every decode / verify block on the kernel
     # whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too), prefill in float32
     from specjax.reference_ar import reference_generate
@@ -137,10 +170,13 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path):
     i8 = ForwardOptions(rows_kernel=2, rows_int8=True, attention="cpu")
     assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8 and i8.for_prefill().attention == "xla"
     p8 = m.params_for(i8)  # the codes in pairs
-    assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8["layers"][0]["wq" + llama.ROWS_SUFFIX])
+    assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8[llama.LAYER_PACKS]["wq"])
     ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
     assert ar8 == [r.tokens for r in reference_generate(m.cfg, p8, prompts, max_new_tokens=10, fwd=i8)]
     spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=i8)
+    assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
+    spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4),
+                                          fwd=dataclasses.replace(i8, scan_layers=True))
     assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
     with pytest.raises(SpecjaxError, match="rows_int8 needs the CPU rows kernel"):
         ForwardOptions(rows_int8=True, attention="cpu")

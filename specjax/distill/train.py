@@ -89,10 +89,7 @@ class TrainableDraft:
             draft, dparams = reduced_vocab(draft, dparams, vocab_ids)
         frozen = {k: v for k, v in dparams.items() if k in ("embed", "lm_head", "vocab_ids")}
         # copies, not the given arrays: training must never write into the target (or a loaded model)
-        trainable = jax.tree_util.tree_map(jnp.array, {"layers": [{k: v for k, v in lp.items()
-                                                                   if not k.endswith(llama.ROWS_SUFFIX)}
-                                                                  for lp in dparams["layers"]],
-                                                       "final_norm": dparams["final_norm"]})
+        trainable = jax.tree_util.tree_map(jnp.array, {"layers": dparams["layers"], "final_norm": dparams["final_norm"]})
         return TrainableDraft(draft, frozen, trainable)
 
     def params(self, trainable: dict) -> dict:

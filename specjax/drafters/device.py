@@ -183,8 +183,7 @@ def layer_skip(cfg: ModelConfig, params, num_layers: int) -> tuple[ModelDraft, d
             f"a layer-skip draft needs 1..{cfg.num_layers} layers of {cfg.name}, got {num_layers}")
     dcfg = cfg.replace(name=f"{cfg.name}[:{num_layers}]", num_layers=num_layers)
     dparams = {k: v for k, v in params.items() if k != "layers" and not k.endswith(llama.ROWS_SUFFIX)}
-    dparams["layers"] = [{k: v for k, v in lp.items() if not k.endswith(llama.ROWS_SUFFIX)}
-                         for lp in params["layers"][:num_layers]]
+    dparams["layers"] = params["layers"][:num_layers]  # (the rows kernel's stacks are left out above)
     return ModelDraft(dcfg, label=f"layer_skip{num_layers}"), dparams
 
 

@@ -194,13 +194,15 @@ def prefetch(job: str, register=None) -> None:
 
 
 def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lowering=contextlib.nullcontext,
-                   register=None, **static):
+                   register=None, remember: bool = True, **static):
     """``fn.lower(*args, **static).compile()``, through ``cache`` when there is one. ``ready()``,
     if given, runs before the program is returned (what it calls loaded, e.g. the CPU rows
     kernel), and ``register()`` before it is compiled or loaded (what it calls known to XLA by
     name; without it ``ready`` runs then). The lowering runs inside ``lowering()``; where that
     context yields a callable, both run only if it returns true for the lowered program (the
-    program calls what they provide), and a program loaded from disk counts as calling it."""
+    program calls what they provide), and a program loaded from disk counts as calling it.
+    ``remember``: count it among the executables ``prefetch`` loads early next run (not a
+    stand-in, engine.table.StepTable.stand_in: the next run loads the step it stood in for)."""
     register = register or ready
 
     def build():
@@ -217,7 +219,8 @@ def compile_cached(cache: ExecutableCache | None, what, fn, args, ready=None, lo
     if cache is None:
         return build()
     name = cache.entry(what, args)
-    _use(name, ready is not None)
+    if remember:
+        _use(name, ready is not None)
     if ready is not None and cache.has(name):
         register()
     exe = _load(cache, name)

@@ -176,7 +176,8 @@ class JaxBackend:
         self._usable_buckets: set[int] = set()  # buckets _usable found built
         self.max_chunk = bk.largest_chunk(opt.prefill_chunk, slots)  # prompts run in chunks of at most this
         self.table = StepTable(cfg, self.params, self.dparams, d.draft, opt.fwd, opt.teacher_topk, opt.layout,
-                               layered_prefill=opt.prefill_by_layer_on(jax.default_backend()))
+                               layered_prefill=opt.prefill_by_layer_on(jax.default_backend()),
+                               stand_ins=opt.stand_ins_on(jax.default_backend()))
         # the most K = 0 steps one call runs (the loop's Backend field; 1: a call per step)
         self.decode_steps = opt.plain_decode_steps()
         self._eos_mask = (None, None)  # (EOS ids, their [vocab] mask on the device)

@@ -48,6 +48,11 @@ class BackendOptions:
     # row (prefix_store.after_output: a conversation's next turn; KV from decode steps, equal to
     # a prefill's to rounding only, hence off by default); plain decoding and host drafters
     prefix_cache_outputs: bool = False
+    # a step a caller would wait to compile first runs as its stand-in, the same step with the
+    # layers as one loop over the rows kernel's stacks (StepTable.stand_in: the same bits, compiled
+    # in seconds), while the step compiles behind it; None: on where it can be (the rows kernel on
+    # one CPU device, the per-layer list)
+    stand_ins: bool | None = None
 
     def __post_init__(self):
         require(0 in self.k_buckets, "k_buckets must include 0 (plain decoding)")
@@ -62,6 +67,13 @@ class BackendOptions:
                 "prefix_cache_outputs stores outputs in the prefix cache: give it a budget (prefix_cache_mb > 0)")
         require(n is None or n == 1 or not (self.teacher_topk or self.layout is not None),
                 "decode_steps > 1 runs on one device without a teacher signal (no layout, no teacher_topk)")
+
+    def stand_ins_on(self, platform: str) -> bool:
+        """``stand_ins`` resolved (None: the rule above)."""
+        possible = bool(self.fwd.rows_kernel) and not self.fwd.scan_layers and self.layout is None
+        require(possible or not self.stand_ins, "stand-in steps need the rows kernel on one device and the per-layer "
+                "list of layers (not scan_layers)")
+        return possible and platform == "cpu" if self.stand_ins is None else self.stand_ins
 
     def plain_decode_steps(self) -> int:
         """``decode_steps`` resolved (None: the default rule above)."""
@@ -100,14 +112,14 @@ class BackendOptions:
 def layered_prefill_runs(fwd: ForwardOptions, layout: Layout | None) -> bool:
     """Whether a prefill can run layer by layer (StepTable's layered_prefill): one device, the
     per-layer list of layers and XLA attention in prefill (the layer index is a run-time value)."""
-    return layout is None and not fwd.scan_layers and fwd.for_prefill().attention == "xla"
+    return layout is None and not fwd.scan_stacked and fwd.for_prefill().attention == "xla"
 
 
 def model_params(cfg, params, fwd: ForwardOptions, draft_params=None):
     """The target's params in the form ``fwd`` runs: the layers as one scanned stack
     (``scan_layers``; drafts keep their list form) and packed copies of the weights for the CPU
     rows kernel. Idempotent, so a generator's backends share what it prepared once."""
-    if fwd.scan_layers:
+    if fwd.scan_stacked:
         require(draft_params is not params, "a draft sharing the target's params (the same pytree) cannot run "
                 "beside a scanned target; pass the draft its own params")
         params = llama.stack_layers(params)

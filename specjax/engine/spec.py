@@ -223,8 +223,8 @@ class EngineSpec:
                 raise SpecjaxError(f"--mesh must be DATAxMODEL, e.g. 1x8, got {self.mesh!r}")
             if self.fwd.rows_kernel:
                 raise SpecjaxError("--rows_kernel runs on one device; leave it at -1 or 0 with --mesh")
-        if self.rows_kernel_auto and (self.fwd.rows_kernel or self.mesh or self.fwd.scan_layers):
-            # (the kernel reads per-layer packs on one device: not on a mesh, not with a scanned stack)
+        if self.rows_kernel_auto and (self.fwd.rows_kernel or self.mesh):
+            # (the kernel runs on one device: not on a mesh)
             object.__setattr__(self, "rows_kernel_auto", False)
 
     @property

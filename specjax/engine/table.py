@@ -38,6 +38,7 @@ from specjax.drafters.device import ModelDraft
 from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.engine.options import layered_prefill_runs
+from specjax.models import llama
 from specjax.models.options import ForwardOptions
 from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
                                  prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
@@ -151,15 +152,18 @@ class LayeredPrefill:
         x, dx, fresh = self.embed(params, dparams, tokens)
         state = fresh if state is None else state
         cache, taken = state.cache, {}
-        for i, (exe, lp) in enumerate(zip(self.layers, params["layers"])):
+        for i, exe in enumerate(self.layers):
             if i in self.features:
                 taken[i] = x
-            x, cache = exe(lp, x, cache, self._index[i])
+            x, cache = exe(llama.layer_params(params, i), x, cache, self._index[i])
         dcache = state.dcache
-        for i, (exe, lp) in enumerate(zip(self.draft_layers, dparams["layers"] if self.draft_layers else ())):
-            dx, dcache = exe(lp, dx, dcache, self._index[i])
+        for i, exe in enumerate(self.draft_layers):
+            dx, dcache = exe(llama.layer_params(dparams, i), dx, dcache, self._index[i])
         return self.finish(params, dparams, tokens, n_valid, samp, x,
                            dataclasses.replace(state, cache=cache, dcache=dcache), tuple(taken[i] for i in self.features))
+
+
+_STAND_IN_OPS = ("decode", "step", "verify", "tree")  # (the steps whose blocks the rows kernel takes whole)
 
 
 def _layer_groups(layers) -> list[int]:
@@ -177,13 +181,20 @@ def _layer_groups(layers) -> list[int]:
 class StepTable:
     def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
                  fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0, layout: Layout | None = None,
-                 layered_prefill: bool = False):
+                 layered_prefill: bool = False, stand_ins: bool = False):
         """``layered_prefill``: prefill chunks as one program per part (LayeredPrefill: a cold
         start compiles one layer instead of L per chunk size); one device, the list form of the
         layers and XLA attention in prefill only (params placed on several devices without a
-        layout keep the one-program prefill, whose output shardings the steps are compiled for)."""
+        layout keep the one-program prefill, whose output shardings the steps are compiled for).
+        ``stand_ins``: once the table is lazy (JaxBackend.warmup's lazy mode: compile on first use
+        and the rest in the background), a step a caller would wait to compile runs first as its
+        stand-in (``stand_in``) while the step itself compiles behind it."""
         if layered_prefill and not layered_prefill_runs(fwd, layout):
             raise ValueError("a layered prefill runs on one device with the per-layer list and XLA attention")
+        if stand_ins and not (fwd.rows_kernel and not fwd.scan_layers and layout is None):
+            raise ValueError("stand-in steps are the rows kernel's scanned twins: one device, the per-layer list")
+        self.stand_ins = stand_ins
+        self._behind: dict = {}  # key -> the thread compiling it behind its stand-in
         self.cfg = cfg
         self.layout = layout
         self.teacher_topk = teacher_topk  # chain steps also return the target's top-k (CompileKey.teacher)
@@ -250,21 +261,70 @@ class StepTable:
             from specjax.models.cpu import rows_dot
 
             return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), ready=rows_dot.ensure,
-                                            register=rows_dot.ensure_targets, lowering=rows_dot.deferred, **static)
+                                            register=rows_dot.ensure_targets, lowering=rows_dot.deferred,
+                                            remember=not (self.stand_ins and key.fwd.scan_layers), **static)
         return exe_cache.compile_cached(self.disk_cache, key, fn, tuple(args), **static)
+
+    def stand_in(self, key):
+        """The stand-in of ``key`` under ``stand_ins``, or None: for a decode, chain, verify or
+        tree step, the same step with the layers as one loop over the rows kernel's stacks
+        (ForwardOptions.scan_layers). It computes the same bits (tests/test_rows_dot.py) and its
+        program, one layer long, compiles in a fraction of the unrolled one's time (a cold 30-layer
+        decode call: seconds instead of 10), while its steps run slower (a loop's per-layer
+        bookkeeping, BENCHMARKS.md): a cold start answers with it until the step is built. Only in
+        the lazy mode, whose callers accept a first result sooner over a steady speed from the
+        first step (--compile ahead, benchmarks: no stand-ins)."""
+        if not (self.stand_ins and self.lazy and isinstance(key, CompileKey) and key.op in _STAND_IN_OPS
+                and not key.fwd.scan_layers):
+            return None
+        return dataclasses.replace(key, fwd=dataclasses.replace(key.fwd, scan_layers=True))
+
+    def _on_disk(self, key, spec) -> bool:
+        return self.disk_cache is not None and self.disk_cache.has(self.disk_cache.entry(key, spec()[1]))
+
+    def _build_behind(self, key, spec, what: str) -> None:
+        """Compile ``key`` in a thread of its own (once; not a daemon: a process that answered
+        with the stand-in stores the step on its way out, for the next run to load)."""
+        def run():
+            self.background.on = True
+            try:
+                self._get(key, spec, what, compile_if_missing=True)
+            except Exception:  # (the stand-in keeps serving; a later build of the step says why)
+                pass
+
+        with self._lock:
+            if key in self._behind:
+                return
+            t = self._behind[key] = threading.Thread(target=run, name="specjax-compile-behind")
+        t.start()
+
+    def wait_behind(self) -> None:
+        """Wait for the steps compiling behind their stand-ins (from then on calls run them)."""
+        for t in list(self._behind.values()):
+            t.join()
 
     def _get(self, key, spec, what: str, compile_if_missing: bool = False):
         """The executable of ``key``: ``spec()`` = (jitted function, abstract arguments), built
         (compiled or loaded from disk) if missing, once whichever threads ask; under ``ready``
-        only whether it is in memory or on disk."""
+        only whether it is in memory (itself or its stand-in) or on disk. With stand-ins, a
+        caller that would wait for a step's compilation gets its stand-in (``stand_in``, itself
+        compiled or loaded if need be) while the step compiles behind it."""
         exe = self._exe.get(key)
+        twin = self.stand_in(key)
         if getattr(self._probe, "on", False):
-            return exe is not None or (self._probe.disk and self.disk_cache is not None and self.disk_cache.has(
-                self.disk_cache.entry(key, spec()[1])))
+            return exe is not None or (twin is not None and twin in self._exe) or (self._probe.disk and
+                                                                                  self._on_disk(key, spec))
         if exe is not None:
             return exe
         if self.warm and not (compile_if_missing or self.lazy):
             raise SpecjaxError(f"no precompiled {what}; add it to the warm-up buckets")
+        if twin is not None and getattr(self.background, "on", False):
+            if twin not in self._exe and not self._on_disk(key, spec):  # (the stand-in first: a caller may soon wait)
+                self._get(twin, spec, what + " (stand-in)", compile_if_missing=True)
+        elif twin is not None and (twin in self._exe or key in self._building or not self._on_disk(key, spec)):
+            stand = self._get(twin, spec, what + " (stand-in)", compile_if_missing=True)
+            self._build_behind(key, spec, what)
+            return stand
         waits = self.warm and not getattr(self.background, "on", False)  # a serving caller stalls here
         t0 = time.perf_counter()
         while True:
@@ -348,17 +408,18 @@ class StepTable:
         embed = get("embed", prefill_embed_jit, self.params, self.dparams, toks)
         layers, groups = self.params["layers"], self._layer_groups
         index = self._sds((), jnp.int32, per_row=False)
-        programs = {g: get(f"layer {g}", prefill_layer_jit, layers[g], x, state.cache, index)
+        programs = {g: get(f"layer {g}", prefill_layer_jit, llama.layer_params(self.params, g), x, state.cache, index)
                     for g in sorted(set(groups))}
         dprograms, dgroups = {}, ()
         if key.draft is not None and self._draft_groups:  # a draft model's layers: calls too
             # (its own config and forward options, as ModelDraft.prefill runs them)
-            dgroups, dlayers = self._draft_groups, self.dparams["layers"]
+            dgroups = self._draft_groups
             dx = self._sds((B, C, key.draft.cfg.hidden_size), self.dparams["embed"].dtype)
 
             def dget(g):
                 k = dataclasses.replace(key, cfg=key.draft.cfg, fwd=ForwardOptions(), part=f"draft layer {g}")
-                return self._get(k, lambda: (prefill_layer_jit, (dlayers[g], dx, state.dcache, index)), k.describe(),
+                return self._get(k, lambda: (prefill_layer_jit, (llama.layer_params(self.dparams, g), dx, state.dcache,
+                                                                 index)), k.describe(),
                                  compile_if_missing)
 
             dprograms = {g: dget(g) for g in sorted(set(dgroups))}

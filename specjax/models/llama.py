@@ -160,27 +160,38 @@ def _rowwise_matvec(flat: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, flat.shape[0], body, init)
 
 
-ROWS_SUFFIX = ":rows"  # a weight's copy packed for the CPU rows kernel (pack_for_rows)
+ROWS_SUFFIX = ":rows"  # weights packed for the CPU rows kernel (pack_for_rows)
+LAYER_PACKS = "layers" + ROWS_SUFFIX  # {projection: its packs of every layer as one stack}
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _out_width(cfg: ModelConfig, name: str) -> int:
+    """A projection's output columns (what its packed blocks, padded to 16, no longer say)."""
+    q, kv_ = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"wq": q, "wk": kv_, "wv": kv_, "wo": cfg.hidden_size, "w_gate": cfg.intermediate_size,
+            "w_up": cfg.intermediate_size, "w_down": cfg.hidden_size}[name]
 
 
 def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     """``params`` plus each projection and the vocab head packed for the CPU rows kernel
-    (models.cpu.rows_dot; keys ``<name>:rows``, the head ``head:rows``), which
-    ``ForwardOptions.rows_kernel`` uses for decode and verify blocks; prefill keeps the originals.
-    ``native``: weights already packed in their file's quantized blocks
-    (weights.gguf_row_packs; the same values in a fraction of the bytes), used where given; the
-    rest are packed from float32, which adds their size again (the originals are shared)."""
+    (models.cpu.rows_dot), which ``ForwardOptions.rows_kernel`` uses for decode and verify blocks;
+    prefill keeps the originals. A projection's packs of every layer are one stack
+    (``LAYER_PACKS``: ``{name: [L, ...]}``, rows_dot.stack_packs) that the kernel reads layer i of
+    in place, so the per-layer list and a scan over layers (``scan_layers``) read the same
+    arrays; the head is ``head:rows``. ``native``: weights already packed in their file's
+    quantized blocks (weights.gguf_row_packs: ``{"layers": {name: stack}, "head": pack}``; the same
+    values in a fraction of the bytes), used where given; the rest are packed from float32, which
+    adds their size again (the originals are shared)."""
     from specjax.models.cpu import rows_dot
 
     # (Packing does not need the kernel built: its registration is the compile's or the trace's,
     # engine.table.StepTable._compile, so a cold build runs beside the model load and the prefill.)
     if "head" + ROWS_SUFFIX in params:
         return params
-    native = native or {"layers": [{} for _ in params["layers"]]}
+    native = native or {"layers": {}}
     out = dict(params)
-    out["layers"] = [dict(lp, **{n + ROWS_SUFFIX: nat[n] if n in nat else rows_dot.pack(lp[n]) for n in _PROJECTIONS})
-                     for lp, nat in zip(params["layers"], native["layers"])]
+    out[LAYER_PACKS] = {n: native["layers"][n] if n in native["layers"] else
+                        rows_dot.stack_packs([rows_dot.pack(lp[n]) for lp in params["layers"]]) for n in _PROJECTIONS}
     out["head" + ROWS_SUFFIX] = native.get("head")
     if out["head" + ROWS_SUFFIX] is None:
         out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
@@ -196,11 +207,12 @@ def stack_layers(params):
     return dict(params, layers={k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]})
 
 
-def dense(x: jax.Array, w: jax.Array, fwd: ForwardOptions = ForwardOptions(), packed: jax.Array | None = None
-          ) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array | None, fwd: ForwardOptions = ForwardOptions(), packed=None, layer=None,
+          n: int | None = None) -> jax.Array:
     """``x @ w`` for x [..., K], w [K, N], in the form ``fwd`` picks for the row count: the CPU
-    rows kernel on ``packed`` (pack_for_rows) up to ``fwd.rows_kernel`` rows (every row count
-    with ``fwd.rows_int8``), per-row matvecs from 2 to ``fwd.small_rows``, else XLA's dot."""
+    rows kernel on ``packed`` (pack_for_rows; with ``layer``, layer ``layer`` of a stack; ``n``
+    the output columns, and then ``w`` may be None) up to ``fwd.rows_kernel`` rows (every row
+    count with ``fwd.rows_int8``), per-row matvecs from 2 to ``fwd.small_rows``, else XLA's dot."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     if fwd.kernel_rows(rows):
@@ -208,7 +220,7 @@ def dense(x: jax.Array, w: jax.Array, fwd: ForwardOptions = ForwardOptions(), pa
             raise ValueError("ForwardOptions.rows_kernel needs params from llama.pack_for_rows")
         from specjax.models.cpu import rows_dot
 
-        return rows_dot.rows_dot(x, packed, w.shape[-1], int8=fwd.rows_int8)
+        return rows_dot.rows_dot(x, packed, w.shape[-1] if n is None else n, int8=fwd.rows_int8, layer=layer)
     if 1 < rows <= fwd.small_rows:
         return _rowwise_matvec(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[-1])
     return x @ w
@@ -227,7 +239,7 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask, pack=None, layout=None, embed_in=None, kv_before=None):
+           positions, block_mask, pack=None, layout=None, embed_in=None, kv_before=None, packs=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
     the old buffer is pending (reading first measured two full-cache copies per step).
@@ -237,13 +249,14 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     [norm(embedding), norm(x)] (wq/wk/wv of 2D rows) while the residual stream stays x.
     ``kv_before``: (k, v) [B, S', Hkv, hd] of earlier entries the block's queries also see, before
     its own (``block_mask`` [B, T, S' + T]); the feature head's training-time test
-    (distill.eagle_train) attends to its earlier unroll steps this way."""
+    (distill.eagle_train) attends to its earlier unroll steps this way. ``packs``: the rows
+    kernel's stacks (``LAYER_PACKS``), read at ``layer``; ``lp`` then needs no projections."""
     B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
 
     def proj(a, name):
-        return dense(a, lp[name], fwd, lp.get(name + ROWS_SUFFIX))
+        return dense(a, lp.get(name), fwd, None if packs is None else packs[name], layer, _out_width(cfg, name))
 
     def norm(a, name):
         return rms_norm(a, lp[name], cfg.rms_eps, fwd.exact_blocks)
@@ -262,6 +275,11 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     k = apply_rope(block(k).reshape(B, T, Hkv, hd), rope)
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
+    if not isinstance(layer, int):
+        # (at a run-time layer, in a loop body, XLA:CPU fuses the read of the layer's slice with
+        # the write into one pass over the old cache, which then needs two copies of the whole
+        # cache per layer; the barrier makes the read see the written buffer, updated in place)
+        k_all, v_all = jax.lax.optimization_barrier((k_all, v_all))
     if kv_before is not None:
         k, v = jnp.concatenate([kv_before[0], k], axis=1), jnp.concatenate([kv_before[1], v], axis=1)
     o = attn_lib.block_attention(
@@ -315,9 +333,9 @@ def forward(
     """
     layers = params["layers"]
     stacked = isinstance(layers, dict)
-    if stacked != fwd.scan_layers:
-        raise ValueError("ForwardOptions.scan_layers needs params from llama.stack_layers (and the list form needs "
-                         "it off)")
+    if stacked != fwd.scan_stacked:
+        raise ValueError("ForwardOptions.scan_layers without the rows kernel needs params from llama.stack_layers "
+                         "(and every other form the per-layer list)")
     if features and stacked:
         raise ValueError("target features (a feature head) are taken from the per-layer list, not scan_layers")
     if num_layers is not None:
@@ -327,6 +345,11 @@ def forward(
         raise ValueError(f"cache has {cache.k.shape[0]} layers, model slice has {n_layers}")
     rope = rope_tables(positions, cfg, barrier=fwd.rope_barrier())
     B, T = tokens.shape
+    packs = params.get(LAYER_PACKS)
+    # scan_layers with the rows kernel: a block the kernel takes whole runs the layers as one
+    # loop whose counter picks each layer's packs in place (a larger one, unrolled on the list)
+    scan_packs = (fwd.scan_layers and not stacked and packs is not None
+                  and fwd.kernel_rows(B * T if pack is None else pack.shape[0]))
     if pack is not None and (logits_at is not None or return_hidden):
         raise ValueError("pack does not combine with logits_at / return_hidden")
     x = params["embed"][tokens if pack is None else pack_rows(tokens[..., None], pack)[:, 0]]
@@ -337,7 +360,8 @@ def forward(
     x = pin(x)
     # By default layers are unrolled over a Python list of per-layer dicts: on XLA:CPU both
     # lax.scan over stacked weights and static slices of a stacked array copy the
-    # weights every step (measured 1.6x-10x slower for decode). fwd.scan_layers: one scan.
+    # weights every step (measured 1.6x-10x slower for decode). fwd.scan_layers: one scan, over
+    # stacked weights (stack_layers) or, with the rows kernel, over the packs' stacks in place.
     k_all, v_all = cache.k, cache.v
     if stacked:
         # The whole cache rides in the carry, written in place at the loop counter's layer (as
@@ -350,13 +374,30 @@ def forward(
             return (pin(x), k_all, v_all), None
 
         (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
+    elif scan_packs:
+        # Only the small per-layer vectors (norms, biases) are stacked, in the program; the
+        # projections are the packs' stacks, read in place at the counter. Feature layers' inputs
+        # ride in the carry.
+        small = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0] if k not in _PROJECTIONS}
+
+        def body(carry, xs):
+            x, k_all, v_all, taken = carry
+            lp, i = xs
+            taken = tuple(jnp.where(i == f, x, t) for f, t in zip(features, taken))
+            x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i, cache.lengths, positions,
+                                     block_mask, pack, layout, packs=packs)
+            return (x, k_all, v_all, taken), None
+
+        carry = (x, k_all, v_all, tuple(jnp.zeros_like(x) for _ in features))
+        (x, k_all, v_all, got), _ = jax.lax.scan(body, carry, (small, jnp.arange(n_layers, dtype=jnp.int32)))
+        taken = dict(zip(features, got))
     else:
         taken = {}
         for i, lp in enumerate(layers):
             if i in features:
                 taken[i] = x
             x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
-                                     cache.lengths, positions, block_mask, pack, layout)
+                                     cache.lengths, positions, block_mask, pack, layout, packs=packs)
             x = pin(x)
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     logits, hidden = final_logits(params, x, cfg=cfg, fwd=fwd, logits_at=logits_at)
@@ -383,16 +424,24 @@ def final_logits(params, x, *, cfg: ModelConfig, fwd: ForwardOptions, logits_at:
     return jnp.dot(x, head, preferred_element_type=jnp.float32), hidden
 
 
+def layer_params(params, i: int) -> dict:
+    """Layer ``i``'s params as ``decoder_layer`` takes them: its dict, with the rows kernel's
+    stacks (``LAYER_PACKS``, read at the run-time layer index) where the params have them."""
+    lp = params["layers"][i]
+    return dict(lp, **{LAYER_PACKS: params[LAYER_PACKS]}) if LAYER_PACKS in params else lp
+
+
 def decoder_layer(lp, x, cache: kv.KVCache, layer, *, cfg: ModelConfig, fwd: ForwardOptions, use_prefix: bool):
     """One decoder layer over a causal block of new tokens at each row's cache length (a prefill
     chunk): ``forward``'s layer body on its own, with ``layer`` (a traced index into the stacked
-    cache) chosen at run time, so one compiled program serves every layer of the same shapes
-    (engine.step's layered prefill). Returns (x, the cache with the layer's block written)."""
+    cache and the rows kernel's stacks) chosen at run time, so one compiled program serves every
+    layer of the same shapes (engine.step's layered prefill; ``lp`` from ``layer_params``).
+    Returns (x, the cache with the layer's block written)."""
     B, T = x.shape[:2]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     rope = rope_tables(positions, cfg, barrier=fwd.rope_barrier())
     x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, cache.k, cache.v, layer, cache.lengths, positions,
-                             causal_mask(B, T))
+                             causal_mask(B, T), packs=lp.get(LAYER_PACKS))
     return x, dataclasses.replace(cache, k=k_all, v=v_all)
 
 

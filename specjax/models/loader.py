@@ -57,7 +57,7 @@ class LoadedModel:
         """The params a forward with ``fwd`` runs on: with the rows kernel, plus the packed
         weights (built once; a GGUF's Q4_1/Q8_0 weights stay in their blocks); with
         ``scan_layers``, the layers stacked (llama.stack_layers; a copy of them)."""
-        if fwd.scan_layers:
+        if fwd.scan_stacked:
             if self._stacked is None:  # (every backend of a generator shares one stacked copy)
                 self._stacked = llama.stack_layers(self.params)
             return self._stacked

@@ -51,11 +51,14 @@ class ForwardOptions:
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
     default backend is the CPU, off on accelerators, where a conditional waits for its
     predicate on the host.
-    scan_layers: run the decoder layers as one ``lax.scan`` over stacked weights (params from
-    llama.stack_layers: ``layers`` one dict of [L, ...] arrays), the cache's layer index the loop
+    scan_layers: run the decoder layers as one ``lax.scan``, the cache's layer index the loop
     counter: the compiled program and its compile time do not grow with depth (80-layer
-    targets). The per-layer list stays the default: on XLA:CPU the scan's per-layer weight
-    slices measured 1.6-10x slower decode steps."""
+    targets; a 30-layer decode call compiles in a fraction of the unrolled one's seconds). Without
+    the rows kernel the scan runs over stacked weights (params from llama.stack_layers: ``layers``
+    one dict of [L, ...] arrays; on XLA:CPU its per-layer weight slices measured 1.6-10x slower
+    decode steps). With it, the params keep the per-layer list and every block the kernel takes
+    whole (decode, verify) loops over the kernel's stacks of packed weights, which it reads at
+    the counter in place (llama.LAYER_PACKS); larger blocks and the layered prefill run as without."""
 
     attention: str = "xla"
     attn_chunk: int = 256
@@ -71,7 +74,6 @@ class ForwardOptions:
         require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
-        require(not (self.scan_layers and self.rows_kernel), "scan_layers does not combine with the CPU rows kernel")
         require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
         require(not self.rows_int8 or self.attention == "cpu",
                 "rows_int8 needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
@@ -82,8 +84,9 @@ class ForwardOptions:
     def for_prefill(self) -> "ForwardOptions":
         """The options a prefill chunk runs with: under ``rows_int8``, XLA's float32 dot (the
         packs are in the int8 path's layout, which the float32 kernel does not read); XLA's
-        attention for "cpu" (the kernel is for decode and verify blocks)."""
-        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0) if self.rows_int8 else self
+        attention for "cpu" (the kernel is for decode and verify blocks); without the kernel, the
+        per-layer list the params keep for it (a scan over its stacks is for the blocks it takes)."""
+        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0, scan_layers=False) if self.rows_int8 else self
         return dataclasses.replace(out, attention="xla") if self.attention == "cpu" else out
 
     @property
@@ -91,6 +94,12 @@ class ForwardOptions:
         """Whether a token's values must have the same bits in any decode or verify block (the CPU
         attention's promise): the RMS norms then sum in one fixed order (llama.rms_norm)."""
         return self.attention == "cpu"
+
+    @property
+    def scan_stacked(self) -> bool:
+        """Whether the params' layers are one stacked dict (llama.stack_layers): ``scan_layers``
+        without the rows kernel, whose scan reads its packs' stacks from the per-layer form."""
+        return self.scan_layers and not self.rows_kernel
 
     def kernel_rows(self, rows: int) -> bool:
         """Whether a block of ``rows`` activation rows runs on the rows kernel."""

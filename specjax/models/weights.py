@@ -220,10 +220,12 @@ def gguf_has_row_packs(reader: GGUFFile) -> bool:
 
 def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig, pairs: bool = False) -> dict:
     """The weights of the file that are stored as Q4_1 or Q8_0, packed in those blocks for the CPU
-    rows kernel (models.cpu.rows_dot): ``{"layers": [{name: packed}], "head": packed}``, the names
-    of ``llama.pack_for_rows``; weights of any other type are left out (the caller packs them from
-    float32). The same values as ``load_gguf_params`` gives, at 4.6-8.5 bits a weight. ``pairs``: in
-    the layout the kernel's int8 activations read (rows_dot.pack_q4_1)."""
+    rows kernel (models.cpu.rows_dot): ``{"layers": {name: stack}, "head": packed}``, the names
+    of ``llama.pack_for_rows``, each projection's packs of every layer as one stack
+    (rows_dot.stack_packs); a projection stored in another type, or in different blocks in
+    different layers, is left out (the caller packs it from float32). The same values as
+    ``load_gguf_params`` gives, at 4.6-8.5 bits a weight. ``pairs``: in the layout the kernel's
+    int8 activations read (rows_dot.pack_q4_1)."""
     from gguf import GGMLQuantizationType as Q
 
     from specjax.models.cpu import rows_dot
@@ -244,11 +246,17 @@ def gguf_row_packs(reader: GGUFFile, cfg: ModelConfig, pairs: bool = False) -> d
             return rows_dot.pack_q4_1(b["d"], b["m"], b["qs"], pairs)
         return rows_dot.pack_q8_0(b["d"], b["qs"], pairs)
 
-    layers = []
-    for i in range(cfg.num_layers):
-        packs = {key: pack(_GGUF_NAMES[key].format(i=i), key) for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                                                             "w_down")}
-        layers.append({k: v for k, v in packs.items() if v is not None})
+    def tensor_type(name):
+        t = tensors.get(name)
+        return None if t is None else t.tensor_type
+
+    layers = {}
+    for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        names = [_GGUF_NAMES[key].format(i=i) for i in range(cfg.num_layers)]
+        if len({tensor_type(n) for n in names}) == 1:  # (one stack needs one format in every layer)
+            packs = [pack(n, key) for n in names]
+            if packs[0] is not None:
+                layers[key] = rows_dot.stack_packs(packs)
     head = pack(_GGUF_NAMES["embed"] if cfg.tie_embeddings else _GGUF_NAMES["lm_head"])
     return {"layers": layers, **({"head": head} if head is not None else {})}
 

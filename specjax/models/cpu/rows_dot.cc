@@ -52,7 +52,7 @@
 // xla/ffi/api/ffi.h, which the kernels were first written against). That header's binding
 // templates took about 5 s of g++ on a 2-core machine, more than the kernels themselves: a
 // cold start waited for them. The checks are the ones its binding made: operand and result
-// counts, buffer element types, the one integer attribute.
+// counts, buffer element types.
 namespace ffi {
 
 enum DataType : int {
@@ -159,30 +159,17 @@ class Call {
  public:
   explicit Call(XLA_FFI_CallFrame* f) : f_(f) {}
 
-  void* arg(int i) const { return f_->args.args[i]; }
+  void* arg(int i) const { return view_[i] != nullptr ? view_[i] : f_->args.args[i]; }
   void* ret(int i) const { return f_->rets.rets[i]; }
   ThreadPool pool() const { return ThreadPool(f_->api, f_->ctx); }
 
-  // The scalar int64 attribute `name`, or false.
-  bool attr_i64(const char* name, int64_t* out) const {
-    for (int64_t i = 0; i < f_->attrs.size; ++i) {
-      const XLA_FFI_ByteSpan* n = f_->attrs.names[i];
-      if (f_->attrs.types[i] != XLA_FFI_AttrType_SCALAR || n->len != std::strlen(name) ||
-          std::memcmp(n->ptr, name, n->len) != 0)
-        continue;
-      const XLA_FFI_Scalar* sc = static_cast<const XLA_FFI_Scalar*>(f_->attrs.attrs[i]);
-      if (sc->dtype != XLA_FFI_DataType_S64) return false;
-      std::memcpy(out, sc->value, sizeof(int64_t));
-      return true;
-    }
-    return false;
-  }
-
   // False: a metadata query answered (error() is null) or bad operands (error() says which).
-  bool Runnable(std::initializer_list<int> args, std::initializer_list<int> rets) {
+  // `extra`: operands after the typed ones that the caller checks (Layered's layer index).
+  bool Runnable(std::initializer_list<int> args, std::initializer_list<int> rets, int64_t extra = 0) {
     if (specjax_answer_metadata(f_)) return false;
     if (f_->stage != XLA_FFI_ExecutionStage_EXECUTE) return Fail("called outside the execute stage");
-    if (f_->args.size != static_cast<int64_t>(args.size()) || f_->rets.size != static_cast<int64_t>(rets.size()))
+    if (f_->args.size != static_cast<int64_t>(args.size()) + extra ||
+        f_->rets.size != static_cast<int64_t>(rets.size()))
       return Fail("wrong number of operands or results");
     int i = 0;
     for (int t : args) {
@@ -200,6 +187,33 @@ class Call {
     return true;
   }
 
+  // Runnable for a call whose operands from `stacked_from` on may come as stacks [L, ...] of one
+  // weight per layer, followed by one more operand, the layer index (an int32 scalar): arg() then
+  // gives layer i of each stack as a buffer of its own, a pointer into the stack and no copy (a
+  // scanned forward reads layer i's weights this way, ForwardOptions.scan_layers). Without the
+  // index operand the operands are the layer's own.
+  bool RunnableLayered(std::initializer_list<int> args, std::initializer_list<int> rets, int stacked_from) {
+    const int64_t n = static_cast<int64_t>(args.size());
+    if (f_->stage != XLA_FFI_ExecutionStage_EXECUTE || f_->args.size != n + 1) return Runnable(args, rets);
+    if (!Runnable(args, rets, 1)) return false;
+    const XLA_FFI_Buffer* li = static_cast<XLA_FFI_Buffer*>(f_->args.args[n]);
+    if (f_->args.types[n] != XLA_FFI_ArgType_BUFFER || li->dtype != XLA_FFI_DataType_S32 || li->rank != 0)
+      return Fail("the layer operand must be an int32 scalar");
+    const int64_t layer = *static_cast<const int32_t*>(li->data);
+    for (int64_t i = stacked_from; i < n; ++i) {
+      const XLA_FFI_Buffer* b = static_cast<XLA_FFI_Buffer*>(f_->args.args[i]);
+      if (b->rank < 1 || layer < 0 || layer >= b->dims[0]) return Fail("layer index outside the stacked weights");
+      int64_t per_layer = ElementBytes(b->dtype);
+      for (int64_t d = 1; d < b->rank; ++d) per_layer *= b->dims[d];
+      views_[i] = *b;
+      views_[i].rank = b->rank - 1;
+      views_[i].dims = b->dims + 1;
+      views_[i].data = static_cast<char*>(b->data) + layer * per_layer;
+      view_[i] = &views_[i];
+    }
+    return true;
+  }
+
   XLA_FFI_Error* Result(const Error& e) const { return e.failure() ? Make(e.code(), e.message()) : error_; }
   XLA_FFI_Error* error() const { return error_; }
 
@@ -212,8 +226,18 @@ class Call {
     XLA_FFI_Error_Create_Args a{XLA_FFI_Error_Create_Args_STRUCT_SIZE, nullptr, msg, code};
     return f_->api->XLA_FFI_Error_Create(&a);
   }
+  static int64_t ElementBytes(int dtype) {
+    switch (dtype) {
+      case XLA_FFI_DataType_F32: case XLA_FFI_DataType_S32: return 4;
+      case XLA_FFI_DataType_F16: return 2;
+      default: return 1;  // S8, U8, PRED
+    }
+  }
+  static constexpr int kMaxArgs = 8;
   XLA_FFI_CallFrame* f_;
   XLA_FFI_Error* error_ = nullptr;
+  XLA_FFI_Buffer views_[kMaxArgs] = {};
+  void* view_[kMaxArgs] = {};
 };
 
 }  // namespace ffi
@@ -937,7 +961,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 #define SPECJAX_GGUF_HANDLER(name, fn)                                                                   \
   SPECJAX_HANDLER(name) {                                                                                \
     ffi::Call c(frame);                                                                                  \
-    if (!c.Runnable({ffi::F32, ffi::ANY, ffi::F16}, {ffi::F32})) return c.error();                       \
+    if (!c.RunnableLayered({ffi::F32, ffi::ANY, ffi::F16}, {ffi::F32}, 1)) return c.error();              \
     return c.Result(fn(c.pool(), ffi::Buffer<ffi::F32>(c.arg(0)), ffi::AnyBuffer(c.arg(1)),              \
                        ffi::Buffer<ffi::F16>(c.arg(2)), ffi::ResultBuffer<ffi::F32>(c.ret(0))));          \
   }
@@ -948,17 +972,18 @@ SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0I8, RowsGgufI8<true>)
 
 SPECJAX_HANDLER(SpecjaxRowsPacked) {
   ffi::Call c(frame);
-  if (!c.Runnable({ffi::F32, ffi::F32}, {ffi::F32})) return c.error();
+  if (!c.RunnableLayered({ffi::F32, ffi::F32}, {ffi::F32}, 1)) return c.error();
   return c.Result(RowsPacked(c.pool(), ffi::Buffer<ffi::F32>(c.arg(0)), ffi::Buffer<ffi::F32>(c.arg(1)),
                              ffi::ResultBuffer<ffi::F32>(c.ret(0))));
 }
 
 SPECJAX_HANDLER(SpecjaxBlockAttention) {
   ffi::Call c(frame);
-  if (!c.Runnable({ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::S32, ffi::PRED}, {ffi::F32}))
+  if (!c.Runnable({ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::F32, ffi::S32, ffi::PRED, ffi::S32}, {ffi::F32}))
     return c.error();
-  int64_t layer = 0;
-  if (!c.attr_i64("layer", &layer)) return c.Result(ffi::Error::InvalidArgument("block_attention: no int64 'layer'"));
+  const ffi::Buffer<ffi::S32> li(c.arg(7));  // (an operand, not an attribute: a scan's loop counter)
+  if (li.dimensions().size() != 0) return c.Result(ffi::Error::InvalidArgument("block_attention: layer must be a scalar"));
+  const int64_t layer = *li.typed_data();
   using F = ffi::Buffer<ffi::F32>;
   return c.Result(BlockAttention(c.pool(), F(c.arg(0)), F(c.arg(1)), F(c.arg(2)), F(c.arg(3)), F(c.arg(4)),
                                  ffi::Buffer<ffi::S32>(c.arg(5)), ffi::Buffer<ffi::PRED>(c.arg(6)),

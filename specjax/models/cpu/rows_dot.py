@@ -294,11 +294,26 @@ def dequantize_packed(wp, n: int) -> np.ndarray:
     return w.transpose(1, 2, 0, 3).reshape(G * GROUP, nb * LANES)[:, :n]
 
 
-def rows_dot(x: jax.Array, wp, n: int, int8: bool = False) -> jax.Array:
+def stack_packs(packs: list):
+    """One pack per layer (the same format and shape) -> one pack of [L, ...] stacks, which
+    ``rows_dot`` reads a layer of by index."""
+    if isinstance(packs[0], dict):
+        return {k: to_device(np.stack([np.asarray(p[k]) for p in packs])) for k in packs[0]}
+    return to_device(np.stack([np.asarray(p) for p in packs]))
+
+
+def layer_of(wp, layer: int):
+    """Layer ``layer`` of a stacked pack (``stack_packs``) as a pack of its own (a copy)."""
+    return {k: v[layer] for k, v in wp.items()} if isinstance(wp, dict) else wp[layer]
+
+
+def rows_dot(x: jax.Array, wp, n: int, int8: bool = False, layer=None) -> jax.Array:
     """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
     ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0, packed with
     ``pairs``) multiplies each row of x rounded to int8 per group of 32 (``quantize_rows``; the
-    model ``rows_dot_int8_reference`` defines); a float32 pack ignores it."""
+    model ``rows_dot_int8_reference`` defines); a float32 pack ignores it. ``layer``: ``wp`` is a
+    stack of one pack per layer (``stack_packs``) and this (an int or a traced int32 scalar)
+    picks one; the kernel reads it in place, so a scan over layers slices no weights."""
     _traced()
     fmt = packed_format(wp)
     if fmt != "f32" and paired(wp) != int8:
@@ -310,7 +325,8 @@ def rows_dot(x: jax.Array, wp, n: int, int8: bool = False) -> jax.Array:
     lead, K = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, K)
     target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}" + ("_i8" if int8 else "")
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, *operands)
+    index = () if layer is None else (jnp.asarray(layer, jnp.int32).reshape(()),)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, *operands, *index)
     return y.reshape(*lead, n)
 
 
@@ -350,16 +366,17 @@ def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
     return y.astype(np.float32)
 
 
-def block_attention(q, k_blk, v_blk, k_all, v_all, layer: int, lengths, block_mask) -> jax.Array:
+def block_attention(q, k_blk, v_blk, k_all, v_all, layer, lengths, block_mask) -> jax.Array:
     """The decode / verify block's attention (models.attention.block_attention_xla's definition:
     q [B, T, H, hd] over ``k_all[layer]``'s first ``lengths[b]`` slots and the block's own k/v
     under ``block_mask``) on the CPU, float32: every query row's keys as one list in position
-    order, so a token's output has the same bits in a decode step as in a verify block."""
+    order, so a token's output has the same bits in a decode step as in a verify block.
+    ``layer``: an int or a traced int32 scalar (a scan's loop counter)."""
     _traced()
     if q.dtype != jnp.float32 or k_all.dtype != jnp.float32:
         raise SpecjaxError(f"the CPU block attention is float32 only, got {q.dtype} / {k_all.dtype}")
     return jax.ffi.ffi_call("specjax_block_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_blk, v_blk, k_all, v_all, lengths.astype(jnp.int32), block_mask, layer=np.int64(layer))
+        q, k_blk, v_blk, k_all, v_all, lengths.astype(jnp.int32), block_mask, jnp.asarray(layer, jnp.int32).reshape(()))
 
 
 def rows_dot_reference(x: jax.Array, w: jax.Array) -> jax.Array:
