@@ -48,7 +48,8 @@ flags.DEFINE_list("variants", [], "Also, per variant, an engine side (decode cal
                   "and a reference loop with other forward options: 'int8' (rows_int8: activations rounded to int8, "
                   "another model, so its tokens are compared with its own reference loop, and the CPU attention "
                   "kernel), 'cpu_attention' (float32, the CPU attention kernel), 'scan' (scan_layers: the layers as one loop, "
-                  "with the rows kernel over its packed stacks in place); several joined by + combine.")
+                  "with the rows kernel over its packed stacks in place; scan5 / scan10: 5 / 10 layers per loop iteration); "
+                  "several joined by + combine.")
 flags.DEFINE_bool("reference", True,
                   "Also time the reference loop (the ratio column's base; else the first engine side).")
 flags.DEFINE_bool("policy_time", False, "Also time the goodput policy's host work per step.")
@@ -116,7 +117,7 @@ def main(argv):
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
         known = {"int8": dict(rows_int8=True, attention="cpu"), "cpu_attention": dict(attention="cpu"),
-                 "scan": dict(scan_layers=True)}
+                 "scan": dict(scan_layers=1), "scan5": dict(scan_layers=5), "scan10": dict(scan_layers=10)}
         parts = {v: v.split("+") for v in FLAGS.variants}  # ("scan+cpu_attention": both)
         if {p for ps in parts.values() for p in ps} - set(known):
             raise app.UsageError(f"--variants takes {sorted(known)} (or several joined by +), got {FLAGS.variants}")

@@ -152,6 +152,7 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     # while the steps themselves compile behind them: the same tokens, then the steps' own programs
     # (not on disk: with a step there, a caller loads it instead)
     from specjax.engine import exe_cache
+    from specjax.engine.table import STAND_IN_UNROLL
 
     monkeypatch.setattr(exe_cache, "default", lambda: None)
     spec = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=fwd)
@@ -159,7 +160,7 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
     table = next(iter(spec._backends.values())).table
     table.wait_behind()
-    twins = [k for k in table._exe if getattr(k, "fwd", None) == scan]
+    twins = [k for k in table._exe if getattr(k, "fwd", None) == dataclasses.replace(fwd, scan_layers=STAND_IN_UNROLL)]
     assert twins and all(table.stand_in(dataclasses.replace(k, fwd=fwd)) == k for k in twins)
     assert all(dataclasses.replace(k, fwd=fwd) in table._exe for k in twins)
     spec.stop_later()
@@ -217,6 +218,7 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
         rd.ensure()
     assert not rd.available() and not rd.buildable()
     from specjax.engine import exe_cache
+    from specjax.engine.table import STAND_IN_UNROLL
 
     # A program calling the kernel, traced inside rows_dot.deferred (a cold build runs beside),
     # registers it before it is compiled or loaded from disk (the engine's table does this).

@@ -373,7 +373,8 @@ def forward(
                                      block_mask, pack, layout)
             return (pin(x), k_all, v_all), None
 
-        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)))
+        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(n_layers, dtype=jnp.int32)),
+                                            unroll=int(fwd.scan_layers))
     elif scan_packs:
         # Only the small per-layer vectors (norms, biases) are stacked, in the program; the
         # projections are the packs' stacks, read in place at the counter. Feature layers' inputs
@@ -389,7 +390,8 @@ def forward(
             return (x, k_all, v_all, taken), None
 
         carry = (x, k_all, v_all, tuple(jnp.zeros_like(x) for _ in features))
-        (x, k_all, v_all, got), _ = jax.lax.scan(body, carry, (small, jnp.arange(n_layers, dtype=jnp.int32)))
+        (x, k_all, v_all, got), _ = jax.lax.scan(body, carry, (small, jnp.arange(n_layers, dtype=jnp.int32)),
+                                                 unroll=int(fwd.scan_layers))
         taken = dict(zip(features, got))
     else:
         taken = {}

@@ -58,7 +58,11 @@ class ForwardOptions:
     one dict of [L, ...] arrays; on XLA:CPU its per-layer weight slices measured 1.6-10x slower
     decode steps). With it, the params keep the per-layer list and every block the kernel takes
     whole (decode, verify) loops over the kernel's stacks of packed weights, which it reads at
-    the counter in place (llama.LAYER_PACKS); larger blocks and the layered prefill run as without."""
+    the counter in place (llama.LAYER_PACKS); larger blocks and the layered prefill run as without.
+    An int n > 1 (True is 1): n layers per iteration of the loop (``lax.scan``'s unroll), which
+    buys back a loop's per-iteration cost for compile time: a SmolLM2 decode forward on the rows
+    kernel compiled in 1.0 s at 1 (steps 30% slower than the list's, which took 5.5 s), 1.1 s at 5
+    (10% slower) and 1.9 s at 10 (the list's speed), BENCHMARKS.md."""
 
     attention: str = "xla"
     attn_chunk: int = 256
@@ -66,7 +70,7 @@ class ForwardOptions:
     rows_kernel: int = 0
     rows_int8: bool = False
     rope_once: bool | None = None
-    scan_layers: bool = False
+    scan_layers: int = 0
 
     def __post_init__(self):
         require(self.attention in ("xla", "pallas", "cpu"),
@@ -74,6 +78,7 @@ class ForwardOptions:
         require(self.attn_chunk >= 0, f"attn_chunk must be >= 0, got {self.attn_chunk}")
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
+        require(self.scan_layers >= 0, f"scan_layers must be >= 0 (0: the per-layer list), got {self.scan_layers}")
         require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
         require(not self.rows_int8 or self.attention == "cpu",
                 "rows_int8 needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
@@ -86,7 +91,7 @@ class ForwardOptions:
         packs are in the int8 path's layout, which the float32 kernel does not read); XLA's
         attention for "cpu" (the kernel is for decode and verify blocks); without the kernel, the
         per-layer list the params keep for it (a scan over its stacks is for the blocks it takes)."""
-        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0, scan_layers=False) if self.rows_int8 else self
+        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0, scan_layers=0) if self.rows_int8 else self
         return dataclasses.replace(out, attention="xla") if self.attention == "cpu" else out
 
     @property
