@@ -218,7 +218,6 @@ def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
         rd.ensure()
     assert not rd.available() and not rd.buildable()
     from specjax.engine import exe_cache
-    from specjax.engine.table import STAND_IN_UNROLL
 
     # A program calling the kernel, traced inside rows_dot.deferred (a cold build runs beside),
     # registers it before it is compiled or loaded from disk (the engine's table does this).

@@ -164,9 +164,9 @@ class LayeredPrefill:
 
 
 _STAND_IN_OPS = ("decode", "step", "verify", "tree")  # (the steps whose blocks the rows kernel takes whole)
-# layers per loop iteration of a stand-in (ForwardOptions.scan_layers): SmolLM2's 30 as 6 iterations
-# compiled in about the time of 30 (1.1 s against 1.0 s for a forward) with steps about 10% slower
-# than the unrolled list's instead of 30% (BENCHMARKS.md)
+# layers per loop iteration of a stand-in (ForwardOptions.scan_layers): SmolLM2's decode forward as 6
+# iterations compiled in 1.4 s against the list's 6.6 s and ran at the list's speed under the CPU
+# attention; 1 per iteration compiled in 0.8 s and ran 30% slower (BENCHMARKS.md)
 STAND_IN_UNROLL = 5
 
 
@@ -272,10 +272,11 @@ class StepTable:
     def stand_in(self, key):
         """The stand-in of ``key`` under ``stand_ins``, or None: for a decode, chain, verify or
         tree step, the same step with the layers as one loop over the rows kernel's stacks
-        (ForwardOptions.scan_layers). It computes the same bits (tests/test_rows_dot.py) and its
-        program, one layer long, compiles in a fraction of the unrolled one's time (a cold 30-layer
-        decode call: seconds instead of 10), while its steps run slower (a loop's per-layer
-        bookkeeping, BENCHMARKS.md): a cold start answers with it until the step is built. Only in
+        (ForwardOptions.scan_layers, ``STAND_IN_UNROLL`` layers per iteration). It computes the same
+        bits (tests/test_rows_dot.py) and its program compiles in a fraction of the unrolled one's
+        time (a 30-layer decode forward: 1.4 s instead of 6.6), at the same speed under the CPU
+        attention but about 2x slower under XLA's at one prefix chunk of slots (the cache copied
+        per layer, BENCHMARKS.md): a cold start answers with it until the step is built. Only in
         the lazy mode, whose callers accept a first result sooner over a steady speed from the
         first step (--compile ahead, benchmarks: no stand-ins)."""
         if not (self.stand_ins and self.lazy and isinstance(key, CompileKey) and key.op in _STAND_IN_OPS
