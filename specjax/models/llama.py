@@ -275,11 +275,6 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     k = apply_rope(block(k).reshape(B, T, Hkv, hd), rope)
     v = block(v).reshape(B, T, Hkv, hd)
     k_all, v_all = kv.write_layer_block(k_all, v_all, layer, lengths, k, v)
-    if not isinstance(layer, int):
-        # (at a run-time layer, in a loop body, XLA:CPU fuses the read of the layer's slice with
-        # the write into one pass over the old cache, which then needs two copies of the whole
-        # cache per layer; the barrier makes the read see the written buffer, updated in place)
-        k_all, v_all = jax.lax.optimization_barrier((k_all, v_all))
     if kv_before is not None:
         k, v = jnp.concatenate([kv_before[0], k], axis=1), jnp.concatenate([kv_before[1], v], axis=1)
     o = attn_lib.block_attention(
