@@ -165,8 +165,8 @@ class LayeredPrefill:
 
 _STAND_IN_OPS = ("decode", "step", "verify", "tree")  # (the steps whose blocks the rows kernel takes whole)
 # layers per loop iteration of a stand-in (ForwardOptions.scan_layers): SmolLM2's decode forward as 6
-# iterations compiled in 1.4 s against the list's 6.6 s and ran at the list's speed under the CPU
-# attention; 1 per iteration compiled in 0.8 s and ran 30% slower (BENCHMARKS.md)
+# iterations compiled in 1.3-1.4 s against the list's 5.5-6.6 s and ran within 0-11% of its steps
+# under the CPU attention; 1 per iteration compiled in 0.8 s and ran 30% slower (BENCHMARKS.md)
 STAND_IN_UNROLL = 5
 
 

@@ -61,8 +61,8 @@ class ForwardOptions:
     the counter in place (llama.LAYER_PACKS); larger blocks and the layered prefill run as without.
     An int n > 1 (True is 1): n layers per iteration of the loop (``lax.scan``'s unroll), which
     buys back a loop's per-iteration cost for compile time: a SmolLM2 decode forward on the rows
-    kernel compiled in 1.0 s at 1 (steps 30% slower than the list's, which took 5.5 s), 1.1 s at 5
-    (10% slower) and 1.9 s at 10 (the list's speed), BENCHMARKS.md."""
+    kernel (CPU attention) compiled in 0.8 s at 1 (steps 30% slower than the list's, which took
+    5.5-6.6 s), 1.3-1.4 s at 5 (0-11% slower) and 2.0 s at 10 (the list's speed), BENCHMARKS.md."""
 
     attention: str = "xla"
     attn_chunk: int = 256
