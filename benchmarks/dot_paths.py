@@ -70,8 +70,7 @@ def child(settings: dict) -> dict:
     if fwd.rows_kernel:
         params = m.params_for(fwd) if settings["rows_weights"] == "native" else llama.pack_for_rows(params, cfg)
         # the bytes a step reads: the packed copies (the projections' and the head's)
-        read = [v for lp in params["layers"] for k, v in lp.items() if k.endswith(llama.ROWS_SUFFIX)]
-        read.append(params["head" + llama.ROWS_SUFFIX])
+        read = [params[llama.LAYER_PACKS], params["head" + llama.ROWS_SUFFIX]]
     else:
         read = [params["layers"], params["embed"]]  # the (tied) head
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(read))

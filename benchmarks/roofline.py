@@ -106,7 +106,7 @@ def rows_chains(ms):
     d, V = m.cfg.hidden_size, m.cfg.vocab_size
     packs = {"float32": llama.pack_for_rows(m.params, m.cfg), "GGUF blocks": m.params_for(ForwardOptions(rows_kernel=32))}
     for label, p in packs.items():
-        ws = [{n: lp[n + llama.ROWS_SUFFIX] for n in llama._PROJECTIONS} for lp in p["layers"]]
+        ws = [llama.layer_packs(p, i) for i in range(len(p["layers"]))]
         head = p["head" + llama.ROWS_SUFFIX]
         shapes = {n: m.params["layers"][0][n].shape[1] for n in llama._PROJECTIONS}
         nbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves((ws, head)))

@@ -40,7 +40,7 @@ def main(argv):
     rd.register(rd._build(rd._compiler(), march="haswell"), "_avx2")
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
-    p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_int8=True))
+    p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu"))
     width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}
 
     def kernel(x, w, n, suffix):
@@ -62,7 +62,7 @@ def main(argv):
 
     def kernel_dot(suffix):
         def dot(a, lp, n, N):
-            return kernel(a, lp[n if n == "head" else n + llama.ROWS_SUFFIX], N, suffix)
+            return kernel(a, lp[n], N, suffix)
         return dot
 
     print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations |\n"
@@ -72,7 +72,8 @@ def main(argv):
         variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
                                 m.params["embed"].T)}
         for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8)):
-            variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x, packs["layers"],
+            variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x,
+                                    [llama.layer_packs(packs, i) for i in range(len(packs["layers"]))],
                                     packs["head" + llama.ROWS_SUFFIX])
         t = {k: 1e3 * v for k, v in interleaved_medians(variants, FLAGS.reps).items()}
         print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms | {t['_i8']:.1f} ms "

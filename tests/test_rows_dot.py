@@ -130,7 +130,7 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     assert m.params_for(fwd) is p  # packed once
     for i, lp in enumerate(m.params["layers"]):
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-            packed = rd.layer_of(p[llama.LAYER_PACKS][name], i)
+            packed = llama.layer_packs(p, i)[name]
             assert rd.packed_format(packed) == "q4_1"
             np.testing.assert_array_equal(rd.dequantize_packed(packed, lp[name].shape[1]), np.asarray(lp[name]))
     assert rd.packed_format(p["head" + llama.ROWS_SUFFIX]) == "q8_0"

@@ -315,12 +315,12 @@ class StepTable:
         caller that would wait for a step's compilation gets its stand-in (``stand_in``, itself
         compiled or loaded if need be) while the step compiles behind it."""
         exe = self._exe.get(key)
+        if exe is not None and not getattr(self._probe, "on", False):
+            return exe  # (the per-step path: nothing else to look at)
         twin = self.stand_in(key)
         if getattr(self._probe, "on", False):
             return exe is not None or (twin is not None and twin in self._exe) or (self._probe.disk and
                                                                                   self._on_disk(key, spec))
-        if exe is not None:
-            return exe
         if self.warm and not (compile_if_missing or self.lazy):
             raise SpecjaxError(f"no precompiled {what}; add it to the warm-up buckets")
         if twin is not None and getattr(self.background, "on", False):

@@ -198,6 +198,14 @@ def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     return out
 
 
+def layer_packs(params, i: int) -> dict:
+    """Layer ``i``'s packs from params of ``pack_for_rows`` as arrays of their own ({name: pack},
+    copies): what a benchmark timing the kernel layer by layer reads."""
+    from specjax.models.cpu import rows_dot
+
+    return {n: rows_dot.layer_of(w, i) for n, w in params[LAYER_PACKS].items()}
+
+
 def stack_layers(params):
     """``params`` with ``layers`` as one dict of stacked [L, ...] arrays, the form
     ``ForwardOptions.scan_layers`` runs (idempotent)."""
