@@ -126,15 +126,19 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         if FLAGS.mesh and not mesh_ok:
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
-        int8 = FLAGS.rows_activations == "int8"
-        if int8 and (FLAGS.rows_kernel == 0 or FLAGS.attention_impl == "pallas"):
+        int8, att = FLAGS.rows_activations == "int8", FLAGS.attention_impl
+        if int8 and (FLAGS.rows_kernel == 0 or att == "pallas"):
             raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
-                               "attention (--attention_impl xla or cpu)")
-        kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else FLAGS.attention_impl,
+                               "attention (--attention_impl auto, xla or cpu)")
+        if FLAGS.scan_layers < -1:
+            raise SpecjaxError(f"--scan_layers must be -1 (automatic), 0 (the per-layer list) or layers per loop "
+                               f"iteration, got {FLAGS.scan_layers}")
+        kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
                                      small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
-                                     scan_layers=FLAGS.scan_layers, rows_int8=int8 and FLAGS.rows_kernel > 0),
+                                     scan_layers=max(FLAGS.scan_layers, 0), rows_int8=int8 and FLAGS.rows_kernel > 0),
                   rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=int8 and FLAGS.rows_kernel < 0,
-                  mesh=FLAGS.mesh, shard_draft=FLAGS.shard_draft)
+                  attention_auto=att == "auto", scan_auto=FLAGS.scan_layers < 0, mesh=FLAGS.mesh,
+                  shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
                       drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,
                       **kw)
@@ -149,10 +153,11 @@ def sampling_from_flags():
 
 def define_forward_flags() -> None:
     """The compiled-forward settings (models.options.ForwardOptions)."""
-    flags.DEFINE_enum("attention_impl", "xla", ["xla", "pallas", "cpu"],
-                      "Decode/verify attention: plain XLA, the Pallas tree-attention kernel (GPU/TPU; interpret "
-                      "mode on CPU, slow), or the CPU kernel (with the rows kernel: a token's logits then have the "
-                      "same bits in a decode step as in a verify block; int8 activations use it); prefill always "
+    flags.DEFINE_enum("attention_impl", "auto", ["auto", "xla", "pallas", "cpu"],
+                      "Decode/verify attention: auto (default: cpu where the rows kernel runs, else xla), plain XLA, "
+                      "the Pallas tree-attention kernel (GPU/TPU; interpret mode on CPU, slow), or the CPU kernel "
+                      "(with the rows kernel: a token's logits then have the same bits in a decode step as in a "
+                      "verify block, and it decodes faster than XLA's; int8 activations use it); prefill always "
                       "uses XLA.")
     flags.DEFINE_integer("small_rows", 0, "Project 2..N activation rows as per-row matrix-vector products "
                          "instead of one GEMM (a CPU-specific setting; see benchmarks/projection_rows.py; 0 = off).")
@@ -170,9 +175,11 @@ def define_forward_flags() -> None:
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "
                       "(default: replicate it on every device).")
-    flags.DEFINE_bool("scan_layers", False, "Run the target's layers as one loop (compiles in time independent of "
-                      "depth). With the rows kernel, decode and verify blocks loop over its packed weights in place; "
-                      "without it, over stacked float32 copies (slower steps on XLA:CPU).")
+    flags.DEFINE_integer("scan_layers", -1, "Run the target's layers as a loop of N layers per iteration (compiles "
+                         "in time independent of depth; 0: the per-layer list). With the rows kernel, decode and "
+                         "verify blocks loop over its packed weights in place; without it, over stacked float32 "
+                         "copies (slower steps on XLA:CPU). -1 (default): 5 where the rows kernel runs with the CPU "
+                         "attention (a fifth of the list's compile time, steps as fast), else 0.")
 
 
 def define_distributed_flags() -> None:

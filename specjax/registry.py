@@ -352,7 +352,7 @@ def profile_command(spec) -> str:
     dev = DRAFTERS[d.name].device
     args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
             f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
-    args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + ["--scan_layers"] * f.scan_layers
+    args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + [f"--scan_layers {int(f.scan_layers)}"]
     args += ["--rows_activations int8"] * f.rows_int8
     args += [f"--draft_layers {d.draft_layers}"] * (label.startswith("layer_skip")) + \
         [f"--draft_model {d.draft_model}"] * (dev and bool(d.draft_model))

@@ -175,6 +175,57 @@ def test_greedy_token_identical_to_ar_with_joins_and_leaves(tiny, backend):
     assert max(sizes) >= 3 and sizes[-1] == 1
 
 
+class Alternating(FixedK):
+    """K = 2, then a decode call of up to 4 plain steps, and so on."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.plain_steps, self._n = 4, 0
+
+    def choose(self, view):
+        self._n += 1
+        return 2 if self._n % 2 else 0
+
+
+class FirstOnly:
+    """A draft prefill gate that admits the first ``first`` admissions with the draft and
+    disables it for the rest."""
+
+    def __init__(self, first: int):
+        self.n, self.first = 0, first
+
+    def record(self, k, could_draft=True):
+        pass
+
+    def speculate(self):
+        self.n += 1
+        return self.n <= self.first
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_decode_calls_without_any_drafting_row_skip_the_heads_upkeep(tiny, backend, monkeypatch, first):
+    """A decode call in which no row can draft (all admitted with the draft disabled) runs plain
+    decoding's program, without the head's upkeep; one with a drafting row keeps it. Greedy
+    tokens stay AR's either way, with requests joining and leaving."""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    upkeep = []
+    decode = backend.table.decode
+
+    def spy(*a, **kw):
+        upkeep.append(kw.get("upkeep", True))
+        return decode(*a, **kw)
+
+    monkeypatch.setattr(backend.table, "decode", spy)
+    backend.reset()
+    eng = ServingEngine(backend, Alternating(), clock=OpClock(), prefill_gate=FirstOnly(first))
+    reqs = [Request(f"q{i}", p, MAX_NEW, arrival=0.0 if i < 2 else 0.004 * i) for i, p in enumerate(PROMPTS)]
+    outs = eng.run(reqs)
+    assert [o.tokens for o in outs] == ref
+    assert False in upkeep and (True in upkeep) == bool(first), upkeep
+    assert any(getattr(k, "op", "") == "decode" and k.draft is None and not k.features for k in backend.table._exe)
+
+
 def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
     """At T > 0 the same seeds give the same tokens, and drafts are accepted at the rate exact
     speculative sampling gives with the head's distribution q (sum of min(p, q), about a half at a

@@ -7,7 +7,7 @@ import pytest
 
 from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
 from specjax.errors import SpecjaxError
-from specjax.models.options import ForwardOptions
+from specjax.models.options import DEFAULT_SCAN_UNROLL, ForwardOptions
 
 
 def test_policy_names_are_parsed_once():
@@ -61,6 +61,18 @@ def test_the_code_key_follows_what_is_compiled():
     assert trees8.resolved(Model()).fwd.rows_int8
     assert not EngineSpec(rows_int8_auto=True).resolved(Model()).fwd.rows_int8  # rows kernel 0: float32
     assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
+    # the launch defaults (--attention_impl auto, --scan_layers -1): the CPU attention and the layers as a loop of
+    # DEFAULT_SCAN_UNROLL where the rows kernel runs; XLA's attention and the per-layer list where it does not
+    auto = dict(attention_auto=True, scan_auto=True)
+    on = dataclasses.replace(spec, **auto).resolved(Model())
+    assert (on.fwd.attention, on.fwd.scan_layers, on.auto) == ("cpu", DEFAULT_SCAN_UNROLL, False)
+    assert "attention=cpu" in on.code_key() and f"scan_layers={DEFAULT_SCAN_UNROLL}" in on.code_key()
+    off = EngineSpec(**auto).resolved(Model())  # (rows kernel 0, not automatic)
+    assert (off.fwd.attention, off.fwd.scan_layers) == ("xla", 0)
+    xla = dataclasses.replace(spec, scan_auto=True).resolved(Model())  # XLA's attention chosen: no loop (its cache copies)
+    assert (xla.fwd.attention, xla.fwd.scan_layers) == ("xla", 0)
+    mine = dataclasses.replace(spec, fwd=ForwardOptions(scan_layers=2), attention_auto=True).resolved(Model())
+    assert (mine.fwd.attention, mine.fwd.scan_layers) == ("cpu", 2)  # a loop the user chose is kept
     assert dataclasses.replace(run, dtype="bfloat16").code_key() != run.code_key()
     # a host drafter and a device drafter of the same forward options run the same target code
     assert dataclasses.replace(run, drafter=DrafterSpec("suffix", k=8)).code_key() == run.code_key()

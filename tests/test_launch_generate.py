@@ -32,6 +32,7 @@ BAD_INPUT = [
     (["--input_jsonl", "/nonexistent.jsonl", "--output_jsonl", "/tmp/x.jsonl", "--model", "tiny-random"],
      "input file not found"),
     (["--prompt", "hi", "--model", "tiny-random", "--mesh", "1x2"], "--mesh is served by launch/batch.py"),
+    (["--prompt", "hi", "--model", "tiny-random", "--scan_layers", "-2"], "--scan_layers must be -1"),
     (["--prompt", "hi", "--model", "tiny-random", "--num_processes", "2"], "splits a JSONL job (--input_jsonl)"),
 ]
 

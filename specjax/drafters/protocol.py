@@ -95,14 +95,17 @@ class DecodeStep(StepKind):
     """Up to ``steps`` plain decoding steps in one call (step.spec_decode), which the backend runs
     when no decision is due between them (never a drafter's proposal): ``inputs`` = (tokens left
     [B], rows stopping at EOS [B], the EOS mask [vocab], the call's step limit [], whether the
-    call ends where the first row stops [])."""
+    call ends where the first row stops []). ``upkeep`` False: without a feature head's upkeep
+    (its deferred tokens and target features), for a call in which no row will ever draft (all
+    admitted with the draft disabled): then plain decoding's own program."""
 
     steps: int
     vocab: int
+    upkeep: bool = True
     teacher = False
 
     def exe(self, table, B, k, S, greedy, tokens=0, compile_if_missing=False):
-        return table.decode(B, self.steps, S, greedy, compile_if_missing)
+        return table.decode(B, self.steps, S, greedy, compile_if_missing, upkeep=self.upkeep)
 
     def args(self, inputs, num_draft, active, samp, pack):
         left, eos_rows, eos_mask, limit, stop_first = inputs

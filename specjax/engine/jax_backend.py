@@ -76,6 +76,12 @@ def _stop_background() -> None:
         be.stop_later()
 
 
+def _upkeep(job) -> bool:
+    """Whether a warm-up step job keeps a feature head's upkeep (all but the decode calls for
+    rows that never draft)."""
+    return getattr(job.kind, "upkeep", True) if hasattr(job, "kind") else True
+
+
 def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=(), draft_mode=None) -> list:
     """A lazy warm-up's background order (JaxBackend.warmup): what a job whose first admission
     runs at ``first_bucket`` is likely to reach first. The K = 0 step and row operations of that
@@ -102,6 +108,8 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_ch
             later = later_chunks is None or (j[1], j[4]) in later_chunks
             return (1, j[0]) if j[0] <= first_bucket and later else (5, 0)
         if what == "step":
+            if not _upkeep(j):  # (reached once admission disables the draft: a single answer never is)
+                return (5, 0)
             if j.k == 0 or j.k not in later_ks:
                 return (0, 0) if j.B == first_bucket else (2, -j.B)
             return (3, j.k) if j.B == first_bucket else (4, -j.B, j.k)
@@ -556,7 +564,7 @@ class JaxBackend:
             mask = np.zeros(self.cfg.vocab_size, bool)
             mask[[e for e in eos_ids if 0 <= e < self.cfg.vocab_size]] = True
             self._eos_mask = (eos_ids, jax.device_put(mask))
-        kind = DecodeStep(self.decode_steps, self.cfg.vocab_size)
+        kind = DecodeStep(self.decode_steps, self.cfg.vocab_size, upkeep=self._upkeep(rs))
         self.last_k_step, self.last_tokens = 0, B
         exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
         inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)),
@@ -571,6 +579,18 @@ class JaxBackend:
             self.drafter.extend(r.uid, new)
             out.append(new)
         return out
+
+    def _upkeep(self, rs: Sequence[Running]) -> bool:
+        """Whether a decode call on ``rs`` keeps a feature head's upkeep: unless no row can ever
+        draft (each admitted with the draft disabled, prefill disabling), when the head's work
+        on every plain step would be spent for nothing (a batch job in which drafting does not
+        pay ran 4-6% below AR with it)."""
+        return not self._feature_head or any(r.speculate for r in rs)
+
+    @property
+    def _feature_head(self) -> bool:
+        draft = self.drafter.draft
+        return bool(draft is not None and draft.features)
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
@@ -654,6 +674,8 @@ class JaxBackend:
             for g in greedy_modes:
                 if self.decode_steps > 1:  # plain decoding: its calls, a single K = 0 step among them
                     steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size), B, 0, g))
+                    if self._feature_head and False in draft_modes:  # (rows admitted without the draft)
+                        steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size, upkeep=False), B, 0, g))
                 else:
                     steps.append(StepJob(CHAIN, B, 0, g, 0))
                 steps += [StepJob(CHAIN, B, 0, g, t) for t in self.token_options(B, 0)]
@@ -667,7 +689,7 @@ class JaxBackend:
             row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted(whole) for rd in draft_modes]
             if self.options.prefix_cache_outputs:  # taking a finished request's chunks from the live state
                 row_ops += [j for j in (("segment", B, self.max_chunk, False) for B in bbs) if j not in row_ops]
-        self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0] for B in bbs}
+        self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0 and _upkeep(j)] for B in bbs}
         self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
         plan = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.errors import require
-from specjax.models.options import ForwardOptions
+from specjax.models.options import DEFAULT_SCAN_UNROLL, ForwardOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +151,11 @@ class EngineSpec:
     records, serve_job's slot classes); prefill_chunk: prompt chunks;
     prefix_cache_mb: the prefix store's budget (engine.prefix_store; 0: off).
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
-    where the model's weights suit it" and ``rows_int8_auto`` "int8 activations (rows_int8, with
-    the CPU attention they need) if the rows kernel runs", resolved once the model is loaded
-    (``resolved``).
+    where the model's weights suit it", ``rows_int8_auto`` "int8 activations (rows_int8, with
+    the CPU attention they need) if the rows kernel runs", ``attention_auto`` "the CPU attention
+    if the rows kernel runs, else XLA's" and ``scan_auto`` "the layers as a loop of
+    ``DEFAULT_SCAN_UNROLL`` per iteration if the rows kernel runs with the CPU attention, else
+    the per-layer list", resolved once the model is loaded (``resolved``).
     policy: PolicySpec. mesh: 'DATAxMODEL' ('' = one device); shard_draft: shard a draft model
     like the target."""
 
@@ -168,6 +170,8 @@ class EngineSpec:
     fwd: ForwardOptions = ForwardOptions()
     rows_kernel_auto: bool = False
     rows_int8_auto: bool = False
+    attention_auto: bool = False
+    scan_auto: bool = False
     policy: PolicySpec = PolicySpec()
     mesh: str = ""
     shard_draft: bool = False
@@ -241,21 +245,31 @@ class EngineSpec:
         return registry.DRAFTERS[self.drafter.name].draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
-        """This spec with ``--rows_kernel -1`` and ``--rows_activations int8`` (rows_int8_auto) resolved for
-        ``model`` (a LoadedModel): what runs."""
-        if not (self.rows_kernel_auto or self.rows_int8_auto):
+        """This spec with its automatic settings (``--rows_kernel -1``, ``--rows_activations int8``,
+        ``--attention_impl auto``, ``--scan_layers -1``) resolved for ``model`` (a LoadedModel): what runs."""
+        if not self.auto:
             return self
-        rows = model.auto_rows_kernel() if self.rows_kernel_auto else self.fwd.rows_kernel
-        int8 = self.fwd.rows_int8 or bool(self.rows_int8_auto and rows)
-        fwd = dataclasses.replace(self.fwd, rows_kernel=rows, rows_int8=int8,
-                                  attention="cpu" if int8 else self.fwd.attention)
-        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_int8_auto=False)
+        f = self.fwd
+        rows = model.auto_rows_kernel() if self.rows_kernel_auto else f.rows_kernel
+        int8 = f.rows_int8 or bool(self.rows_int8_auto and rows)
+        # On the rows kernel the CPU attention decodes faster than XLA's (which, in a loop over the
+        # layers, copies the cache), and the loop compiles in a fifth of the list's time (BENCHMARKS.md)
+        attention = "cpu" if int8 or (self.attention_auto and rows) else f.attention
+        scan = (DEFAULT_SCAN_UNROLL if rows and attention == "cpu" else 0) if self.scan_auto else f.scan_layers
+        fwd = dataclasses.replace(f, rows_kernel=rows, rows_int8=int8, attention=attention, scan_layers=scan)
+        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_int8_auto=False, attention_auto=False,
+                                   scan_auto=False)
+
+    @property
+    def auto(self) -> bool:
+        """Whether a setting waits for the model (``resolved``)."""
+        return self.rows_kernel_auto or self.rows_int8_auto or self.attention_auto or self.scan_auto
 
     def code_key(self) -> str:
         """What of this spec changes the compiled code a step runs (the performance model of
         one compiled engine does not describe another): the forward options, the dtype and the
         layout. Comma-separated name=value fields, so a mismatch can be named field by field."""
-        require(not (self.rows_kernel_auto or self.rows_int8_auto), "code_key needs a resolved spec (EngineSpec.resolved(model))")
+        require(not self.auto, "code_key needs a resolved spec (EngineSpec.resolved(model))")
         f = self.fwd
         fields = dict(dtype=self.dtype, attention=f.attention, attn_chunk=f.attn_chunk, small_rows=f.small_rows,
                       rows_kernel=f.rows_kernel, **({"rows_int8": 1} if f.rows_int8 else {}), scan_layers=int(f.scan_layers), rope_once=int(f.rope_barrier()),

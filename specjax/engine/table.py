@@ -39,7 +39,7 @@ from specjax.engine import exe_cache
 from specjax.engine.compile_key import CompileKey
 from specjax.engine.options import layered_prefill_runs
 from specjax.models import llama
-from specjax.models.options import ForwardOptions
+from specjax.models.options import DEFAULT_SCAN_UNROLL, ForwardOptions
 from specjax.engine.step import (StepState, fresh_state, pin, prefill_embed_jit, prefill_finish_jit,
                                  prefill_layer_jit, spec_chunk_jit, spec_decode_jit, spec_draft_jit, spec_prefill_jit,
                                  spec_step_jit, spec_tree_step_jit)
@@ -164,10 +164,7 @@ class LayeredPrefill:
 
 
 _STAND_IN_OPS = ("decode", "step", "verify", "tree")  # (the steps whose blocks the rows kernel takes whole)
-# layers per loop iteration of a stand-in (ForwardOptions.scan_layers): SmolLM2's decode forward as 6
-# iterations compiled in 1.3-1.4 s against the list's 5.5-6.6 s and ran within 0-11% of its steps
-# under the CPU attention; 1 per iteration compiled in 0.8 s and ran 30% slower (BENCHMARKS.md)
-STAND_IN_UNROLL = 5
+STAND_IN_UNROLL = DEFAULT_SCAN_UNROLL  # layers per loop iteration of a stand-in (ForwardOptions.scan_layers)
 
 
 def _layer_groups(layers) -> list[int]:
@@ -472,9 +469,12 @@ class StepTable:
 
         return self._get(key, spec, key.describe(), compile_if_missing)
 
-    def decode(self, B: int, n: int, S: int, greedy_only: bool, compile_if_missing: bool = False):
-        """Up to n plain decoding steps in one call (step.spec_decode: the K = 0 step in a loop)."""
-        key = self.key("decode", B, S, greedy_only, steps=n)
+    def decode(self, B: int, n: int, S: int, greedy_only: bool, compile_if_missing: bool = False,
+               upkeep: bool = True):
+        """Up to n plain decoding steps in one call (step.spec_decode: the K = 0 step in a loop);
+        ``upkeep`` False: without the device drafter (a feature head's K = 0 upkeep left out, the
+        draft cache passed through as it is)."""
+        key = self.key("decode", B, S, greedy_only, run_draft=upkeep, steps=n)
 
         def spec():
             rows = self._sds((B,), jnp.int32)

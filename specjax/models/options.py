@@ -9,10 +9,16 @@ import dataclasses
 
 from specjax.errors import require
 
+# Layers per loop iteration where the launch scripts run the layers as a loop (scan_layers -1 on
+# the rows kernel with the CPU attention) and of the engine's stand-in steps: SmolLM2's decode
+# forward as 6 iterations compiled in 1.3-1.4 s against the list's 5.5-6.6 s and ran within 0-11%
+# of its steps; 1 per iteration compiled in 0.8 s and ran 30% slower (BENCHMARKS.md)
+DEFAULT_SCAN_UNROLL = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
-    """attention: "xla" (plain XLA; the CPU default), "pallas" (the tree-attention kernel for
+    """attention: "xla" (plain XLA; the library default), "pallas" (the tree-attention kernel for
     blocks of up to 64 tokens: Triton on GPU, Mosaic on TPU, interpret mode on CPU) or "cpu"
     (decode and verify blocks through the CPU kernel rows_dot.block_attention, float32: each
     query's keys as one list in position order, so a token's output is the same bits in a decode
@@ -62,7 +68,9 @@ class ForwardOptions:
     An int n > 1 (True is 1): n layers per iteration of the loop (``lax.scan``'s unroll), which
     buys back a loop's per-iteration cost for compile time: a SmolLM2 decode forward on the rows
     kernel (CPU attention) compiled in 0.8 s at 1 (steps 30% slower than the list's, which took
-    5.5-6.6 s), 1.3-1.4 s at 5 (0-11% slower) and 2.0 s at 10 (the list's speed), BENCHMARKS.md."""
+    5.5-6.6 s), 1.3-1.4 s at 5 (0-11% slower) and 2.0 s at 10 (the list's speed), BENCHMARKS.md.
+    The launch scripts' defaults (EngineSpec's automatic settings) run the CPU attention and
+    ``DEFAULT_SCAN_UNROLL`` layers per iteration wherever the rows kernel runs."""
 
     attention: str = "xla"
     attn_chunk: int = 256

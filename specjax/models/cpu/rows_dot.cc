@@ -901,13 +901,37 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     const int64_t n8 = (n + 7) / 8 * 8;
     std::unique_ptr<float[]> sc(new float[std::max<int64_t>(n8, 8)]);
     float m = -3.0e38f;
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i0 = 0;
+#if defined(SPECJAX_I8_VEC)
+    if (hd % 8 == 0) {
+      // four keys at a time: four independent sums (one key's dot product is a chain of
+      // dependent FMAs, latency-bound alone), each in the order of the one-key loop below and
+      // with explicit FMAs in both (a contraction left to the compiler could differ between
+      // them, and a key's score would then depend on where it falls in the list)
+      for (; i0 + 4 <= n; i0 += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < hd; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qr + c);
+          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0] + c), a0);
+          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 1] + c), a1);
+          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 2] + c), a2);
+          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 3] + c), a3);
+        }
+        sc[i0] = hsum8(a0) * scale;
+        sc[i0 + 1] = hsum8(a1) * scale;
+        sc[i0 + 2] = hsum8(a2) * scale;
+        sc[i0 + 3] = hsum8(a3) * scale;
+        m = std::max(std::max(std::max(m, sc[i0]), std::max(sc[i0 + 1], sc[i0 + 2])), sc[i0 + 3]);
+      }
+    }
+#endif
+    for (int64_t i = i0; i < n; ++i) {
       float d;
 #if defined(SPECJAX_I8_VEC)
       if (hd % 8 == 0) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t c = 0; c < hd; c += 8)
-          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(keys[i] + c)));
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(keys[i] + c), acc);
         d = hsum8(acc);
       } else
 #endif
@@ -942,6 +966,20 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     }
 #endif
     const float inv = 1.0f / l;
+#if defined(SPECJAX_I8_VEC)
+    if (hd == 64) {  // the sums in registers (the loop below keeps orow in memory: it may alias v)
+      __m256 o[8];
+      for (int j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 p = _mm256_set1_ps(sc[i]);
+        const float* v = vals[i];
+        for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
+      }
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(orow + 8 * j, _mm256_mul_ps(o[j], iv));
+      return;
+    }
+#endif
     for (int64_t c = 0; c < hd; ++c) orow[c] = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
       const float p = sc[i];
