@@ -1,8 +1,11 @@
 """The decoder's layers as the unrolled per-layer list against one loop over the rows kernel's
 stacked packs (``ForwardOptions.scan_layers`` = layers per loop iteration): compile time and
-step time of one decode forward on the real model, and whether the logits have the same bits.
+step time of one decode (or verify-shaped: ``--tokens``) forward on the real model, and whether the
+logits have the same bits.
 
   python benchmarks/scan_forms.py --unrolls 1,2,5,10,30 --batch 1 --slots 512 --attention cpu
+  # the launch default (loop of 5, CPU attention) against the earlier one (list, XLA's attention)
+  python benchmarks/scan_forms.py --unrolls 5 --tokens 1,5,9 --list_attention xla
 
 Per loop form, in one process: the list's forward and the loop's are compiled (seconds), then
 timed in ``--rounds`` alternating rounds of ``--steps`` decode steps each (a 100-token cache
@@ -27,6 +30,9 @@ flags.DEFINE_list("unrolls", ["1", "5", "10"], "Layers per loop iteration, one l
 flags.DEFINE_integer("batch", 1, "Rows.")
 flags.DEFINE_integer("slots", 512, "KV slots per row.")
 flags.DEFINE_enum("attention", "cpu", ["xla", "cpu"], "Decode attention (ForwardOptions.attention).")
+flags.DEFINE_string("list_attention", "", "The list side's attention (default: --attention; another one compares "
+                    "the two settings whole, and bits are then not compared).")
+flags.DEFINE_list("tokens", ["1"], "Block tokens per row (a chain, as a verify step of K = tokens - 1), one table row each.")
 flags.DEFINE_integer("rounds", 6, "Alternating timed rounds.")
 flags.DEFINE_integer("steps", 30, "Decode steps per round.")
 
@@ -45,17 +51,20 @@ def main(argv):
     m = load_model(FLAGS.model)
     cfg, B, S = m.cfg, FLAGS.batch, FLAGS.slots
     base = ForwardOptions(rows_kernel=32, attention=FLAGS.attention)
-    print(f"{cfg.name}: one decode forward, batch {B}, {S} slots, {FLAGS.attention} attention; "
-          f"median ms/step of {FLAGS.rounds} alternating rounds of {FLAGS.steps} steps")
-    print("| layers per iteration | loop compile s | list compile s | loop ms/step | list ms/step | loop / list | same bits |")
-    print("|---|---|---|---|---|---|---|")
+    listed = dataclasses.replace(base, attention=FLAGS.list_attention or FLAGS.attention)
+    print(f"{cfg.name}: one forward, batch {B}, {S} slots, the loop with {base.attention} attention, the list with "
+          f"{listed.attention}; median ms/step of {FLAGS.rounds} alternating rounds of {FLAGS.steps} steps")
+    print("| layers per iteration | block tokens | loop compile s | list compile s | loop ms/step | list ms/step | "
+          "loop / list | same bits |")
+    print("|---|---|---|---|---|---|---|---|")
 
-    def side(fwd):
+    def side(fwd, T):
         p = m.params_for(fwd)
         cache = llama.init_cache_for(cfg, B, S)
         cache = dataclasses.replace(cache, lengths=jnp.full((B,), 100, jnp.int32))
-        tok, pos = jnp.zeros((B, 1), jnp.int32), jnp.full((B, 1), 100, jnp.int32)
-        step = jax.jit(lambda p, c: llama.forward(p, tok, pos, c, jnp.ones((B, 1, 1), bool), cfg=cfg, fwd=fwd)[:2],
+        tok = jnp.zeros((B, T), jnp.int32)
+        pos = 100 + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        step = jax.jit(lambda p, c: llama.forward(p, tok, pos, c, llama.causal_mask(B, T), cfg=cfg, fwd=fwd)[:2],
                        donate_argnums=1)
         t = time.perf_counter()
         exe = step.lower(p, cache).compile()
@@ -64,8 +73,8 @@ def main(argv):
         logits, cache = exe(p, cache)
         return {"exe": exe, "p": p, "cache": cache, "compile_s": compile_s, "logits": np.asarray(logits), "ms": []}
 
-    for n in map(int, FLAGS.unrolls):
-        sides = {"list": side(base), "loop": side(dataclasses.replace(base, scan_layers=n))}
+    for n, T in ((int(n), int(T)) for n in FLAGS.unrolls for T in FLAGS.tokens):
+        sides = {"list": side(listed, T), "loop": side(dataclasses.replace(base, scan_layers=n), T)}
         for _ in range(FLAGS.rounds):
             for s in sides.values():
                 t = time.perf_counter()
@@ -75,9 +84,10 @@ def main(argv):
                 s["ms"].append((time.perf_counter() - t) / FLAGS.steps * 1e3)
         lo, li = sides["loop"], sides["list"]
         ml, mi = float(np.median(lo["ms"])), float(np.median(li["ms"]))
-        same = np.array_equal(lo["logits"], li["logits"])
-        print(f"| {n} | {lo['compile_s']:.2f} | {li['compile_s']:.2f} | {ml:.2f} | {mi:.2f} | {ml / mi:.2f} | "
-              f"{'yes' if same else '**NO**'} |", flush=True)
+        same = "-" if listed.attention != base.attention else (
+            "yes" if np.array_equal(lo["logits"], li["logits"]) else "**NO**")
+        print(f"| {n} | {T} | {lo['compile_s']:.2f} | {li['compile_s']:.2f} | {ml:.2f} | {mi:.2f} | {ml / mi:.2f} | "
+              f"{same} |", flush=True)
 
 
 if __name__ == "__main__":
