@@ -167,7 +167,7 @@ def test_host_step_shrinks_to_the_proposal(tiny, ar_greedy):
         return real(B, K, *rest)
 
     table.step = spy
-    table.decode = lambda B, *rest, _d=table.decode: used.append(0) or _d(B, *rest)  # (K = 0: a decode call)
+    table.decode = lambda B, *rest, _d=table.decode, **kw: used.append(0) or _d(B, *rest, **kw)  # (K = 0: a decode call)
     res = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
     assert res[0].tokens == ar_greedy[1][0]
     assert used[:6] == [0, 1, 4, 0, 1, 4]
