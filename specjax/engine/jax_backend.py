@@ -76,7 +76,7 @@ def _stop_background() -> None:
         be.stop_later()
 
 
-def _upkeep(job) -> bool:
+def _keeps_upkeep(job) -> bool:
     """Whether a warm-up step job keeps a feature head's upkeep (all but the decode calls for
     rows that never draft)."""
     return getattr(job.kind, "upkeep", True) if hasattr(job, "kind") else True
@@ -108,7 +108,7 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_ch
             later = later_chunks is None or (j[1], j[4]) in later_chunks
             return (1, j[0]) if j[0] <= first_bucket and later else (5, 0)
         if what == "step":
-            if not _upkeep(j):  # (reached once admission disables the draft: a single answer never is)
+            if not _keeps_upkeep(j):  # (reached once admission disables the draft: a single answer never is)
                 return (5, 0)
             if j.k == 0 or j.k not in later_ks:
                 return (0, 0) if j.B == first_bucket else (2, -j.B)
@@ -584,7 +584,7 @@ class JaxBackend:
         """Whether a decode call on ``rs`` keeps a feature head's upkeep: unless no row can ever
         draft (each admitted with the draft disabled, prefill disabling), when the head's work
         on every plain step would be spent for nothing (a batch job in which drafting does not
-        pay ran 4-6% below AR with it)."""
+        pay ran 3.5-6% below AR with it)."""
         return not self._feature_head or any(r.speculate for r in rs)
 
     @property
@@ -689,7 +689,7 @@ class JaxBackend:
             row_ops += [("segment", Bp, C, rd) for Bp in pbs for C in sorted(whole) for rd in draft_modes]
             if self.options.prefix_cache_outputs:  # taking a finished request's chunks from the live state
                 row_ops += [j for j in (("segment", B, self.max_chunk, False) for B in bbs) if j not in row_ops]
-        self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0 and _upkeep(j)] for B in bbs}
+        self._k0_jobs = {B: [j for j in steps if j.B == B and getattr(j, "k", None) == 0 and _keeps_upkeep(j)] for B in bbs}
         self._usable_buckets = set()
         check_map_budget(len(prefills) + sum(j.heavy for j in steps), self.cfg.num_layers)
         plan = [("prefill", j) for j in prefills] + [("step", j) for j in steps] + [("row", j) for j in row_ops]
