@@ -79,7 +79,7 @@ def _stop_background() -> None:
 def _keeps_upkeep(job) -> bool:
     """Whether a warm-up step job keeps a feature head's upkeep (all but the decode calls for
     rows that never draft)."""
-    return getattr(job.kind, "upkeep", True) if hasattr(job, "kind") else True
+    return getattr(getattr(job, "kind", None), "upkeep", True)
 
 
 def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=(), draft_mode=None) -> list:
