@@ -131,10 +131,12 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             t0 = time.perf_counter()
             be.warmup(prompt_lens=sorted({n for n, _ in shapes}),
                       greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
-                      lazy=lazy, queue=[len(r.prompt) for r in items], later_ks=later_ks, execute=run_once)
+                      lazy=lazy, queue=[len(r.prompt) for r in items], later_ks=later_ks, execute=run_once,
+                      whole_job=True, demand_ks=policy.plans_coming)
             t["compile"] += time.perf_counter() - t0
             warmed[be.slots].update(shapes)
             how = (f"compiling on first use, {be.later_planned} executables ahead in the background"
+                   + (f" and {be.on_demand_planned} if serving reaches them" if be.on_demand_planned else "")
                    if lazy else f"compiled {len(be.table)} executables{' and ran each once' if run_once else ''} "
                    f"in {t['compile']:.1f} s")
             job.note(f"[{how}; serving {len(items)} requests, policy {policy_label}, drafter {drafter}, "

@@ -578,6 +578,49 @@ def test_lazy_order_builds_the_admitted_draft_mode_first():
         ("prefill", (1, 64, True, False, True))]
 
 
+def test_reachable_plan_leaves_what_a_whole_job_may_not_reach_on_demand():
+    """A JSONL job's plan: the first bucket's work ahead; a smaller bucket's steps, inserts and
+    shrinking resizes under (B, 0); SmartSpec's K steps under (B, K); growing resizes and chunk
+    sizes no queued prompt runs dropped."""
+    from specjax.drafters.protocol import CHAIN, StepJob
+    from specjax.engine.jax_backend import reachable_plan
+
+    s = {(B, k): ("step", StepJob(CHAIN, B, k, True, 0)) for B in (1, 4) for k in (0, 2)}
+    p16, p64 = ("prefill", (1, 16, True, False, True)), ("prefill", (1, 64, True, False, True))
+    take, grow, clear1, seg = ("row", ("take", 4, 1)), ("row", ("take", 1, 4)), ("row", ("clear", 1)), ("row", ("segment", 1, 16, False))
+    plan = [p16, p64, *s.values(), take, grow, clear1, seg]
+    assert reachable_plan(plan, 4, {(16, True)}, demand_ks=(2,)) == (
+        [p16, s[(4, 0)], seg], {(1, 0): [s[(1, 0)], take, clear1], (1, 2): [s[(1, 2)]], (4, 2): [s[(4, 2)]]})
+    assert reachable_plan(plan, 4, {(16, True)})[1] == {(1, 0): [s[(1, 0)], s[(1, 2)], take, clear1]}
+
+
+def test_whole_job_warmup_builds_what_the_job_reaches(tiny, reference, tmp_path):
+    """A JSONL job's lazy warm-up (every request there from the start: serve_job): nothing at a
+    bucket above the one the job fills; the smaller bucket once the draining batch would compact
+    into it; a K > 0 step only once SmartSpec wants it, so with verification priced out of
+    reach none is built, and with cheap verification the K it wants is. Tokens are AR's."""
+    from specjax.engine import exe_cache
+
+    cfg, params = tiny
+    prompts = PROMPTS[:2]
+    for cost, wants in ((StepCostModel(target=LinearCost(0.0, 1.0, 1e-2)), False), (_cheap_spec(), True)):
+        be = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=(1, 2, 4),
+                        slots=SLOTS, shrink_patience=2)
+        (tmp_path / str(wants)).mkdir()
+        be.table.disk_cache = exe_cache.ExecutableCache(str(tmp_path / str(wants)))
+        be.warmup(prompt_lens=sorted({len(p) for p in prompts}), greedy_modes=(True,), lazy=True,
+                  queue=[len(p) for p in prompts], later_ks=(2,), whole_job=True, demand_ks=True)
+        assert set(be._on_demand) == {(1, 0), (1, 2), (2, 2)}
+        # the second request stops early: one row runs on, and the batch would compact into bucket 1
+        reqs = [Request("a", prompts[0], MAX_NEW), Request("b", prompts[1], 3)]
+        outs = ServingEngine(be, GoodputPolicy(cost)).run(reqs)
+        be.stop_later()
+        assert [o.tokens for o in outs] == [reference[0], reference[1][:3]]
+        assert max(_batch_of(k) for k in be.table._exe) == 2 and (1, 0) not in be._on_demand
+        built_k = {k.k for k in be.table._exe if getattr(k, "op", "") == "step"}
+        assert ((2, 2) not in be._on_demand) == wants and (2 in built_k) <= wants
+
+
 def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tmp_path, monkeypatch):
     """A lazy warm-up compiles nothing up front: serving compiles each executable when it first
     reaches it (one request, with nothing built ahead: nothing of the 4-row bucket), K > 0 steps

@@ -121,6 +121,40 @@ def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_ch
     return sorted(plan, key=rank)  # (stable: ties keep the warm-up's order)
 
 
+def reachable_plan(plan, first_bucket: int, queue_chunks, demand_ks=()) -> tuple[list, dict[tuple[int, int], list]]:
+    """A lazy warm-up's plan split for a job whose whole queue is known at the start (every
+    record arrives at t = 0: serve_job): (what to build ahead, {(bucket, K): what to build once
+    serving asks for it}). The first admission's bucket ``first_bucket`` is the largest the job
+    runs at; the smaller ones are reached only as it drains, and often not at all (rows that
+    finish together leave at once), so their steps and row operations, under (B, 0), wait for
+    the live state to ask for them (``JaxBackend._usable``; it runs on in the larger bucket
+    meanwhile: the same tokens). The steps of the K buckets ``demand_ks``, under (B, K), wait for
+    the policy to want them (``JaxBackend.want``; SmartSpec on text where no draft pays never
+    does). Dropped: growing resizes and prefill chunk sizes that no queued prompt runs
+    (``queue_chunks``: bk.chunk_sizes of the queue), neither of which such a job reaches; if
+    one ever is, serving compiles it on first use."""
+    ahead, later = [], {}
+    for item in plan:
+        what, j = item
+        if what == "prefill":
+            if (j[1], j[4]) in queue_chunks:
+                ahead.append(item)
+            continue
+        K = 0
+        if what == "step":
+            B, K = j.B, (j.k if j.k in demand_ks else 0)
+        elif j[0] == "take":
+            if j[2] > j[1]:
+                continue
+            B = j[2]
+        elif j[0] == "segment":  # (at a prefill bucket: with the prefills)
+            B = first_bucket
+        else:  # insert into / clear the live bucket
+            B = j[1]
+        (ahead if (B, K) == (first_bucket, 0) else later.setdefault((B, K), [])).append(item)
+    return ahead, later
+
+
 def check_map_budget(n_heavy: int, num_layers: int) -> None:
     """Fail early, with the fix, instead of an LLVM abort: every XLA:CPU executable keeps its code
     in its own memory mappings (~22 per layer), and Linux caps a process at
@@ -168,11 +202,16 @@ class JaxBackend:
         self.k_max = self.k_buckets[-1]
         self._waiting: frozenset = frozenset()  # (bucket, K > 0) steps still compiling: not yet options
         self.later_planned = 0  # executables the last warm-up left to the background thread
+        self.on_demand_planned = 0  # ... and to it once serving asks for them (reachable_plan)
         self._prefill_waited = 0.0  # of table.late_s: waited during prefills (waited())
         self._later: threading.Thread | None = None
         self._stop_later = threading.Event()
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
         self._later_after = 0  # ... after this many steps (warmup's later_after_steps)
+        self._todo: list = []  # the background thread's work left, in order (warmup)
+        self._on_demand: dict[int, list] = {}  # bucket -> its work, built once the batch compacts into it
+        self._demanded: dict[int, list] = {}  # ... asked for by _usable, not yet taken by the thread
+        self._todo_cv = threading.Condition()
         self._steps_run = 0
         self.batch_buckets = opt.batch_buckets
         self.num_rows = self.batch_buckets[-1]
@@ -274,7 +313,19 @@ class JaxBackend:
         ok = all(self.table.ready(lambda j=j: j.compile(self, False)) for j in self._k0_jobs.get(B, ()))
         if ok:
             self._usable_buckets.add(B)
+        else:
+            self.want(B, 0)  # (a job's drain bucket: built now that the batch would compact into it)
         return ok
+
+    def want(self, bucket: int, k: int) -> None:
+        """Serving would run a step of K drafts (K = 0: compact the batch) at ``bucket``: if a
+        lazy warm-up left its executables on demand (reachable_plan), the background thread
+        builds them next."""
+        if (bucket, k) in self._on_demand:
+            with self._todo_cv:
+                if (bucket, k) in self._on_demand:
+                    self._demanded[(bucket, k)] = self._on_demand.pop((bucket, k))
+                    self._todo_cv.notify()
 
     def _resize(self, B_new: int, keep_order: list[int]) -> None:
         """Regather rows ``keep_order`` (old row indices) into a fresh [B_new] state."""
@@ -635,7 +686,8 @@ class JaxBackend:
     def warmup(self, prompt_lens: Sequence[int] = (16,), greedy_modes=(True,), progress: bool = False,
                execute: bool = False, batch_buckets: Sequence[int] | None = None,
                k_buckets: Sequence[int] | None = None, later_ks: Sequence[int] = (),
-               later_after_steps: int = 0, lazy: bool = False, queue: Sequence[int] = ()) -> float:
+               later_after_steps: int = 0, lazy: bool = False, queue: Sequence[int] = (),
+               whole_job: bool = False, demand_ks: bool = False) -> float:
         """Compile everything serving can call for prompts of these lengths; afterwards a missing
         shape raises instead of compiling. ``execute``: also run every prefill and step once on
         empty rows, so that first-execution costs (fresh buffers, untouched code pages) are not
@@ -655,13 +707,19 @@ class JaxBackend:
         to reach them (``lazy_order``),
         skipping what the disk cache holds (loaded on first use: a warm job loads only what it
         reaches; with a warm cache only ``later_ks``' steps are built ahead). K > 0 steps join ``k_options`` once compiled or on disk; the rest a caller
-        waits for (``table.late_s``). The executables are the ones an eager warm-up compiles, so
-        outputs do not change. Returns seconds."""
+        waits for (``table.late_s``). ``whole_job``: ``queue`` holds every request served, all
+        there from the start (a JSONL job): no bucket above the one they fill is built, the
+        smaller ones a draining batch may compact into are built when it first wants to, and,
+        ``demand_ks``, the ``later_ks`` steps when the policy first wants them (reachable_plan).
+        The executables are the ones an eager warm-up compiles, so outputs do not change.
+        Returns seconds."""
         t0 = time.perf_counter()
         self.stop_later()  # (an earlier warm-up's steps it did not finish stay out of k_options)
         chunks = sorted(bk.chunk_sizes(prompt_lens, self.max_chunk))
         draft_modes = (True, False) if self.drafter.draft_prefill else (False,)
         bbs = sorted(batch_buckets) if batch_buckets else self.batch_buckets
+        if lazy and whole_job:  # (no step runs more rows than the job holds)
+            bbs = [B for B in bbs if B <= self.bucket(min(len(queue), self.num_rows))]
         kbs = sorted(k_buckets) if k_buckets is not None else self.k_buckets
         ahead = self.k_max if self.options.draft_first else 0  # the draft-ahead call's width
         steps, row_ops = [], []
@@ -697,11 +755,16 @@ class JaxBackend:
         if lazy or later:
             require(not execute and not self.options.draft_first,
                     "later_ks / lazy cannot be combined with execute or draft_first")
+        on_demand: dict = {}
         if lazy:
             first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
             later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
             first_chunks = bk.chunk_sizes(queue[:first], self.max_chunk) if queue else ()
-            now, deferred = [], lazy_order(plan, self.bucket(first), later, later_chunks, first_chunks,
+            ahead = plan
+            if whole_job:  # what the job may not reach, on demand
+                ahead, on_demand = reachable_plan(plan, self.bucket(first), bk.chunk_sizes(queue, self.max_chunk),
+                                                  later if demand_ks else ())
+            now, deferred = [], lazy_order(ahead, self.bucket(first), later, later_chunks, first_chunks,
                                            draft_mode=True if len(draft_modes) > 1 else None)
         elif later:
             now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
@@ -735,15 +798,23 @@ class JaxBackend:
             # The first bucket's K = 0 step, on disk, loads beside the first prefill.
             first_k0 = [p for p in loaded if p[0] == "step" and p[1] in self._k0_jobs.get(self.bucket(first), ())]
             todo = first_k0 + [p for p in todo if p[0] == "step" and p[1].k in later]
+        # work on demand: what is neither in memory nor on disk (row operations, then steps by K)
+        on_demand = {key: sorted([p for p in items if not self.table.ready(lambda p=p: self._build(*p))],
+                                 key=lambda p: (p[0] == "step", getattr(p[1], "k", 0)))
+                     for key, items in on_demand.items()}
+        self._on_demand = {key: items for key, items in on_demand.items() if items}
+        self._demanded = {}
         planned = {(j.B, j.k) for what, j in plan if what == "step" and hasattr(j, "k")}
         waiting = {(j.B, j.k) for what, j in plan if what == "step" and getattr(j, "k", 0) in later
                    and not self.table.ready(lambda j=j: self._build("step", j), disk=False)}
         self._waiting = frozenset(p for p in self._waiting if p not in planned) | frozenset(waiting)
         self.later_planned = len(todo)
-        if todo or waiting:
+        self.on_demand_planned = sum(map(len, self._on_demand.values()))
+        self._todo = todo
+        if todo or waiting or self._on_demand:
             # a daemon: a process that never stops it (stop_later) is not kept alive by it; the
             # atexit hook lets an executable in progress finish first
-            self._later = threading.Thread(target=self._compile_later, args=(todo, later, waiting),
+            self._later = threading.Thread(target=self._compile_later, args=(later, waiting),
                                            name="specjax-compile-later", daemon=True)
             _LATER.add(self)
             self._later.start()
@@ -766,14 +837,34 @@ class JaxBackend:
             return self.table.segment_take(j[1], S, j[2], j[3]) and self.table.segment_put(j[1], S, j[2], j[3])
         return self.table.clear(j[1], S)
 
-    def _compile_later(self, plan, later, waiting) -> None:
-        """The background half of a warm-up, in ``plan``'s order; the steps of ``later`` K
-        buckets only once the gate is open (later_after_steps), each (bucket, K) joining
-        k_options once none of its executables is left to build."""
+    def _compile_later(self, later, waiting) -> None:
+        """The background half of a warm-up: work on demand once asked for (``want``; the
+        smallest bucket first, skipped once the live state is smaller), else ``_todo`` in order; the steps of ``later`` K buckets only once the gate is open (later_after_steps),
+        each (bucket, K) joining k_options once none of its executables is left to build."""
         left: dict = {}
-        for what, j in plan:
+        for what, j in self._todo + [p for items in self._on_demand.values() for p in items]:
             if what == "step" and j.k in later:
                 left[(j.B, j.k)] = left.get((j.B, j.k), 0) + 1
+
+        def next_item():
+            with self._todo_cv:
+                while True:
+                    if self._stop_later.is_set():
+                        return None
+                    while self._demanded:
+                        key = min(self._demanded)
+                        if self.live.B and self.live.B < key[0]:  # (compacted past it: never needed now)
+                            del self._demanded[key]
+                            continue
+                        item = self._demanded[key].pop(0)
+                        if not self._demanded[key]:
+                            del self._demanded[key]
+                        return item
+                    if self._todo:
+                        return self._todo.pop(0)
+                    if not self._on_demand:
+                        return None
+                    self._todo_cv.wait()
 
         def through_gate() -> bool:
             self._later_gate.wait()
@@ -784,9 +875,14 @@ class JaxBackend:
 
         gated = False
         self.table.background.on = True
-        for what, j in plan:
-            if self._stop_later.is_set():
-                return
+        while True:
+            if not gated and not self._todo and not self._demanded:  # (before waiting: the steps on disk join)
+                if not through_gate():
+                    return
+                gated = True
+            if (item := next_item()) is None:
+                break
+            what, j = item
             if what == "step" and j.k in later and not gated:
                 if not through_gate():
                     return
@@ -803,11 +899,14 @@ class JaxBackend:
         """End a warm-up's background compilation after the executable in progress; returns the
         K buckets it did not finish at some batch bucket (they stay out of ``k_options`` there)."""
         if self._later is not None:
-            self._stop_later.set()
+            with self._todo_cv:
+                self._stop_later.set()
+                self._todo_cv.notify()
             self._later_gate.set()
             self._later.join()
             self._later = None
-        return sorted({k for _, k in self._waiting})
+        # (work on demand that was never asked for was not needed)
+        return sorted({k for B, k in self._waiting if (B, k) not in self._on_demand and (B, 0) not in self._on_demand})
 
     def _execute_once(self, prefills, steps, row_ops) -> None:
         S = self.slots

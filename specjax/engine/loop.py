@@ -118,6 +118,8 @@ class Backend(Protocol):
 
     def k_coming(self, bucket: int) -> Sequence[int]: ...  # K buckets a background warm-up still builds
 
+    def want(self, bucket: int, k: int) -> None: ...  # the policy would run K there: build it now, if on demand
+
     def start_prefill(self, rs: Sequence[Running]) -> None: ...  # hold rows, queue the prefill chunks
 
     # run queued chunks (budget: prompt tokens, at least one chunk; None: all): (request, first token) done
@@ -306,17 +308,23 @@ class ServingEngine:
         be.take_row_ops()  # (the admissions' ops belong to the prefill)
         bucket = be.step_bucket(len(self.sched.running))  # rows being prefilled are held too
         opts = be.k_options(bucket)
-        prop = be.propose(rs, max(opts), self.policy.draft_threshold)
+        coming = be.k_coming(bucket)
+        # (a policy that weighs the K buckets still to come sees drafts of their width: host drafts
+        # are shadow-verified while K = 0 runs, so it learns whether one would pay before it is built)
+        prop = be.propose(rs, max((*opts, *coming) if self.policy.plans_coming else opts),
+                          self.policy.draft_threshold)
         view = BatchView(ctx_lens=[r.ctx_len for r in rs], bucket=bucket, k_options=opts,
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept,
                          draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
                          drafted_ahead=prop.drafted_ahead,
                          token_options={k: tuple(be.token_options(bucket, k)) for k in opts},
-                         k_coming=be.k_coming(bucket))
+                         k_coming=coming)
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
+        if self.policy.want_k in coming:
+            be.want(bucket, self.policy.want_k)
         n = self._plain_steps(k, rs, prop)
         if n > 1:
             return self._decode(rs, n, view, prop, t0)

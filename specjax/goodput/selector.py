@@ -80,6 +80,11 @@ class Policy:
     # K = 0 steps the engine may run in one device call once this policy chose K = 0 (no choice is
     # due before the call ends; the backend's decode_steps caps it); 1: a choice every step
     plain_steps: int = 1
+    # True: ``choose`` also weighs ``view.k_coming`` (drafts are proposed at their width) and sets
+    # ``want_k`` to the one it would have taken had it been compiled (0: none), so a backend that
+    # builds K steps on demand (JaxBackend.want) builds only those a job's choices reach
+    plans_coming = False
+    want_k = 0
 
     def choose(self, view: BatchView) -> int:
         raise NotImplementedError
@@ -141,6 +146,8 @@ class GoodputPolicy(Policy):
       draft confidences above ``threshold``; needs ``view.confidences``), or "oracle" (simulator:
       the true accepted lengths, the paper's 'optimal' curve).
     """
+
+    plans_coming = True
 
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
@@ -288,13 +295,23 @@ class GoodputPolicy(Policy):
         rows = self.row_expected(view, max(view.k_options)) if view.n else None
         self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
         best_k = max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
+        self.want_k = self._wanted(view, self.last_goodputs[best_k]) if view.k_coming and view.n else 0
         self._row_k = None
         if self.per_request_k and view.n > 1 and len(view.request_ids) == view.n:
             best_k = self._choose_per_request(view, best_k)
         if self.estimator == "confidence":
             self._gate_draft_call(view, best_k)
-        self._commit(best_k)
+        self._commit(self.want_k or best_k)  # (no run of K = 0 steps while a wanted K is built)
         return best_k
+
+    def _wanted(self, view: BatchView, best: float) -> int:
+        """The K of ``view.k_coming`` whose estimated goodput beats ``best`` (the compiled
+        options' best) the most, else 0."""
+        full = dataclasses.replace(view, k_options=tuple(sorted({*view.k_options, *view.k_coming})))
+        rows = self.row_expected(full, max(full.k_options))
+        gps = {k: self.goodput(full, k, rows) for k in view.k_coming}
+        k = max(gps, key=lambda k: (gps[k], -k))
+        return k if gps[k] > best * (1.0 + 1e-9) else 0
 
     def _commit(self, k: int) -> None:
         """K = 0 chosen again and again (a drafter that finds nothing on this text): commit to a

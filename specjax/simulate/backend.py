@@ -119,6 +119,9 @@ class SimBackend:
     def k_coming(self, bucket: int) -> Sequence[int]:
         return ()
 
+    def want(self, bucket: int, k: int) -> None:
+        pass  # (every K is compiled from the start)
+
     def start_prefill(self, rs: Sequence[Running]) -> None:
         self._pending_t += self._row_op(self.live.grow(self._running + len(rs)))
         self._running += len(rs)
