@@ -26,9 +26,11 @@ skips every id already in the output (error records included; delete those lines
 Ctrl-C stops after the current engine step (exit status 130); the same command resumes.
 
 Executables (every batch bucket x compiled K x the prompt buckets present, greedy and/or
-sampled) compile when serving first reaches them, and the rest ahead in a background thread in
-the order a job of this size is likely to reach them (JaxBackend.warmup, ``lazy``); a K
-bucket joins SmartSpec's options once compiled. A job reaching few of them compiles few. The
+sampled) compile when serving first reaches them, and ahead in a background thread what the job
+is likely to reach next (JaxBackend.warmup, ``lazy``, ``whole_job``): the first bucket's work
+first, a smaller bucket's once the draining batch would compact into it, a K bucket's steps once
+SmartSpec wants that K (it joins the policy's options once compiled). A job reaching few of them
+compiles few. The
 seconds serving waited for compilation are printed as compilation, not in the reported tok/s
 (background compilation beside serving is). The executable cache (``$SPECJAX_CACHE_DIR``) holds
 each one; a warm run loads only those it reaches, when it reaches them.

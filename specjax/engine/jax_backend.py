@@ -209,8 +209,8 @@ class JaxBackend:
         self._later_gate = threading.Event()  # set once the background half of a warm-up may start
         self._later_after = 0  # ... after this many steps (warmup's later_after_steps)
         self._todo: list = []  # the background thread's work left, in order (warmup)
-        self._on_demand: dict[int, list] = {}  # bucket -> its work, built once the batch compacts into it
-        self._demanded: dict[int, list] = {}  # ... asked for by _usable, not yet taken by the thread
+        self._on_demand: dict[tuple[int, int], list] = {}  # (bucket, K) -> work built once serving wants it
+        self._demanded: dict[tuple[int, int], list] = {}  # ... wanted (want), not yet taken by the thread
         self._todo_cv = threading.Condition()
         self._steps_run = 0
         self.batch_buckets = opt.batch_buckets
@@ -838,9 +838,10 @@ class JaxBackend:
         return self.table.clear(j[1], S)
 
     def _compile_later(self, later, waiting) -> None:
-        """The background half of a warm-up: work on demand once asked for (``want``; the
-        smallest bucket first, skipped once the live state is smaller), else ``_todo`` in order; the steps of ``later`` K buckets only once the gate is open (later_after_steps),
-        each (bucket, K) joining k_options once none of its executables is left to build."""
+        """The background half of a warm-up: work on demand once wanted (``want``; the smallest
+        bucket first, dropped once the live state is smaller), else ``_todo`` in order; the steps
+        of ``later`` K buckets only once the gate is open (later_after_steps), each (bucket, K)
+        joining k_options once none of its executables is left to build."""
         left: dict = {}
         for what, j in self._todo + [p for items in self._on_demand.values() for p in items]:
             if what == "step" and j.k in later:
