@@ -13,7 +13,8 @@
 # alone), after every specjax run, never beside one.
 #   bash benchmarks/batch_drafters.sh OUT_DIR [DRAFTERS] [BATCH_SIZES] [MAX_NEW] [extra batch.py flags]
 #   e.g. bash benchmarks/batch_drafters.sh /tmp/bd prompt_lookup,suffix,suffix_path,hybrid,layer_skip 8,16 96
-# eagle and draft_model need a profiled perf model for SmartSpec (launch/profile.py; eagle's for
+# draft_model drafts with DRAFT_MODEL (default smollm2-135m: SmolLM2 has no smaller same-tokenizer
+# sibling in the package). eagle and draft_model need a profiled perf model for SmartSpec (launch/profile.py; eagle's for
 # SmolLM2 on the rows kernel is shipped); without one their runs end with rc 2 and a one-line
 # error in their log.
 set -uo pipefail
@@ -31,8 +32,9 @@ with open(sys.argv[1]) as f, open(sys.argv[2], "w") as g:
 PY
 run() {  # run NAME DRAFTER POLICY BUCKETS [extra flags]
   local name=$1 drafter=$2 policy=$3 buckets=$4; shift 4
+  local extra=(); [ "$drafter" = draft_model ] && extra=(--draft_model "${DRAFT_MODEL:-smollm2-135m}")
   "$py" launch/batch.py --chat --input_jsonl "$out/prompts.jsonl" --output_jsonl "$out/$name.jsonl" \
-      --drafter "$drafter" --policy "$policy" --batch_buckets "$buckets" --max_new_tokens "$max_new" "$@" \
+      --drafter "$drafter" --policy "$policy" --batch_buckets "$buckets" --max_new_tokens "$max_new" "${extra[@]}" "$@" \
       > "$out/$name.log" 2>&1
   echo "$name: rc $? $(grep -h 'tok/s' "$out/$name.log" | head -1)"
 }
