@@ -437,6 +437,18 @@ def test_a_profile_of_other_compiled_code_is_refused_or_noted_never_used(tmp_pat
                                              "tiny-random")
     assert isinstance(pol, FixedK) and pol.k == 4 and label == "K=4 (auto)"
     assert "rows_kernel 0 (profiled) vs 32" in note and "instead of SmartSpec" in note
+    # a CPU's key names its vector class: a model of the same code profiled on another class is
+    # named in the error, never used
+    from specjax.goodput.perf_model import hardware_key
+    from specjax.models.cpu.rows_dot import simd_class
+
+    assert hardware_key() == f"cpu:{simd_class()}" and simd_class() in ("avx512", "avx2", "portable")
+    other_hw = str(tmp_path / "other_hw.json")
+    key = registry.perf_key(profiled, "tiny-random").split("|")
+    save_model(other_hw, "|".join(key[:2] + ["cpu:elsewhere"] + key[3:]), StepCostModel(target=LinearCost()))
+    with pytest.raises(SpecjaxError, match=f"hardware cpu:elsewhere \\(profiled\\) vs {hardware_key()}"):
+        registry.build_policy(dataclasses.replace(profiled, policy=PolicySpec("smartspec", perf_models=other_hw)),
+                              "tiny-random")
     # a key of the old format (no compiled code) matches nothing
     old = str(tmp_path / "old.json")
     save_model(old, "tiny-random|prompt_lookup|" + registry.perf_key(profiled, "x").split("|")[2],

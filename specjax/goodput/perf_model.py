@@ -226,10 +226,17 @@ def fit_step_model(features: np.ndarray, times: np.ndarray, base: StepCostModel)
 
 
 def hardware_key() -> str:
-    """'<platform>:<device kind>' of the default JAX backend, e.g. 'cpu:cpu' or 'gpu:NVIDIA H100 80GB HBM3'."""
+    """'<platform>:<device kind>' of the default JAX backend, e.g. 'gpu:NVIDIA H100 80GB HBM3'; on
+    a CPU the vector class its kernels run ('cpu:avx512', 'cpu:avx2', 'cpu:portable'): a model
+    profiled on one class misleads the goodput choice on another (a batch job's suffix_path at
+    0.90x AR on an AVX-512 CPU with the AVX2 one's model, 1.01x with its own; BENCHMARKS.md)."""
     import jax
 
     d = jax.devices()[0]
+    if d.platform == "cpu":
+        from specjax.models.cpu.rows_dot import simd_class
+
+        return f"cpu:{simd_class()}"
     return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}"
 
 
@@ -284,7 +291,8 @@ def model_key(target: str, drafter: str, hardware: str, code: str) -> str:
 
 def code_mismatch(path: str, key: str) -> str | None:
     """When ``path`` has no model under ``key`` but has ones for the same target, drafter and
-    hardware profiled for other compiled code: which code settings differ (else None)."""
+    hardware profiled for other compiled code: which code settings differ; else, when it has
+    this code's on other hardware: which (else None)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -300,6 +308,11 @@ def code_mismatch(path: str, key: str) -> str | None:
         theirs = dict(x.split("=", 1) for x in c.split(",") if "=" in x)
         diffs.append(" ".join(f"{k} {theirs.get(k, '?')} (profiled) vs {v}" for k, v in ours.items()
                               if theirs.get(k) != v))
+    if not diffs:
+        target, drafter, hw = head.split("|")[:3]
+        diffs = [f"hardware {other.split('|')[2]} (profiled) vs {hw}" for other in sorted(data)
+                 if other.count("|") == key.count("|") and other.split("|")[:2] == [target, drafter]
+                 and other.rpartition("|")[2] == code]
     return "; or ".join(diffs) or None
 
 

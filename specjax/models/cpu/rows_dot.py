@@ -165,13 +165,21 @@ def ensure() -> None:
         raise SpecjaxError(_loaded["error"])
 
 
+def simd_class() -> str:
+    """The kernel's vector path on this CPU: 'avx512', 'avx2' (with FMA and F16C) or
+    'portable'. A step's speed, and the ratio of a verify block's cost to a decode step's, differ
+    between them (the AVX-512 EPYC ran SmolLM2's steps ~2.3x faster than the AVX2 one, at
+    g / d 0.38 against 0.63), so performance models are keyed by it (perf_model.hardware_key)."""
+    flags = set(_cpu_flags().split())
+    return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
+
+
 def vectorized() -> bool:
     """Whether this CPU runs one of the kernel's vector paths: AVX-512, or AVX2 with FMA and F16C
     (each 16-column block as two 8-lane halves). Elsewhere it runs portable loops, which give the
     same results but were 3-13x slower than XLA's dot (benchmarks/rows_builds.py): a correctness
     fallback, not a speed-up."""
-    flags = set(_cpu_flags().split())
-    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
+    return simd_class() != "portable"
 
 
 _trace = threading.local()
