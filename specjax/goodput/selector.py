@@ -301,7 +301,7 @@ class GoodputPolicy(Policy):
             best_k = self._choose_per_request(view, best_k)
         if self.estimator == "confidence":
             self._gate_draft_call(view, best_k)
-        self._commit(self.want_k or best_k)  # (no run of K = 0 steps while a wanted K is built)
+        self._commit(best_k)
         return best_k
 
     def _wanted(self, view: BatchView, best: float) -> int:
