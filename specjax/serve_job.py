@@ -30,9 +30,8 @@ sampled) compile when serving first reaches them, and ahead in a background thre
 is likely to reach next (JaxBackend.warmup, ``lazy``, ``whole_job``): the first bucket's work
 first, a smaller bucket's once the draining batch would compact into it, a K bucket's steps once
 SmartSpec wants that K (it joins the policy's options once compiled). A job reaching few of them
-compiles few. The
-seconds serving waited for compilation are printed as compilation, not in the reported tok/s
-(background compilation beside serving is). The executable cache (``$SPECJAX_CACHE_DIR``) holds
+compiles few. The seconds serving waited for compilation are printed as compilation, not in the
+reported tok/s (background compilation beside serving is). The executable cache (``$SPECJAX_CACHE_DIR``) holds
 each one; a warm run loads only those it reaches, when it reaches them.
 """
 

@@ -760,11 +760,11 @@ class JaxBackend:
             first = min(max(len(queue), 1), self.num_rows)  # the first admission's rows
             later_chunks = bk.chunk_sizes(queue[first:], self.max_chunk) if queue else None
             first_chunks = bk.chunk_sizes(queue[:first], self.max_chunk) if queue else ()
-            ahead = plan
+            reach = plan  # (built ahead, in lazy_order)
             if whole_job:  # what the job may not reach, on demand
-                ahead, on_demand = reachable_plan(plan, self.bucket(first), bk.chunk_sizes(queue, self.max_chunk),
+                reach, on_demand = reachable_plan(plan, self.bucket(first), bk.chunk_sizes(queue, self.max_chunk),
                                                   later if demand_ks else ())
-            now, deferred = [], lazy_order(ahead, self.bucket(first), later, later_chunks, first_chunks,
+            now, deferred = [], lazy_order(reach, self.bucket(first), later, later_chunks, first_chunks,
                                            draft_mode=True if len(draft_modes) > 1 else None)
         elif later:
             now = [p for p in plan if not (p[0] == "step" and p[1].k in later)]
