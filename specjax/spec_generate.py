@@ -230,13 +230,10 @@ class SpecGenerator:
         be.reset()
         pol = policy if policy is not None else FixedK(num_spec_tokens)
         gate = self.prefill_gate_for(pol, prefill_gate)
-        # Every prompt of a static batch is admitted at once (up to the batch rows), so this is
-        # the engine's admission decision (ServingEngine._admit).
-        self.last_draft_prefill = (None if not self.drafter.draft_prefill else
-                                   bool(pol.may_speculate and (gate is None or gate.speculate())))
         engine = ServingEngine(be, pol, eos_ids=self.eos_ids, prefill_gate=gate)
         self.last_engine = engine
         outs = engine.run(reqs)
+        self.last_draft_prefill = None if not self.drafter.draft_prefill else engine.draft_prefills > 0
         for o in outs:
             if o.error is not None:
                 raise SpecjaxError(o.error)

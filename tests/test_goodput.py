@@ -3,6 +3,7 @@ estimators, the linear performance model and the K selector. Pure numpy; no mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -803,6 +804,21 @@ def test_draft_prefill_gate():
             DraftPrefillGate(threshold=bad)
     DraftPrefillGate(threshold=0.0)
     DraftPrefillGate(threshold=1.0)
+
+
+def test_could_pay_is_the_ceiling_of_every_draft_accepted():
+    """A draft forward dearer than a target step can never pay: ``could_pay`` says so whatever
+    the acceptance estimate (the engine then skips its draft prefill); a draft that pays only
+    near full acceptance could, though the policy chooses K = 0 at the prior; FixedK follows K."""
+    view = BatchView(ctx_lens=[100, 120], bucket=2, k_options=(0, 2), k_coming=(4,))
+    for draft_s, could in ((1.1e-2, False), (8e-3, True)):
+        pol = GoodputPolicy(_cost(d=1e-2, draft=LinearCost(0.0, 0.0, draft_s)))
+        assert pol.choose(view) == 0 and pol.could_pay(view) is could, draft_s
+        _feed(pol, [2, 2], [2, 2], k=2)  # everything accepted: the ceiling stays where it was
+        assert pol.could_pay(view) is could
+    assert not GoodputPolicy(_cost(d=1e-2, draft=LinearCost(0.0, 0.0, 1e-3))).could_pay(
+        dataclasses.replace(view, k_options=(0,), k_coming=()))  # no K > 0 to run
+    assert FixedK(2).could_pay(view) and not FixedK(0).could_pay(view)
 
 
 def test_cost_calibration_corrects_an_underestimating_model():

@@ -208,12 +208,14 @@ def test_goodput_policy_through_the_static_api(spec_gens, ar_greedy):
     assert st.drafted > 0
 
 
-def _dear_draft_policy():
-    """A goodput policy whose cost model makes a draft forward 100x a target step: it never
-    speculates, so its prefill gate learns that drafts do not pay."""
+def _dear_draft_policy(draft_s: float = 8e-3):
+    """A goodput policy whose cost model makes a draft forward ``draft_s`` seconds against a
+    target step's 10 ms. At 8 ms drafting pays only at an acceptance near 1, so at the prior
+    (0.5) it never speculates, and its prefill gate learns that drafts do not pay; at 1 s it
+    could not pay even with every draft accepted (``could_pay``)."""
     from specjax.goodput import GoodputPolicy, LinearCost, StepCostModel
 
-    return GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, 1.0)))
+    return GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2), draft=LinearCost(0.0, 1e-6, draft_s)))
 
 
 def test_prefill_gate_skips_the_draft_prefill_once_drafts_do_not_pay(spec_gens, ar_greedy):
@@ -241,6 +243,9 @@ def test_prefill_gate_skips_the_draft_prefill_once_drafts_do_not_pay(spec_gens, 
             assert out[0].tokens == ar_greedy[1][0] and st.drafted == 0
             assert gen.last_draft_prefill == runs[-1]
         assert runs == [True, False, False]  # the gate closed after the first prompt's K = 0 steps
+        runs.clear()  # a draft that could not pay even if always accepted: no draft prefill, not even a first
+        out = gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4, policy=_dear_draft_policy(1.0))
+        assert runs == [False] and gen.last_draft_prefill is False and out[0].tokens == ar_greedy[1][0]
         assert gen.prefill_gate_for(pol) is gen.prefill_gate_for(pol)  # one gate per policy object
         assert gen.prefill_gate_for(_dear_draft_policy()) is not gen.prefill_gate_for(pol)
         assert gen.prefill_gate_for(FixedK(4)) is None  # a fixed K learns nothing

@@ -177,6 +177,7 @@ class ServingEngine:
         self.counts = AcceptanceCounts()  # every step's, K = 0 included
         self._next_arrival: float | None = None  # of the next request not yet arrived (run)
         self._step_s: float | None = None  # wall seconds of the last K = 0 step (one of a decode call's)
+        self.draft_prefills = 0  # requests admitted with their device draft's prefill
         # each step's event goes to these in order; on_step: called between steps (self.load())
         self.observers: list[Observer] = [PolicyFeedback(self.gate), CountAcceptance(self.counts),
                                           StepLog(self.steps), *observers]
@@ -275,11 +276,29 @@ class ServingEngine:
             if not self.sched.running and head != self.active_group:
                 self.policy, self.active_group = self.drafts.activate(head), head
             joins = lambda req: self.drafts.group(req) == self.active_group  # noqa: E731
-        speculate = self.policy.may_speculate and (self.gate.speculate() if self.gate else True)
+        speculate = self.policy.may_speculate
+        if speculate and self.gate:  # (a device draft: each request admitted with it pays a draft prefill)
+            speculate = self._draft_could_pay() and self.gate.speculate()
         rs = self.sched.admit(self._now(), speculate, self.max_prefill_batch, joins)
+        self.draft_prefills += len(rs) if speculate and self.backend.device_draft else 0
         for r in rs:
             r.prefilling = True
         self.backend.start_prefill(rs)
+
+    def _draft_could_pay(self) -> bool:
+        """Whether drafting could pay (``Policy.could_pay``) anywhere a request admitted now runs:
+        in the batch this admission makes, or alone once the others are done."""
+        running, free = self.sched.running, self.sched.free_rows
+        if self.max_prefill_batch is not None:
+            free = min(free, self.max_prefill_batch)
+        joining = [len(q.prompt) for q in list(self.sched.waiting)[:free]]
+        be = self.backend
+        together = [r.ctx_len for r in running] + joining
+        for lens, bucket in ((together, be.step_bucket(len(together))), (joining[:1], be.bucket(1))):
+            view = BatchView(ctx_lens=lens, bucket=bucket, k_options=be.k_options(bucket), k_coming=be.k_coming(bucket))
+            if self.policy.could_pay(view):
+                return True
+        return False
 
     def _prefill(self) -> None:
         """Run queued prefill chunks: all of them when nothing decodes or without a budget, else

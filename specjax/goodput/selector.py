@@ -103,6 +103,11 @@ class Policy:
         chosen, or None: every request gets up to k."""
         return None
 
+    def could_pay(self, view: BatchView) -> bool:
+        """Whether drafting could pay on this batch at all (the engine asks before a draft-model
+        prefill; ``view``: the batch an admission would make, no proposal)."""
+        return self.may_speculate
+
     def finish(self, rid: Hashable) -> None:
         pass
 
@@ -303,6 +308,18 @@ class GoodputPolicy(Policy):
             self._gate_draft_call(view, best_k)
         self._commit(best_k)
         return best_k
+
+    def could_pay(self, view: BatchView) -> bool:
+        """Whether some K > 0 (compiled or coming) would beat K = 0 on this batch even if every
+        draft were accepted: the ceiling no acceptance estimate can pass. A draft as costly as
+        the target never gets there, so its requests need no draft prefill and no probe (the
+        gate's probes cost a batch job 2-3% with such a draft, for nothing to learn)."""
+        ks = sorted({k for k in (*view.k_options, *view.k_coming) if k > 0})
+        if not ks or view.n == 0:
+            return bool(ks)
+        full = dataclasses.replace(view, k_options=(0, *ks), draft_lens=None, drafted_ahead=0)
+        plain = view.n / max(self.step_cost(full, 0), 1e-12)
+        return any(view.n * (k + 1) / max(self.step_cost(full, k, view.n * (k + 1)), 1e-12) > plain for k in ks)
 
     def _wanted(self, view: BatchView, best: float) -> int:
         """The K of ``view.k_coming`` whose estimated goodput beats ``best`` (the compiled
