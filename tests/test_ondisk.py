@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -170,9 +171,15 @@ def test_a_command_prefetches_the_executables_its_last_run_used_first(tmp_path, 
     monkeypatch.setattr(exe_cache, "_used", [])
     exe_cache.prefetch("run --flag=2")
     assert exe_cache._prefetched == {}
+    threads = []  # where each entry is unpickled: the first in this thread (its trees' imports)
+    real = exe_cache.ExecutableCache.unpickle
+    monkeypatch.setattr(exe_cache.ExecutableCache, "unpickle",
+                        lambda self, n: threads.append(threading.current_thread().name) or real(self, n))
     exe_cache.prefetch("run --flag=1")
     (name,) = exe_cache._prefetched
     assert name == exe_cache.default().entry("triple", (x,))
+    exe_cache._prefetched[name].result()
+    assert threads == [threading.current_thread().name]  # and not again in the prefetch thread
     exe = exe_cache.compile_cached(exe_cache.default(), "triple", triple, (x,))
     np.testing.assert_array_equal(exe(x), np.arange(4) * 3)
     assert len(traces) == 1 and exe_cache._prefetched == {}
