@@ -821,6 +821,32 @@ def test_could_pay_is_the_ceiling_of_every_draft_accepted():
     assert FixedK(2).could_pay(view) and not FixedK(0).could_pay(view)
 
 
+def test_min_gain_keeps_k0_where_drafting_is_estimated_only_a_little_ahead():
+    """K = 2 estimated 5% ahead of K = 0: taken with no margin, not with a 10% one (nor wanted
+    while still being built); 20% ahead, taken either way. The launch policies carry the
+    registry's margin, the oracle none."""
+    from specjax import registry
+
+    view = BatchView(ctx_lens=[100], bucket=1, k_options=(0, 2))
+    for gain, want in ((1.05, (2, 0)), (1.2, (2, 2))):
+        # one row, alpha 1 (every draft accepted): K = 2 makes 3 tokens for 3 / gain step costs
+        cost = _cost(d=1e-2, draft=LinearCost(0.0, 0.0, (3.0 / gain - 1.0) * 1e-2 / 2))
+        got = []
+        for margin in (0.0, 0.1):
+            pol = GoodputPolicy(cost, min_gain=margin)
+            _feed(pol, [2], [2], k=2)
+            got.append(pol.choose(view))
+            assert pol.last_goodputs[2] / pol.last_goodputs[0] == pytest.approx(gain, rel=1e-6)
+        assert tuple(got) == want, (gain, got)
+    pol = GoodputPolicy(_cost(d=1e-2, draft=LinearCost(0.0, 0.0, (3.0 / 1.05 - 1.0) * 1e-2 / 2)), min_gain=0.1)
+    _feed(pol, [2], [2], k=2)
+    assert pol.choose(dataclasses.replace(view, k_options=(0,), k_coming=(2,))) == 0 and pol.want_k == 0
+    assert registry.policy_for("smartspec").min_gain == registry.MIN_GAIN > 0
+    assert registry.policy_for("oracle").min_gain == 0.0
+    with pytest.raises(ValueError, match="min_gain"):
+        GoodputPolicy(_cost(d=1e-2), min_gain=-0.1)
+
+
 def test_cost_calibration_corrects_an_underestimating_model():
     """The fitted line says drafting pays at batch 1; the measured steps say K = 4 costs twice
     its prediction: after observing them the selector falls back to K = 0. Unmeasured shapes

@@ -157,11 +157,17 @@ class GoodputPolicy(Policy):
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
                  name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False,
-                 calibrate: bool = True):
+                 calibrate: bool = True, min_gain: float = 0.0):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
+        if min_gain < 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain}")
         self.cost = cost
         self.estimator = estimator
+        # A K > 0 runs only where its estimated goodput beats K = 0's by more than this fraction:
+        # both estimates carry errors of several percent (alpha from a moving average, the step
+        # cost from calibrated measurements), and a marginal K > 0 also ends a K = 0 decode call.
+        self.min_gain = float(min_gain)
         self.acc = AcceptanceEstimator(window, prior_alpha, per_request)
         self.threshold = threshold
         # Confidence policy: whether the next step drafts ahead (see draft_threshold); draft
@@ -299,31 +305,36 @@ class GoodputPolicy(Policy):
                          if view.draft_classes is not None and len(view.request_ids) else {})
         rows = self.row_expected(view, max(view.k_options)) if view.n else None
         self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
-        best_k = max(view.k_options, key=lambda k: (self.last_goodputs[k], -k))  # ties: the smaller K
-        self.want_k = self._wanted(view, self.last_goodputs[best_k]) if view.k_coming and view.n else 0
+        bar = self._bar(self.last_goodputs)
+        best_k = max(view.k_options, key=lambda k: (bar[k], -k))  # ties: the smaller K
+        self.want_k = self._wanted(view, bar[best_k]) if view.k_coming and view.n else 0
         self._row_k = None
         if self.per_request_k and view.n > 1 and len(view.request_ids) == view.n:
-            best_k = self._choose_per_request(view, best_k)
+            best_k = self._choose_per_request(view, best_k, bar[best_k])
         if self.estimator == "confidence":
             self._gate_draft_call(view, best_k)
         self._commit(best_k)
         return best_k
 
     def could_pay(self, view: BatchView) -> bool:
-        """Whether some K > 0 (compiled or coming) would beat K = 0 on this batch even if every
-        draft were accepted: the ceiling no acceptance estimate can pass. A draft as costly as
+        """Whether some K > 0 (compiled or coming) would beat K = 0 (by ``min_gain``) on this batch
+        even if every draft were accepted: the ceiling no acceptance estimate can pass. A draft as costly as
         the target never gets there, so its requests need no draft prefill and no probe (the
         gate's probes cost a batch job 2-3% with such a draft, for nothing to learn)."""
         ks = sorted({k for k in (*view.k_options, *view.k_coming) if k > 0})
         if not ks or view.n == 0:
             return bool(ks)
         full = dataclasses.replace(view, k_options=(0, *ks), draft_lens=None, drafted_ahead=0)
-        plain = view.n / max(self.step_cost(full, 0), 1e-12)
+        plain = view.n / max(self.step_cost(full, 0), 1e-12) * (1.0 + self.min_gain)
         return any(view.n * (k + 1) / max(self.step_cost(full, k, view.n * (k + 1)), 1e-12) > plain for k in ks)
+
+    def _bar(self, goodputs: dict) -> dict:
+        """The goodputs the choice compares: K = 0's raised by ``min_gain``, the others as estimated."""
+        return {k: g * (1.0 + self.min_gain) if k == 0 else g for k, g in goodputs.items()}
 
     def _wanted(self, view: BatchView, best: float) -> int:
         """The K of ``view.k_coming`` whose estimated goodput beats ``best`` (the compiled
-        options' best) the most, else 0."""
+        options' best, K = 0's with its ``min_gain``) the most, else 0."""
         full = dataclasses.replace(view, k_options=tuple(sorted({*view.k_options, *view.k_coming})))
         rows = self.row_expected(full, max(full.k_options))
         gps = {k: self.goodput(full, k, rows) for k in view.k_coming}
@@ -358,15 +369,15 @@ class GoodputPolicy(Policy):
         else:
             ma = dataclasses.replace(view, confidences=None, drafted_ahead=0)
             gps = {k: self.goodput(ma, k) for k in view.k_options}
-        ma_best = max(gps, key=lambda k: (gps[k], -k))
+        bar = self._bar(gps)
+        ma_best = max(bar, key=lambda k: (bar[k], -k))
         self._draft_ahead = self._steps >= self._closed_until and ma_best > 0
 
-    def _choose_per_request(self, view: BatchView, best_k: int) -> int:
+    def _choose_per_request(self, view: BatchView, best_k: int, best: float) -> int:
         """Request-level K: for each token budget (a packed size or a full block), give the
         drafts to the requests whose next draft adds the most expected tokens (greedy over the
         marginal gains, each request's drafts in order), and keep the allocation whose goodput
-        beats the batch-level choice."""
-        best = self.last_goodputs[best_k]
+        beats the batch-level choice (``best``: its goodput as compared, see ``_bar``)."""
         kmax = max(view.k_options)
         rows = self.row_expected(view, kmax)
         budgets = sorted({t for k in view.k_options for t in view.token_options.get(k, ())}
