@@ -460,6 +460,11 @@ def prefetch_executables() -> None:
     JSONL files (another prompt or job of the same command mostly runs the same programs)."""
     import sys
 
+    # The programs' trees name classes from across the engine (its state, the drafters' caches):
+    # their modules are imported here, before the loading thread starts. Imported first by that
+    # thread's unpickling, they raced this thread's own imports of the same packages, and Python's
+    # import-deadlock escape handed one side a half-built module (2 batch jobs in about 40 failed).
+    import specjax.engine.jax_backend  # noqa: F401
     from specjax.engine import exe_cache
 
     def register():

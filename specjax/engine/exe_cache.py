@@ -95,22 +95,15 @@ class ExecutableCache:
         path = os.path.join(self.path, name)
         return os.path.exists(path) and os.path.exists(path + ondisk.RECORD)
 
-    def unpickle(self, name: str):
-        """An entry's (payload, in_tree, out_tree); None when absent or damaged (logged once:
-        compiled again and replaced). Unpickling the trees imports the modules of their classes."""
-        blob = ondisk.read(os.path.join(self.path, name))
-        return None if blob is None else pickle.loads(blob)
-
-    def load(self, name: str, pickled=None):
-        """An entry as a loaded executable (``pickled``: its ``unpickle``, if already read)."""
+    def load(self, name: str):
         path = os.path.join(self.path, name)
+        blob = ondisk.read(path)  # None when absent or damaged (logged once): compiled again and replaced
+        if blob is None:
+            return None
         try:
-            pickled = pickled if pickled is not None else self.unpickle(name)
-            if pickled is None:
-                return None
             from jax.experimental.serialize_executable import deserialize_and_load
 
-            payload, in_tree, out_tree = pickled
+            payload, in_tree, out_tree = pickle.loads(blob)
             # on the one device it was compiled for: by default jax would spread it over every
             # device of the process (a machine with several GPUs, or fake CPU devices), and each
             # call would then fail for want of a shard per device
@@ -181,31 +174,22 @@ def prefetch(job: str, register=None) -> None:
     names = [(n, r) for n, r in (json.loads(blob) if blob else []) if cache.has(n)]
     if not names:
         return
-    names = [(n, r) for n, r in names if not r or register is not None]
-    if not names:
-        return
-    # The first entry is unpickled here: its trees import the engine's modules (state, drafters,
-    # and through them most of specjax) in this thread. Imported first by the thread, they raced
-    # the caller's own imports of the same packages, and Python's import-deadlock escape handed
-    # one side a half-built module (ImportError, one batch job in about twenty).
-    try:
-        first = cache.unpickle(names[0][0])
-    except Exception:  # (loaded, or found unloadable, in the thread as any other)
-        first = None
     pool = ThreadPoolExecutor(1, thread_name_prefix="specjax-prefetch")
     registered = threading.Event()
 
-    def load(name, registers, pickled=None):
+    def load(name, registers):
         if registers and not registered.is_set():
             try:
                 register()
             except Exception:  # (the caller's own register then says why)
                 return None
             registered.set()
-        return cache.load(name, pickled)
+        return cache.load(name)
 
-    for i, (name, registers) in enumerate(names):
-        _prefetched[name] = pool.submit(load, name, registers, first if i == 0 else None)
+    for name, registers in names:
+        if registers and register is None:
+            continue
+        _prefetched[name] = pool.submit(load, name, registers)
     pool.shutdown(wait=False)
 
 

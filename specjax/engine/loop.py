@@ -32,6 +32,7 @@ scheduler, the selector and every bookkeeping rule with the real engine.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -291,7 +292,7 @@ class ServingEngine:
         running, free = self.sched.running, self.sched.free_rows
         if self.max_prefill_batch is not None:
             free = min(free, self.max_prefill_batch)
-        joining = [len(q.prompt) for q in list(self.sched.waiting)[:free]]
+        joining = [len(q.prompt) for q in itertools.islice(self.sched.waiting, free)]
         be = self.backend
         together = [r.ctx_len for r in running] + joining
         for lens, bucket in ((together, be.step_bucket(len(together))), (joining[:1], be.bucket(1))):
