@@ -2,6 +2,7 @@
 
   python benchmarks/step_cost.py --context 64,512,1024 --ks 0,1,2,4,8 [--draft_layers 8]
   python benchmarks/step_cost.py --context 256 --ks 1,3,5 --draft_layers 8 --draft_vocab 4096,8192
+  python benchmarks/step_cost.py --context 256 --ks 0,1,3,5 --eagle_vocab 4096,49152 --launch_fwd
 
 For each committed context length and each K, times the engine's compiled chain step (host
 drafter, greedy, batch 1; the drafts are random tokens, acceptance does not change the cost) and
@@ -10,12 +11,18 @@ the autoregressive ``decode_step`` at the same context, every K and AR in rotate
 ``--draft_vocab`` adds the same layer-skip draft with reduced-vocabulary heads of those sizes
 (drafters.device.reduced_vocab) and prints each device draft's own cost (its step minus the
 host-drafter step at the same K: K draft forwards and the draft cache's re-feed).
+``--eagle_vocab`` does the same for an EAGLE head (drafters.eagle, random weights: the cost does
+not depend on them) with a head over that many target tokens (the model's vocabulary size = no
+reduction); ``--launch_fwd`` times every table and AR with the launch scripts' forward options as
+resolved for this model on this machine (rows kernel, CPU attention, layers as a loop) instead of
+XLA's defaults.
 A speculative step that accepts ``a`` tokens on average (bonus included) beats AR when
 ``a > cost(K) / cost(AR)``: the ratio column is that break-even mean accepted length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +38,9 @@ flags.DEFINE_list("ks", ["0", "1", "2", "4", "8"], "K values.")
 flags.DEFINE_integer("slots", 2048, "Cache slots.")
 flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
+flags.DEFINE_list("eagle_vocab", [], "Also time an EAGLE head with a vocabulary head of each of these sizes.")
+flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
+                  "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
 flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
 
@@ -41,21 +51,31 @@ def main(argv):
 
     from specjax import cache as kv
     from specjax.benchtime import interleaved_medians, prefill_fn, steady_step
+    from specjax.drafters import eagle
     from specjax.drafters.device import layer_skip, reduced_vocab
+    from specjax.engine.spec import EngineSpec
     from specjax.engine.table import StepTable
     from specjax.reference_ar import decode_step
     from specjax.models.loader import load_model
+    from specjax.models.options import ForwardOptions
     from specjax.sampling import SamplingArrays, SamplingParams
 
     m = load_model(FLAGS.model)
-    cfg, params = m.cfg, m.params
+    cfg = m.cfg
+    auto = dict(rows_kernel_auto=True, attention_auto=True, scan_auto=True)  # (the launch flags' defaults)
+    fwd = EngineSpec(model=FLAGS.model, **auto).resolved(m).fwd if FLAGS.launch_fwd else ForwardOptions()
+    params = m.params_for(fwd)
     S = FLAGS.slots
     rng = np.random.default_rng(0)
     drafts = [layer_skip(cfg, params, FLAGS.draft_layers)] if FLAGS.draft_layers else []
     for n in map(int, FLAGS.draft_vocab):
         # which N tokens does not change the cost: the first N ids stand for the N most frequent
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
-    tables = [("host", StepTable(cfg, params, params))] + [(d.label, StepTable(cfg, params, dp, d)) for d, dp in drafts]
+    for n in map(int, FLAGS.eagle_vocab):
+        d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n))
+        drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens"), dp))
+    tables = [("host", StepTable(cfg, params, params, fwd=fwd))] + [
+        (d.label, StepTable(cfg, params, dp, d, fwd=fwd)) for d, dp in drafts]
     samp = SamplingArrays.build([SamplingParams()], 1)
     ks = [int(k) for k in FLAGS.ks]
 
@@ -65,12 +85,12 @@ def main(argv):
         tok, act = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.ones(1, bool))
 
         def run():
-            c, t = decode_step(params, holder[0], tok, act, samp, cfg=cfg, greedy_only=True)
+            c, t = decode_step(params, holder[0], tok, act, samp, cfg=cfg, greedy_only=True, fwd=fwd)
             jax.block_until_ready(t)
             holder[0] = kv.set_lengths(c, jax.device_put(np.array([ctx], np.int32)))  # (a new buffer: donated)
         return run
 
-    print(f"{cfg.name}, batch 1, greedy, {S} slots; ms per call (median of {FLAGS.reps} rotated rounds)")
+    print(f"{cfg.name}, batch 1, greedy, {S} slots, {fwd}; ms per call (median of {FLAGS.reps} rotated rounds)")
     print("| context | drafter | K | step ms | AR decode ms | step / AR | draft ms |")
     print("|---|---|---|---|---|---|---|")
     rows = []

@@ -392,6 +392,7 @@ class ServingEngine:
         steps = max(map(len, toks))
         wall = (time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed) / steps
         elapsed /= steps
+        full = steps >= getattr(be, "decode_steps", 1)
         self._step_s = wall
         ops = tuple(be.take_row_ops())
         for j in range(steps):
@@ -409,7 +410,7 @@ class ServingEngine:
                 if rs[i].done != last and (rs[i].done or len(toks[i]) < steps):
                     raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
             self._observe(StepEvent(self._now(), sub, view, prop, self.policy, 0, 0, be.last_tokens, results, emitted,
-                                    elapsed, wall, ops if j == 0 else ()))
+                                    elapsed, wall, ops if j == 0 else (), full_call=full))
 
     def _take(self, r: Running, res: RowResult) -> int:
         """A row's step result into its request (tokens, teacher signal, its own counts); returns

@@ -42,6 +42,9 @@ class StepEvent:
     elapsed: float  # backend-reported (device or modelled) seconds
     wall: float  # the iteration up to its tokens emitted (== elapsed in the simulator)
     row_ops: tuple  # (op, bucket from, bucket to): cache resizes / clears the step also ran
+    # one of the K = 0 steps of a decode call as long as the backend runs (``wall``: the call's per
+    # step): what K = 0 costs once it runs on, without the ramp of short calls after a K > 0 step
+    full_call: bool = False
 
     @property
     def drafted(self) -> list[int]:
@@ -121,7 +124,7 @@ class PolicyFeedback(Observer):
             self.gate.record(ev.k, lens is None or any(d > 0 for d in lens))
         ev.policy.observe(ev.k, ev.drafted, ev.accepted, ev.view.request_ids)
         self._shadow_verify(ev)
-        ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall)
+        ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call)
         for r in ev.rows:
             if r.done:
                 self._shadow.pop(r.uid, None)

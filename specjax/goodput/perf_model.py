@@ -171,6 +171,11 @@ class CostCalibration:
             self._ratios.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(measured / predicted)
             self._cache.clear()
 
+    def forget(self, k: int) -> None:
+        """Drop what every shape of block K = ``k`` measured (another way of running it takes over)."""
+        self._ratios = {key: v for key, v in self._ratios.items() if key[1] != k}
+        self._cache.clear()
+
     def factor(self, key: tuple[int, int, int]) -> float:
         key = tuple(key)
         f = self._cache.get(key)

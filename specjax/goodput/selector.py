@@ -94,9 +94,11 @@ class Policy:
         """Feedback after the verify step (Algorithm 2 line 13-14); ``classes``: the rows' draft
         classes when not those of the last choice (shadow-verified older proposals)."""
 
-    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False) -> None:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
-        and the seconds the whole iteration took, what the policy's cost estimate predicts."""
+        and the seconds the whole iteration took, what the policy's cost estimate predicts;
+        ``full_call``: a K = 0 step of a decode call as long as the backend runs (``seconds``: the
+        call's per step)."""
 
     def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
         """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
@@ -195,6 +197,7 @@ class GoodputPolicy(Policy):
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
         self._plain_run = 0  # K = 0 choices since the last speculative step that paid (plain_steps)
+        self._k0_calls = False  # K = 0 steps have run in full decode calls (observe_time)
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
@@ -281,12 +284,23 @@ class GoodputPolicy(Policy):
                     + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
         return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
 
-    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float) -> None:
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False) -> None:
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        if self.calibration is not None:
-            self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
+        if k_step == 0 and full_call and not self._k0_calls:
+            self._k0_calls = True
+            if self.calibration is not None:
+                self.calibration.forget(0)  # the single steps before the first call
+        if self.calibration is None or (k_step == 0 and not full_call and self._k0_calls):
+            # Once K = 0 has run in full decode calls, that is what choosing it keeps costing. The
+            # single steps and short calls (1, 2, 4, ...: _commit) that speculating leaves between
+            # verify steps pay a host round trip per call (22 ms a step alone, 15 in a call of 16,
+            # batch 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
+            # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
+            # cost reading 1.35x its calls' where K > 0 was chosen.
+            return
+        self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
     def goodput(self, view: BatchView, k: int, rows: list[np.ndarray] | None = None) -> float:
         """Algorithm 1: generated length / batch execution time (``rows``: see expected_tokens)."""
