@@ -390,7 +390,6 @@ def test_registry_policies_are_keyed_by_their_device_draft(tmp_path):
     name); host drafters share the target-only one. Every named SmartSpec policy keeps alphas
     per request; only smartspec-req also sets per-request draft counts."""
     from specjax import registry
-    from specjax.goodput.perf_model import hardware_key, model_key
 
     assert registry.perf_model_label("hybrid") == registry.perf_model_label("suffix") == "prompt_lookup"
     assert registry.perf_model_label("layer_skip", 12) == "layer_skip12"
