@@ -893,6 +893,9 @@ def test_k0_cost_is_its_decode_calls_once_they_run():
     assert pol.calibration.factors()[(4, 0, 4)] == pytest.approx(1.0)
     pol.observe_time(view, 2, 12, 3.0 * pol._model_cost(view, 2, 12))  # K > 0 steps calibrate as before
     assert pol.calibration.factors()[(4, 2, 12)] == pytest.approx(3.0)
+    two = dataclasses.replace(view, ctx_lens=[100, 120], bucket=2)  # another bucket: no full call there yet
+    pol.observe_time(two, 0, 2, 1.5 * pol._model_cost(two, 0, 2))
+    assert pol.calibration.factors()[(2, 0, 2)] == pytest.approx(1.5)
 
 
 def test_selector_reprobes_after_stale_k0_steps():

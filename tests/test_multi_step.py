@@ -195,7 +195,7 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
     outs, eng, calls = _serve(be, reqs, pol := GoodputPolicy(costly))
     assert [o.tokens for o in outs] == reference
-    assert pol._k0_calls  # the calls' steps reached the policy as such (K = 0's cost: theirs)
+    assert pol._k0_calls == {4}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
     assert calls.step == 1 and calls.decode[:3] == [2, 4, N] and max(calls.decode) == N
     assert eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
     cheap = GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2)))  # verifying is free: speculate

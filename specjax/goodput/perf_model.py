@@ -171,9 +171,10 @@ class CostCalibration:
             self._ratios.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(measured / predicted)
             self._cache.clear()
 
-    def forget(self, k: int) -> None:
-        """Drop what every shape of block K = ``k`` measured (another way of running it takes over)."""
-        self._ratios = {key: v for key, v in self._ratios.items() if key[1] != k}
+    def forget(self, bucket: int, k: int) -> None:
+        """Drop what the shapes of block K = ``k`` at ``bucket`` measured (another way of running
+        them takes over)."""
+        self._ratios = {key: v for key, v in self._ratios.items() if key[:2] != (bucket, k)}
         self._cache.clear()
 
     def factor(self, key: tuple[int, int, int]) -> float:

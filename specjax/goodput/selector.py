@@ -197,7 +197,7 @@ class GoodputPolicy(Policy):
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
         self._plain_run = 0  # K = 0 choices since the last speculative step that paid (plain_steps)
-        self._k0_calls = False  # K = 0 steps have run in full decode calls (observe_time)
+        self._k0_calls: set[int] = set()  # batch buckets whose K = 0 has run in full decode calls
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
@@ -288,14 +288,14 @@ class GoodputPolicy(Policy):
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        if k_step == 0 and full_call and not self._k0_calls:
-            self._k0_calls = True
+        if k_step == 0 and full_call and view.bucket not in self._k0_calls:
+            self._k0_calls.add(view.bucket)
             if self.calibration is not None:
-                self.calibration.forget(0)  # the single steps before the first call
-        if self.calibration is None or (k_step == 0 and not full_call and self._k0_calls):
-            # Once K = 0 has run in full decode calls, that is what choosing it keeps costing. The
-            # single steps and short calls (1, 2, 4, ...: _commit) that speculating leaves between
-            # verify steps pay a host round trip per call (22 ms a step alone, 15 in a call of 16,
+                self.calibration.forget(view.bucket, 0)  # the single steps before the first call
+        if self.calibration is None or (k_step == 0 and not full_call and view.bucket in self._k0_calls):
+            # Once K = 0 has run in full decode calls at this bucket, that is what choosing it keeps
+            # costing. The single steps and short calls (1, 2, 4, ...: _commit) that speculating leaves
+            # between verify steps pay a host round trip per call (22 ms a step alone, 15 in a call of 16,
             # batch 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
             # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
             # cost reading 1.35x its calls' where K > 0 was chosen.
