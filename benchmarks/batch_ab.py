@@ -1,0 +1,175 @@
+"""One JSONL batch job served again and again in one process, turn about: specjax AR and each
+drafter under its policy (SmartSpec by default), every run a whole fresh job through the serving
+path of launch/batch.py (specjax.serve_job: a new backend and policy per run, as a new process
+would have, everything compiled and run once before serving), in rounds whose order rotates.
+
+  python benchmarks/batch_ab.py --input_jsonl prompts.jsonl --chat --batch_buckets 1,2,4 \\
+      --max_new_tokens 96 --arms none,prompt_lookup,suffix,layer_skip,none --rounds 3 --json_out ab.json
+
+Why not one process per run (benchmarks/batch_drafters.sh): on the 2-core machines here, two
+processes serving the very same AR job differ by up to 10% (151.8-172.9 tok/s seen on one 64-record
+job, 2026-11-30), more than the 2% a drafter may cost, and a drafter that never drafts measured
+0.90-1.06x AR that way. Here every arm shares the loaded weights and the process, and machine drift
+falls on every arm alike (rotation: no arm always runs first or after a given other). A second
+``none`` arm is a control: AR against AR shows what this harness cannot tell apart.
+
+Prints, per round and over all rounds, each arm's serving tok/s (compilation excluded; tokens over
+the rounds' summed serving seconds), serving CPU ms per token, mean K and its ratio to the first
+``none`` arm of the same round; greedy outputs must equal AR's, record by record. The outputs of
+every run stay in --out_dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+from specjax import cli, registry, specbench  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("arms", ["none", "prompt_lookup", "suffix"], "The engines, in first-round order: 'none' is "
+                  "specjax AR (the first one the baseline, any other a control), else a drafter under --policy.")
+flags.DEFINE_integer("rounds", 2, "Runs of every arm (the order rotates each round).")
+flags.DEFINE_string("out_dir", "/tmp/specjax_batch_ab", "Each run's output JSONL goes here (emptied first).")
+flags.DEFINE_string("json_out", None, "Write every run's figures and the summary as JSON here.")
+flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
+cli.define_job_flags()
+cli.define_model_flags()
+cli.define_drafter_flags("prompt_lookup", num_spec_tokens=3, k_buckets="0,1,2,3,4,5")
+cli.define_engine_flags(slots=0)
+cli.define_request_flags()
+cli.define_forward_flags()
+cli.define_policy_flags()
+
+
+def arm_names(arms: list[str]) -> list[str]:
+    """Unique labels: a drafter's name, 'ar' for the first 'none', 'ar (control N)' after it."""
+    out, seen = [], 0
+    for a in arms:
+        if a == "none":
+            out.append("ar" if not seen else f"ar (control {seen})")
+            seen += 1
+        else:
+            out.append(a)
+    return out
+
+
+def validate() -> dict:
+    from specjax.errors import SpecjaxError
+
+    if not FLAGS.input_jsonl:
+        raise SpecjaxError("--input_jsonl is required")
+    if FLAGS.rounds < 1:
+        raise SpecjaxError(f"--rounds must be >= 1, got {FLAGS.rounds}")
+    arms = [a.strip() for a in FLAGS.arms if a.strip()]
+    if "none" not in arms:
+        raise SpecjaxError("--arms needs 'none' (specjax AR, the baseline)")
+    dup = {a for a in arms if a != "none" and arms.count(a) > 1}
+    if dup:
+        raise SpecjaxError(f"--arms lists {', '.join(sorted(dup))} twice (only 'none' may repeat)")
+    for a in arms:
+        if a != "none" and a not in registry.DRAFTERS:
+            raise SpecjaxError(f"unknown drafter {a!r} in --arms")
+    cli.request_defaults()
+    return {name: cli.engine_spec_from_flags(drafter=a, policy="none" if a == "none" else None)
+            for name, a in zip(arm_names(arms), arms)}
+
+
+def serve_once(spec, model, out_path: str) -> dict:
+    """One fresh batch job of --input_jsonl into ``out_path``, as launch/batch.py serves it."""
+    from specjax.jobs import Job
+    from specjax.serve_job import serve_job
+
+    if spec.slots:
+        backend = registry.build_backend(spec, model)
+    else:  # KV rows sized from the job's records (serve_job's slot classes), as launch/batch.py
+        def backend(slots):
+            return registry.build_backend(dataclasses.replace(spec, slots=slots), model)
+    policy, label = cli.policy_from_spec(spec, model)
+    rep: dict = {}
+    with Job(FLAGS.input_jsonl, out_path, cli.request_defaults(), progress=False) as job:
+        rep["rc"] = serve_job(job, model, backend, policy, label, drafter=spec.drafter.name, chat=FLAGS.chat,
+                              system=FLAGS.system, compile_ahead=True, report=rep)
+    return rep
+
+
+def outputs(path: str) -> dict:
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    return {r["id"]: r.get("output_ids", r.get("error")) for r in recs}
+
+
+def table(runs: list[dict], names: list[str], rounds: int) -> str:
+    by = {(r["arm"], r["round"]): r for r in runs}
+    head = ["arm"] + [f"round {i + 1}: tok/s (x AR)" for i in range(rounds)] + [
+        "all rounds: tok/s (x AR)", "CPU ms/token", "mean K", "outputs equal AR's"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    tot = {n: (sum(by[n, i]["tokens"] for i in range(rounds)), sum(by[n, i]["serve_s"] for i in range(rounds)),
+               sum(by[n, i]["serve_cpu_s"] for i in range(rounds))) for n in names}
+    base = tot["ar"][0] / tot["ar"][1]
+    for n in names:
+        cells = [n]
+        for i in range(rounds):
+            r, a = by[n, i], by["ar", i]
+            tps, ar_tps = r["tokens"] / r["serve_s"], a["tokens"] / a["serve_s"]
+            cells.append(f"{tps:.1f} ({tps / ar_tps:.3f})")
+        tk, ts, tc = tot[n]
+        ks = [by[n, i]["mean_k"] for i in range(rounds) if by[n, i]["mean_k"] is not None]
+        eq = [by[n, i]["equal"] for i in range(rounds)]
+        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", f"{1e3 * tc / tk:.2f}",
+                  " / ".join(f"{k:.2f}" for k in ks),
+                  " / ".join(f"{e}/{by[n, 0]['records']}" for e in eq)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    cli.run_job(run, argv)
+
+
+def run() -> int:
+    import shutil
+
+    specs = validate()
+    names = list(specs)
+    model, _ = cli.load_target(next(iter(specs.values())))
+    specs = {n: sp.resolved(model) for n, sp in specs.items()}
+    shutil.rmtree(FLAGS.out_dir, ignore_errors=True)
+    os.makedirs(FLAGS.out_dir)
+    runs = []
+    for rnd in range(FLAGS.rounds):
+        ar_out = None
+        order = specbench.rotated(names, rnd)
+        for n in order:
+            path = os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{n.replace(' ', '_').strip('()')}.jsonl")
+            print(f"[round {rnd + 1}/{FLAGS.rounds}: {n}]", file=sys.stderr, flush=True)
+            rep = serve_once(specs[n], model, path)
+            if rep["rc"] != 0:
+                print(f"error: the {n} run ended with status {rep['rc']}", file=sys.stderr)
+                return rep["rc"]
+            runs.append(dict(arm=n, round=rnd, path=path, **rep))
+        ar_out = outputs(next(r["path"] for r in runs if r["arm"] == "ar" and r["round"] == rnd))
+        for r in runs:
+            if r["round"] == rnd:
+                mine = outputs(r["path"])
+                r["records"] = len(ar_out)
+                r["equal"] = sum(1 for k, v in ar_out.items() if mine.get(k) == v)
+    md = table(runs, names, FLAGS.rounds)
+    print(f"\n{specbench.cpu_description()}; "
+          f"{len(ar_out)} records, batch buckets {FLAGS.batch_buckets}, {FLAGS.rounds} rounds\n\n{md}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"command": "python benchmarks/batch_ab.py " + " ".join(sys.argv[1:]), "runs": runs,
+                       "table": md}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
