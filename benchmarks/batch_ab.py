@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +136,10 @@ def main(argv):
 
 
 def run() -> int:
+    import gc
     import shutil
+
+    import jax
 
     specs = validate()
     names = list(specs)
@@ -148,12 +152,18 @@ def run() -> int:
         ar_out = None
         order = specbench.rotated(names, rnd)
         for n in order:
-            path = os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{n.replace(' ', '_').strip('()')}.jsonl")
+            path = os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{re.sub(r'[^A-Za-z0-9]+', '_', n).strip('_')}.jsonl")
             print(f"[round {rnd + 1}/{FLAGS.rounds}: {n}]", file=sys.stderr, flush=True)
             rep = serve_once(specs[n], model, path)
-            if rep["rc"] != 0:
-                print(f"error: the {n} run ended with status {rep['rc']}", file=sys.stderr)
-                return rep["rc"]
+            # the run's executables go, as with its process: each holds memory maps of its own,
+            # which a process runs out of after a few hundred (the next run loads its own from disk)
+            jax.clear_caches()
+            gc.collect()
+            errors = sum(isinstance(v, str) for v in outputs(path).values())
+            if rep["rc"] != 0 or errors:
+                print(f"error: the {n} run ended with status {rep['rc']} and {errors} error records "
+                      f"(in {path})", file=sys.stderr)
+                return rep["rc"] or 1
             runs.append(dict(arm=n, round=rnd, path=path, **rep))
         ar_out = outputs(next(r["path"] for r in runs if r["arm"] == "ar" and r["round"] == rnd))
         for r in runs:

@@ -31,6 +31,7 @@ FLAGS = flags.FLAGS
 COMMAND = "python launch/bench.py " + " ".join(sys.argv[1:])
 cli.define_model_flags()
 cli.define_prompt_flags(chat=True)
+cli.define_sampling_flags()
 cli.define_question_flags(max_prompt_tokens=2048)
 flags.DEFINE_list("categories", None, "Only these categories (comma list); default all.")
 flags.DEFINE_integer("per_category", 0, "Keep the first N questions of each category; 0 = all.")
@@ -139,7 +140,10 @@ def validate_flags():
     for flag in ("llamacpp_batch_sizes", "prefill_lens"):
         if not all(v.isdigit() and int(v) >= 1 for v in FLAGS[flag].value):
             raise SpecjaxError(f"--{flag} must list positive integers, got {','.join(FLAGS[flag].value)}")
-    return drafters, specs
+    samp = cli.sampling_from_flags()
+    if not samp.greedy and (FLAGS.hf_python or FLAGS.llamacpp_python):
+        raise SpecjaxError("the peers run greedy only; drop --hf_python / --llamacpp_python with --temperature > 0")
+    return drafters, specs, samp
 
 
 def bench() -> int:
@@ -153,7 +157,8 @@ def bench() -> int:
     from specjax.models.loader import load_model
     from specjax.spec_generate import SpecStats
 
-    drafters, specs = validate_flags()
+    drafters, specs, samp = validate_flags()
+    greedy = samp.greedy
     policy_names = list(dict.fromkeys(s.policy.name for s in specs.values()))
     k_buckets = next(iter(specs.values())).k_buckets
     K = FLAGS.num_spec_tokens
@@ -238,18 +243,18 @@ def bench() -> int:
     # (prefill by length: its prompts' shapes too, one new token each)
     warm = {"ar_compile_s": registry.warm_spec(ar, {registry.spec_shapes(ar, len(p["ids"]), mnt) for p in prompts}
                                                 | {registry.spec_shapes(ar, len(ids), 1) for ids in prefill_prompts}, 0,
-                                                execute=True)}
+                                                greedy=greedy, execute=True)}
     for m in methods:
         g = gens[m["name"]]
         print(f"[compiling {m['name']} variants]", file=sys.stderr)
         k_warm = max(k_buckets) if m["k"] is None else m["k"]  # a goodput policy may choose any compiled K
         warm[f"{m['name']}_compile_s"] = registry.warm_spec(
-            g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, k_warm, execute=True)
+            g, {registry.spec_shapes(g, len(p["ids"]), mnt) for p in prompts}, k_warm, greedy=greedy, execute=True)
     t0 = time.perf_counter()
     first = prompts[0]["ids"]
-    ar.generate([first], max_new_tokens=mnt)
+    ar.generate([first], sampling=samp, max_new_tokens=mnt)
     for m in methods:  # a copy of the policy: the timed one starts from its prior
-        gens[m["name"]].generate([first], max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats(),
+        gens[m["name"]].generate([first], sampling=samp, max_new_tokens=mnt, num_spec_tokens=K, stats=SpecStats(),
                                  policy=copy.deepcopy(pols[m["name"]]))
     warm["untimed_first_prompt_s"] = time.perf_counter() - t0
     for g in gens.values():  # the warm-up output must not sit in a suffix cache when prompt 1 is timed
@@ -269,7 +274,7 @@ def bench() -> int:
             row = {"key": p["key"], "question_id": p["question_id"], "category": p["category"],
                    "prompt_tokens": len(p["ids"]), "order": ["ar"] + [m["name"] for m in order]}
             t = time.perf_counter()
-            r = ar.generate([p["ids"]], max_new_tokens=mnt)[0]
+            r = ar.generate([p["ids"]], sampling=samp, max_new_tokens=mnt)[0]
             wall = time.perf_counter() - t
             row["ar"] = {"wall_s": wall, "new_tokens": len(r.tokens), "prefill_s": r.prefill_s,
                          "decode_s": r.decode_s, "finish_reason": r.finish_reason, "output_ids": r.tokens,
@@ -279,14 +284,15 @@ def bench() -> int:
                 name, g = m["name"], gens[m["name"]]
                 st = SpecStats()
                 t = time.perf_counter()
-                s = g.generate([p["ids"]], max_new_tokens=mnt, num_spec_tokens=K, stats=st, policy=pols[name])[0]
+                s = g.generate([p["ids"]], sampling=samp, max_new_tokens=mnt, num_spec_tokens=K, stats=st,
+                               policy=pols[name])[0]
                 wall = time.perf_counter() - t
-                eq = s.tokens == r.tokens
+                eq = s.tokens == r.tokens if greedy else None  # (sampled: two draws, not compared)
                 row[name] = {"wall_s": wall, "new_tokens": len(s.tokens), "prefill_s": s.prefill_s,
                              "decode_s": s.decode_s, "finish_reason": s.finish_reason, "equal_to_ar": eq,
                              "draft_prefill": g.last_draft_prefill, "step_records": specbench.step_records(g.last_engine),
                              "_stats": st, **st.summary()}
-                if not eq:
+                if eq is False:
                     j = specbench.first_diff(s.tokens, r.tokens)
                     msg = (f"MISMATCH {name} {p['key']}: output differs from the AR baseline at token {j} "
                            f"(AR {len(r.tokens)} tokens, {name} {len(s.tokens)} tokens)")
@@ -301,7 +307,7 @@ def bench() -> int:
         bar.close()
 
     # prefill by length, after the timed runs (compiled and run once by the warm-up; best of 3)
-    prefill_s = {len(ids): min(ar.generate([ids], max_new_tokens=1)[0].prefill_s for _ in range(3))
+    prefill_s = {len(ids): min(ar.generate([ids], sampling=samp, max_new_tokens=1)[0].prefill_s for _ in range(3))
                  for ids in prefill_prompts}
 
     summary = specbench.summarize(rows, cat_order, names, skipped, {k: v["rows"] for k, v in peer_res.items()})
@@ -310,7 +316,9 @@ def bench() -> int:
     checks = specbench.goodput_checks(summary, methods)
     pols_txt = ", ".join(f"{m['name']}: {m['label']}" for m in methods) if not several else (
         f"policies {','.join(policy_names)} per drafter")
-    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), greedy, batch 1, policy ({pols_txt}), "
+    how = "greedy" if greedy else (f"sampled (temperature {samp.temperature:g}, top_k {samp.top_k}, top_p {samp.top_p:g}, "
+                                            f"seed {samp.seed})")
+    head = (f"specjax Spec-Bench-style run: {cfg.name} ({FLAGS.dtype}), {how}, batch 1, policy ({pols_txt}), "
             f"max_new_tokens={mnt}, first turn, {'chat template' if FLAGS.chat else 'raw text'}, "
             f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
@@ -329,7 +337,9 @@ def bench() -> int:
                      + " (" + ", ".join(f"{f}={FLAGS[f].value}" for f in sorted(registry.DRAFTERS[d].reads)
                                         if f != "draft_checkpoint") + ")")
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "
-                 f"({len(mismatches)} mismatches).")
+                 f"({len(mismatches)} mismatches)." if greedy else
+                 "Sampled: every side draws its own tokens (not compared token by token); speedup = tok/s over "
+                 "AR's, acc. tok/step the drafts' own.")
     if ar.prefix_stats is not None:
         notes.append(f"Prefix cache on (--prefix_cache_mb {FLAGS.prefix_cache_mb:g}: a warm store, the warm-up's "
                      "prompts stored), all runs: " + "; ".join(
@@ -406,7 +416,7 @@ def bench() -> int:
                           **{f: FLAGS[f].value for f in sorted(set().union(*(registry.DRAFTERS[d].reads
                                                                               for d in drafters)))},
                           "chat": FLAGS.chat, "system": FLAGS.system, "max_prompt_tokens": FLAGS.max_prompt_tokens,
-                          "greedy": True, "batch_size": 1, "command": COMMAND},
+                          "greedy": greedy, "sampling": dataclasses.asdict(samp), "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": specbench.cpu_description(),
                        "rows_kernel": fwd.rows_kernel, "rows_int8": fwd.rows_int8, "peer_versions": specbench.peer_versions(peer_res),

@@ -290,15 +290,10 @@ def prewarm_drafter(name: str) -> None:
     drafter's first draft waits for them, drafters.suffix.drafter)."""
     import threading
 
-    from specjax.registry import SUFFIX_DRAFTERS
+    from specjax.registry import SUFFIX_DRAFTERS, warm_host_kernels
 
     if name in SUFFIX_DRAFTERS:
-        def warm():
-            from specjax.drafters.suffix.drafter import warm_kernels
-
-            warm_kernels()
-
-        threading.Thread(target=warm, name="specjax-suffix-kernels", daemon=True).start()
+        threading.Thread(target=warm_host_kernels, args=(name,), name="specjax-suffix-kernels", daemon=True).start()
 
 
 def load_target(spec, layout=None):
@@ -409,11 +404,16 @@ def define_request_flags(chat: bool = False) -> None:
     """The prompt wrapping and the sampling of each request (JSONL records may
     override the sampling flags and max_new_tokens)."""
     define_prompt_flags(chat)
+    define_sampling_flags()
+    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
+
+
+def define_sampling_flags() -> None:
+    """--temperature, --top_k, --top_p, --seed (sampling_from_flags reads them with --max_new_tokens)."""
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (JSONL records may override).")
     flags.DEFINE_integer("top_k", 0, "Top-k cut-off; 0 = off (JSONL records may override).")
     flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) cut-off in (0, 1]; 1 = off (JSONL records may override).")
     flags.DEFINE_integer("seed", 0, "Random seed per request (JSONL records may override).")
-    flags.DEFINE_bool("ignore_eos", False, "Keep generating past end-of-sequence tokens.")
 
 
 def run_job(job, argv) -> None:

@@ -87,6 +87,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     from specjax.errors import SpecjaxError
     from specjax.generate import validate_request
     from specjax.goodput import DraftPrefillGate, GoodputPolicy
+    from specjax import registry
     from specjax.registry import format_spec_stats
     from specjax.spec_generate import SpecStats
 
@@ -135,12 +136,14 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
                       greedy_modes=tuple(sorted({g for _, g in shapes}, reverse=True)), progress=True,
                       lazy=lazy, queue=[len(r.prompt) for r in items], later_ks=later_ks, execute=run_once,
                       whole_job=True, demand_ks=policy.plans_coming)
+            # (and the drafter's host kernels: the first drafts would wait for them)
+            kernels = run_once and registry.warm_host_kernels(drafter)
             t["compile"] += time.perf_counter() - t0
             warmed[be.slots].update(shapes)
             how = (f"compiling on first use, {be.later_planned} executables ahead in the background"
                    + (f" and {be.on_demand_planned} if serving reaches them" if be.on_demand_planned else "")
-                   if lazy else f"compiled {len(be.table)} executables{' and ran each once' if run_once else ''} "
-                   f"in {t['compile']:.1f} s")
+                   if lazy else f"compiled {len(be.table)} executables{' and ran each once' if run_once else ''}"
+                   f"{', warmed the drafter host kernels,' if kernels else ''} in {t['compile']:.1f} s")
             job.note(f"[{how}; serving {len(items)} requests, policy {policy_label}, drafter {drafter}, "
                      f"{be.num_rows} KV rows x {be.slots} slots]")
 

@@ -11,7 +11,9 @@ Protocol (Spec-Bench conventions where they apply; differences are stated):
   category (file order). Prompts longer than ``--max_prompt_tokens``, or that cannot fit
   prompt + ``--max_new_tokens`` + max(K bucket) + 1 in the context, are skipped and counted
   (per category in the table, listed in the JSON), never dropped silently.
-- Greedy, batch 1, both sides stop at EOS. One process runs the specjax AR baseline
+- Greedy by default (``--temperature T`` > 0: every side samples, with ``--top_k``, ``--top_p``
+  and ``--seed``; outputs are then samples of one distribution, not compared token by token:
+  losslessness at T > 0 is the chi-square tests' to show), batch 1, both sides stop at EOS. One process runs the specjax AR baseline
   (``Generator``, the engine's K = 0 step) and every (drafter, policy) pair of ``--drafters`` x
   ``--policies`` (default: ``--policy`` alone). A policy is ``auto`` (SmartSpec's goodput
   choice when a performance model exists, else fixed K = ``--num_spec_tokens``), a named goodput
@@ -40,7 +42,8 @@ Protocol (Spec-Bench conventions where they apply; differences are stated):
 
 Metrics per category and overall:
 
-- speedup = (total AR wall time) / (total drafter wall time) over the category's prompts
+- speedup = (drafter tok/s) / (AR tok/s) over the category's prompts, i.e. total AR wall time /
+  total drafter wall time when the outputs are identical (greedy)
   (Spec-Bench instead averages per-prompt tok/s and takes the ratio of the means; with
   identical outputs the two differ only in how prompts are weighted);
 - mean accepted tokens per step = tokens committed per verify step, bonus included
@@ -248,13 +251,14 @@ def summarize(rows, cat_order, methods, skipped, peer_rows=None) -> list[dict]:
         for d in methods:
             w = sum(r[d]["wall_s"] for r in rs)
             t = sum(r[d]["new_tokens"] for r in rs)
-            m = sum(not r[d]["equal_to_ar"] for r in rs)
+            m = sum(r[d]["equal_to_ar"] is False for r in rs)  # (None: sampled, not compared)
             mism += m
             ks: dict = {}
             for r in rs:
                 for k in r[d].get("step_records", {}).get("k_step", []):
                     ks[k] = ks.get(k, 0) + 1
-            e["drafters"][d] = {"wall_s": w, "new_tokens": t, "tok_s": _ratio(t, w), "speedup": _ratio(ar_wall, w),
+            e["drafters"][d] = {"wall_s": w, "new_tokens": t, "tok_s": _ratio(t, w),
+                                "speedup": _ratio(_ratio(t, w), _ratio(ar_tok, ar_wall)),
                                 "mismatches": m, "k_step_counts": {str(k): ks[k] for k in sorted(ks)},
                                 "draft_prefills": sum(bool(r[d].get("draft_prefill")) for r in rs),
                                 **SpecStats.merged([r[d]["_stats"] for r in rs]).summary()}

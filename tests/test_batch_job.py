@@ -301,3 +301,22 @@ def test_kv_rows_are_sized_from_the_job_without_a_slots_flag(tmp_path):
     a, b = ({o["id"]: o for o in _read(p)} for p in (auto, fixed))
     assert set(a) == {r["id"] for r in recs} and "error" in a["huge"]
     assert {k: o.get("output_ids") for k, o in a.items()} == {k: o.get("output_ids") for k, o in b.items()}
+
+
+def test_batch_ab_serves_the_job_turn_about(tmp_path):
+    """benchmarks/batch_ab.py: every arm serves the whole job, fresh, once per round, in an order
+    rotated each round; greedy outputs equal AR's record by record; a job compiled ahead warms a
+    suffix drafter's host kernels before serving (serve_job), not on its first drafts."""
+    inp, js = tmp_path / "in.jsonl", tmp_path / "ab.json"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"row {i} {'ab' * i}"}) + "\n" for i in range(3)))
+    geom = [a if a != str(MAX_NEW) else "8" for a in GEOM]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_ab.py"), *geom, "--input_jsonl",
+                        str(inp), "--arms", "none,suffix,none", "--rounds", "2", "--out_dir", str(tmp_path / "runs"),
+                        "--json_out", str(js)], capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(js.read_text())["runs"]
+    assert [(x["round"], x["arm"]) for x in runs] == [(0, "ar"), (0, "suffix"), (0, "ar (control 1)"),
+                                                      (1, "suffix"), (1, "ar (control 1)"), (1, "ar")]
+    assert all(x["rc"] == 0 and x["records"] == x["equal"] == 3 and x["tokens"] > 0 for x in runs)
+    assert r.stderr.count("warmed the drafter host kernels") == 2
+    assert "| suffix |" in r.stdout and "| ar (control 1) |" in r.stdout

@@ -215,7 +215,28 @@ def test_bench_several_policies_per_drafter(tmp_path):
     assert "- Goodput check over every drafter" in r.stdout
 
 
+def test_bench_sampled(tmp_path):
+    """--temperature > 0: every side samples (the sampled executables warmed, none compiled while
+    timing); outputs are not compared token by token, so no mismatch is counted, and the speedup
+    is tok/s over AR's (the two sides' outputs differ in length)."""
+    js = tmp_path / "b.json"
+    r = run(BENCH, *TINY, "--nochat", "--question_file", _questions(tmp_path / "q.jsonl"), "--per_category", "1",
+            "--max_new_tokens", "12", "--max_prompt_tokens", "60", "--drafters", "prompt_lookup",
+            "--num_spec_tokens", "4", "--temperature", "1.0", "--seed", "3", "--json_out", str(js))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(js.read_text())
+    assert not res["config"]["greedy"] and res["config"]["sampling"]["temperature"] == 1.0
+    assert res["timing"]["compile_events_during_timing"] == 0 and res["num_mismatches"] == 0
+    assert all(p["prompt_lookup"]["equal_to_ar"] is None for p in res["prompts"])
+    over = res["summary"][-1]
+    x, ar = over["drafters"]["prompt_lookup"], over["ar"]
+    assert x["speedup"] == pytest.approx(x["tok_s"] / ar["tok_s"]) and x["mean_accepted_tokens"] >= 1.0
+    assert "sampled (temperature 1, top_k 0, top_p 1, seed 3)" in r.stdout and "not compared token by token" in r.stdout
+
+
 BAD_BENCH = [
+    (["--temperature", "-1"], "--temperature must be"),
+    (["--temperature", "0.7", "--llamacpp_python", sys.executable], "the peers run greedy only"),
     (["--question_file", "/nonexistent/question.jsonl"], "question file not found"),
     (["--categories", "nosuch"], "unknown categories"),
     (["--drafters", "prompt_lookup,medusa"], "unknown drafters"),
