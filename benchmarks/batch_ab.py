@@ -15,7 +15,8 @@ falls on every arm alike (rotation: no arm always runs first or after a given ot
 
 Prints, per round and over all rounds, each arm's serving tok/s (compilation excluded; tokens over
 the rounds' summed serving seconds), serving CPU ms per token, mean K and its ratio to the first
-``none`` arm of the same round; greedy outputs must equal AR's, record by record. The outputs of
+``none`` arm of the same round, and per run its ratio to the AR runs (any ``none`` arm) nearest
+before and after it in the order they ran (``bracketed``: drift within a round cancels); greedy outputs must equal AR's, record by record. The outputs of
 every run stay in --out_dir.
 """
 
@@ -107,10 +108,29 @@ def outputs(path: str) -> dict:
     return {r["id"]: r.get("output_ids", r.get("error")) for r in recs}
 
 
+def tok_s(run: dict) -> float:
+    return run["tokens"] / run["serve_s"]
+
+
+def bracketed(runs: list[dict]) -> list[float]:
+    """Each run's tok/s over the mean of the AR runs nearest to it in the order they ran, one
+    before and one after (either alone at an end; an AR run's own is left out): machine drift
+    during a round lands on both sides of the ratio."""
+    ar = [i for i, r in enumerate(runs) if r["arm"].startswith("ar")]
+    out = []
+    for i, r in enumerate(runs):
+        near = [j for j in (max((j for j in ar if j < i), default=None), min((j for j in ar if j > i), default=None))
+                if j is not None]
+        out.append(tok_s(r) / (sum(tok_s(runs[j]) for j in near) / len(near)))
+    return out
+
+
 def table(runs: list[dict], names: list[str], rounds: int) -> str:
     by = {(r["arm"], r["round"]): r for r in runs}
+    near = {(r["arm"], r["round"]): x for r, x in zip(runs, bracketed(runs))}
     head = ["arm"] + [f"round {i + 1}: tok/s (x AR)" for i in range(rounds)] + [
-        "all rounds: tok/s (x AR)", "CPU ms/token", "mean K", "outputs equal AR's"]
+        "all rounds: tok/s (x AR)", "x the AR runs either side, per round", "CPU ms/token", "mean K",
+        "outputs equal AR's"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tot = {n: (sum(by[n, i]["tokens"] for i in range(rounds)), sum(by[n, i]["serve_s"] for i in range(rounds)),
                sum(by[n, i]["serve_cpu_s"] for i in range(rounds))) for n in names}
@@ -119,12 +139,13 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
         cells = [n]
         for i in range(rounds):
             r, a = by[n, i], by["ar", i]
-            tps, ar_tps = r["tokens"] / r["serve_s"], a["tokens"] / a["serve_s"]
+            tps, ar_tps = tok_s(r), tok_s(a)
             cells.append(f"{tps:.1f} ({tps / ar_tps:.3f})")
         tk, ts, tc = tot[n]
         ks = [by[n, i]["mean_k"] for i in range(rounds) if by[n, i]["mean_k"] is not None]
         eq = [by[n, i]["equal"] for i in range(rounds)]
-        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", f"{1e3 * tc / tk:.2f}",
+        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", " / ".join(f"{near[n, i]:.3f}" for i in range(rounds)),
+                  f"{1e3 * tc / tk:.2f}",
                   " / ".join(f"{k:.2f}" for k in ks),
                   " / ".join(f"{e}/{by[n, 0]['records']}" for e in eq)]
         lines.append("| " + " | ".join(cells) + " |")
