@@ -323,7 +323,8 @@ def bench() -> int:
             f"{len(prompts)} prompts ({len(skipped)} skipped); jax {jax.__version__} on "
             f"{jax.devices()[0].platform}; wall time per prompt includes prefill; compilation excluded "
             f"(shape-exact warm-up + one untimed run; {counter.count} compile events during timing).")
-    notes = ["Speedup = total specjax AR wall time / total drafter wall time per category; "
+    notes = ["Speedup = drafter tok/s / specjax AR tok/s per category (with identical outputs: total AR wall time / "
+             "total drafter wall time); "
              "acc. tok/step = mean accepted tokens per verify step, bonus included."]
     for m in methods:
         x, d = over["drafters"][m["name"]], m["drafter"]
