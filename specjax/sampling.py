@@ -76,18 +76,26 @@ def warp_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     bshape = (-1,) + (1,) * extra
     t = jnp.where(temperature > 0, temperature, 1.0).reshape(bshape)
     x = logits.astype(jnp.float32) / t
-    srt = -jnp.sort(-x, axis=-1)  # descending
-    k = jnp.broadcast_to(jnp.where(top_k > 0, jnp.minimum(top_k, V), V).reshape(bshape), x.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # [B, ..., 1]
-    srt = jnp.where(srt >= kth, srt, _NEG_INF)
-    probs = jax.nn.softmax(srt, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    # top_p >= 1 is "off": the fp32 cumsum reaches 1.0 before the tail, which would
-    # otherwise drop the lowest-probability tokens.
-    keep = ((cum - probs) < top_p.reshape(bshape)) | (top_p.reshape(bshape) >= 1.0)
-    n_keep = jnp.maximum(jnp.sum(keep & (srt > _NEG_INF), axis=-1, keepdims=True), 1)
-    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-    return jnp.where(x >= thresh, x, _NEG_INF)
+
+    def cut(x):
+        srt = -jnp.sort(-x, axis=-1)  # descending
+        k = jnp.broadcast_to(jnp.where(top_k > 0, jnp.minimum(top_k, V), V).reshape(bshape), x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(srt, k - 1, axis=-1)  # [B, ..., 1]
+        srt = jnp.where(srt >= kth, srt, _NEG_INF)
+        probs = jax.nn.softmax(srt, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        # top_p >= 1 is "off": the fp32 cumsum reaches 1.0 before the tail, which would
+        # otherwise drop the lowest-probability tokens.
+        keep = ((cum - probs) < top_p.reshape(bshape)) | (top_p.reshape(bshape) >= 1.0)
+        n_keep = jnp.maximum(jnp.sum(keep & (srt > _NEG_INF), axis=-1, keepdims=True), 1)
+        thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+        return jnp.where(x >= thresh, x, _NEG_INF)
+
+    # No row cuts (top_k off or >= V, top_p off): the sort, 49k logits per position, is skipped;
+    # the cut would keep every token then, so the result has the same bits (a NaN becomes -inf
+    # on both branches). It cost sampled decoding 2.3x greedy's step on SmolLM2 (BENCHMARKS.md).
+    no_cut = jnp.all((top_k <= 0) | (top_k >= V)) & jnp.all(top_p >= 1.0)
+    return jax.lax.cond(no_cut, lambda x: jnp.where(x >= _NEG_INF, x, _NEG_INF), cut, x)
 
 
 def argmax(x: jax.Array) -> jax.Array:

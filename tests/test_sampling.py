@@ -307,3 +307,22 @@ def test_sampling_params_valid_edges():
     p = SamplingParams(temperature=0.5, top_k=0, top_p=1.0, seed=2**32 - 1)
     assert not p.greedy
     SamplingParams(top_p=1e-6, top_k=1)
+
+
+def test_no_cut_skips_the_sort_with_the_same_bits():
+    """With no row cutting (top_k 0 or >= V, top_p 1), warp_logits skips the vocabulary sort and
+    keeps every token, as the cut would: the scaled logits' bits, -inf and NaN as -inf, +inf as
+    is; a batch where one row cuts takes the cut for every row."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 2, 64)).astype(np.float32)
+    x[0, 0, 3], x[1, 1, 7], x[2, 0, 9] = -np.inf, np.nan, np.inf
+    t = jnp.asarray([0.7, 1.0, 0.0], jnp.float32)
+    off_k, off_p = jnp.asarray([0, 64, 0], jnp.int32), jnp.ones(3, jnp.float32)
+    fast = np.asarray(warp_logits(jnp.asarray(x), t, off_k, off_p))
+    assert np.isneginf(fast[1, 1, 7]) and np.isneginf(fast[0, 0, 3]) and np.isposinf(fast[2, 0, 9])
+    finite = np.isfinite(x)
+    scaled = x / np.where(np.asarray(t) > 0, np.asarray(t), np.float32(1.0))[:, None, None]
+    assert np.isfinite(fast[finite]).all()
+    np.testing.assert_allclose(fast[finite], scaled[finite], rtol=1e-6)
+    cut = np.asarray(warp_logits(jnp.asarray(x), t, off_k.at[1].set(5), off_p))  # one row cuts: the sorted path
+    assert (np.isfinite(cut[1]).sum(axis=-1) == 5).all() and np.isfinite(cut[0, 1]).all()
