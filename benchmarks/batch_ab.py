@@ -7,7 +7,7 @@ would have, everything compiled and run once before serving), in rounds whose or
       --max_new_tokens 96 --arms none,prompt_lookup,suffix,layer_skip,none --rounds 3 --json_out ab.json
 
 Why not one process per run (benchmarks/batch_drafters.sh): on the 2-core machines here, two
-processes serving the very same AR job differ by up to 10% (151.8-172.9 tok/s seen on one 64-record
+processes serving the very same AR job differ by up to 14% (151.8-172.9 tok/s seen on one 64-record
 job, 2026-11-30), more than the 2% a drafter may cost, and a drafter that never drafts measured
 0.90-1.06x AR that way. Here every arm shares the loaded weights and the process, and machine drift
 falls on every arm alike (rotation: no arm always runs first or after a given other). A second
@@ -170,7 +170,6 @@ def run() -> int:
     os.makedirs(FLAGS.out_dir)
     runs = []
     for rnd in range(FLAGS.rounds):
-        ar_out = None
         order = specbench.rotated(names, rnd)
         for n in order:
             path = os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{re.sub(r'[^A-Za-z0-9]+', '_', n).strip('_')}.jsonl")
