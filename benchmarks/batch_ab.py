@@ -14,7 +14,10 @@ falls on every arm alike (rotation: no arm always runs first or after a given ot
 ``none`` arm is a control: AR against AR shows what this harness cannot tell apart.
 
 Prints, per round and over all rounds, each arm's serving tok/s (compilation excluded; tokens over
-the rounds' summed serving seconds), serving CPU ms per token, mean K and its ratio to the first
+the rounds' summed serving seconds), serving CPU ms per token, the serving loop's host ms per token
+(ServingEngine.host_s: wall time between device calls, where a drafter's upkeep at K = 0 lands:
+proposals, the policy's choice, shadow verification; measured apart from the device steps, so
+machine drift barely moves it), mean K and its ratio to the first
 ``none`` arm of the same round, and per run its ratio to the AR runs (any ``none`` arm) nearest
 before and after it in the order they ran (``bracketed``: drift within a round cancels); greedy outputs must equal AR's, record by record. The outputs of
 every run stay in --out_dir.
@@ -129,11 +132,12 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
     by = {(r["arm"], r["round"]): r for r in runs}
     near = {(r["arm"], r["round"]): x for r, x in zip(runs, bracketed(runs))}
     head = ["arm"] + [f"round {i + 1}: tok/s (x AR)" for i in range(rounds)] + [
-        "all rounds: tok/s (x AR)", "x the AR runs either side, per round", "CPU ms/token", "mean K",
+        "all rounds: tok/s (x AR)", "x the AR runs either side, per round", "CPU ms/token",
+        "host ms/token", "mean K",
         "outputs equal AR's"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    tot = {n: (sum(by[n, i]["tokens"] for i in range(rounds)), sum(by[n, i]["serve_s"] for i in range(rounds)),
-               sum(by[n, i]["serve_cpu_s"] for i in range(rounds))) for n in names}
+    tot = {n: tuple(sum(by[n, i][f] for i in range(rounds)) for f in ("tokens", "serve_s", "serve_cpu_s", "host_s"))
+           for n in names}
     base = tot["ar"][0] / tot["ar"][1]
     for n in names:
         cells = [n]
@@ -141,11 +145,11 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
             r, a = by[n, i], by["ar", i]
             tps, ar_tps = tok_s(r), tok_s(a)
             cells.append(f"{tps:.1f} ({tps / ar_tps:.3f})")
-        tk, ts, tc = tot[n]
+        tk, ts, tc, th = tot[n]
         ks = [by[n, i]["mean_k"] for i in range(rounds) if by[n, i]["mean_k"] is not None]
         eq = [by[n, i]["equal"] for i in range(rounds)]
         cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", " / ".join(f"{near[n, i]:.3f}" for i in range(rounds)),
-                  f"{1e3 * tc / tk:.2f}",
+                  f"{1e3 * tc / tk:.2f}", f"{1e3 * th / tk:.3f}",
                   " / ".join(f"{k:.2f}" for k in ks),
                   " / ".join(f"{e}/{by[n, 0]['records']}" for e in eq)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -81,7 +81,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     bucket they need, smallest first, each on a backend of that size made when its group is
     served and released after). Compiles what the records need when first reached
     and ahead in the background (``compile_ahead``: all of it before serving), timed apart. Prints the serving, latency and speculation summaries. Returns the job's exit status;
-    ``report`` (a dict) gets the job's figures: tokens, serve_s, serve_cpu_s, compile_s, mean_k."""
+    ``report`` (a dict) gets the job's figures: tokens, serve_s, serve_cpu_s, compile_s, host_s
+    (ServingEngine.host_s: the serving loop's wall seconds between device calls), mean_k."""
     from specjax.engine.loop import ServingEngine, summarize
     from specjax.engine.scheduler import Request, Scheduler
     from specjax.errors import SpecjaxError
@@ -243,7 +244,7 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
     s = summarize(outputs, [st for eng, _ in runs for st in eng.steps]) if outputs else None
     if report is not None:
         report.update(tokens=n_tok, serve_s=t["serve"], serve_cpu_s=t["serve_cpu"], compile_s=t["compile"],
-                      mean_k=s["mean_k"] if s and s["requests"] - s["errors"] else None)
+                      host_s=sum(eng.host_s for eng, _ in runs), mean_k=s["mean_k"] if s and s["requests"] - s["errors"] else None)
     if s and s["requests"] - s["errors"]:
         print(f"latency mean {s['mean_latency_s']:.2f} s, p90 {s['p90_latency_s']:.2f} s (queueing included); "
               f"mean K {s['mean_k']:.2f}; mean batch {s['mean_batch']:.2f} over {s['steps']} steps; policy "

@@ -168,6 +168,7 @@ def test_engine_interleaves_prefill_chunks_with_decode_steps(tiny):
     chunked, eng = serve(16)
     whole, _ = serve(None)
     assert [o.tokens for o in chunked] == want and [o.tokens for o in whole] == want
+    assert eng.host_s == 0.0  # (a simulated clock: the loop's host time is real time, not counted)
     for o in chunked[3:]:  # the long prompts' chunks ran between decode steps of the short ones
         assert sum(o.admitted < s.t < o.first_token for s in eng.steps) >= 3, o
     with pytest.raises(Exception, match="prefill_budget"):

@@ -174,6 +174,12 @@ class ServingEngine:
         self.sched = Scheduler(backend.num_rows, backend.slots, backend.k_max + 1)
         self.steps: list[StepRecord] = []
         self.prefill_s = 0.0
+        # wall seconds the loop spent between its backend calls (proposals, the policy's choice,
+        # emission, observers such as shadow verification, retiring): what a drafter costs a step
+        # besides the device work, measured, not modelled (0 under a simulated clock; a device
+        # draft-ahead proposal, Algorithm 3, counts here too)
+        self.host_s = 0.0
+        self._backend_s = 0.0  # backend seconds of the current iteration
         self._t0 = self.clock.now()
         self.counts = AcceptanceCounts()  # every step's, K = 0 included
         self._next_arrival: float | None = None  # of the next request not yet arrived (run)
@@ -248,6 +254,7 @@ class ServingEngine:
                 if nxt < len(order):  # (the last arrivals may all have been rejected)
                     self.clock.wait_until(self._t0 + requests[order[nxt]].arrival)
                 continue
+            t_iter, self._backend_s = time.perf_counter(), 0.0
             self._admit()
             self._prefill()
             self._retire(finished)  # max_new_tokens == 1 (or EOS first) ends at prefill
@@ -257,6 +264,8 @@ class ServingEngine:
                 self._retire(finished)
                 for o in self.observers:
                     o.between_steps(self)
+            if isinstance(self.clock, WallClock):
+                self.host_s += time.perf_counter() - t_iter - self._backend_s
         by_id: dict = {}
         for o in finished:
             by_id.setdefault(o.id, []).append(o)
@@ -310,6 +319,7 @@ class ServingEngine:
         while True:  # with nothing decoding, on until one prompt is in
             done, elapsed = self.backend.advance_prefill(self.prefill_budget)
             self.clock.advance(elapsed)
+            self._backend_s += elapsed
             self.prefill_s += elapsed
             for r, tok in done:
                 r.prefilling = False
@@ -350,6 +360,7 @@ class ServingEngine:
             return self._decode(rs, n, view, prop, t0)
         results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
+        self._backend_s += elapsed
         emitted = [self._take(r, res) for r, res in zip(rs, results)]
         k_step = getattr(be, "last_k_step", k)
         tokens = getattr(be, "last_tokens", bucket * (k_step + 1))
@@ -389,6 +400,7 @@ class ServingEngine:
         left = [r.req.max_new_tokens - len(r.out.tokens) for r in rs]
         toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos, bool(self.sched.waiting))
         self.clock.advance(elapsed)
+        self._backend_s += elapsed
         steps = max(map(len, toks))
         wall = (time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed) / steps
         elapsed /= steps
