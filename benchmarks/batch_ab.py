@@ -21,6 +21,14 @@ machine drift barely moves it), mean K and its ratio to the first
 ``none`` arm of the same round, and per run its ratio to the AR runs (any ``none`` arm) nearest
 before and after it in the order they ran (``bracketed``: drift within a round cancels); greedy outputs must equal AR's, record by record. The outputs of
 every run stay in --out_dir.
+
+``--paired``: runs one after the other still differ by up to 8% here within minutes (198.9 and
+182.6 tok/s for two AR runs of one process, 2026-11-30). So each arm serves beside an AR job of
+its own, the two at once in two threads that take turns between the engine's iterations (one
+decode call or verify step, and what the loop does around it: a few hundred milliseconds), and
+its tok/s is read against that AR job's. Each side's serving time leaves out its waits for the
+other; the machine's drift lands on both alike. Their caches share the machine's, as two
+processes would.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("arms", ["none", "prompt_lookup", "suffix"], "The engines, in first-round order: 'none' is "
                   "specjax AR (the first one the baseline, any other a control), else a drafter under --policy.")
 flags.DEFINE_integer("rounds", 2, "Runs of every arm (the order rotates each round).")
+flags.DEFINE_bool("paired", False, "Serve every arm after the first 'none' beside an AR job of its own, the two in "
+                  "lock-step (they take turns iteration by iteration, benchtime.LockStep), and read its tok/s against "
+                  "that AR job's; a later 'none' arm is then AR beside AR, the control.")
 flags.DEFINE_string("out_dir", "/tmp/specjax_batch_ab", "Each run's output JSONL goes here (emptied first).")
 flags.DEFINE_string("json_out", None, "Write every run's figures and the summary as JSON here.")
 flags.DEFINE_integer("max_new_tokens", 128, "Maximum tokens to generate per prompt (records may override).")
@@ -87,8 +98,9 @@ def validate() -> dict:
             for name, a in zip(arm_names(arms), arms)}
 
 
-def serve_once(spec, model, out_path: str) -> dict:
-    """One fresh batch job of --input_jsonl into ``out_path``, as launch/batch.py serves it."""
+def serve_once(spec, model, out_path: str, pace=None) -> dict:
+    """One fresh batch job of --input_jsonl into ``out_path``, as launch/batch.py serves it;
+    ``pace(job)``: the job's should_stop in its place (serve_pair's turns)."""
     from specjax.jobs import Job
     from specjax.serve_job import serve_job
 
@@ -100,9 +112,53 @@ def serve_once(spec, model, out_path: str) -> dict:
     policy, label = cli.policy_from_spec(spec, model)
     rep: dict = {}
     with Job(FLAGS.input_jsonl, out_path, cli.request_defaults(), progress=False) as job:
+        if pace is not None:
+            job.should_stop = pace(job)
         rep["rc"] = serve_job(job, model, backend, policy, label, drafter=spec.drafter.name, chat=FLAGS.chat,
                               system=FLAGS.system, compile_ahead=True, report=rep)
     return rep
+
+
+def serve_pair(ar_spec, spec, model, paths: tuple[str, str]) -> tuple[dict, dict]:
+    """The AR job and ``spec``'s at once, in two threads taking turns between the serving
+    engine's iterations (the engine polls should_stop once per iteration; no turns once every
+    record is written). Each report's serve_s is its own: its waits for the other taken out
+    (the first waits for the other's compilation too); serve_cpu_s is the process's, so None."""
+    import threading
+
+    from specjax.benchtime import LockStep
+
+    step, reps, errors = LockStep(), [None, None], []
+
+    def pace(i):
+        def wrap(job):
+            stop = job.should_stop
+
+            def should_stop():
+                if sum(job.written.values()) < len(job.todo):
+                    step.turn(i)
+                return stop()
+            return should_stop
+        return wrap
+
+    def work(i, sp, path):
+        try:
+            reps[i] = serve_once(sp, model, path, pace(i))
+        except BaseException as e:  # (re-raised in the caller's thread)
+            errors.append(e)
+        finally:
+            step.finish(i)
+
+    threads = [threading.Thread(target=work, args=(i, sp, p)) for i, (sp, p) in enumerate(zip((ar_spec, spec), paths))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for rep, w in zip(reps, step.waited):
+        rep.update(serve_s=rep["serve_s"] - w, waited_s=w, serve_cpu_s=None)
+    return reps[0], reps[1]
 
 
 def outputs(path: str) -> dict:
@@ -156,6 +212,27 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
     return "\n".join(lines)
 
 
+def paired_table(runs: list[dict], names: list[str], rounds: int) -> str:
+    """--paired: each arm's tok/s against the AR job served beside it, per round and over all
+    rounds (each side's tokens over its summed serving seconds)."""
+    by = {(r["arm"], r["round"]): r for r in runs}
+    head = ["arm"] + [f"round {i + 1}: tok/s (x the AR beside it)" for i in range(rounds)] + [
+        "all rounds: x the AR beside it", "host ms/token (AR beside it)", "mean K", "outputs equal AR's"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        rs = [by[n, i] for i in range(rounds)]
+        cells = [n] + [f"{tok_s(r):.1f} ({tok_s(r) / tok_s(r['partner']):.3f})" for r in rs]
+        mine = sum(r["tokens"] for r in rs) / sum(r["serve_s"] for r in rs)
+        theirs = sum(r["partner"]["tokens"] for r in rs) / sum(r["partner"]["serve_s"] for r in rs)
+        host = 1e3 * sum(r["host_s"] for r in rs) / sum(r["tokens"] for r in rs)
+        host_ar = 1e3 * sum(r["partner"]["host_s"] for r in rs) / sum(r["partner"]["tokens"] for r in rs)
+        cells += [f"{mine / theirs:.3f}", f"{host:.3f} ({host_ar:.3f})",
+                  " / ".join(f"{r['mean_k']:.2f}" for r in rs if r["mean_k"] is not None),
+                  " / ".join(f"{r['equal']}/{r['records']}" for r in rs)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv):
     cli.run_job(run, argv)
 
@@ -173,29 +250,48 @@ def run() -> int:
     shutil.rmtree(FLAGS.out_dir, ignore_errors=True)
     os.makedirs(FLAGS.out_dir)
     runs = []
+
+    def path_of(rnd, n, beside=""):
+        name = re.sub(r"[^A-Za-z0-9]+", "_", n + (f" beside {beside}" if beside else "")).strip("_")
+        return os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{name}.jsonl")
+
+    def check(n, rep, path):
+        errors = sum(isinstance(v, str) for v in outputs(path).values())
+        if rep["rc"] != 0 or errors:
+            print(f"error: the {n} run ended with status {rep['rc']} and {errors} error records (in {path})",
+                  file=sys.stderr)
+            return rep["rc"] or 1
+        return 0
+
     for rnd in range(FLAGS.rounds):
-        order = specbench.rotated(names, rnd)
-        for n in order:
-            path = os.path.join(FLAGS.out_dir, f"r{rnd + 1}_{re.sub(r'[^A-Za-z0-9]+', '_', n).strip('_')}.jsonl")
-            print(f"[round {rnd + 1}/{FLAGS.rounds}: {n}]", file=sys.stderr, flush=True)
-            rep = serve_once(specs[n], model, path)
+        for n in specbench.rotated([n for n in names if n != "ar"] if FLAGS.paired else names, rnd):
+            print(f"[round {rnd + 1}/{FLAGS.rounds}: {n}{' beside ar' if FLAGS.paired else ''}]", file=sys.stderr,
+                  flush=True)
+            path = path_of(rnd, n)
+            if FLAGS.paired:
+                ar_path = path_of(rnd, "ar", beside=n)
+                ar_rep, rep = serve_pair(specs["ar"], specs[n], model, (ar_path, path))
+                rc = check("ar", ar_rep, ar_path) or check(n, rep, path)
+                rep["partner"] = dict(path=ar_path, **ar_rep)
+            else:
+                rep = serve_once(specs[n], model, path)
+                rc = check(n, rep, path)
             # the run's executables go, as with its process: each holds memory maps of its own,
             # which a process runs out of after a few hundred (the next run loads its own from disk)
             jax.clear_caches()
             gc.collect()
-            errors = sum(isinstance(v, str) for v in outputs(path).values())
-            if rep["rc"] != 0 or errors:
-                print(f"error: the {n} run ended with status {rep['rc']} and {errors} error records "
-                      f"(in {path})", file=sys.stderr)
-                return rep["rc"] or 1
+            if rc:
+                return rc
             runs.append(dict(arm=n, round=rnd, path=path, **rep))
-        ar_out = outputs(next(r["path"] for r in runs if r["arm"] == "ar" and r["round"] == rnd))
+        first_ar = next(r["partner"] if FLAGS.paired else r for r in runs
+                        if r["round"] == rnd and (FLAGS.paired or r["arm"] == "ar"))
+        ar_out = outputs(first_ar["path"])
         for r in runs:
             if r["round"] == rnd:
                 mine = outputs(r["path"])
                 r["records"] = len(ar_out)
                 r["equal"] = sum(1 for k, v in ar_out.items() if mine.get(k) == v)
-    md = table(runs, names, FLAGS.rounds)
+    md = paired_table(runs, [n for n in names if n != "ar"], FLAGS.rounds) if FLAGS.paired else table(runs, names, FLAGS.rounds)
     print(f"\n{specbench.cpu_description()}; "
           f"{len(ar_out)} records, batch buckets {FLAGS.batch_buckets}, {FLAGS.rounds} rounds\n\n{md}")
     if FLAGS.json_out:

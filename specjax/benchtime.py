@@ -170,3 +170,40 @@ def steady_chunk(table, B: int, C: int, ctx: int, S: int, rng) -> Callable:
         holder[0] = _held(st, jax.device_put(lens))
 
     return run
+
+
+class LockStep:
+    """Two threads that take turns, for comparing two serving runs under the same machine speed:
+    each thread calls ``turn(i)`` between its units of work (a serving engine's iterations) and
+    returns from it when its partner has done one unit, so the two runs alternate every few
+    hundred milliseconds and a drift of the machine's speed lands on both alike, where runs one
+    after the other (minutes apart) differ here by up to 8%. Neither thread starts before both
+    have called ``turn`` once (what comes before, a compilation, overlaps). ``waited[i]``: the
+    seconds thread i spent in ``turn`` (to subtract from its wall time). ``finish(i)`` once a
+    thread has no more work: its partner then runs on alone."""
+
+    def __init__(self, clock=time.perf_counter):
+        import threading
+
+        self._cv = threading.Condition()
+        self._clock = clock
+        self._turn = 0
+        self._started = [False, False]
+        self._done = [False, False]
+        self.waited = [0.0, 0.0]
+
+    def turn(self, i: int) -> None:
+        t0 = self._clock()
+        with self._cv:
+            if self._started[i]:
+                self._turn = 1 - i  # hand over: one unit done
+            self._started[i] = True
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._done[1 - i] or (all(self._started) and self._turn == i))
+        self.waited[i] += self._clock() - t0
+
+    def finish(self, i: int) -> None:
+        with self._cv:
+            self._done[i] = True
+            self._turn = 1 - i
+            self._cv.notify_all()

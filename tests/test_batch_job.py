@@ -322,3 +322,18 @@ def test_batch_ab_serves_the_job_turn_about(tmp_path):
     assert all(0 < x["host_s"] < x["serve_s"] for x in runs)
     assert r.stderr.count("warmed the drafter host kernels") == 2
     assert "| suffix |" in r.stdout and "| ar (control 1) |" in r.stdout
+
+    # --paired: each other arm served beside an AR job of its own, the two taking turns
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_ab.py"), *geom, "--input_jsonl",
+                        str(inp), "--arms", "none,prompt_lookup,none", "--rounds", "1", "--paired", "--out_dir",
+                        str(tmp_path / "pairs"), "--json_out", str(js)], capture_output=True, text=True, timeout=300,
+                       env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(js.read_text())["runs"]
+    assert sorted(x["arm"] for x in runs) == ["ar (control 1)", "prompt_lookup"]
+    for x in runs:
+        p = x["partner"]
+        assert x["records"] == x["equal"] == 3 and p["tokens"] == x["tokens"] > 0
+        # each side's serving time leaves out its waits for the other, which did happen
+        assert 0 < x["serve_s"] and 0 < p["serve_s"] and x["waited_s"] + p["waited_s"] > 0
+    assert "| prompt_lookup |" in r.stdout and "x the AR beside it" in r.stdout

@@ -5,6 +5,7 @@ missing peer environment. No timing is asserted."""
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -104,3 +105,28 @@ def test_peer_contract_round_trip(tmp_path, monkeypatch):
     monkeypatch.setitem(peers.PEERS, "fail", peers.Peer(str(failing), ()))
     with pytest.raises(SpecjaxError, match="exit status 3"):
         peers.run_peer("fail", sys.executable, {})
+
+
+def test_lockstep_alternates_two_threads_and_counts_their_waits():
+    """benchtime.LockStep: neither starts before both arrive, units then strictly alternate, a
+    finished thread leaves its partner to run alone, and each thread's waiting is counted."""
+    import threading
+
+    step = benchtime.LockStep()
+    log: list = []
+
+    def worker(i, units, delay):
+        time.sleep(delay)  # (a compilation before serving: the partner waits for it)
+        for u in range(units):
+            step.turn(i)
+            log.append(i)
+        step.finish(i)
+
+    ts = [threading.Thread(target=worker, args=(0, 5, 0.0)), threading.Thread(target=worker, args=(1, 3, 0.2))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert not any(t.is_alive() for t in ts)
+    assert log == [0, 1, 0, 1, 0, 1, 0, 0]
+    assert step.waited[0] >= 0.15 and step.waited[1] < 0.15  # thread 0 waited for thread 1's start
