@@ -98,9 +98,10 @@ def validate() -> dict:
             for name, a in zip(arm_names(arms), arms)}
 
 
-def serve_once(spec, model, out_path: str, pace=None) -> dict:
+def serve_once(spec, model, out_path: str, turn=None) -> dict:
     """One fresh batch job of --input_jsonl into ``out_path``, as launch/batch.py serves it;
-    ``pace(job)``: the job's should_stop in its place (serve_pair's turns)."""
+    ``turn()``: called where the engine polls should_stop (once per iteration) while records are
+    left to write (serve_pair's turns)."""
     from specjax.jobs import Job
     from specjax.serve_job import serve_job
 
@@ -112,8 +113,14 @@ def serve_once(spec, model, out_path: str, pace=None) -> dict:
     policy, label = cli.policy_from_spec(spec, model)
     rep: dict = {}
     with Job(FLAGS.input_jsonl, out_path, cli.request_defaults(), progress=False) as job:
-        if pace is not None:
-            job.should_stop = pace(job)
+        if turn is not None:
+            stop = job.should_stop
+
+            def should_stop():
+                if sum(job.written.values()) < len(job.todo):
+                    turn()
+                return stop()
+            job.should_stop = should_stop
         rep["rc"] = serve_job(job, model, backend, policy, label, drafter=spec.drafter.name, chat=FLAGS.chat,
                               system=FLAGS.system, compile_ahead=True, report=rep)
     return rep
@@ -130,20 +137,9 @@ def serve_pair(ar_spec, spec, model, paths: tuple[str, str]) -> tuple[dict, dict
 
     step, reps, errors = LockStep(), [None, None], []
 
-    def pace(i):
-        def wrap(job):
-            stop = job.should_stop
-
-            def should_stop():
-                if sum(job.written.values()) < len(job.todo):
-                    step.turn(i)
-                return stop()
-            return should_stop
-        return wrap
-
     def work(i, sp, path):
         try:
-            reps[i] = serve_once(sp, model, path, pace(i))
+            reps[i] = serve_once(sp, model, path, lambda: step.turn(i))
         except BaseException as e:  # (re-raised in the caller's thread)
             errors.append(e)
         finally:
