@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -170,13 +171,14 @@ def tok_s(run: dict) -> float:
 def bracketed(runs: list[dict]) -> list[float]:
     """Each run's tok/s over the mean of the AR runs nearest to it in the order they ran, one
     before and one after (either alone at an end; an AR run's own is left out): machine drift
-    during a round lands on both sides of the ratio."""
+    during a round lands on both sides of the ratio. NaN for a run with no other AR run (the
+    only one)."""
     ar = [i for i, r in enumerate(runs) if r["arm"].startswith("ar")]
     out = []
     for i, r in enumerate(runs):
         near = [j for j in (max((j for j in ar if j < i), default=None), min((j for j in ar if j > i), default=None))
                 if j is not None]
-        out.append(tok_s(r) / (sum(tok_s(runs[j]) for j in near) / len(near)))
+        out.append(tok_s(r) / (sum(tok_s(runs[j]) for j in near) / len(near)) if near else float("nan"))
     return out
 
 
@@ -200,7 +202,7 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
         tk, ts, tc, th = tot[n]
         ks = [by[n, i]["mean_k"] for i in range(rounds) if by[n, i]["mean_k"] is not None]
         eq = [by[n, i]["equal"] for i in range(rounds)]
-        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", " / ".join(f"{near[n, i]:.3f}" for i in range(rounds)),
+        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", " / ".join("n/a" if math.isnan(near[n, i]) else f"{near[n, i]:.3f}" for i in range(rounds)),
                   f"{1e3 * tc / tk:.2f}", f"{1e3 * th / tk:.3f}",
                   " / ".join(f"{k:.2f}" for k in ks),
                   " / ".join(f"{e}/{by[n, 0]['records']}" for e in eq)]

@@ -314,7 +314,8 @@ def default_perf_models() -> str:
 # The estimated gain over K = 0 a named SmartSpec policy needs before it speculates
 # (GoodputPolicy.min_gain; the oracle's estimates are exact, so it takes any gain). In a 200-request
 # batch job on a 2-core CPU, suffix chose K > 0 on steps it estimated a few percent ahead and
-# served 0.95x AR; K = 0's calibrated cost alone moves by 10-30% from call to call.
+# served 0.95x AR; K = 0's cost moves by 10-30% from call to call (its calibration is the median
+# of the last 16 calls').
 MIN_GAIN = 0.1
 
 

@@ -407,28 +407,32 @@ class _Recorder(Policy):
     name = "record"
 
     def __init__(self):
-        self.seen = []
+        self.seen, self.scores = [], []
 
     def choose(self, view):
         return 0
 
-    def observe(self, k, drafted, accepted, request_ids=(), classes=None):
+    def observe(self, k, drafted, accepted, request_ids=(), classes=None, scores=None):
         self.seen.append((k, list(drafted), list(accepted)))
+        self.scores.append(scores)
 
 
-def _shadow_observations(be, reference):
+def _shadow_observations(be, reference, scored=False):
     """Serve 4 requests at K = 0 and return the policy's shadow observations (k, drafted,
     accepted), checked: output is AR greedy, drafts were offered, each observation verified the
-    whole offered draft and accepted no more of it."""
+    whole offered draft and accepted no more of it, and carries that draft's own node scores
+    (a scoring drafter's; the request has proposed again since)."""
     be.reset()
     pol = _Recorder()
     outs = ServingEngine(be, pol, clock=EventClock()).run(_reqs(0.0, PROMPTS[:4]))
     assert [o.tokens for o in outs] == reference[:4]
-    shadow = [s for s in pol.seen if s[0] > 0]
+    shadow = [(s, sc) for s, sc in zip(pol.seen, pol.scores) if s[0] > 0]
     assert shadow, "no shadow observation although the drafter proposed"
-    for k, d, a in shadow:
+    for (k, d, a), sc in shadow:
         assert d == [k] and 0 <= a[0] <= k
-    return shadow
+        assert sc is not None and len(sc) == 1 and (sc[0] is None or len(sc[0]) == k)
+    assert not scored or all(sc[0] is not None for _, sc in shadow)
+    return [s for s, _ in shadow]
 
 
 def test_host_drafts_are_shadow_verified_at_k0(backends, reference):
@@ -536,8 +540,8 @@ def test_token_trees_greedy_lossless_with_joins_and_leaves(tree_backend, referen
 
 def test_token_trees_are_shadow_verified_at_k0(tree_backend, reference):
     """At K = 0 a tree drafter's proposals are still learnt from: the path the generated tokens
-    walk down each tree is its greedy acceptance."""
-    _shadow_observations(tree_backend, reference)
+    walk down each tree is its greedy acceptance; each is calibrated with its own node scores."""
+    _shadow_observations(tree_backend, reference, scored=True)
 
 
 def test_token_trees_under_goodput_policy(tree_backend, reference):

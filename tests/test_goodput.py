@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from specjax.errors import SpecjaxError
-from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len,
-                                        expected_len_from_positions, tree_batched_tokens, tree_expected_len)
+from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, ScoreCalibration, confidence_lengths,
+                                        expected_len, expected_len_from_positions, tree_batched_tokens,
+                                        tree_expected_len)
 from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
 from specjax.engine.profiling import row_op_cells
 from specjax.goodput.perf_model import (CostCalibration, LinearCost, ProfiledCost, StepCostModel, context_tokens, fit_linear,
@@ -940,7 +941,19 @@ def test_goodput_over_scored_trees_chooses_and_calibrates():
     for _ in range(16):
         pol.choose(view)
         pol.observe(8, [8], [1], ["a"])
-    assert pol.score_calibration.value == pytest.approx(1 / 7.6)
+    assert pol.score_calibration.factor(sure) == pytest.approx(1 / 7.6)
     assert pol.choose(view) < 8
+    # Calibrated per band of the first node's score: a drafter certain of a continuation (every
+    # node 1.0: seen once) overrates it far more than its hedged trees; a band not yet observed
+    # borrows the pooled ratio.
+    cal = ScoreCalibration(window=4)
+    assert cal.factor(np.ones(3)) == 1.0 and len(cal) == 0
+    for _ in range(4):
+        cal.observe(np.ones(6), 4, 1)  # predicted 4 (the first 4 nodes), 1 accepted
+        cal.observe(np.array([0.6, 0.5, 0.4]), 3, 1)  # predicted 1.5, 1 accepted
+    assert cal.factor(np.ones(2)) == pytest.approx(1 / 4)
+    assert cal.factor(np.array([0.7, 0.1])) == pytest.approx(1 / 1.5)
+    assert cal.factor(np.array([0.1])) == pytest.approx(8 / 22)  # (pooled) and the window keeps 4 a band
+    assert len(cal) == 8
     pol.finish("a")
     assert "a" not in pol._scores

@@ -196,6 +196,9 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     outs, eng, calls = _serve(be, reqs, pol := GoodputPolicy(costly))
     assert [o.tokens for o in outs] == reference
     assert pol._k0_calls == {4}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
+    # each full call is one timing of K = 0 (not one per step: a window of them, not the last call)
+    k0 = [len(v) for key, v in pol.calibration._ratios.items() if key[:2] == (4, 0)]
+    assert k0 == [min(calls.decode.count(N), 16)], (k0, calls.decode)
     assert calls.step == 1 and calls.decode[:3] == [2, 4, N] and max(calls.decode) == N
     assert eng.counts.steps == sum(len(o.tokens) - 1 for o in outs)
     cheap = GoodputPolicy(StepCostModel(target=LinearCost(0.0, 1e-6, 1e-2)))  # verifying is free: speculate

@@ -422,7 +422,7 @@ class ServingEngine:
                 if rs[i].done != last and (rs[i].done or len(toks[i]) < steps):
                     raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
             self._observe(StepEvent(self._now(), sub, view, prop, self.policy, 0, 0, be.last_tokens, results, emitted,
-                                    elapsed, wall, ops if j == 0 else (), full_call=full))
+                                    elapsed, wall, ops if j == 0 else (), full_call=full, first_of_call=j == 0))
 
     def _take(self, r: Running, res: RowResult) -> int:
         """A row's step result into its request (tokens, teacher signal, its own counts); returns

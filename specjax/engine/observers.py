@@ -45,6 +45,9 @@ class StepEvent:
     # one of the K = 0 steps of a decode call as long as the backend runs (``wall``: the call's per
     # step): what K = 0 costs once it runs on, without the ramp of short calls after a K > 0 step
     full_call: bool = False
+    # False for a decode call's steps after its first: the call is one timing (``wall`` is its
+    # per step), which the policy's cost calibration takes once, not once per step
+    first_of_call: bool = True
 
     @property
     def drafted(self) -> list[int]:
@@ -115,7 +118,8 @@ class PolicyFeedback(Observer):
 
     def __init__(self, gate: DraftPrefillGate | None):
         self.gate = gate
-        # host drafts a K = 0 step did not verify: uid -> [tree, node reached, depth matched, class]
+        # host drafts a K = 0 step did not verify: uid -> [tree, node reached, depth matched, class,
+        # node scores]
         self._shadow: dict[int, list] = {}
 
     def on_step(self, ev: StepEvent) -> None:
@@ -124,7 +128,8 @@ class PolicyFeedback(Observer):
             self.gate.record(ev.k, lens is None or any(d > 0 for d in lens))
         ev.policy.observe(ev.k, ev.drafted, ev.accepted, ev.view.request_ids)
         self._shadow_verify(ev)
-        ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call)
+        if ev.first_of_call:
+            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call)
         for r in ev.rows:
             if r.done:
                 self._shadow.pop(r.uid, None)
@@ -141,14 +146,15 @@ class PolicyFeedback(Observer):
         if prop.drafts is None:
             return
         classes = prop.draft_classes or [None] * len(ev.rows)
-        for r, d, res, cls in zip(ev.rows, prop.drafts, ev.results, classes):
+        scores = prop.draft_scores or [None] * len(ev.rows)
+        for r, d, res, cls, sc in zip(ev.rows, prop.drafts, ev.results, classes, scores):
             sh = self._shadow.get(r.uid)
             if sh is None:
                 if res.drafted > 0 or not len(d):
                     continue  # verified for real (observed above), or nothing was drafted
                 d = d if isinstance(d, DraftTree) else DraftTree.chain(d)
-                sh = self._shadow[r.uid] = [d, -1, 0, cls]  # (-1: the root)
-            draft, node, m, cls = sh
+                sh = self._shadow[r.uid] = [d, -1, 0, cls, sc]  # (-1: the root)
+            draft, node, m, cls, sc = sh
             for t in res.tokens:
                 nxt = draft.child(node, int(t))
                 if nxt is None:
@@ -159,7 +165,7 @@ class PolicyFeedback(Observer):
                     sh[1], sh[2] = node, m
                     continue
             del self._shadow[r.uid]
-            ev.policy.observe(len(draft), [len(draft)], [m], [r.uid], [cls])
+            ev.policy.observe(len(draft), [len(draft)], [m], [r.uid], [cls], [sc])
 
 
 class BetweenSteps(Observer):

@@ -88,6 +88,43 @@ class MovingAverage:
         return float(np.mean(self._xs)) if self._xs else self.prior
 
 
+class ScoreCalibration:
+    """accepted / predicted accepted drafts of a drafter that scores its nodes (SuffixDecoding's
+    node probabilities), learnt online per band of the proposal's first-node score: the ratio of
+    the sums over each band's last ``window`` verified proposals (real or shadow-verified).
+
+    Why bands: the scores are frequencies in the suffix tries, and one seen continuation scores
+    1.0 at every node. Measured in a 100-request batch job (batch 4, greedy), proposals whose
+    first node scored 1.0 were accepted at 0.30x their scores' sum, the others at 0.70-0.90x;
+    one factor for both (0.57) overrated exactly the proposals that looked best, so the steps
+    chosen to verify them delivered 2/3 of the tokens predicted. A band without observations
+    borrows the pooled ratio of all bands (1.0 before any)."""
+
+    def __init__(self, window: int = 16, bands: int = 4):
+        if window < 1 or bands < 1:
+            raise ValueError(f"score calibration needs window >= 1 and bands >= 1, got {window}, {bands}")
+        self.window, self.bands = window, bands
+        self._obs: dict[int, collections.deque] = {}
+
+    def band(self, scores) -> int:
+        """``bands`` equal bands of the first node's score below 1, and one for a score of 1."""
+        s = float(scores[0]) if len(scores) else 0.0
+        return self.bands if s >= 1.0 - 1e-6 else min(int(max(s, 0.0) * self.bands), self.bands - 1)
+
+    def observe(self, scores, drafted: int, accepted: int) -> None:
+        """A proposal whose first ``drafted`` nodes were verified and ``accepted`` accepted."""
+        pred = float(np.sum(np.asarray(scores, np.float64)[:int(drafted)]))
+        if pred > 0:
+            self._obs.setdefault(self.band(scores), collections.deque(maxlen=self.window)).append((float(accepted), pred))
+
+    def factor(self, scores) -> float:
+        obs = self._obs.get(self.band(scores)) or [x for q in self._obs.values() for x in q]
+        return sum(g for g, _ in obs) / sum(p for _, p in obs) if obs else 1.0
+
+    def __len__(self) -> int:
+        return sum(map(len, self._obs.values()))
+
+
 def _ratio(num, den):
     """num / den, 0 where nothing was counted (elementwise for per-row or per-position counts)."""
     if np.ndim(den):

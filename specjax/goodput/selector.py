@@ -22,7 +22,8 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from specjax.buckets import proposal_bucket
-from specjax.goodput.acceptance import AcceptanceEstimator, MovingAverage, confidence_lengths, expected_len
+from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, ScoreCalibration, confidence_lengths,
+                                        expected_len)
 from specjax.goodput.perf_model import CostCalibration, StepCostModel
 
 
@@ -90,9 +91,10 @@ class Policy:
         raise NotImplementedError
 
     def observe(self, k: int, drafted: Sequence[int], accepted: Sequence[int], request_ids=(),
-                classes=None) -> None:
-        """Feedback after the verify step (Algorithm 2 line 13-14); ``classes``: the rows' draft
-        classes when not those of the last choice (shadow-verified older proposals)."""
+                classes=None, scores=None) -> None:
+        """Feedback after the verify step (Algorithm 2 line 13-14); ``classes`` and ``scores``: the
+        rows' draft classes and node scores when not those of the last choice (shadow-verified
+        older proposals)."""
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False) -> None:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
@@ -190,8 +192,8 @@ class GoodputPolicy(Policy):
         self._row_k: dict | None = None
         self._stale = 0
         # Drafter scores (tree drafters' node probabilities) are calibrated online like alpha:
-        # the moving average of accepted / predicted accepted drafts scales every prediction.
-        self.score_calibration = MovingAverage(window, 1.0)
+        # accepted / predicted accepted drafts, per band of the first node's score, scales them.
+        self.score_calibration = ScoreCalibration(window)
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
         self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
@@ -234,12 +236,11 @@ class GoodputPolicy(Policy):
             alphas = [self.acc.alpha.value] * n
         if view.draft_lens is not None:
             scores = view.draft_scores if view.draft_scores is not None else [None] * n
-            c = self.score_calibration.value
             out = []
             for a, m, sc in zip(alphas, ms, scores):
                 if sc is not None:  # the expected accepted drafts of the first m nodes: their scores' sum
                     cum = np.concatenate([[0.0], np.cumsum(np.asarray(sc, np.float64)[:len(m) - 1])])
-                    out.append(1.0 + np.minimum(c * cum, m))
+                    out.append(1.0 + np.minimum(self.score_calibration.factor(sc) * cum, m))
                 else:
                     out.append(np.array([expected_len(a, int(j)) for j in m]))
             return out
@@ -412,7 +413,7 @@ class GoodputPolicy(Policy):
             return None
         return [min(k, self._row_k.get(r, k)) for r in view.request_ids]
 
-    def observe(self, k, drafted, accepted, request_ids=(), classes=None):
+    def observe(self, k, drafted, accepted, request_ids=(), classes=None, scores=None):
         """Record a verify step. Steps with K = 0 teach nothing about acceptance (unless the
         engine shadow-verifies host drafts), so after ``reprobe_after`` of them in a row the
         acceptance window is emptied: the estimate is the prior again for one decision, the
@@ -426,24 +427,16 @@ class GoodputPolicy(Policy):
                 if self._classes:
                     classes = [self._classes.get(r) for r in request_ids]
             self.acc.observe(drafted, accepted, k, request_ids, classes)
-            self._calibrate_scores(drafted, accepted, request_ids)
+            if scores is None:
+                scores = [self._scores.get(r) for r in request_ids]
+            for sc, d, a in zip(scores, drafted, accepted):  # the first d nodes were verified
+                if sc is not None and d > 0:
+                    self.score_calibration.observe(sc, int(d), int(a))
             return
         self._stale += 1
         if self._stale >= self.reprobe_after:
             self._stale = 0
             self.acc.alpha = MovingAverage(self.acc.window, self.acc.alpha.prior)
-
-    def _calibrate_scores(self, drafted, accepted, request_ids) -> None:
-        """accepted / predicted over the rows whose drafts carried scores (the first ``drafted``
-        nodes of the scored proposal were verified, for real or in the shadow)."""
-        pred = got = 0.0
-        for rid, d, a in zip(request_ids, drafted, accepted):
-            sc = self._scores.get(rid)
-            if sc is not None and d > 0:
-                pred += float(np.sum(sc[:int(d)]))
-                got += float(a)
-        if pred > 0:
-            self.score_calibration.add(got / pred)
 
     def finish(self, rid):
         self.acc.forget(rid)
