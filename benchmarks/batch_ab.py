@@ -202,7 +202,8 @@ def table(runs: list[dict], names: list[str], rounds: int) -> str:
         tk, ts, tc, th = tot[n]
         ks = [by[n, i]["mean_k"] for i in range(rounds) if by[n, i]["mean_k"] is not None]
         eq = [by[n, i]["equal"] for i in range(rounds)]
-        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})", " / ".join("n/a" if math.isnan(near[n, i]) else f"{near[n, i]:.3f}" for i in range(rounds)),
+        cells += [f"{tk / ts:.1f} ({tk / ts / base:.3f})",
+                  " / ".join("n/a" if math.isnan(near[n, i]) else f"{near[n, i]:.3f}" for i in range(rounds)),
                   f"{1e3 * tc / tk:.2f}", f"{1e3 * th / tk:.3f}",
                   " / ".join(f"{k:.2f}" for k in ks),
                   " / ".join(f"{e}/{by[n, 0]['records']}" for e in eq)]
@@ -289,7 +290,8 @@ def run() -> int:
                 mine = outputs(r["path"])
                 r["records"] = len(ar_out)
                 r["equal"] = sum(1 for k, v in ar_out.items() if mine.get(k) == v)
-    md = paired_table(runs, [n for n in names if n != "ar"], FLAGS.rounds) if FLAGS.paired else table(runs, names, FLAGS.rounds)
+    md = (paired_table(runs, [n for n in names if n != "ar"], FLAGS.rounds) if FLAGS.paired
+          else table(runs, names, FLAGS.rounds))
     print(f"\n{specbench.cpu_description()}; "
           f"{len(ar_out)} records, batch buckets {FLAGS.batch_buckets}, {FLAGS.rounds} rounds\n\n{md}")
     if FLAGS.json_out:
