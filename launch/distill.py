@@ -45,6 +45,11 @@ command with a larger ``--rounds`` resumes after the last finished round. ``--dr
 N tokens the target ranks in its top-k most often on round 1's data; ``--shared_head`` (default)
 keeps those rows the target's own (not trained, not saved).
 
+``--drafter medusa`` trains Medusa heads (specjax.distill.medusa_train) the same way, on the
+target's last hidden state: ``--medusa_heads`` heads, head i toward the target's distribution
+i + 1 positions later (the same data, rounds, checkpoints and held-out measure; served with
+``--medusa_head``; ``--k`` at most the heads).
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -87,48 +92,54 @@ def define_flags() -> None:
     flags.DEFINE_integer("k", 3, "Drafts per step when measuring acceptance.")
     flags.DEFINE_integer("seed", 0, "Data sampling and batch order seed.")
     flags.DEFINE_string("plot", None, "Write a loss / acceptance plot here (PNG).")
-    # --drafter eagle (an EAGLE feature head; specjax.distill.eagle_train)
+    # --drafter eagle / medusa (feature heads; specjax.distill.eagle_train, medusa_train)
+    flags.DEFINE_integer("medusa_heads", 4, "medusa: how many heads (the largest K it drafts).")
     flags.DEFINE_integer("unroll", 3, "eagle: training-time-test steps past the teacher-forced pass (the head on "
                          "its own predicted features, as it drafts).")
-    flags.DEFINE_integer("round_prompts", 0, "eagle: --input_jsonl training prompts written per round (0: all in "
+    flags.DEFINE_integer("round_prompts", 0, "heads: --input_jsonl training prompts written per round (0: all in "
                          "round 1, then the same data every round); later rounds take the next ones, cycling.")
-    flags.DEFINE_integer("self_prompts", 0, "eagle: prompts per round the model writes itself from its chat "
+    flags.DEFINE_integer("self_prompts", 0, "heads: prompts per round the model writes itself from its chat "
                          "template's user prefix (sampled at T = 1), then answers (needs --chat).")
-    flags.DEFINE_integer("self_prompt_tokens", 48, "eagle: the longest self-written prompt, in tokens.")
-    flags.DEFINE_bool("shared_head", True, "eagle: the reduced head's rows are the target's own (not trained, not "
+    flags.DEFINE_integer("self_prompt_tokens", 48, "heads: the longest self-written prompt, in tokens.")
+    flags.DEFINE_bool("shared_head", True, "heads: the reduced head's rows are the target's own (not trained, not "
                       "saved); --noshared_head trains (and saves) them.")
-    flags.DEFINE_string("answer_field", None, "eagle: a line's non-blank text in this field is its answer, trained on "
+    flags.DEFINE_string("answer_field", None, "heads: a line's non-blank text in this field is its answer, trained on "
                         "teacher-forced instead of one the target writes (no generation: many more tokens per CPU "
                         "second; the target's distribution at every position is still the teacher).")
-    flags.DEFINE_bool("prompt_loss", False, "eagle: also train on the prompt's positions (the target's distribution "
+    flags.DEFINE_bool("prompt_loss", False, "heads: also train on the prompt's positions (the target's distribution "
                       "of each next prompt token; the head drafts only in answers, but learns the target from more).")
-    flags.DEFINE_enum("head_dtype", "bfloat16", ["bfloat16", "float32"], "eagle: the dtype the head is saved in.")
+    flags.DEFINE_enum("head_dtype", "bfloat16", ["bfloat16", "float32"], "heads: the dtype the head is saved in.")
     cli.define_distill_flags(online=False)
+
+
+HEADS = ("eagle", "medusa")
 
 
 def validate_flags():
     from specjax.errors import SpecjaxError
 
-    eagle = FLAGS.drafter == "eagle"
+    eagle = FLAGS.drafter in HEADS  # (a feature head: eagle or medusa)
     for name in ("checkpoint_dir",) if eagle else ("input_jsonl", "checkpoint_dir"):
         if not FLAGS[name].value:
             raise SpecjaxError(f"--{name} is required")
     if eagle and not FLAGS.input_jsonl and not FLAGS.self_prompts:
-        raise SpecjaxError("--drafter eagle needs prompts: --input_jsonl and/or --self_prompts")
+        raise SpecjaxError(f"--drafter {FLAGS.drafter} needs prompts: --input_jsonl and/or --self_prompts")
     if FLAGS.answer_field and not (eagle and FLAGS.input_jsonl):
-        raise SpecjaxError("--answer_field reads answers for --drafter eagle from --input_jsonl")
+        raise SpecjaxError("--answer_field reads answers for --drafter eagle / medusa from --input_jsonl")
     if eagle and FLAGS.self_prompts and not FLAGS.chat:
         raise SpecjaxError("--self_prompts writes prompts from the chat template: it needs --chat")
     if eagle and FLAGS.sampling != "teacher":
-        raise SpecjaxError("--drafter eagle trains on the target's own text: --sampling teacher")
+        raise SpecjaxError(f"--drafter {FLAGS.drafter} trains on the target's own text: --sampling teacher")
     if eagle and FLAGS.teacher != "topk":
-        raise SpecjaxError("--drafter eagle trains on the target's top-k kept per position: --teacher topk")
+        raise SpecjaxError(f"--drafter {FLAGS.drafter} trains on the target's top-k kept per position: --teacher topk")
+    if FLAGS.drafter == "medusa" and FLAGS.k > FLAGS.medusa_heads:
+        raise SpecjaxError(f"--k {FLAGS.k} drafts more than --medusa_heads {FLAGS.medusa_heads} heads can")
     if FLAGS.system and not FLAGS.chat:
         raise SpecjaxError("--system needs --chat")
     for name, lo in (("rounds", 1), ("steps", 1), ("max_new_tokens", 1), ("max_prompt", 1), ("topk", 1),
                      ("k", 1), ("eval_prompts", 1), ("draft_vocab", 0), ("limit", 0), ("distill_batch", 1),
                      ("distill_length", 2), ("unroll", 0), ("round_prompts", 0), ("self_prompts", 0),
-                     ("self_prompt_tokens", 1)):
+                     ("self_prompt_tokens", 1), ("medusa_heads", 1)):
         cli.check_range(name, lo)
     if not eagle and os.path.exists(os.path.join(FLAGS.checkpoint_dir, "draft.json")):
         raise SpecjaxError(f"{FLAGS.checkpoint_dir} already holds a draft; give a new --checkpoint_dir")
@@ -145,7 +156,7 @@ def validate_flags():
 
 
 def main(argv):
-    cli.run_job(lambda: (run_eagle if FLAGS.drafter == "eagle" else run)(validate_flags()), argv)
+    cli.run_job(lambda: (run_head if FLAGS.drafter in HEADS else run)(validate_flags()), argv)
 
 
 def run(spec) -> int:
@@ -170,6 +181,26 @@ def run(spec) -> int:
                            f"({FLAGS.eval_prompts}) to train on")
     model, _ = cli.load_target(spec)
     cfg, tok = model.cfg, model.tokenizer
+    # the one difference between the kinds: the head, the target features it reads, its loss
+    if FLAGS.drafter == "medusa":
+        from specjax.distill import medusa_train
+        from specjax.drafters import medusa as head_kind
+
+        settings, feats_at, fp_extra = {"heads": FLAGS.medusa_heads}, (cfg.num_layers,), {}
+
+        def train_step(trainable, state, frozen, batch):
+            _, prev, _, teacher, mask = batch
+            return medusa_train.train_step(trainable, state, frozen, prev, teacher, mask, draft=draft, tc=tc,
+                                           optimizer=opt)
+    else:
+        from specjax.drafters import eagle as head_kind
+
+        settings, feats_at, fp_extra = {}, None, {"unroll": FLAGS.unroll}
+
+        def train_step(trainable, state, frozen, batch):
+            return et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc, optimizer=opt,
+                                 steps=FLAGS.unroll)
+    kind = head_kind.KIND
     draft = load_model(spec.drafter.draft_model, spec.dtype) if spec.drafter.draft_model else None
     if draft is None and not 1 <= FLAGS.draft_layers < cfg.num_layers:
         raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, "
@@ -256,10 +287,11 @@ def run(spec) -> int:
 TEXTS = "texts.npz"  # (under the eagle checkpoint's state/: every sequence the target wrote so far)
 
 
-def run_eagle(spec) -> int:
-    """--drafter eagle: warm-up training of an EAGLE feature head (distill.eagle_train), resumable
-    from --checkpoint_dir (the head there, eagle.json + orbax, is what --eagle_head serves; the
-    optimizer state and the run's record are under its state/)."""
+def run_head(spec) -> int:
+    """--drafter eagle / medusa: warm-up training of a feature head (distill.eagle_train,
+    distill.medusa_train), resumable from --checkpoint_dir (the head there, <kind>.json + orbax,
+    is what --eagle_head / --medusa_head serves; the optimizer state and the run's record are
+    under its state/)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -268,8 +300,8 @@ def run_eagle(spec) -> int:
     from specjax.distill import eagle_train as et
     from specjax.distill import train as tr
     from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
-    from specjax.drafters import eagle
-    from specjax.drafters.device import frequent_tokens
+    from specjax.drafters import heads
+    from specjax.drafters.device import FeatureHeadDrafter, frequent_tokens
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.loop import ServingEngine
     from specjax.engine.scheduler import Request
@@ -285,6 +317,26 @@ def run_eagle(spec) -> int:
                            f"({FLAGS.eval_prompts}) to train on")
     model, _ = cli.load_target(spec)
     cfg, tok = model.cfg, model.tokenizer
+    # the one difference between the kinds: the head, the target features it reads, its loss
+    if FLAGS.drafter == "medusa":
+        from specjax.distill import medusa_train
+        from specjax.drafters import medusa as head_kind
+
+        settings, feats_at, fp_extra = {"heads": FLAGS.medusa_heads}, (cfg.num_layers,), {}
+
+        def train_step(trainable, state, frozen, batch):
+            _, prev, _, teacher, mask = batch
+            return medusa_train.train_step(trainable, state, frozen, prev, teacher, mask, draft=draft, tc=tc,
+                                           optimizer=opt)
+    else:
+        from specjax.drafters import eagle as head_kind
+
+        settings, feats_at, fp_extra = {}, None, {"unroll": FLAGS.unroll}
+
+        def train_step(trainable, state, frozen, batch):
+            return et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc, optimizer=opt,
+                                 steps=FLAGS.unroll)
+    kind = head_kind.KIND
     if FLAGS.draft_vocab > cfg.vocab_size:
         raise SpecjaxError(f"--draft_vocab {FLAGS.draft_vocab} exceeds {cfg.name}'s {cfg.vocab_size} tokens")
     room = cfg.max_position - FLAGS.max_new_tokens
@@ -325,7 +377,8 @@ def run_eagle(spec) -> int:
 
     def features(ps, outs, desc):
         with tqdm(total=len(ps), desc=desc, unit="seq", disable=None) as bar:
-            return et.make_sequences(cfg, model.params, ps, outs, topk=FLAGS.topk, progress=bar.update)
+            return et.make_sequences(cfg, model.params, ps, outs, topk=FLAGS.topk, progress=bar.update,
+                                     features=feats_at)
 
     def data(items, rnd):
         """(prompt, its answer from the file or None) -> sequences: the target writes the missing answers."""
@@ -348,10 +401,11 @@ def run_eagle(spec) -> int:
 
     seqs: list = []
     ids_counted = False  # round 1's data was written to count the reduced vocabulary on
-    resumed = os.path.exists(os.path.join(ck, eagle.HEAD_FILE))
+    resumed = os.path.exists(os.path.join(ck, kind.file))
     if resumed:
-        head_spec = eagle.read_spec(ck, cfg)
+        head_spec = heads.read_spec(kind, ck, cfg)
         ids, shared = head_spec["vocab_ids"], bool(head_spec.get("shared_head"))
+        settings = {k: head_spec[k] for k in kind.settings}
         if FLAGS.draft_vocab and FLAGS.draft_vocab != len(ids):
             raise SpecjaxError(f"{ck} holds a head of {len(ids)} tokens, not --draft_vocab {FLAGS.draft_vocab}")
         if shared != FLAGS.shared_head:
@@ -364,12 +418,12 @@ def run_eagle(spec) -> int:
             # (the target's top-k at every position: far more ids than its text alone, the tail ranked too)
             ids = frequent_tokens([s.ids for s in seqs], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
             ids_counted = True
-    draft, dparams = eagle.init_params(cfg, model.params, ids, seed=FLAGS.seed, shared_head=shared)
+    draft, dparams = kind.init(cfg, model.params, ids, seed=FLAGS.seed, shared_head=shared, **settings)
     ids = np.asarray(dparams["vocab_ids"])
-    trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), eagle.trainable_of(draft, dparams))
+    trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dparams))
     frozen = {k: v for k, v in dparams.items() if k not in trainable}
     state = opt.init(trainable)
-    fp = {**fingerprint(cfg, draft.cfg, trainable, ids), "unroll": FLAGS.unroll}
+    fp = {**fingerprint(cfg, draft.cfg, trainable, ids), **fp_extra}
     store = DistillCheckpoints(os.path.join(ck, "state"), fp, max_to_keep=1)
     record = {"round": 0, "losses": [], "accs": [], "sequences": 0}
     if resumed:
@@ -395,7 +449,7 @@ def run_eagle(spec) -> int:
         n_eval = len(eval_p)
     B = min(8, max(1, n_eval))
     slots = bk.slot_bucket(max([len(p) for p in eval_p] + [1]) + FLAGS.max_new_tokens + FLAGS.k + 1, cfg.max_position)
-    be = JaxBackend(cfg, model.params, drafter=eagle.EagleDrafter(draft, serving(trainable)), k_buckets=(0, FLAGS.k),
+    be = JaxBackend(cfg, model.params, drafter=FeatureHeadDrafter(draft, serving(trainable)), k_buckets=(0, FLAGS.k),
                     batch_buckets=(B,), slots=slots)
 
     def run_engine(k):
@@ -429,8 +483,7 @@ def run_eagle(spec) -> int:
         dropped = 0
         for _ in tqdm(range(FLAGS.steps), desc=f"round {rnd}: training", unit="step", disable=None):
             batch = et.make_batch(seqs, rng, FLAGS.distill_batch, FLAGS.distill_length, prompt_loss=FLAGS.prompt_loss)
-            trainable, state, loss, ok = et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc,
-                                                       optimizer=opt, steps=FLAGS.unroll)
+            trainable, state, loss, ok = train_step(trainable, state, frozen, batch)
             if not bool(ok):
                 dropped += 1
                 continue
@@ -442,13 +495,14 @@ def run_eagle(spec) -> int:
               f"per verify step {acc:.3f} ({same}/{n_eval} identical to AR)" +
               (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
         record = {"round": rnd, "losses": losses, "accs": accs, "sequences": record["sequences"] + len(seqs) - had}
-        eagle.save_head(ck, cfg, {**frozen, **trainable}, draft, dtype=jnp.dtype(FLAGS.head_dtype))
+        heads.save_head(kind, ck, cfg, {**frozen, **trainable}, draft, dtype=jnp.dtype(FLAGS.head_dtype))
         store.save_next(trainable, state, record)
         et.save_texts(os.path.join(ck, "state", TEXTS), seqs)
     print(f"[{time.perf_counter() - t0:.0f} s; head saved to {ck} ({FLAGS.head_dtype})]", file=sys.stderr)
     if FLAGS.plot:
         plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,
-                             f"EAGLE head warm-up: {len(ids)}-token head, unroll {FLAGS.unroll}",
+                             f"{kind.title} head warm-up: {len(ids)}-token head, " +
+                             (f"{draft.heads} heads" if FLAGS.drafter == "medusa" else f"unroll {FLAGS.unroll}"),
                              acc_label=f"held-out tokens per verify step, K={FLAGS.k}")
     return 0
 

@@ -46,6 +46,9 @@ def define_drafter_flags(drafter: str = "none", several: list | None = None, num
     flags.DEFINE_string("eagle_head", None, "eagle drafter: the feature head saved in this directory "
                         "(launch/distill.py --drafter eagle); default: the head shipped for the target under heads/ "
                         "(the embedded SmolLM2's), else a random-initialised one.")
+    flags.DEFINE_string("medusa_head", None, "medusa drafter: the heads saved in this directory "
+                        "(launch/distill.py --drafter medusa); default: the heads shipped for the target under heads/, "
+                        "else fresh ones (each the target's own head).")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "
@@ -364,7 +367,7 @@ def check_online_distill_flags(drafter: str) -> None:
 
     if not FLAGS.online_distill:
         return
-    online = [d for d in registry.TRAINED_DRAFTERS if d != "eagle"]  # (the head trains offline: launch/distill.py)
+    online = [d for d in registry.TRAINED_DRAFTERS if d not in ("eagle", "medusa")]  # (heads train offline: launch/distill.py)
     if drafter not in online:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
                            f"{' or '.join(online)}, not {drafter}")

@@ -56,6 +56,7 @@ for _e in (DrafterEntry("none", None),
            DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
                         trains=True, draft_ahead=True),
            DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"}), trains=True),
+           DrafterEntry("medusa", _build_parts, device=True, reads=frozenset({"medusa_head"}), trains=True),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
            DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
            DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):
@@ -118,7 +119,8 @@ def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
 def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
-                  draft_checkpoint: str | None = None, eagle_head: str | None = None) -> dict:
+                  draft_checkpoint: str | None = None, eagle_head: str | None = None,
+                  medusa_head: str | None = None) -> dict:
     """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
     SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
@@ -126,7 +128,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
     (distill.checkpoint). ``eagle_head``: the eagle drafter's saved head (drafters.eagle.save_head;
-    None: a random-initialised head)."""
+    None: the shipped head, else a random-initialised one); ``medusa_head``: the medusa drafter's
+    (drafters.medusa; None: the shipped heads, else fresh ones)."""
     from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
     from specjax.drafters.host import host_drafter
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
@@ -166,6 +169,10 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
         from specjax.drafters import eagle
 
         return {"drafter": eagle.build(model, eagle_head)}
+    if drafter == "medusa":
+        from specjax.drafters import medusa
+
+        return {"drafter": medusa.build(model, medusa_head)}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -411,6 +418,7 @@ def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
                                      min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
                                      cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
                 suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint, eagle_head=spec.eagle_head,
+                medusa_head=spec.medusa_head,
                 suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
 
 

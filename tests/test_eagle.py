@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from specjax import registry
-from specjax.drafters import eagle
+from specjax.drafters import eagle, heads
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import EventClock, ServingEngine
 from specjax.engine.scheduler import Request
@@ -271,7 +271,7 @@ def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
     model = types.SimpleNamespace(cfg=cfg, params=params)
     for restored in (True, False):
         if not restored:  # the second load maps the store's copy: no checkpoint is read
-            monkeypatch.setattr(eagle, "_checkpoints", lambda *a: pytest.fail("restored again"))
+            monkeypatch.setattr(heads, "_checkpoints", lambda *a: pytest.fail("restored again"))
         d = registry.drafter_parts(model, "eagle", k=2, eagle_head=str(tmp_path / "head"))["drafter"]
         prepared.wait()
         assert isinstance(d, eagle.EagleDrafter) and d.draft == draft

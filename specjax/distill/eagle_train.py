@@ -144,10 +144,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_
 
 
 def make_sequences(cfg: ModelConfig, params, prompts, outputs, *, topk: int, batch: int = 4, length_bucket: int = 64,
-                   progress: Callable[[int], None] | None = None) -> list[HeadSequence]:
+                   progress: Callable[[int], None] | None = None, features: tuple[int, ...] | None = None
+                   ) -> list[HeadSequence]:
     """Features and teacher of every (prompt, output) pair: one target forward per sequence, in
-    batches padded to a multiple of ``length_bucket`` (few compiled shapes)."""
-    feats_at = llama.feature_layers(cfg.num_layers)
+    batches padded to a multiple of ``length_bucket`` (few compiled shapes). ``features``: the
+    layers whose inputs are kept (default: the EAGLE head's; Medusa's: the last layer's output)."""
+    feats_at = llama.feature_layers(cfg.num_layers) if features is None else tuple(features)
     seqs = [(list(p) + list(o), len(p) - 1) for p, o in zip(prompts, outputs)]
     out: list[HeadSequence] = []
     for i in range(0, len(seqs), batch):

@@ -303,6 +303,22 @@ class DeviceDrafter(Drafter):
         return jobs
 
 
+class FeatureHeadDrafter(DeviceDrafter):
+    """A feature head (drafters.eagle, drafters.medusa) in the engine: DeviceDrafter's chain path
+    (K drafts inside the step, the draft prefill with its gate), with the target's features
+    flowing through the compile key. Drafting ahead of the policy's choice (confidence policies)
+    is not built for it: the verify step it needs would have to catch the head up too."""
+
+    def propose(self, be, rs, k_max, threshold=None):
+        require(threshold is None, f"the {self.draft.label} drafter drafts inside the step; confidence-based "
+                "proposal (smartspec-conf) is not available for it")
+        return super().propose(be, rs, k_max)
+
+    def warm_steps(self, B, ks, greedy, tokens, ahead):
+        require(ahead == 0, f"the {self.draft.label} drafter has no draft-ahead path (smartspec-conf / draft_first)")
+        return super().warm_steps(B, ks, greedy, tokens, ahead)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftAheadJob:
     """Warm-up of the draft-ahead path at batch B: the draft call of up to P drafts and the

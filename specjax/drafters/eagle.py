@@ -30,26 +30,21 @@ target's ``embed`` and ``final_norm``, shared (never copied, never saved with th
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import cache as kv
-from specjax import ondisk
 from specjax.config import ModelConfig
-from specjax.device_arrays import to_device
-from specjax.drafters.device import DeviceDrafter, ModelDraft, frequent_tokens
-from specjax.errors import SpecjaxError, require
-from specjax.models import llama, prepared
+from specjax.drafters import heads
+from specjax.drafters.device import FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.models import llama
 from specjax.models.options import ForwardOptions
 
 DEFAULT_VOCAB = 32768  # reduced head rows (EAGLE-3's draft vocabulary), at most the target's
-HEAD_FILE = "eagle.json"
-_SHARED = ("embed", "final_norm")  # the target's arrays the head runs with
+trainable_of = heads.trainable_of  # (its own arrays: what is trained and saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +167,7 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
     D, H, Hkv, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     if vocab_ids is None:
         vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
-    ids = _check_ids(vocab_ids, cfg.vocab_size)
+    ids = heads.check_ids(vocab_ids, cfg.vocab_size)
     dtype = params["embed"].dtype
     rng = np.random.default_rng(seed)
 
@@ -186,28 +181,9 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
         layer.update(bq=jnp.zeros((H * hd,), dtype), bk=jnp.zeros((Hkv * hd,), dtype), bv=jnp.zeros((Hkv * hd,), dtype))
     trainable = {"fc": w(3 * D, D), "layer": layer}
     if not shared_head:
-        trainable["lm_head"] = _target_rows(cfg, params, ids)
+        trainable["lm_head"] = heads.target_rows(cfg, params, ids)
     draft = _draft(cfg, ids, shared_head)
-    return draft, with_target(draft, trainable, ids, cfg, params)
-
-
-def _target_rows(cfg: ModelConfig, params, ids) -> jax.Array:
-    try:  # (on the host: eager jax ops compiled a transpose and a gather of the whole vocab head,
-        # half a second of a first answer)
-        rows = np.asarray(params["embed"])[ids] if cfg.tie_embeddings else np.asarray(params["lm_head"])[:, ids].T
-        return to_device(np.ascontiguousarray(rows.T))
-    except jax.errors.TracerArrayConversionError:  # traced (eval_shape, training)
-        head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-        return jnp.take(head, jnp.asarray(ids), axis=1)
-
-
-def _check_ids(vocab_ids, V: int) -> np.ndarray:
-    ids = np.asarray(vocab_ids)
-    require(ids.ndim == 1 and ids.size >= 1 and np.issubdtype(ids.dtype, np.integer),
-            f"a reduced vocabulary is a 1-D list of token ids, got shape {ids.shape} of {ids.dtype}")
-    require(ids.min() >= 0 and ids.max() < V and len(np.unique(ids)) == ids.size,
-            f"reduced vocabulary ids must be distinct ids of the target's {V} tokens")
-    return ids.astype(np.int32)
+    return draft, heads.with_target(draft, trainable, ids, cfg, params)
 
 
 def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> EagleDraft:
@@ -215,129 +191,39 @@ def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> Eagl
                       shared_head=shared_head)
 
 
-def with_target(draft: EagleDraft, trainable, vocab_ids, cfg: ModelConfig, params) -> dict:
-    """The head's params as the step runs them: its own arrays plus the target's shared ones
-    (with a shared head, the target's vocab rows for ``vocab_ids``: built here, never saved)."""
-    out = {**trainable, "vocab_ids": jnp.asarray(vocab_ids, jnp.int32), **{k: params[k] for k in _SHARED}}
-    if draft.shared_head:
-        out["lm_head"] = _target_rows(cfg, params, vocab_ids)
-    return out
-
-
-def trainable_of(draft: EagleDraft, dparams) -> dict:
-    """The head's own arrays (what is trained and saved): not the target's, not the id map."""
-    shared = _SHARED + (("lm_head",) if draft.shared_head else ())
-    return {k: v for k, v in dparams.items() if k not in shared and k != "vocab_ids"}
-
-
-def _checkpoints(directory: str, cfg: ModelConfig, draft: EagleDraft, trainable, ids):
-    from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
-
-    return DistillCheckpoints(directory, fingerprint(cfg, draft.cfg, trainable, ids), max_to_keep=1)
+KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft)
+HEAD_FILE = KIND.file
 
 
 def save_head(directory: str, cfg: ModelConfig, dparams, draft: EagleDraft | None = None, dtype=None) -> None:
-    """Write the head (its own arrays, orbax, recorded like a distilled draft's checkpoints; cast
-    to ``dtype`` if given: bfloat16 halves the file) and ``eagle.json`` (target, feature layers,
-    vocabulary ids, whether the vocab rows are the target's) to ``directory``."""
-    ids = np.asarray(dparams["vocab_ids"], np.int32)
-    draft = draft or _draft(cfg, ids)
-    trainable = trainable_of(draft, dparams)
-    if dtype is not None:
-        trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), trainable)
-    spec = {"target": cfg.name, "vocab_size": cfg.vocab_size, "features": list(draft.features),
-            "shared_head": draft.shared_head, "dtype": str(jax.tree_util.tree_leaves(trainable)[0].dtype),
-            "vocab_ids": ids.tolist()}
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise SpecjaxError(f"cannot write an EAGLE head to {directory}: {e}".splitlines()[0]) from None
-    if not ondisk.write(os.path.join(directory, HEAD_FILE), json.dumps(spec).encode()):
-        raise SpecjaxError(f"cannot write an EAGLE head to {directory}")
-    ck = _checkpoints(directory, cfg, draft, trainable, ids)
-    ck.save_next(trainable, {}, {"kind": "eagle"})
+    """Write the head to ``directory`` (heads.save_head: its own arrays, cast to ``dtype`` if
+    given, and ``eagle.json``)."""
+    heads.save_head(KIND, directory, cfg, dparams, draft or _draft(cfg, np.asarray(dparams["vocab_ids"])), dtype)
 
 
 def read_spec(directory: str, cfg: ModelConfig) -> dict:
-    """``eagle.json`` of the head in ``directory``, checked to be of this target (else a one-line
-    SpecjaxError)."""
-    blob = ondisk.read(os.path.join(directory, HEAD_FILE))
-    if blob is None:
-        raise SpecjaxError(f"{directory} holds no EAGLE head ({HEAD_FILE} is missing or damaged)")
-    try:
-        spec = json.loads(blob)
-        target, V, layers = spec["target"], spec["vocab_size"], spec["features"]
-        spec["vocab_ids"] = np.asarray(spec["vocab_ids"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SpecjaxError(f"{directory}/{HEAD_FILE} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) \
-            from None
-    if target != cfg.name or V != cfg.vocab_size or tuple(layers) != llama.feature_layers(cfg.num_layers):
-        raise SpecjaxError(f"{directory} holds an EAGLE head of {target} ({V} tokens, features of layers {layers}), "
-                           f"not of {cfg.name}")
-    spec["vocab_ids"] = _check_ids(spec["vocab_ids"], cfg.vocab_size)
-    return spec
+    """``eagle.json`` of the head in ``directory``, checked to be of this target."""
+    return heads.read_spec(KIND, directory, cfg)
 
 
 def load_head(directory: str, cfg: ModelConfig, params) -> tuple[EagleDraft, dict]:
-    """(EagleDraft, params) of the head saved in ``directory`` for this target, in the target's
-    dtype; a directory without one, or a head of another target: a one-line SpecjaxError."""
-    spec = read_spec(directory, cfg)
-    ids = spec["vocab_ids"]
-    shared_head = bool(spec.get("shared_head", False))
-    draft = _draft(cfg, ids, shared_head)
-    dtype = params["embed"].dtype
-
-    def restore():
-        # The structure to restore into, as numpy zeros of a traced init's shapes (eager jax ops
-        # here compiled a program per array: a second of a first answer).
-        shapes = jax.eval_shape(lambda p: trainable_of(draft, init_params(cfg, p, ids, shared_head=shared_head)[1]),
-                                params)
-        saved = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, jnp.dtype(spec.get("dtype", a.dtype))), shapes)
-        got = _checkpoints(directory, cfg, draft, saved, ids).restore(saved, {})
-        if got is None:
-            raise SpecjaxError(f"{directory} holds no intact EAGLE head checkpoint")
-        return jax.tree_util.tree_map(lambda a: to_device(np.asarray(a), dtype), got[1])
-
-    # Restored once, then mapped back (models.prepared).
-    store = prepared.Store.for_directory(directory, f"eagle head\n{cfg.name}\n{jnp.dtype(dtype).name}")
-    head = store.cached("head", restore) if store else restore()
-    return draft, with_target(draft, head, ids, cfg, params)
-
-
-class EagleDrafter(DeviceDrafter):
-    """The head in the engine: DeviceDrafter's chain path (K drafts inside the step, the draft
-    prefill with its gate), with the target's features flowing through the compile key.
-    Drafting ahead of the policy's choice (confidence policies) is not built for it: the verify
-    step it needs would have to catch the head up too."""
-
-    def propose(self, be, rs, k_max, threshold=None):
-        require(threshold is None, "the eagle drafter drafts inside the step; confidence-based proposal "
-                "(smartspec-conf) is not available for it")
-        return super().propose(be, rs, k_max)
-
-    def warm_steps(self, B, ks, greedy, tokens, ahead):
-        require(ahead == 0, "the eagle drafter has no draft-ahead path (smartspec-conf / draft_first)")
-        return super().warm_steps(B, ks, greedy, tokens, ahead)
-
-
-# Heads shipped in the repository (heads/), by the target they were trained for: the one
-# ``--drafter eagle`` runs when no --eagle_head is given.
-HEADS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "heads")
-SHIPPED = {"smollm2-135m": "smollm2-135m-instruct-eagle"}
+    """(EagleDraft, params) of the head saved in ``directory`` for this target (heads.load_head)."""
+    return heads.load_head(KIND, directory, cfg, params)
 
 
 def shipped_head(cfg: ModelConfig) -> str | None:
     """The directory of the head shipped for this target, if there is one."""
-    name = SHIPPED.get(cfg.name)
-    path = name and os.path.join(HEADS_DIR, name)
-    return path if path and os.path.exists(os.path.join(path, HEAD_FILE)) else None
+    return heads.shipped_head(KIND, cfg)
 
 
-def build(model, head: str | None = None) -> EagleDrafter:
+EagleDrafter = FeatureHeadDrafter  # (the engine's drafter of a feature head, drafters.device)
+
+
+def build(model, head: str | None = None) -> FeatureHeadDrafter:
     """The eagle drafter on ``model`` (a LoadedModel): the head saved in ``head`` (a directory,
-    ``save_head``), else the one shipped for this target (``SHIPPED``), else a
+    ``save_head``), else the one shipped for this target (``heads.SHIPPED``), else a
     random-initialised one (``init_params``' defaults)."""
-    head = head or shipped_head(model.cfg)
+    head = head or heads.shipped_head(KIND, model.cfg)
     if head:
-        return EagleDrafter(*load_head(head, model.cfg, model.params))
-    return EagleDrafter(*init_params(model.cfg, model.params))
+        return FeatureHeadDrafter(*load_head(head, model.cfg, model.params))
+    return FeatureHeadDrafter(*init_params(model.cfg, model.params))

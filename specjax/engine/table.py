@@ -156,6 +156,8 @@ class LayeredPrefill:
             if i in self.features:
                 taken[i] = x
             x, cache = exe(llama.layer_params(params, i), x, cache, self._index[i])
+        if len(self.layers) in self.features:  # (the last layer's output)
+            taken[len(self.layers)] = x
         dcache = state.dcache
         for i, exe in enumerate(self.draft_layers):
             dx, dcache = exe(llama.layer_params(dparams, i), dx, dcache, self._index[i])

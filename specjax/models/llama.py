@@ -331,8 +331,9 @@ def forward(
     layout: a sharded engine's sharding.Layout (the Pallas attention kernel runs under shard_map).
     features: layer indices whose inputs (the residual stream entering them) come back too, as
       one [B, T, len(features) * D] array after the others (a feature head's drafting signal,
-      ``feature_layers``; every block position, packed ones unpacked). Empty (the default) adds
-      nothing to the traced program.
+      ``feature_layers``; every block position, packed ones unpacked); index ``num_layers`` is
+      the last layer's output (Medusa's heads read it). Empty (the default) adds nothing to the
+      traced program.
     """
     layers = params["layers"]
     stacked = isinstance(layers, dict)
@@ -404,6 +405,8 @@ def forward(
             x, k_all, v_all = _layer(cfg, rope, fwd, use_prefix, x, lp, k_all, v_all, i,
                                      cache.lengths, positions, block_mask, pack, layout, packs=packs)
             x = pin(x)
+    if n_layers in features:  # (index n_layers: the last layer's output, before the final norm)
+        taken[n_layers] = x
     new_cache = dataclasses.replace(cache, k=k_all, v=v_all)
     logits, hidden = final_logits(params, x, cfg=cfg, fwd=fwd, logits_at=logits_at)
     if pack is not None:

@@ -1,0 +1,50 @@
+"""Training Medusa heads (drafters.medusa) toward their target, on the data the EAGLE trainer
+makes (``eagle_train.make_sequences`` with ``features=(num_layers,)``: the target's last hidden
+state at every position, and its top-k teacher there).
+
+Head i (0-based) reads the hidden state h_t and predicts the token at t + 2 + i, which the
+target's distribution at position t + 1 + i predicts (the teacher there: Medusa-2's
+self-distillation, with the target's own distribution instead of the text's token). In a
+``make_batch`` window, entry u carries h_{u-1} as its "previous feature", so head i at entry u is
+trained toward the teacher at entry u + i. Heads are weighted 0.8^i (later drafts matter less, as
+in the EAGLE trainer's unroll)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from specjax.distill import divergences as dv
+from specjax.distill.eagle_train import STEP_DECAY
+from specjax.distill.train import TrainConfig, apply_if_finite
+from specjax.drafters.medusa import MedusaDraft
+
+
+def loss_fn(trainable, frozen, prev_feats, teacher, mask, *, draft: MedusaDraft, tc: TrainConfig):
+    """Weighted mean over heads of the divergence between the teacher (TopK, restricted to the
+    heads' tokens) at entry u + i and head i's logits from the hidden state of entry u - 1,
+    over the entries where ``mask`` [B, T] holds at u + i (and u > 0: entry 0 of a window that
+    starts a sequence has no hidden state before it)."""
+    dparams = {**frozen, **trainable}
+    teacher, covered = dv.restrict(jax.lax.stop_gradient(teacher), frozen["vocab_ids"], draft.cfg.vocab_size)
+    T = prev_feats.shape[1]
+    lg = draft.reduced(dparams, prev_feats)  # [B, T, H, N]
+    ok = mask & covered
+    total, weight = 0.0, 0.0
+    for i in range(min(draft.heads, T - 1)):
+        t_i = jax.tree_util.tree_map(lambda a: a[:, i:], teacher)
+        per = dv.divergence(tc.divergence, t_i, lg[:, :T - i, i], temperature=tc.temperature, beta=tc.beta)
+        total += STEP_DECAY ** i * dv.mean_over(per, ok[:, i:] & (jnp.arange(T - i) > 0)[None, :])
+        weight += STEP_DECAY ** i
+    return total / weight
+
+
+@partial(jax.jit, static_argnames=("draft", "tc", "optimizer"))
+def train_step(trainable, opt_state, frozen, prev_feats, teacher, mask, *, draft: MedusaDraft, tc: TrainConfig,
+               optimizer: optax.GradientTransformation):
+    """One optimizer step of the heads; returns (trainable, opt_state, loss, ok) as train.train_step."""
+    loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, prev_feats, teacher, mask, draft=draft, tc=tc)
+    return apply_if_finite(trainable, opt_state, loss, grads, optimizer)

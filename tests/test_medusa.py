@@ -1,0 +1,170 @@
+"""Medusa heads (drafters.medusa, issue 30 part 3): the carried hidden state after any mix of
+steps is the one a prefill of what was committed gives, greedy serving is token-identical to
+the autoregressive reference with requests joining and leaving and plain decode calls between
+verify steps, sampling is reproducible and verifies with the heads' real draft distributions,
+heads save and load (and are refused for another target), and training lowers the loss."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import registry
+from specjax.distill import eagle_train as et
+from specjax.distill import medusa_train as mt
+from specjax.distill import train as tr
+from specjax.drafters import heads, medusa
+from specjax.drafters.device import FeatureHeadDrafter
+from specjax.engine.jax_backend import JaxBackend
+from specjax.engine.loop import ServingEngine
+from specjax.engine.scheduler import Request
+from specjax.errors import SpecjaxError
+from specjax.goodput import FixedK
+from specjax.reference_ar import reference_generate
+from specjax.sampling import SamplingArrays, SamplingParams
+from tests.test_eagle import PROMPTS, Alternating, OpClock
+
+SLOTS = 64
+MAX_NEW = 12
+B = 4
+VOCAB_IDS = np.arange(0, 256, 2)
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    cfg, params = tiny
+    return medusa.init_params(cfg, params, VOCAB_IDS, heads=3, scale=0.5, seed=1)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny, head):
+    cfg, params = tiny
+    return JaxBackend(cfg, params, drafter=FeatureHeadDrafter(*head), k_buckets=(0, 2), batch_buckets=(B,),
+                      slots=SLOTS)
+
+
+@pytest.mark.parametrize("greedy,steps", [(False, (2, 2, 0, 2)), (True, (0, 2, 0, 0))])
+def test_carried_hidden_state_is_a_prefills_of_what_was_committed(backend, greedy, steps):
+    """After a prefill and chain steps (K = 2, drafts accepted and rejected: sampled at a high
+    temperature; and plain K = 0 steps), row 0's carried state is the target's last hidden state
+    at its last committed position, as a prefill of its committed tokens gives it."""
+    t = backend.table
+    prompt = [5, 17, 42, 9, 100]
+    samp = SamplingArrays.build([SamplingParams(temperature=0.0 if greedy else 20.0, seed=3)], B)
+    put = jax.device_put
+    active = put(np.arange(B) == 0)
+
+    def prefill(tokens):
+        toks = np.zeros((B, 16), np.int32)
+        toks[0, :len(tokens)] = tokens
+        exe = t.prefill(B, 16, SLOTS, greedy, True)
+        return exe(backend.params, backend.dparams, put(toks), put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+
+    state = prefill(prompt)
+    out, accepted = [int(state.pending[0])], 0
+    for K in steps:
+        state, o = t.step(B, K, SLOTS, greedy)(backend.params, backend.dparams, state,
+                                               put(np.zeros((B, max(K, 1)), np.int32)), put(np.full(B, K, np.int32)),
+                                               active, samp, None, None)
+        n = int(o.n_accepted[0])
+        accepted += n
+        out += [int(x) for x in o.tokens[0, :n + 1]]
+    L = int(state.cache.lengths[0])
+    assert L == len(prompt) + len(out) - 1 and (greedy or accepted > 0)
+    want = prefill((prompt + out)[:L]).dcache
+    assert int(state.dcache.lengths[0]) == int(want.lengths[0]) == L
+    np.testing.assert_allclose(state.dcache.feat[0], want.feat[0], atol=1e-5)
+
+
+def test_greedy_token_identical_to_ar_with_joins_leaves_and_plain_calls(tiny, backend):
+    """Requests join a running batch and leave it at different steps, a late one runs alone, and
+    K = 2 steps alternate with decode calls of plain steps."""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    for policy in (FixedK(2), Alternating()):
+        backend.reset()
+        eng = ServingEngine(backend, policy, clock=OpClock())
+        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
+        outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
+        for o, r in zip(outs, ref + [ref[1]]):
+            assert o.tokens == r, f"{o.id} diverged from autoregressive greedy ({type(policy).__name__})"
+        assert eng.counts.drafted > 0
+        sizes = [s.n for s in eng.steps]
+        assert max(sizes) >= 3 and sizes[-1] == 1
+
+
+def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
+    """At T > 0 the same seeds give the same tokens, and drafts are accepted at the rate exact
+    speculative sampling gives with the heads' q (about a half at a high temperature with half
+    the vocabulary; as if q were one-hot at the draft, about 1/256)."""
+    def run():
+        backend.reset()
+        eng = ServingEngine(backend, FixedK(2))
+        outs = eng.run([Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=20.0, seed=10 + i))
+                        for i, p in enumerate(PROMPTS[:3])])
+        return [o.tokens for o in outs], eng.counts
+
+    a, counts = run()
+    b, _ = run()
+    assert a == b
+    assert counts.drafted > 20 and counts.accepted / counts.drafted > 0.2, (counts.accepted, counts.drafted)
+
+
+def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
+    """Saved heads load back exactly through ``--medusa_head`` (the target's arrays not in them),
+    heads of another target or an EAGLE head's folder are refused, and K above the heads is
+    refused when the step is built."""
+    from specjax.drafters import eagle
+    from specjax.models import prepared
+
+    cfg, params = tiny
+    draft, dparams = head
+    heads.save_head(medusa.KIND, str(tmp_path / "m"), cfg, dparams, draft)
+    monkeypatch.setattr(prepared, "_DIRECTORY", str(tmp_path / "store"))
+    d = registry.drafter_parts(types.SimpleNamespace(cfg=cfg, params=params), "medusa", k=2,
+                               medusa_head=str(tmp_path / "m"))["drafter"]
+    prepared.wait()
+    assert isinstance(d, FeatureHeadDrafter) and d.draft == draft and d.draft.heads == 3
+    for k in ("w", "b", "lm_head", "vocab_ids"):
+        np.testing.assert_array_equal(d.params[k], dparams[k])
+    assert d.params["embed"] is params["embed"] and set(heads.trainable_of(draft, dparams)) == {"w", "b"}
+    with pytest.raises(SpecjaxError, match="not of other"):
+        heads.load_head(medusa.KIND, str(tmp_path / "m"), cfg.replace(name="other"), params)
+    eagle.save_head(str(tmp_path / "e"), cfg, eagle.init_params(cfg, params, VOCAB_IDS)[1])
+    with pytest.raises(SpecjaxError, match="holds no Medusa head"):
+        heads.load_head(medusa.KIND, str(tmp_path / "e"), cfg, params)
+    assert heads.shipped_head(medusa.KIND, cfg) is None
+    be = JaxBackend(cfg, params, drafter=FeatureHeadDrafter(draft, dparams), k_buckets=(0, 4), batch_buckets=(1,),
+                    slots=SLOTS)
+    with pytest.raises(SpecjaxError, match="3 heads"):
+        be.table.step(1, 4, SLOTS, True)
+
+
+def test_training_lowers_the_loss(tiny):
+    """A few optimizer steps on the target's own text (its last hidden states and top-k teacher,
+    the EAGLE trainer's data with Medusa's features) lower the heads' loss."""
+    cfg, params = tiny
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 255, 6)) for _ in range(4)]
+    outs = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=20, batch_buckets=(4,))]
+    seqs = et.make_sequences(cfg, params, prompts, outs, topk=8, features=(cfg.num_layers,))
+    assert seqs[0].feats.shape[1] == cfg.hidden_size
+    draft, dparams = medusa.init_params(cfg, params, VOCAB_IDS, heads=3)
+    trainable = heads.trainable_of(draft, dparams)
+    frozen = {k: v for k, v in dparams.items() if k not in trainable}
+    tc = tr.TrainConfig(lr=3e-3, warmup_steps=1, total_steps=30)
+    opt = tr.make_optimizer(tc)
+    state = opt.init(trainable)
+    batch = et.make_batch(seqs, np.random.default_rng(1), 4, 32)
+    losses = []
+    for _ in range(12):
+        trainable, state, loss, ok = mt.train_step(trainable, state, frozen, batch[1], batch[3], batch[4],
+                                                   draft=draft, tc=tc, optimizer=opt)
+        assert bool(ok)
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert not np.allclose(np.asarray(trainable["w"]), 0)
