@@ -108,6 +108,8 @@ def define_flags() -> None:
                         "second; the target's distribution at every position is still the teacher).")
     flags.DEFINE_bool("prompt_loss", False, "heads: also train on the prompt's positions (the target's distribution "
                       "of each next prompt token; the head drafts only in answers, but learns the target from more).")
+    flags.DEFINE_string("texts_from", None, "heads: start from the text an earlier head run had the target write "
+                        "(its checkpoint's state/texts.npz), its features recomputed (no generation).")
     flags.DEFINE_enum("head_dtype", "bfloat16", ["bfloat16", "float32"], "heads: the dtype the head is saved in.")
     cli.define_distill_flags(online=False)
 
@@ -124,6 +126,8 @@ def validate_flags():
             raise SpecjaxError(f"--{name} is required")
     if eagle and not FLAGS.input_jsonl and not FLAGS.self_prompts:
         raise SpecjaxError(f"--drafter {FLAGS.drafter} needs prompts: --input_jsonl and/or --self_prompts")
+    if FLAGS.texts_from and not eagle:
+        raise SpecjaxError("--texts_from trains a head (--drafter eagle / medusa) on an earlier head run's text")
     if FLAGS.answer_field and not (eagle and FLAGS.input_jsonl):
         raise SpecjaxError("--answer_field reads answers for --drafter eagle / medusa from --input_jsonl")
     if eagle and FLAGS.self_prompts and not FLAGS.chat:
@@ -181,26 +185,6 @@ def run(spec) -> int:
                            f"({FLAGS.eval_prompts}) to train on")
     model, _ = cli.load_target(spec)
     cfg, tok = model.cfg, model.tokenizer
-    # the one difference between the kinds: the head, the target features it reads, its loss
-    if FLAGS.drafter == "medusa":
-        from specjax.distill import medusa_train
-        from specjax.drafters import medusa as head_kind
-
-        settings, feats_at, fp_extra = {"heads": FLAGS.medusa_heads}, (cfg.num_layers,), {}
-
-        def train_step(trainable, state, frozen, batch):
-            _, prev, _, teacher, mask = batch
-            return medusa_train.train_step(trainable, state, frozen, prev, teacher, mask, draft=draft, tc=tc,
-                                           optimizer=opt)
-    else:
-        from specjax.drafters import eagle as head_kind
-
-        settings, feats_at, fp_extra = {}, None, {"unroll": FLAGS.unroll}
-
-        def train_step(trainable, state, frozen, batch):
-            return et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc, optimizer=opt,
-                                 steps=FLAGS.unroll)
-    kind = head_kind.KIND
     draft = load_model(spec.drafter.draft_model, spec.dtype) if spec.drafter.draft_model else None
     if draft is None and not 1 <= FLAGS.draft_layers < cfg.num_layers:
         raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name}, "
@@ -292,6 +276,8 @@ def run_head(spec) -> int:
     distill.medusa_train), resumable from --checkpoint_dir (the head there, <kind>.json + orbax,
     is what --eagle_head / --medusa_head serves; the optimizer state and the run's record are
     under its state/)."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -324,6 +310,13 @@ def run_head(spec) -> int:
 
         settings, feats_at, fp_extra = {"heads": FLAGS.medusa_heads}, (cfg.num_layers,), {}
 
+        def finish_round(draft, params):
+            """The tree the heads' held-out accuracy makes best (saved with them), and the table."""
+            acc = medusa_train.accuracy(draft, params, eval_seqs)
+            print("  held-out top-1..4 accuracy per head: " + "; ".join(
+                f"head {i}: " + " ".join(f"{a:.2f}" for a in row) for i, row in enumerate(acc)), file=sys.stderr)
+            return dataclasses.replace(draft, tree=head_kind.best_tree(acc, head_kind.TREE_NODES))
+
         def train_step(trainable, state, frozen, batch):
             _, prev, _, teacher, mask = batch
             return medusa_train.train_step(trainable, state, frozen, prev, teacher, mask, draft=draft, tc=tc,
@@ -336,6 +329,9 @@ def run_head(spec) -> int:
         def train_step(trainable, state, frozen, batch):
             return et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc, optimizer=opt,
                                  steps=FLAGS.unroll)
+
+        def finish_round(draft, params):
+            return draft
     kind = head_kind.KIND
     if FLAGS.draft_vocab > cfg.vocab_size:
         raise SpecjaxError(f"--draft_vocab {FLAGS.draft_vocab} exceeds {cfg.name}'s {cfg.vocab_size} tokens")
@@ -413,8 +409,13 @@ def run_head(spec) -> int:
                                "; give the same --[no]shared_head")
     else:
         ids, shared = None, FLAGS.shared_head
+        if FLAGS.texts_from:  # the text an earlier head's run had the target write (or read)
+            got = et.load_texts(FLAGS.texts_from)
+            if not got:
+                raise SpecjaxError(f"--texts_from {FLAGS.texts_from} holds no texts (a head run's state/{TEXTS})")
+            seqs = features(*zip(*got), "--texts_from: target features")
         if FLAGS.draft_vocab:  # the most frequent tokens of the target's own text on round 1's data
-            seqs = data(round_prompts(1), 1)
+            seqs = seqs or data(round_prompts(1), 1)
             # (the target's top-k at every position: far more ids than its text alone, the tail ranked too)
             ids = frequent_tokens([s.ids for s in seqs], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
             ids_counted = True
@@ -459,6 +460,7 @@ def run_head(spec) -> int:
                                                 for i, p in enumerate(eval_p)])]
 
     ref = run_engine(0)[1]  # the engine's own AR (K = 0 steps): what speculation must reproduce
+    eval_seqs = features(eval_p, ref, "held-out text: target features") if FLAGS.drafter == "medusa" else []
 
     def tokens_per_step():
         """Greedy tokens per verify step of the engine with the head (K = --k) on the held-out
@@ -495,7 +497,8 @@ def run_head(spec) -> int:
               f"per verify step {acc:.3f} ({same}/{n_eval} identical to AR)" +
               (f" ({dropped} steps dropped: non-finite)" if dropped else ""), file=sys.stderr)
         record = {"round": rnd, "losses": losses, "accs": accs, "sequences": record["sequences"] + len(seqs) - had}
-        heads.save_head(kind, ck, cfg, {**frozen, **trainable}, draft, dtype=jnp.dtype(FLAGS.head_dtype))
+        heads.save_head(kind, ck, cfg, {**frozen, **trainable}, finish_round(draft, serving(trainable)),
+                        dtype=jnp.dtype(FLAGS.head_dtype))
         store.save_next(trainable, state, record)
         et.save_texts(os.path.join(ck, "state", TEXTS), seqs)
     print(f"[{time.perf_counter() - t0:.0f} s; head saved to {ck} ({FLAGS.head_dtype})]", file=sys.stderr)

@@ -49,6 +49,8 @@ def define_drafter_flags(drafter: str = "none", several: list | None = None, num
     flags.DEFINE_string("medusa_head", None, "medusa drafter: the heads saved in this directory "
                         "(launch/distill.py --drafter medusa); default: the heads shipped for the target under heads/, "
                         "else fresh ones (each the target's own head).")
+    flags.DEFINE_bool("medusa_tree", True, "medusa drafter: draft the heads' token tree (K = its node budget; "
+                      "--nomedusa_tree: chains, K = drafts per step).")
     flags.DEFINE_integer("pld_max_ngram", 3, "prompt_lookup drafter: longest suffix n-gram to match.")
     flags.DEFINE_integer("pld_min_ngram", 1, "prompt_lookup drafter: shortest suffix n-gram to match.")
     flags.DEFINE_integer("pld_max_draft", 0, "prompt_lookup (and hybrid fallback): at most this many draft "

@@ -56,7 +56,8 @@ for _e in (DrafterEntry("none", None),
            DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
                         trains=True, draft_ahead=True),
            DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"}), trains=True),
-           DrafterEntry("medusa", _build_parts, device=True, reads=frozenset({"medusa_head"}), trains=True),
+           DrafterEntry("medusa", _build_parts, device=True, reads=frozenset({"medusa_head", "medusa_tree"}),
+                        trains=True),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
            DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
            DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):
@@ -120,7 +121,7 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
                   draft_checkpoint: str | None = None, eagle_head: str | None = None,
-                  medusa_head: str | None = None) -> dict:
+                  medusa_head: str | None = None, medusa_tree: bool = True) -> dict:
     """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
     SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
@@ -129,7 +130,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
     (distill.checkpoint). ``eagle_head``: the eagle drafter's saved head (drafters.eagle.save_head;
     None: the shipped head, else a random-initialised one); ``medusa_head``: the medusa drafter's
-    (drafters.medusa; None: the shipped heads, else fresh ones)."""
+    (drafters.medusa; None: the shipped heads, else fresh ones), drafting trees unless not
+    ``medusa_tree``."""
     from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
     from specjax.drafters.host import host_drafter
     from specjax.drafters.prompt_lookup import PromptLookupDrafter
@@ -172,7 +174,7 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     if drafter == "medusa":
         from specjax.drafters import medusa
 
-        return {"drafter": medusa.build(model, medusa_head)}
+        return {"drafter": medusa.build(model, medusa_head, medusa_tree)}
     if drafter == "draft_model":
         if draft is None:
             if not draft_model:
@@ -418,7 +420,7 @@ def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
                                      min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
                                      cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
                 suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint, eagle_head=spec.eagle_head,
-                medusa_head=spec.medusa_head,
+                medusa_head=spec.medusa_head, medusa_tree=spec.medusa_tree,
                 suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
 
 

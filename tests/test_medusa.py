@@ -6,6 +6,7 @@ heads save and load (and are refused for another target), and training lowers th
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -97,6 +98,97 @@ def test_greedy_token_identical_to_ar_with_joins_leaves_and_plain_calls(tiny, ba
         assert max(sizes) >= 3 and sizes[-1] == 1
 
 
+@pytest.fixture(scope="module")
+def tree_backend(tiny, head):
+    cfg, params = tiny
+    draft = dataclasses.replace(head[0], tree=medusa.best_tree(medusa.prior_accuracy(3, 2), 4))
+    return JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(draft, head[1]), k_buckets=(0, 2, 4),
+                      batch_buckets=(B,), slots=SLOTS)
+
+
+def test_best_tree_is_best_first_and_a_tree_at_every_prefix():
+    acc = np.array([[0.6, 0.2], [0.5, 0.1], [0.3, 0.1]])
+    t = medusa.best_tree(acc, 6)
+    # node values (products along the path): .6, then .3 (head 1 under node 1), .2, .1 (head 1
+    # under node 3), .09 (head 2 under node 2), .06
+    assert t == ((0, 0), (1, 0), (0, 1), (3, 0), (2, 0), (1, 1))
+    parents = [p for p, _ in t]
+    assert all(p <= i for i, p in enumerate(parents))  # parents first: every prefix is a tree
+
+
+def test_tree_mode_greedy_identical_sampled_reproducible_and_state_kept(tiny, tree_backend):
+    """Token trees from the heads (node budgets 2 and 4, rows cut to fewer nodes by the policy's
+    caps too) are verified losslessly: greedy outputs equal AR's with requests joining and
+    leaving, and sampled ones are reproducible."""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    for policy in (FixedK(4), Alternating()):
+        tree_backend.reset()
+        eng = ServingEngine(tree_backend, policy, clock=OpClock())
+        outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
+                        for i, p in enumerate(PROMPTS)])
+        assert [o.tokens for o in outs] == ref, type(policy).__name__
+        assert eng.counts.drafted > 0
+
+    def sampled():
+        tree_backend.reset()
+        eng = ServingEngine(tree_backend, FixedK(4))
+        outs = eng.run([Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=20.0, seed=10 + i))
+                        for i, p in enumerate(PROMPTS[:3])])
+        return [o.tokens for o in outs], eng.counts
+
+    assert sampled()[0] == sampled()[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTree(medusa.MedusaDraft):
+    """Heads whose tree tokens are given (params "oracle" [B, N]): a tree step's accepted path is
+    then known."""
+
+    def draft_tree(self, dparams, dcache, n):
+        return dparams["oracle"][:, :n + 1], jnp.asarray(self.tree_parents(n))
+
+
+def test_tree_step_keeps_the_last_accepted_nodes_hidden_state(tiny, head):
+    """Greedy tree steps whose accepted path runs through second siblings (nodes 2 and 3 of the
+    tree 1 <- 0, 2 <- 0, 3 <- 2, 4 <- 3, with node 4 wrong): the tokens are AR's and the carried
+    hidden state is the last accepted node's, the one a prefill of the committed tokens gives."""
+    cfg, params = tiny
+    prompt = [5, 17, 42, 9, 100]
+    ref = reference_generate(cfg, params, [prompt], max_new_tokens=16, batch_buckets=(1,))[0].tokens
+    draft = OracleTree(**{f.name: getattr(head[0], f.name) for f in dataclasses.fields(head[0])})
+    draft = dataclasses.replace(draft, tree=((0, 0), (0, 1), (2, 0), (3, 0)))
+    oracle = np.zeros((B, 5), np.int32)
+    be = JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(draft, {**head[1], "oracle": oracle}),
+                    k_buckets=(0, 4), batch_buckets=(B,), slots=SLOTS)
+    t, put = be.table, jax.device_put
+    samp = SamplingArrays.build([SamplingParams()], B)
+
+    def prefill(tokens):
+        toks = np.zeros((B, 16), np.int32)
+        toks[0, :len(tokens)] = tokens
+        return t.prefill(B, 16, SLOTS, True, True)(be.params, be.dparams, put(toks),
+                                                   put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+
+    state, out = prefill(prompt), []
+    out.append(int(state.pending[0]))
+    parents = np.broadcast_to(draft.tree_parents(4), (B, 5)).copy()
+    valid = np.broadcast_to(np.arange(5) > 0, (B, 5)).copy()
+    for _ in range(3):
+        j = len(out)  # ref[j], ref[j + 1] follow the pending token ref[j - 1]
+        oracle[0] = [0, (ref[j] + 1) % cfg.vocab_size, ref[j], ref[j + 1], (ref[j + 2] + 1) % cfg.vocab_size]
+        state, o = t.tree_step(B, 4, SLOTS, True)(be.params, {**be.dparams, "oracle": put(oracle)}, state,
+                                                  put(np.zeros((B, 5), np.int32)), put(parents), put(valid),
+                                                  put(np.arange(B) == 0), samp, None)
+        assert int(o.n_accepted[0]) == 2
+        out += [int(x) for x in o.tokens[0, :3]]
+    assert out == ref[:len(out)]
+    L = int(state.cache.lengths[0])
+    want = prefill((prompt + out)[:L]).dcache
+    assert L == len(prompt) + len(out) - 1 and int(state.dcache.lengths[0]) == L
+    np.testing.assert_allclose(state.dcache.feat[0], want.feat[0], atol=1e-5)
+
+
 def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
     """At T > 0 the same seeds give the same tokens, and drafts are accepted at the rate exact
     speculative sampling gives with the heads' q (about a half at a high temperature with half
@@ -125,10 +217,12 @@ def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
     draft, dparams = head
     heads.save_head(medusa.KIND, str(tmp_path / "m"), cfg, dparams, draft)
     monkeypatch.setattr(prepared, "_DIRECTORY", str(tmp_path / "store"))
-    d = registry.drafter_parts(types.SimpleNamespace(cfg=cfg, params=params), "medusa", k=2,
-                               medusa_head=str(tmp_path / "m"))["drafter"]
-    prepared.wait()
-    assert isinstance(d, FeatureHeadDrafter) and d.draft == draft and d.draft.heads == 3
+    model = types.SimpleNamespace(cfg=cfg, params=params)
+    chain = registry.drafter_parts(model, "medusa", k=2, medusa_head=str(tmp_path / "m"), medusa_tree=False)["drafter"]
+    assert type(chain) is FeatureHeadDrafter and chain.draft == draft and chain.draft.heads == 3
+    d = registry.drafter_parts(model, "medusa", k=2, medusa_head=str(tmp_path / "m"))["drafter"]
+    prepared.wait()  # (a head saved without a tree drafts the prior's)
+    assert isinstance(d, medusa.MedusaTreeDrafter) and d.draft.tree == medusa.best_tree(medusa.prior_accuracy(3), 16)
     for k in ("w", "b", "lm_head", "vocab_ids"):
         np.testing.assert_array_equal(d.params[k], dparams[k])
     assert d.params["embed"] is params["embed"] and set(heads.trainable_of(draft, dparams)) == {"w", "b"}

@@ -48,3 +48,29 @@ def train_step(trainable, opt_state, frozen, prev_feats, teacher, mask, *, draft
     """One optimizer step of the heads; returns (trainable, opt_state, loss, ok) as train.train_step."""
     loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, prev_feats, teacher, mask, draft=draft, tc=tc)
     return apply_if_finite(trainable, opt_state, loss, grads, optimizer)
+
+
+def accuracy(draft: MedusaDraft, dparams, seqs, ranks: int = 4):
+    """[heads, ranks]: how often head i's rank-r token is the target's own greedy choice i + 1
+    positions after the hidden state's (the chance ``medusa.best_tree`` builds its tree from),
+    over the positions of ``seqs`` (``eagle_train.HeadSequence`` with Medusa's features) whose
+    next token the target wrote."""
+    import numpy as np
+
+    H = draft.heads
+    hits, total = np.zeros((H, ranks)), np.zeros(H)
+    top = jax.jit(lambda dp, h: jax.lax.top_k(draft.reduced(dp, h), ranks)[1])
+    ids = np.asarray(dparams["vocab_ids"])
+    for s in seqs:
+        L = len(s.tokens)
+        if L < 3:
+            continue
+        got = ids[np.asarray(top(dparams, jnp.asarray(s.feats, dparams["w"].dtype)))]  # [L, H, ranks]
+        best = s.ids[:, 0]
+        for i in range(H):
+            t = np.arange(max(s.start - 1 - i, 0), L - 1 - i)  # position t + 1 + i: the target wrote its next
+            if t.size == 0:
+                continue
+            hits[i] += (got[t, i, :] == best[t + 1 + i, None]).sum(axis=0)
+            total[i] += t.size
+    return hits / np.maximum(total, 1)[:, None]

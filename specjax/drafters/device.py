@@ -57,6 +57,7 @@ class ModelDraft:
     label: str = "draft_model"
     vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
     features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
+    tree = ()  # a static token tree it drafts inside the tree step (drafters.medusa); none here
 
     def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
         """The draft's empty cache for B rows (step.fresh_state)."""

@@ -31,10 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters import heads as head_io
 from specjax.drafters.device import FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.drafters.protocol import TREE, StepInputs
 from specjax.errors import require
 from specjax.models import llama
 
@@ -50,6 +52,11 @@ class MedusaDraft(ModelDraft):
     features: tuple[int, ...] = ()
     heads: int = DEFAULT_HEADS
     shared_head: bool = True
+    # Tree mode: nodes 1..M of a static token tree as (parent node, rank) pairs, parents first
+    # (node 0: the pending token); node i's token is the rank-th best of head depth(i) - 1. A
+    # step with a budget of k nodes verifies the first k (a prefix of this order is a tree).
+    # Empty: chains (draft j = head j's choice).
+    tree: tuple[tuple[int, int], ...] = ()
 
     def init_cache(self, B, slots, dtype):
         D, F = self.cfg.hidden_size, len(self.features) * self.cfg.hidden_size
@@ -77,6 +84,26 @@ class MedusaDraft(ModelDraft):
         qs = None if greedy_only else jnp.stack([q for _, q, _ in picks], axis=1)
         return toks, qs, dcache
 
+    def tree_parents(self, n: int) -> np.ndarray:
+        """Parents [n + 1] of the tree's first n nodes (-1 for node 0)."""
+        require(n <= len(self.tree), f"the Medusa tree has {len(self.tree)} nodes: at most K = {len(self.tree)}")
+        return np.asarray([-1] + [p for p, _ in self.tree[:n]], np.int32)
+
+    def draft_tree(self, dparams, dcache, n: int):
+        """Tokens [B, n + 1] of the tree's first n nodes (node 0 left 0: the pending token) and
+        its parents [n + 1]: each node the rank-th most likely token of its depth's head (the
+        same at every temperature: distinct deterministic siblings, verified as such)."""
+        parents = self.tree_parents(n)
+        depth = np.zeros(n + 1, np.int32)
+        for i in range(1, n + 1):
+            depth[i] = depth[parents[i]] + 1
+        ranks = np.asarray([0] + [r for _, r in self.tree[:n]], np.int32)
+        top = int(ranks.max()) + 1
+        _, ids = jax.lax.top_k(self.reduced(dparams, dcache.feat, int(depth.max())), top)  # [B, H, top]
+        toks = dparams["vocab_ids"][ids]
+        nodes = toks[:, np.maximum(depth - 1, 0), ranks]  # [B, n + 1]
+        return nodes.at[:, 0].set(0), jnp.asarray(parents)
+
     def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool, feats=None):
         """A prefill chunk: the last valid position's hidden state is carried."""
         last = jnp.take_along_axis(feats, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -99,15 +126,51 @@ class MedusaDraft(ModelDraft):
                                    feat=jnp.where(active[:, None], feats.astype(dcache.feat.dtype), dcache.feat))
 
 
-def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = True, heads: int = DEFAULT_HEADS) -> MedusaDraft:
+def best_tree(accuracy, n: int) -> tuple[tuple[int, int], ...]:
+    """The n-node tree whose nodes have the largest chance of being on the accepted path, given
+    ``accuracy`` [heads, ranks]: the chance that head d's rank-r token is the target's (node
+    value: the product along its path, as Medusa builds its trees). Best first, so every prefix
+    is itself the best tree of its size under this model, parents before children."""
+    import heapq
+
+    acc = np.asarray(accuracy, np.float64)
+    H, R = acc.shape
+    out: list[tuple[int, int]] = []
+    heap = [(-acc[0, r], r, 0, 0, r) for r in range(R)]  # (-value, tie, parent node, depth, rank)
+    depth_of = [0]
+    while heap and len(out) < n:
+        v, _, parent, d, r = heapq.heappop(heap)
+        out.append((parent, r))
+        depth_of.append(d + 1)
+        if d + 1 < H:
+            node = len(out)
+            for r2 in range(R):
+                heapq.heappush(heap, (v * acc[d + 1, r2], node * R + r2, node, d + 1, r2))
+    return tuple(out)
+
+
+# The tree a head set starts with, before its accuracy is measured: head d's rank-r token taken
+# to be right 0.5 * 0.7^d * 0.45^r of the time (head 0 about as good as a weak EAGLE head's first
+# draft; each later head and each lower rank less likely).
+def prior_accuracy(heads: int, ranks: int = 4) -> np.ndarray:
+    return 0.5 * 0.7 ** np.arange(heads)[:, None] * 0.45 ** np.arange(ranks)[None, :]
+
+
+TREE_NODES = 16  # the largest node budget a default tree offers
+
+
+def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = True, heads: int = DEFAULT_HEADS,
+           tree=None) -> MedusaDraft:
     require(1 <= heads <= 16, f"Medusa heads: 1..16, got {heads}")
+    tree = () if tree is None else tuple((int(p), int(r)) for p, r in tree)
     # (a config for its label and sizes only: the heads run no decoder layer, their cache has none)
     return MedusaDraft(cfg.replace(name=f"{cfg.name}|medusa", num_layers=1, tie_embeddings=False),
-                       vocab=int(ids.size), features=(cfg.num_layers,), heads=int(heads), shared_head=shared_head)
+                       vocab=int(ids.size), features=(cfg.num_layers,), heads=int(heads), shared_head=shared_head,
+                       tree=tree)
 
 
 def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_head: bool = True,
-                heads: int = DEFAULT_HEADS, scale: float = 0.0) -> tuple[MedusaDraft, dict]:
+                heads: int = DEFAULT_HEADS, scale: float = 0.0, tree=None) -> tuple[MedusaDraft, dict]:
     """Heads for the target (``cfg``, ``params``): (MedusaDraft, its params). W starts at
     ``scale`` times a normal draw with ``seed`` (0, Medusa's start: every head is the target's
     own head) and b at zero; the vocabulary rows are the target's for ``vocab_ids`` (default:
@@ -117,7 +180,7 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
         vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
     ids = head_io.check_ids(vocab_ids, cfg.vocab_size)
     dtype = params["embed"].dtype
-    draft = _draft(cfg, ids, shared_head, heads)
+    draft = _draft(cfg, ids, shared_head, heads, tree)
     w = np.random.default_rng(seed).standard_normal((heads, D, D), dtype=np.float32) * (scale / np.sqrt(D))
     trainable = {"w": jnp.asarray(w, dtype), "b": jnp.zeros((heads, D), dtype)}
     if not shared_head:
@@ -125,13 +188,35 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
     return draft, head_io.with_target(draft, trainable, ids, cfg, params)
 
 
-KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads",))
+KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads", "tree"))
 
 
-def build(model, head: str | None = None) -> FeatureHeadDrafter:
+class MedusaTreeDrafter(FeatureHeadDrafter):
+    """The heads drafting token trees (``MedusaDraft.tree``) inside the tree step: K is the node
+    budget, a row verifies the first K nodes (``cap`` of them when the policy cuts it)."""
+
+    step = TREE
+
+    def step_inputs(self, be, rs, k, cap):
+        num = np.zeros(be.B, np.int32)
+        for r in rs:
+            num[be.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
+        k_step = bk.proposal_bucket(be.k_options(be.B), int(num.max(initial=0)))
+        parents = np.broadcast_to(self.draft.tree_parents(k_step), (be.B, k_step + 1)).copy()
+        valid = (np.arange(k_step + 1)[None, :] <= num[:, None]) & (np.arange(k_step + 1) > 0)[None, :]
+        return StepInputs(TREE, k_step, num, (np.zeros((be.B, k_step + 1), np.int32), parents, valid))
+
+
+def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDrafter:
     """The medusa drafter on ``model``: the heads saved in ``head`` (heads.save_head with
-    ``KIND``), else the ones shipped for this target, else fresh ones (each the target's head)."""
+    ``KIND``), else the ones shipped for this target, else fresh ones (each the target's head);
+    ``tree``: drafting the heads' tree (their saved one, else ``best_tree`` of the prior), else
+    chains."""
     head = head or head_io.shipped_head(KIND, model.cfg)
-    if head:
-        return FeatureHeadDrafter(*head_io.load_head(KIND, head, model.cfg, model.params))
-    return FeatureHeadDrafter(*init_params(model.cfg, model.params))
+    draft, dparams = (head_io.load_head(KIND, head, model.cfg, model.params) if head
+                      else init_params(model.cfg, model.params))
+    if not tree:
+        return FeatureHeadDrafter(dataclasses.replace(draft, tree=()), dparams)
+    if not draft.tree:
+        draft = dataclasses.replace(draft, tree=best_tree(prior_accuracy(draft.heads), TREE_NODES))
+    return MedusaTreeDrafter(draft, dparams)

@@ -27,6 +27,7 @@ class DrafterSpec:
     draft_checkpoint: str | None = None  # a distilled draft's checkpoint directory
     eagle_head: str | None = None  # eagle: a saved head's directory (drafters.eagle.save_head); None: random init
     medusa_head: str | None = None  # medusa: a saved heads' directory (drafters.heads.save_head); None: shipped/fresh
+    medusa_tree: bool = True  # medusa: token trees (else chains)
     # prompt lookup (and the hybrid's fallback)
     pld_min_ngram: int = 1
     pld_max_ngram: int = 3

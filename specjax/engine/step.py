@@ -192,17 +192,26 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     ancestor mask, is verified (verify_tree), and the accepted path's K/V entries are moved
     to contiguous slots before the length advances. Returns (state, StepOutput) with
     ``tokens[B, N]`` = accepted drafts then the correction/bonus. ``pack``: as for spec_step
-    (the valid nodes of every active row)."""
-    del dparams  # host drafters only
+    (the valid nodes of every active row). ``key.draft``: a device tree drafter (Medusa) whose
+    static tree and its tokens replace ``tree_tokens`` / ``parents`` (``node_valid`` still says
+    how many nodes each row verifies); it then keeps the last accepted node's target features."""
     cfg, N, greedy_only, fwd = key.cfg, key.k + 1, key.greedy_only, key.fwd
-    cache = state.cache
+    cache, dcache = state.cache, state.dcache
     B = state.pending.shape[0]
+    if key.draft is not None:
+        tree_tokens, parents = key.draft.draft_tree(dparams, dcache, N - 1)
+        parents = jnp.broadcast_to(parents, (B, N))
     tokens = tree_tokens.at[:, 0].set(state.pending)
     node_valid = node_valid & active[:, None]
     mask, depth = tree_mask_and_depth(parents)
     pos = cache.lengths[:, None] + depth
-    logits, cache = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack, layout=key.layout)
+    logits, cache, *feats = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack,
+                                          layout=key.layout, features=key.features)
     path, out, n, valid = verify_tree(logits, tokens, parents, node_valid, samp, cache.lengths + 1, None, greedy_only)
+    if key.features:  # the head catches up along the accepted path, as after a chain
+        on_path = jnp.take_along_axis(feats[0], path[..., None], axis=1)
+        dcache = key.draft.catch_up(dparams, dcache, dcache.feat, jnp.take_along_axis(tokens, path, axis=1), on_path,
+                                    cache.lengths, jnp.where(active, n + 1, 0))
     # Accepted node path[i] was written at slot lengths + path[i]; it belongs at lengths + i.
     cache = kv.gather_block(cache, path, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
                             valid & (path != jnp.arange(N)[None, :]))
@@ -211,7 +220,7 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     prev = jnp.where(active, jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(out, n[:, None], axis=1)[:, 0], state.pending)
     num_draft = jnp.sum(node_valid[:, 1:], axis=1).astype(jnp.int32)
-    new_state = pin(key.layout, StepState(cache=cache, dcache=state.dcache, prev=prev, pending=pending))
+    new_state = pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
     return new_state, StepOutput.of(out, n, num_draft)
 
 

@@ -244,8 +244,10 @@ class StepTable:
     def key(self, op: str, B: int, S: int, greedy_only: bool, run_draft: bool = True, k: int = 0,
             prompt: int = 0, width: int = 0, tokens: int = 0, steps: int = 0) -> CompileKey:
         """The compile key of one of this table's model executables (a verify step's drafts come
-        from a draft call, so its key has no drafter)."""
-        draft = self.draft if (run_draft and op not in ("tree", "verify")) else None
+        from a draft call, and a tree step's from the host unless the draft drafts trees itself
+        (Medusa), so their keys have no drafter)."""
+        trees = self.draft is not None and bool(self.draft.tree)
+        draft = self.draft if (run_draft and op != "verify" and (op != "tree" or trees)) else None
         teacher = self.teacher_topk if op in ("step", "verify") else 0
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
                           self.layout, steps, draft.features if draft is not None else ())
