@@ -67,10 +67,11 @@ flags.DEFINE_string("matmul_precision", "", "jax_default_matmul_precision for th
                     "'highest' rules out TF32 when checking fp32 token identity).")
 flags.DEFINE_integer("probe_layers", 4, "Layers of the model the probe section's whole-step timings use.")
 flags.DEFINE_list("engine_parts", ["programs", "step_cost", "e2e"], "Parts of the engine section to run.")
-flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip", "xla:eagle"],
+flags.DEFINE_list("engine_runs", ["xla:prompt_lookup", "pallas:prompt_lookup", "xla:layer_skip", "xla:eagle",
+                                  "xla:medusa"],
                   "attention:drafter pairs the end-to-end part runs (each as no-SD and K = 4; a device drafter, "
-                  "layer skip or an EAGLE head (randomly initialised: its drafts are verified, rarely accepted), "
-                  "as K = 4).")
+                  "layer skip, an EAGLE head or Medusa heads (randomly initialised: their drafts are verified, rarely "
+                  "accepted), as K = 4).")
 
 flags.DEFINE_list("kernel_variants", ["auto", "no_split", "split5_q16"],
                   "GPU kernel configurations the kernels section checks (names in KERNEL_VARIANTS).")

@@ -11,7 +11,7 @@ import time
 import jax, numpy as np
 from specjax import sharding as sh
 from specjax.config import get_model_config
-from specjax.drafters import eagle
+from specjax.drafters import eagle, medusa
 from specjax.drafters.device import ModelDraft
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.drafters.suffix import SuffixDrafter
@@ -50,6 +50,10 @@ def run(kind, layout, reqs, K=2, fwd=ForwardOptions()):
         be = JaxBackend(cfg, params, drafter=SuffixDrafter(), **kw)
     elif kind == "eagle":  # a random head: drafts that are mostly rejected, on the target's features
         be = JaxBackend(cfg, params, drafter=eagle.EagleDrafter(*eagle.init_params(cfg, params)), **kw)
+    elif kind == "medusa":  # heads drafting token trees inside the tree step
+        tree = medusa.best_tree(medusa.prior_accuracy(4), 4)
+        be = JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(*medusa.init_params(cfg, params, tree=tree)),
+                        **kw)
     else:
         be = JaxBackend(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, **kw)
     outs = ServingEngine(be, FixedK(K), clock=EventClock()).run([Request(r.id, r.prompt, r.max_new_tokens, sampling=r.sampling) for r in reqs])
@@ -60,7 +64,7 @@ def run(kind, layout, reqs, K=2, fwd=ForwardOptions()):
         assert tuple(w_up.sharding.spec)[-2:] == (None, "model"), w_up.sharding
         if kind == "draft" and not layout.shard_draft:
             assert be.dparams["layers"][0]["w_up"].sharding.is_fully_replicated
-        if kind == "eagle":  # the head is replicated on every device
+        if kind in ("eagle", "medusa"):  # the head is replicated on every device
             assert all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(be.dparams))
     return [o.tokens for o in outs], sum(o.accepted for o in outs), sum(o.drafted for o in outs)
 
@@ -79,7 +83,7 @@ meshes = [tuple(map(int, m.split("x"))) for m in (sys.argv[1] if len(sys.argv) >
 # test_engine.py and test_launch_matrix.py check against that loop), so one AR run is the baseline
 # of all three; sampled: the unsharded engine's own tokens, run only when a mesh samples (1x2, 4x2)
 ar = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=12, batch_buckets=(8,))]
-want = {kind: (ar, None) for kind in ("prompt_lookup", "suffix", "draft", "eagle")}
+want = {kind: (ar, None) for kind in ("prompt_lookup", "suffix", "draft", "eagle", "medusa")}
 want_s = None
 print("baseline", round(time.time() - t0, 1), flush=True)
 for data, model in meshes:
@@ -88,13 +92,13 @@ for data, model in meshes:
     np.testing.assert_allclose(got, want_logits, rtol=2e-5, atol=2e-5)
     # prompt lookup on every mesh; the draft model, suffix trees and sampling on two each (rows
     # split and heads split: the tree step's and the draft's shardings are the chain step's)
-    kinds = ("prompt_lookup",) + {(1, 2): ("draft",), (2, 4): ("suffix", "eagle"), (4, 2): ("draft",),
+    kinds = ("prompt_lookup",) + {(1, 2): ("draft",), (2, 4): ("suffix", "eagle", "medusa"), (4, 2): ("draft",),
                                   (8, 1): ("suffix",)}[(data, model)]
     for kind in kinds:
         got = run(kind, lay, greedy)
         assert got[0] == want[kind][0], (kind, data, model)
         # the verify path ran, not only K = 0 (the random head's drafts are verified but rarely accepted)
-        assert (got[2] if kind == "eagle" else got[1]) > 0, (kind, data, model, "no draft verified or accepted")
+        assert (got[2] if kind in ("eagle", "medusa") else got[1]) > 0, (kind, data, model, "no draft verified or accepted")
     if (data, model) in ((1, 2), (4, 2)):
         want_s = want_s or run("prompt_lookup", None, sampled)
         assert run("prompt_lookup", lay, sampled)[0] == want_s[0], ("sampled", data, model)

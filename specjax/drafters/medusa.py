@@ -15,7 +15,7 @@ one another's drafts; q_i is still a distribution the draft is drawn from, so ch
 with it (greedy, or min(1, p/q) with the residual on rejection) stays lossless.
 
 There is no KV cache to keep: ``FeatureCache`` with a zero-layer KV (the row operations, the
-prefix store and the sharding rules handle it like any head's) and no deferred window (a plain
+prefix store and the sharding rules handle it like any head's) and nothing deferred (a plain
 step only stores its output at the committed position; nothing reads the heads' weights).
 
 Params (``init_params``): ``w`` [H, D, D], ``b`` [H, D]; ``lm_head`` [D, N] (the target's rows
@@ -61,8 +61,10 @@ class MedusaDraft(ModelDraft):
     def init_cache(self, B, slots, dtype):
         D, F = self.cfg.hidden_size, len(self.features) * self.cfg.hidden_size
         z = jnp.zeros((0, B, self.cfg.num_kv_heads, slots, self.cfg.head_dim), dtype)
+        # (a deferred window of 1, never used: a zero-width per-row field loses its row sharding
+        # on a mesh, XLA returning empty arrays replicated)
         return kv.FeatureCache(k=z, v=z, lengths=jnp.zeros((B,), jnp.int32), feat=jnp.zeros((B, D), dtype),
-                               lag_tok=jnp.zeros((B, 0), jnp.int32), lag_feat=jnp.zeros((B, 0, F), dtype),
+                               lag_tok=jnp.zeros((B, 1), jnp.int32), lag_feat=jnp.zeros((B, 1, F), dtype),
                                lag=jnp.zeros((B,), jnp.int32))
 
     def reduced(self, dparams, h, n: int | None = None):
