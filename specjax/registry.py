@@ -60,11 +60,13 @@ for _e in (DrafterEntry("none", None),
                         trains=True),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
            DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
-           DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"})):
+           DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"}),
+           DrafterEntry("hybrid_eagle", _build_parts, device=True,
+                        reads=(_SUFFIX - {"suffix_tree"}) | {"suffix_tau", "eagle_head"})):
     register_drafter(_e)
 
 # (views kept for callers; the table above is the source)
-SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid")
+SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid", "hybrid_eagle")  # (the drafters with suffix trees)
 SPEC_DRAFTERS = tuple(n for n in DRAFTERS if n != "none")
 DEVICE_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.device)
 TRAINED_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.trains)
@@ -142,6 +144,16 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     if drafter == "prompt_lookup":
         pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
         return {"drafter": host_drafter(pld)}
+    if drafter == "hybrid_eagle":  # suffix chains where they score above tau, the EAGLE head elsewhere
+        import dataclasses
+
+        from specjax.drafters import eagle
+        from specjax.drafters.head_hybrid import SuffixHeadDrafter
+        from specjax.drafters.suffix import SuffixDrafter
+
+        head = eagle.build(model, eagle_head)
+        sd = SuffixDrafter(dataclasses.replace(suffix or suffix_config(k), tree=False), history=suffix_history)
+        return {"drafter": SuffixHeadDrafter(sd, head.draft, head.params, tau=suffix_tau)}
     if drafter in SUFFIX_DRAFTERS:
         import dataclasses
 

@@ -286,3 +286,38 @@ def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
         eagle.load_head(str(tmp_path / "none"), cfg, params)
     with pytest.raises(SpecjaxError, match="drafts ahead"):
         EngineSpec(model="tiny-random", drafter=DrafterSpec("eagle", k=2), policy=PolicySpec("smartspec-conf"))
+
+
+def test_suffix_with_the_head_as_fallback(tiny, head):
+    """``hybrid_eagle``: rows whose suffix match scores above tau verify the suffix chain, the
+    others the head's drafts, in the same steps; greedy outputs equal AR's (with requests joining
+    and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted;
+    sampled outputs are reproducible (host drafts verified with a one-hot q)."""
+    from specjax.drafters.head_hybrid import SuffixHeadDrafter
+    from specjax.drafters.suffix import SuffixDrafter
+
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    history = [list(p) + r for p, r in zip(PROMPTS[:2], ref[:2])]  # what earlier requests wrote
+    draft, dparams = head
+
+    def backend():
+        sd = SuffixDrafter(registry.suffix_config(2, tree=False), history=history)
+        return JaxBackend(cfg, params, drafter=SuffixHeadDrafter(sd, draft, dparams, tau=0.5), k_buckets=(0, 2),
+                          batch_buckets=(B,), slots=SLOTS)
+
+    be = backend()
+    eng = ServingEngine(be, FixedK(2), clock=OpClock())
+    outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)])
+    assert [o.tokens for o in outs] == ref
+    assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used
+    assert outs[0].accepted + outs[1].accepted > 0
+
+    def sampled():
+        b = backend()
+        got = ServingEngine(b, FixedK(2)).run([Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=1.0,
+                                                                                                   seed=5 + i))
+                                               for i, p in enumerate(PROMPTS[:3])])
+        return [o.tokens for o in got]
+
+    assert sampled() == sampled()

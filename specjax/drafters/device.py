@@ -56,6 +56,9 @@ class ModelDraft:
     cfg: ModelConfig
     label: str = "draft_model"
     vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
+    # The chain step also takes host drafts (a hybrid's, drafters.head_hybrid): a row whose
+    # draft_tokens[:, 0] >= 0 verifies those (q one-hot: deterministic drafts), the others this draft's.
+    host_rows: bool = False
     features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
     tree = ()  # a static token tree it drafts inside the tree step (drafters.medusa); none here
 

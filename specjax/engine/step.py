@@ -87,8 +87,14 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
         dcache = draft.settle(dparams, dcache)
     feat0 = None if dcache is None or not key.features else dcache.feat
     if K > 0 and draft is not None:
+        host_tokens = draft_tokens[:, :K]
         draft_tokens, q, dcache = draft.draft(dparams, dcache, state.prev, state.pending, state.cache.lengths,
                                               K, samp, greedy_only)
+        if draft.host_rows:  # rows with host drafts verify those (deterministic drafts: q one-hot)
+            host = host_tokens[:, 0] >= 0
+            draft_tokens = jnp.where(host[:, None], host_tokens, draft_tokens)
+            if q is not None:
+                q = jnp.where(host[:, None, None], jax.nn.one_hot(host_tokens, q.shape[-1], dtype=q.dtype), q)
         # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
         num_draft = jnp.minimum(num_draft, K)
     num_draft = jnp.where(active, num_draft, 0)
