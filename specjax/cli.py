@@ -46,6 +46,9 @@ def define_drafter_flags(drafter: str = "none", several: list | None = None, num
     flags.DEFINE_string("eagle_head", None, "eagle drafter: the feature head saved in this directory "
                         "(launch/distill.py --drafter eagle); default: the head shipped for the target under heads/ "
                         "(the embedded SmolLM2's), else a random-initialised one.")
+    flags.DEFINE_integer("eagle_tree_width", 0, "eagle drafter: draft dynamic token trees (EAGLE-2) keeping this many "
+                         "nodes per depth, K = the tree's node budget; 0: chains.")
+    flags.DEFINE_integer("eagle_tree_depth", 4, "eagle drafter with --eagle_tree_width: the tree's depth.")
     flags.DEFINE_string("medusa_head", None, "medusa drafter: the heads saved in this directory "
                         "(launch/distill.py --drafter medusa); default: the heads shipped for the target under heads/, "
                         "else fresh ones (each the target's own head).")

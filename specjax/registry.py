@@ -55,7 +55,8 @@ for _e in (DrafterEntry("none", None),
                         trains=True, draft_ahead=True),
            DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
                         trains=True, draft_ahead=True),
-           DrafterEntry("eagle", _build_parts, device=True, reads=frozenset({"eagle_head"}), trains=True),
+           DrafterEntry("eagle", _build_parts, device=True,
+                        reads=frozenset({"eagle_head", "eagle_tree_width", "eagle_tree_depth"}), trains=True),
            DrafterEntry("medusa", _build_parts, device=True, reads=frozenset({"medusa_head", "medusa_tree"}),
                         trains=True),
            DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
@@ -123,7 +124,7 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
                   pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
                   draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
                   draft_checkpoint: str | None = None, eagle_head: str | None = None,
-                  medusa_head: str | None = None, medusa_tree: bool = True) -> dict:
+                  medusa_head: str | None = None, medusa_tree: bool = True, eagle_tree: tuple = (0, 4)) -> dict:
     """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
     SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
     already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
@@ -131,7 +132,8 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
     layer-skip draft's or draft model's distilled params, from that checkpoint directory
     (distill.checkpoint). ``eagle_head``: the eagle drafter's saved head (drafters.eagle.save_head;
-    None: the shipped head, else a random-initialised one); ``medusa_head``: the medusa drafter's
+    None: the shipped head, else a random-initialised one; ``eagle_tree``: (width, depth) of its
+    dynamic trees, width 0: chains); ``medusa_head``: the medusa drafter's
     (drafters.medusa; None: the shipped heads, else fresh ones), drafting trees unless not
     ``medusa_tree``."""
     from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
@@ -182,7 +184,7 @@ def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None
     if drafter == "eagle":
         from specjax.drafters import eagle
 
-        return {"drafter": eagle.build(model, eagle_head)}
+        return {"drafter": eagle.build(model, eagle_head, *eagle_tree)}
     if drafter == "medusa":
         from specjax.drafters import medusa
 
@@ -433,6 +435,7 @@ def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
                                      cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
                 suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint, eagle_head=spec.eagle_head,
                 medusa_head=spec.medusa_head, medusa_tree=spec.medusa_tree,
+                eagle_tree=(spec.eagle_tree_width, spec.eagle_tree_depth),
                 suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
 
 

@@ -12,6 +12,7 @@ import jax, numpy as np
 from specjax import sharding as sh
 from specjax.config import get_model_config
 from specjax.drafters import eagle, medusa
+from specjax.drafters.device import DeviceTreeDrafter
 from specjax.drafters.device import ModelDraft
 from specjax.drafters.prompt_lookup import PromptLookupDrafter
 from specjax.drafters.suffix import SuffixDrafter
@@ -52,7 +53,7 @@ def run(kind, layout, reqs, K=2, fwd=ForwardOptions()):
         be = JaxBackend(cfg, params, drafter=eagle.EagleDrafter(*eagle.init_params(cfg, params)), **kw)
     elif kind == "medusa":  # heads drafting token trees inside the tree step
         tree = medusa.best_tree(medusa.prior_accuracy(4), 4)
-        be = JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(*medusa.init_params(cfg, params, tree=tree)),
+        be = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(*medusa.init_params(cfg, params, tree=tree)),
                         **kw)
     else:
         be = JaxBackend(cfg, params, draft=ModelDraft(dcfg), draft_params=dparams, **kw)

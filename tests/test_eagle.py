@@ -321,3 +321,143 @@ def test_suffix_with_the_head_as_fallback(tiny, head):
         return [o.tokens for o in got]
 
     assert sampled() == sampled()
+
+
+TREE = (2, 2)  # dynamic trees: 2 nodes kept per depth, 2 depths (4 drafted nodes)
+
+
+@pytest.fixture(scope="module")
+def tree_backend(tiny, head):
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    cfg, params = tiny
+    draft = dataclasses.replace(head[0], lag_window=2, tree_width=TREE[0], tree_depth=TREE[1])
+    return JaxBackend(cfg, params, drafter=DeviceTreeDrafter(draft, head[1]), k_buckets=(0, 2, 4),
+                      batch_buckets=(B,), slots=SLOTS)
+
+
+def test_dynamic_tree_nodes_are_the_heads_best_children(tiny, head):
+    """EAGLE-2's tree: parents come first and every node's token is among its parent's top-width
+    choices of the head drafting along the node's path (the chain feed: pending token, then the
+    path, each with the head's own last output as feature); siblings differ; the most likely
+    node is node 1."""
+    cfg, params = tiny
+    draft, dparams = head
+    draft = dataclasses.replace(draft, tree_width=3, tree_depth=3)
+    B1, L = 2, 7
+    dc = draft.init_cache(B1, SLOTS, jnp.float32)
+    rng = np.random.default_rng(4)
+    dc = dataclasses.replace(dc, feat=jnp.asarray(rng.standard_normal((B1, cfg.hidden_size)), jnp.float32))
+    pending, lengths = jnp.asarray([7, 99], jnp.int32), jnp.full((B1,), L, jnp.int32)
+    toks, parents = jax.jit(draft.draft_tree, static_argnums=4)(dparams, dc, pending, lengths, 6)
+    toks, parents = np.asarray(toks), np.asarray(parents)
+    feed = jax.jit(draft._feed)
+    for b in range(B1):
+        assert parents[b, 0] == -1 and all(0 <= parents[b, i] < i for i in range(1, 7))
+        logp = {}
+        for i in range(1, 7):
+            path = []
+            j = i
+            while j > 0:
+                path.append(int(toks[b, j]))
+                j = int(parents[b, j])
+            path = path[::-1]
+            lg, c = feed(dparams, kv_set(dc, lengths), pending, dc.feat)
+            total = 0.0
+            for t in path[:-1]:
+                total += float(jax.nn.log_softmax(lg[b])[t])
+                lg, c = feed(dparams, c, jnp.full((B1,), t, jnp.int32), c.feat)
+            top = np.argsort(-np.asarray(lg[b]))[:3]
+            assert path[-1] in top, (b, i, path, top)
+            logp[i] = total + float(jax.nn.log_softmax(lg[b])[path[-1]])
+        kids = {}
+        for i in range(1, 7):
+            kids.setdefault(int(parents[b, i]), []).append(int(toks[b, i]))
+        assert all(len(set(v)) == len(v) for v in kids.values())
+        # the most likely drafted node (the root's best child) is always kept, first
+        assert max(logp, key=logp.get) == 1
+
+
+def kv_set(dc, lengths):
+    from specjax import cache as kv
+
+    return kv.set_lengths(dc, lengths)
+
+
+def test_dynamic_trees_lossless_with_joins_leaves_and_plain_calls(tiny, tree_backend):
+    """Greedy serving with the head's dynamic trees (node budgets 2 and 4, plain decode calls
+    between) equals AR with requests joining and leaving; sampled serving is reproducible."""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    for policy in (FixedK(4), Alternating()):
+        tree_backend.reset()
+        eng = ServingEngine(tree_backend, policy, clock=OpClock())
+        outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
+                        for i, p in enumerate(PROMPTS)])
+        assert [o.tokens for o in outs] == ref, type(policy).__name__
+        assert eng.counts.drafted > 0
+
+    def sampled():
+        tree_backend.reset()
+        return [o.tokens for o in ServingEngine(tree_backend, FixedK(4)).run(
+            [Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=2.0, seed=10 + i))
+             for i, p in enumerate(PROMPTS[:3])])]
+
+    assert sampled() == sampled()
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTree(eagle.EagleDraft):
+    """A head whose tree tokens are given (params "oracle" [B, 5], tree 1 <- 0, 2 <- 0, 3 <- 2,
+    4 <- 3): a tree step's accepted path is then known."""
+
+    def draft_tree(self, dparams, dcache, pending, lengths, n):
+        return dparams["oracle"][:, :n + 1], jnp.asarray([-1, 0, 0, 2, 3][:n + 1], jnp.int32)
+
+
+def test_tree_step_catches_the_head_up_along_the_accepted_path(tiny, head):
+    """Greedy tree steps whose accepted path runs through second siblings (nodes 2, 3; node 4
+    wrong), between plain steps: the tokens are AR's, and the head's committed entries and
+    carried feature are a prefill's of the committed tokens (its catch-up reads the target's
+    features along the path, not the block's order)."""
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    cfg, params = tiny
+    prompt = [5, 17, 42, 9, 100]
+    ref = reference_generate(cfg, params, [prompt], max_new_tokens=20, batch_buckets=(1,))[0].tokens
+    base = dataclasses.replace(head[0], lag_window=2, tree_width=2, tree_depth=2)
+    draft = OracleTree(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    oracle = np.zeros((B, 5), np.int32)
+    be = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(draft, {**head[1], "oracle": oracle}),
+                    k_buckets=(0, 4), batch_buckets=(B,), slots=SLOTS)
+    t, put = be.table, jax.device_put
+    samp = SamplingArrays.build([SamplingParams()], B)
+
+    def prefill(tokens):
+        toks = np.zeros((B, 32), np.int32)
+        toks[0, :len(tokens)] = tokens
+        return t.prefill(B, 32, SLOTS, True, True)(be.params, be.dparams, put(toks),
+                                                   put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+
+    state = prefill(prompt)
+    out = [int(state.pending[0])]
+    parents, valid = (put(a) for a in (np.zeros((B, 5), np.int32), np.broadcast_to(np.arange(5) > 0, (B, 5))))
+    active = put(np.arange(B) == 0)
+    for kind in ("tree", "plain", "tree", "plain", "plain", "plain", "tree"):
+        if kind == "plain":
+            state, o = t.step(B, 0, SLOTS, True)(be.params, be.dparams, state, put(np.zeros((B, 1), np.int32)),
+                                                 put(np.zeros(B, np.int32)), active, samp, None, None)
+            out.append(int(o.tokens[0, 0]))
+            continue
+        j = len(out)  # ref[j], ref[j + 1] follow the pending token ref[j - 1]
+        oracle[0] = [0, (ref[j] + 1) % cfg.vocab_size, ref[j], ref[j + 1], (ref[j + 2] + 1) % cfg.vocab_size]
+        state, o = t.tree_step(B, 4, SLOTS, True)(be.params, {**be.dparams, "oracle": put(oracle)}, state,
+                                                  put(np.zeros((B, 5), np.int32)), parents, valid, active, samp, None)
+        assert int(o.n_accepted[0]) == 2
+        out += [int(x) for x in o.tokens[0, :3]]
+    assert out == ref[:len(out)]
+    L = int(state.cache.lengths[0])
+    got, want = jax.jit(t.draft.settle)(be.dparams, state.dcache), prefill((prompt + out)[:L]).dcache
+    assert int(got.lengths[0]) == int(want.lengths[0]) == L
+    np.testing.assert_allclose(got.k[:, 0, :, :L], want.k[:, 0, :, :L], atol=1e-5)
+    np.testing.assert_allclose(got.feat[0], want.feat[0], atol=1e-5)

@@ -19,7 +19,7 @@ from specjax.distill import eagle_train as et
 from specjax.distill import medusa_train as mt
 from specjax.distill import train as tr
 from specjax.drafters import heads, medusa
-from specjax.drafters.device import FeatureHeadDrafter
+from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDrafter
 from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import ServingEngine
 from specjax.engine.scheduler import Request
@@ -102,7 +102,7 @@ def test_greedy_token_identical_to_ar_with_joins_leaves_and_plain_calls(tiny, ba
 def tree_backend(tiny, head):
     cfg, params = tiny
     draft = dataclasses.replace(head[0], tree=medusa.best_tree(medusa.prior_accuracy(3, 2), 4))
-    return JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(draft, head[1]), k_buckets=(0, 2, 4),
+    return JaxBackend(cfg, params, drafter=DeviceTreeDrafter(draft, head[1]), k_buckets=(0, 2, 4),
                       batch_buckets=(B,), slots=SLOTS)
 
 
@@ -145,7 +145,7 @@ class OracleTree(medusa.MedusaDraft):
     """Heads whose tree tokens are given (params "oracle" [B, N]): a tree step's accepted path is
     then known."""
 
-    def draft_tree(self, dparams, dcache, n):
+    def draft_tree(self, dparams, dcache, pending, lengths, n):
         return dparams["oracle"][:, :n + 1], jnp.asarray(self.tree_parents(n))
 
 
@@ -159,7 +159,7 @@ def test_tree_step_keeps_the_last_accepted_nodes_hidden_state(tiny, head):
     draft = OracleTree(**{f.name: getattr(head[0], f.name) for f in dataclasses.fields(head[0])})
     draft = dataclasses.replace(draft, tree=((0, 0), (0, 1), (2, 0), (3, 0)))
     oracle = np.zeros((B, 5), np.int32)
-    be = JaxBackend(cfg, params, drafter=medusa.MedusaTreeDrafter(draft, {**head[1], "oracle": oracle}),
+    be = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(draft, {**head[1], "oracle": oracle}),
                     k_buckets=(0, 4), batch_buckets=(B,), slots=SLOTS)
     t, put = be.table, jax.device_put
     samp = SamplingArrays.build([SamplingParams()], B)
@@ -222,7 +222,7 @@ def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
     assert type(chain) is FeatureHeadDrafter and chain.draft == draft and chain.draft.heads == 3
     d = registry.drafter_parts(model, "medusa", k=2, medusa_head=str(tmp_path / "m"))["drafter"]
     prepared.wait()  # (a head saved without a tree drafts the prior's)
-    assert isinstance(d, medusa.MedusaTreeDrafter) and d.draft.tree == medusa.best_tree(medusa.prior_accuracy(3), 16)
+    assert isinstance(d, DeviceTreeDrafter) and d.draft.tree == medusa.best_tree(medusa.prior_accuracy(3), 16)
     for k in ("w", "b", "lm_head", "vocab_ids"):
         np.testing.assert_array_equal(d.params[k], dparams[k])
     assert d.params["embed"] is params["embed"] and set(heads.trainable_of(draft, dparams)) == {"w", "b"}

@@ -40,7 +40,7 @@ import numpy as np
 from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
-from specjax.drafters.protocol import Drafter, StepInputs, VerifyStep
+from specjax.drafters.protocol import TREE, Drafter, StepInputs, VerifyStep
 from specjax.engine.loop import Proposal
 from specjax.errors import require
 from specjax.models import llama
@@ -60,7 +60,7 @@ class ModelDraft:
     # draft_tokens[:, 0] >= 0 verifies those (q one-hot: deterministic drafts), the others this draft's.
     host_rows: bool = False
     features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
-    tree = ()  # a static token tree it drafts inside the tree step (drafters.medusa); none here
+    drafts_trees = False  # it drafts token trees inside the tree step (``draft_tree``: Medusa, EAGLE-2)
 
     def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
         """The draft's empty cache for B rows (step.fresh_state)."""
@@ -321,6 +321,25 @@ class FeatureHeadDrafter(DeviceDrafter):
     def warm_steps(self, B, ks, greedy, tokens, ahead):
         require(ahead == 0, f"the {self.draft.label} drafter has no draft-ahead path (smartspec-conf / draft_first)")
         return super().warm_steps(B, ks, greedy, tokens, ahead)
+
+
+class DeviceTreeDrafter(FeatureHeadDrafter):
+    """A head drafting token trees inside the tree step (``ModelDraft.drafts_trees``: Medusa's
+    static tree, EAGLE-2's dynamic one): K is the node budget, a row verifies the first K nodes
+    (``cap`` of them when the policy cuts it; the nodes come parents first, so any prefix is a
+    tree). The tree's tokens and parents are the device's; the host passes only which nodes
+    each row verifies."""
+
+    step = TREE
+
+    def step_inputs(self, be, rs, k, cap):
+        num = np.zeros(be.B, np.int32)
+        for r in rs:
+            num[be.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
+        k_step = bk.proposal_bucket(be.k_options(be.B), int(num.max(initial=0)))
+        inputs, _ = TREE.empty(be.B, k_step)  # (tokens and parents: placeholders the step replaces)
+        valid = (np.arange(k_step + 1)[None, :] <= num[:, None]) & (np.arange(k_step + 1) > 0)[None, :]
+        return StepInputs(TREE, k_step, num, (inputs[0], inputs[1], valid))
 
 
 @dataclasses.dataclass(frozen=True)

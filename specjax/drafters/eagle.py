@@ -39,7 +39,8 @@ import numpy as np
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters import heads
-from specjax.drafters.device import FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.errors import require
 from specjax.models import llama
 from specjax.models.options import ForwardOptions
 
@@ -60,6 +61,16 @@ class EagleDraft(ModelDraft):
     # drafts (``settle``). One entry per step read the head's weights each step (its float32
     # layer and fc, about a fifth of the Q4_1 target's bytes) while SmartSpec chose not to draft.
     lag_window: int = 16
+    # Dynamic trees (EAGLE-2): ``tree_width`` > 0 drafts a token tree inside the tree step instead
+    # of a chain: ``tree_depth`` expansions, each keeping the ``tree_width`` most likely new nodes
+    # (cumulative draft probability) among the top-``tree_width`` children of the last ones; the
+    # step's node budget takes the best nodes of all depths. 0: chains.
+    tree_width: int = 0
+    tree_depth: int = 4
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.tree_width > 0
 
     def init_cache(self, B, slots, dtype):
         c = llama.init_cache_for(self.cfg, B, slots, dtype)
@@ -104,6 +115,56 @@ class EagleDraft(ModelDraft):
 
     def _next(self, dparams, dc, d):
         return self._feed(dparams, dc, d, dc.feat)
+
+    def draft_tree(self, dparams, dcache, pending, lengths, n: int):
+        """A token tree of ``n`` nodes per row drafted from the pending token (EAGLE-2's dynamic
+        tree): (tokens [B, n + 1] (node 0 left 0: the pending token), parents [B, n + 1]).
+
+        The drafting block holds the root (the pending token with the carried feature) and
+        ``tree_width`` nodes per depth, each with its parent's output hidden as its feature, at
+        position ``lengths`` + depth; every expansion runs the head's layer on the whole block
+        under its ancestor mask (on a CPU a block of a few dozen tokens reads the weights once,
+        as one token does) over the committed entries, so no drafted entry needs keeping. The
+        tree is the ``n`` drafted nodes of the highest cumulative log-probability (a child's is
+        at most its parent's, so they form a tree), in block order (parents first). The head's
+        committed entries are untouched (the block is written past them, as scratch)."""
+        W, Dp = self.tree_width, self.tree_depth
+        M = 1 + W * Dp
+        require(1 <= n <= M - 1, f"an EAGLE tree of width {W} and depth {Dp} has {M - 1} nodes: at most K = {M - 1}")
+        B = pending.shape[0]
+        D = self.cfg.hidden_size
+        dc = kv.set_lengths(dcache, lengths)
+        toks = jnp.zeros((B, M), jnp.int32).at[:, 0].set(pending)
+        feat = jnp.zeros((B, M, D), dcache.feat.dtype).at[:, 0].set(dcache.feat)
+        parent = jnp.full((B, M), -1, jnp.int32)
+        depth = jnp.zeros((B, M), jnp.int32)
+        cum = jnp.full((B, M), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+        mask = jnp.broadcast_to(jnp.eye(M, dtype=bool), (B, M, M))
+        rows = jnp.arange(B)[:, None]
+        for d in range(1, Dp + 1):
+            h, _ = self._forward(dparams, dc, toks, feat, lengths[:, None] + depth, mask)
+            lo, width = (0, 1) if d == 1 else (1 + (d - 2) * W, W)  # the frontier: the last depth's nodes
+            logp = jax.nn.log_softmax(self._reduced(dparams, h[:, lo:lo + width]), axis=-1)  # [B, width, N]
+            top, idx = jax.lax.top_k(logp, W)  # each frontier node's W best children
+            score = (cum[:, lo:lo + width, None] + top).reshape(B, width * W)
+            best, pick = jax.lax.top_k(score, W)  # the W best new nodes
+            par = lo + pick // W
+            slots = 1 + (d - 1) * W + jnp.arange(W)
+            toks = toks.at[:, slots].set(dparams["vocab_ids"][idx.reshape(B, width * W)[rows, pick]])
+            feat = feat.at[:, slots].set(h[rows, par])
+            parent = parent.at[:, slots].set(par)
+            depth = depth.at[:, slots].set(d)
+            cum = cum.at[:, slots].set(best)
+            own = jax.nn.one_hot(slots, M, dtype=bool)[None]  # [1, W, M]
+            mask = mask.at[:, slots].set(mask[rows, par] | own)
+        # the n best drafted nodes (ties: the earlier slot, so a parent before its child), in slot order
+        _, keep = jax.lax.top_k(jnp.where(jnp.arange(M) > 0, cum, -jnp.inf), n)
+        keep = jnp.sort(keep, axis=1)
+        new_of = jnp.zeros((B, M), jnp.int32).at[rows, keep].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
+        parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32),
+                                   new_of[rows, jnp.take_along_axis(parent, keep, axis=1)]], axis=1)
+        tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.take_along_axis(toks, keep, axis=1)], axis=1)
+        return tokens, parents
 
     def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool, feats=None):
         """One prefill chunk: entries for the chunk's tokens, each with the fused target feature of
@@ -219,11 +280,15 @@ def shipped_head(cfg: ModelConfig) -> str | None:
 EagleDrafter = FeatureHeadDrafter  # (the engine's drafter of a feature head, drafters.device)
 
 
-def build(model, head: str | None = None) -> FeatureHeadDrafter:
+def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int = 4) -> FeatureHeadDrafter:
     """The eagle drafter on ``model`` (a LoadedModel): the head saved in ``head`` (a directory,
     ``save_head``), else the one shipped for this target (``heads.SHIPPED``), else a
-    random-initialised one (``init_params``' defaults)."""
+    random-initialised one (``init_params``' defaults); drafting chains, or with ``tree_width``
+    > 0 dynamic trees of that width and ``tree_depth``."""
+    require(tree_width >= 0 and 1 <= tree_depth <= 16,
+            f"EAGLE trees: width >= 0 and depth 1..16, got width {tree_width}, depth {tree_depth}")
     head = head or heads.shipped_head(KIND, model.cfg)
-    if head:
-        return FeatureHeadDrafter(*load_head(head, model.cfg, model.params))
-    return FeatureHeadDrafter(*init_params(model.cfg, model.params))
+    draft, dparams = load_head(head, model.cfg, model.params) if head else init_params(model.cfg, model.params)
+    if tree_width:
+        return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=tree_width, tree_depth=tree_depth), dparams)
+    return FeatureHeadDrafter(draft, dparams)

@@ -31,12 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters import heads as head_io
-from specjax.drafters.device import FeatureHeadDrafter, ModelDraft, frequent_tokens
-from specjax.drafters.protocol import TREE, StepInputs
+from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDrafter, ModelDraft, frequent_tokens
 from specjax.errors import require
 from specjax.models import llama
 
@@ -91,7 +89,11 @@ class MedusaDraft(ModelDraft):
         require(n <= len(self.tree), f"the Medusa tree has {len(self.tree)} nodes: at most K = {len(self.tree)}")
         return np.asarray([-1] + [p for p, _ in self.tree[:n]], np.int32)
 
-    def draft_tree(self, dparams, dcache, n: int):
+    @property
+    def drafts_trees(self) -> bool:
+        return bool(self.tree)
+
+    def draft_tree(self, dparams, dcache, pending, lengths, n: int):
         """Tokens [B, n + 1] of the tree's first n nodes (node 0 left 0: the pending token) and
         its parents [n + 1]: each node the rank-th most likely token of its depth's head (the
         same at every temperature: distinct deterministic siblings, verified as such)."""
@@ -193,22 +195,6 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
 KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads", "tree"))
 
 
-class MedusaTreeDrafter(FeatureHeadDrafter):
-    """The heads drafting token trees (``MedusaDraft.tree``) inside the tree step: K is the node
-    budget, a row verifies the first K nodes (``cap`` of them when the policy cuts it)."""
-
-    step = TREE
-
-    def step_inputs(self, be, rs, k, cap):
-        num = np.zeros(be.B, np.int32)
-        for r in rs:
-            num[be.row_of[r.uid]] = cap[r.uid] if r.speculate else 0
-        k_step = bk.proposal_bucket(be.k_options(be.B), int(num.max(initial=0)))
-        parents = np.broadcast_to(self.draft.tree_parents(k_step), (be.B, k_step + 1)).copy()
-        valid = (np.arange(k_step + 1)[None, :] <= num[:, None]) & (np.arange(k_step + 1) > 0)[None, :]
-        return StepInputs(TREE, k_step, num, (np.zeros((be.B, k_step + 1), np.int32), parents, valid))
-
-
 def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDrafter:
     """The medusa drafter on ``model``: the heads saved in ``head`` (heads.save_head with
     ``KIND``), else the ones shipped for this target, else fresh ones (each the target's head);
@@ -221,4 +207,4 @@ def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDraft
         return FeatureHeadDrafter(dataclasses.replace(draft, tree=()), dparams)
     if not draft.tree:
         draft = dataclasses.replace(draft, tree=best_tree(prior_accuracy(draft.heads), TREE_NODES))
-    return MedusaTreeDrafter(draft, dparams)
+    return DeviceTreeDrafter(draft, dparams)

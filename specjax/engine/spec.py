@@ -26,6 +26,8 @@ class DrafterSpec:
     draft_layers: int = 8  # layer_skip: the target's first N layers
     draft_checkpoint: str | None = None  # a distilled draft's checkpoint directory
     eagle_head: str | None = None  # eagle: a saved head's directory (drafters.eagle.save_head); None: random init
+    eagle_tree_width: int = 0  # eagle: dynamic trees keeping this many nodes per depth (0: chains)
+    eagle_tree_depth: int = 4
     medusa_head: str | None = None  # medusa: a saved heads' directory (drafters.heads.save_head); None: shipped/fresh
     medusa_tree: bool = True  # medusa: token trees (else chains)
     # prompt lookup (and the hybrid's fallback)

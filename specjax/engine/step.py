@@ -198,14 +198,16 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     ancestor mask, is verified (verify_tree), and the accepted path's K/V entries are moved
     to contiguous slots before the length advances. Returns (state, StepOutput) with
     ``tokens[B, N]`` = accepted drafts then the correction/bonus. ``pack``: as for spec_step
-    (the valid nodes of every active row). ``key.draft``: a device tree drafter (Medusa) whose
-    static tree and its tokens replace ``tree_tokens`` / ``parents`` (``node_valid`` still says
-    how many nodes each row verifies); it then keeps the last accepted node's target features."""
+    (the valid nodes of every active row). ``key.draft``: a device tree drafter (Medusa's static
+    tree, EAGLE-2's dynamic one) whose tree replaces ``tree_tokens`` / ``parents`` (``node_valid``
+    still says how many nodes each row verifies); it then catches up along the accepted path."""
     cfg, N, greedy_only, fwd = key.cfg, key.k + 1, key.greedy_only, key.fwd
     cache, dcache = state.cache, state.dcache
     B = state.pending.shape[0]
     if key.draft is not None:
-        tree_tokens, parents = key.draft.draft_tree(dparams, dcache, N - 1)
+        if key.features:  # a feature head first catches up on what plain steps deferred
+            dcache = key.draft.settle(dparams, dcache)
+        tree_tokens, parents = key.draft.draft_tree(dparams, dcache, state.pending, cache.lengths, N - 1)
         parents = jnp.broadcast_to(parents, (B, N))
     tokens = tree_tokens.at[:, 0].set(state.pending)
     node_valid = node_valid & active[:, None]

@@ -246,7 +246,7 @@ class StepTable:
         """The compile key of one of this table's model executables (a verify step's drafts come
         from a draft call, and a tree step's from the host unless the draft drafts trees itself
         (Medusa), so their keys have no drafter)."""
-        trees = self.draft is not None and bool(self.draft.tree)
+        trees = self.draft is not None and self.draft.drafts_trees
         draft = self.draft if (run_draft and op != "verify" and (op != "tree" or trees)) else None
         teacher = self.teacher_topk if op in ("step", "verify") else 0
         return CompileKey(op, self.cfg, B, S, bool(greedy_only), draft, self.fwd, k, prompt, width, tokens, teacher,
