@@ -26,6 +26,9 @@ same command continues from the latest one (a draft trained by launch/distill.py
 first), ``--distill_clusters N`` a draft per cluster of prompts (DIR/cluster<i>; a
 nearest-centroid classifier that tagged records train); a batch runs one draft, the engine
 switches between batches. Outputs are the target's whatever the draft (greedy: bit for bit).
+With ``--drafter eagle`` or ``medusa`` the head is refined the same way (specjax.distill.head_online:
+every ``--distill_every`` finished requests a teacher-forced target forward over them gives its
+data, ``--distill_steps`` steps train it) from the head in DIR, if any, and saved to DIR at the end.
 
 Sharding and several processes: ``--mesh DATAxMODEL`` shards the engine over this process's
 devices (tensor parallel over ``model``, rows over ``data``). ``--num_processes N --process_id K
@@ -109,7 +112,17 @@ def serve(job, spec) -> int:
     if spec.slots > model.cfg.max_position:  # (positions past the context; and a huge cache fails to allocate)
         raise SpecjaxError(f"--slots {spec.slots} exceeds {model.cfg.name}'s context of {model.cfg.max_position}")
     drafts, draft = [], None
-    if FLAGS.online_distill:  # the drafts its checkpoint directory names, trained while serving
+    head_dir = FLAGS.online_distill if FLAGS.online_distill and FLAGS.drafter in cli.HEAD_DRAFTERS else None
+    if head_dir:  # a feature head refined while serving: from its directory when it holds one
+        import os
+
+        from specjax.drafters import eagle, medusa
+
+        kind = eagle.KIND if FLAGS.drafter == "eagle" else medusa.KIND
+        if os.path.exists(os.path.join(head_dir, kind.file)):
+            spec = dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter, **{f"{kind.name}_head": head_dir}))
+        spec = spec if spec.slots else dataclasses.replace(spec, slots=512)  # (one backend, refined in place)
+    elif FLAGS.online_distill:  # the drafts its checkpoint directory names, trained while serving
         from specjax.distill.routing import open_drafts
 
         draft = load_model(spec.drafter.draft_model) if spec.drafter.draft_model else None
@@ -128,6 +141,11 @@ def serve(job, spec) -> int:
                                                                            "draft_params": first.params(first.trainable)})
     policy, policy_label = cli.policy_from_spec(spec, model)
     md = None
+    if head_dir:
+        from specjax.distill.head_online import HeadRefiner
+
+        tc, oc = cli.distill_configs_from_flags()
+        md = HeadRefiner(backend, policy, model.cfg, model.params, tc, oc, topk=FLAGS.distill_topk)
     if drafts:  # each draft learns its own requests, with its own policy (its own acceptance estimate)
         import copy
 
@@ -144,7 +162,12 @@ def serve(job, spec) -> int:
     t0 = time.perf_counter()
     code = serve_job(job, model, backend, policy, policy_label, drafter=spec.drafter.name, chat=FLAGS.chat,
                      system=FLAGS.system, ignore_eos=FLAGS.ignore_eos, drafts=md, **cli.serving_from_flags())
-    if md is not None:
+    if head_dir:
+        md.save(head_dir)
+        job_s = time.perf_counter() - t0
+        print(f"[online head refinement: {md.updates} updates ({md.dropped} dropped), {md.update_s:.1f} s = "
+              f"{100 * md.update_s / max(job_s, 1e-9):.1f}% of the job; the head saved to {head_dir}]", file=sys.stderr)
+    elif md is not None:
         job_s = time.perf_counter() - t0
         for (where, _, _), od, saved in zip(drafts, md.distillers, md.save()):
             print(f"[online distillation: {od.updates} updates ({od.idle_updates} between steps at light load, "

@@ -284,6 +284,7 @@ def run_head(spec) -> int:
     from tqdm import tqdm
 
     from specjax.distill import eagle_train as et
+    from specjax.distill import head_online
     from specjax.distill import train as tr
     from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
     from specjax.drafters import heads
@@ -308,7 +309,7 @@ def run_head(spec) -> int:
         from specjax.distill import medusa_train
         from specjax.drafters import medusa as head_kind
 
-        settings, feats_at, fp_extra = {"heads": FLAGS.medusa_heads}, (cfg.num_layers,), {}
+        settings, fp_extra = {"heads": FLAGS.medusa_heads}, {}
 
         def finish_round(draft, params):
             """The tree the heads' held-out accuracy makes best (saved with them), and the table."""
@@ -316,23 +317,15 @@ def run_head(spec) -> int:
             print("  held-out top-1..4 accuracy per head: " + "; ".join(
                 f"head {i}: " + " ".join(f"{a:.2f}" for a in row) for i, row in enumerate(acc)), file=sys.stderr)
             return dataclasses.replace(draft, tree=head_kind.best_tree(acc, head_kind.TREE_NODES))
-
-        def train_step(trainable, state, frozen, batch):
-            _, prev, _, teacher, mask = batch
-            return medusa_train.train_step(trainable, state, frozen, prev, teacher, mask, draft=draft, tc=tc,
-                                           optimizer=opt)
     else:
         from specjax.drafters import eagle as head_kind
 
-        settings, feats_at, fp_extra = {}, None, {"unroll": FLAGS.unroll}
-
-        def train_step(trainable, state, frozen, batch):
-            return et.train_step(trainable, state, frozen, *batch, draft=draft, tc=tc, optimizer=opt,
-                                 steps=FLAGS.unroll)
+        settings, fp_extra = {}, {"unroll": FLAGS.unroll}
 
         def finish_round(draft, params):
             return draft
     kind = head_kind.KIND
+    feats_at = head_online.head_features(kind.name, cfg.num_layers)
     if FLAGS.draft_vocab > cfg.vocab_size:
         raise SpecjaxError(f"--draft_vocab {FLAGS.draft_vocab} exceeds {cfg.name}'s {cfg.vocab_size} tokens")
     room = cfg.max_position - FLAGS.max_new_tokens
@@ -420,6 +413,7 @@ def run_head(spec) -> int:
             ids = frequent_tokens([s.ids for s in seqs], cfg.vocab_size, FLAGS.draft_vocab, keep=tok.eos_ids)
             ids_counted = True
     draft, dparams = kind.init(cfg, model.params, ids, seed=FLAGS.seed, shared_head=shared, **settings)
+    trainer = head_online.HeadTrainer(draft, tc, opt, FLAGS.unroll)
     ids = np.asarray(dparams["vocab_ids"])
     trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dparams))
     frozen = {k: v for k, v in dparams.items() if k not in trainable}
@@ -485,7 +479,7 @@ def run_head(spec) -> int:
         dropped = 0
         for _ in tqdm(range(FLAGS.steps), desc=f"round {rnd}: training", unit="step", disable=None):
             batch = et.make_batch(seqs, rng, FLAGS.distill_batch, FLAGS.distill_length, prompt_loss=FLAGS.prompt_loss)
-            trainable, state, loss, ok = train_step(trainable, state, frozen, batch)
+            trainable, state, loss, ok = trainer.step(trainable, state, frozen, batch)
             if not bool(ok):
                 dropped += 1
                 continue

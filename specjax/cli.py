@@ -325,7 +325,9 @@ def define_distill_flags(online: bool = True) -> None:
     if online:
         flags.DEFINE_string("online_distill", None, "Train the device draft (layer_skip or draft_model) while "
                             "serving (online speculative decoding), with orbax checkpoints in this directory; a run on a directory "
-                            "that has them resumes from the latest (a draft from launch/distill.py included).")
+                            "that has them resumes from the latest (a draft from launch/distill.py included). An eagle / "
+                            "medusa head is refined from the head in this directory (else the one it would serve) and "
+                            "saved there when the job ends.")
         flags.DEFINE_integer("distill_every", 32, "Online distillation: finished requests between draft updates (I).")
         flags.DEFINE_integer("distill_steps", 2, "Online distillation: optimizer steps per update.")
         flags.DEFINE_integer("distill_checkpoint_every", 4, "Online distillation: updates between checkpoints.")
@@ -366,16 +368,22 @@ def distill_configs_from_flags(total_steps: int = 100_000, full_teacher: bool = 
     return tc, oc
 
 
+HEAD_DRAFTERS = ("eagle", "medusa")  # feature heads: refined online by distill.head_online
+
+
 def check_online_distill_flags(drafter: str) -> None:
     """The online distillation flag checks that need no model."""
     from specjax.errors import SpecjaxError
 
     if not FLAGS.online_distill:
         return
-    online = [d for d in registry.TRAINED_DRAFTERS if d not in ("eagle", "medusa")]  # (heads train offline: launch/distill.py)
+    online = registry.TRAINED_DRAFTERS
     if drafter not in online:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
                            f"{' or '.join(online)}, not {drafter}")
+    if drafter in HEAD_DRAFTERS and (FLAGS.distill_tags or FLAGS.distill_clusters):
+        raise SpecjaxError(f"--online_distill refines one {drafter} head; --distill_tags / --distill_clusters route "
+                           "requests between several drafts (layer_skip, draft_model)")
     if FLAGS.draft_checkpoint:
         raise SpecjaxError("--online_distill resumes from its own directory; --draft_checkpoint is for serving "
                            "a distilled draft without training it")

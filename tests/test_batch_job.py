@@ -148,6 +148,8 @@ BAD_FLAGS = [
       "--distill_divergence", "jsd"], "keeps its top k: use fkl or tvd"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "layer_skip",
       "--num_processes", "2"], "does not combine with --mesh or --num_processes > 1"),
+    (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--online_distill", "CK", "--drafter", "eagle",
+      "--distill_tags", "a,b"], "refines one eagle head"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--mesh", "2by4"], "--mesh must be DATAxMODEL"),
     (["--input_jsonl", "IN", "--output_jsonl", "OUT", "--num_processes", "2", "--process_id", "0"],
      "needs --coordinator_address host:port"),
