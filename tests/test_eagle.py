@@ -461,3 +461,47 @@ def test_tree_step_catches_the_head_up_along_the_accepted_path(tiny, head):
     assert int(got.lengths[0]) == int(want.lengths[0]) == L
     np.testing.assert_allclose(got.k[:, 0, :, :L], want.k[:, 0, :, :L], atol=1e-5)
     np.testing.assert_allclose(got.feat[0], want.feat[0], atol=1e-5)
+
+
+def test_sampled_dynamic_tree_emits_the_targets_distribution(tiny):
+    """At T = 0.6 the first token a dynamic-tree step emits after a fixed context (an accepted
+    first-depth node or the correction drawn from the residual) follows the target's own
+    distribution there: a chi-square test over 2,000 draws (distinct deterministic siblings,
+    verified with a one-hot q). The head's vocabulary is the target's 3 likeliest tokens there,
+    so its first-depth nodes are often accepted and often rejected."""
+    from scipy.stats import chisquare
+
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    cfg, params = tiny
+    put = jax.device_put
+    prompt, fixed, T, R = [5, 17, 42, 9, 100], 33, 0.6, 500
+    ctx = jnp.asarray([prompt + [fixed]], jnp.int32)
+    lg = llama.forward(params, ctx, jnp.arange(6, dtype=jnp.int32)[None], llama.init_cache_for(cfg, 1, 8),
+                       llama.causal_mask(1, 6), cfg=cfg, use_prefix=False)[0][0, -1]
+    p = np.asarray(jax.nn.softmax(lg.astype(jnp.float32) / T), np.float64)
+    draft, dparams = eagle.init_params(cfg, params, np.sort(np.argsort(-p)[:3]), seed=2)
+    tree_backend = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(dataclasses.replace(
+        draft, tree_width=2, tree_depth=2), dparams), k_buckets=(0, 4), batch_buckets=(B,), slots=SLOTS)
+    t = tree_backend.table
+    toks = np.zeros((B, 16), np.int32)
+    toks[:, :5] = prompt
+    n_valid = put(np.full(B, 5, np.int32))
+    parents, valid = put(np.zeros((B, 5), np.int32)), put(np.broadcast_to(np.arange(5) > 0, (B, 5)))
+    counts, accepted = np.zeros(cfg.vocab_size), 0
+    for it in range(R):
+        samp = SamplingArrays.build([SamplingParams(temperature=T, seed=1000 + it * B + b) for b in range(B)], B)
+        state = t.prefill(B, 16, SLOTS, False, True)(tree_backend.params, tree_backend.dparams, put(toks), n_valid,
+                                                     samp)
+        state = dataclasses.replace(state, pending=jnp.full((B,), fixed, jnp.int32))
+        state, o = t.tree_step(B, 4, SLOTS, False)(tree_backend.params, tree_backend.dparams, state,
+                                                   put(np.zeros((B, 5), np.int32)), parents, valid,
+                                                   put(np.ones(B, bool)), samp, None)
+        counts += np.bincount(np.asarray(o.tokens[:, 0]), minlength=cfg.vocab_size)
+        accepted += int(np.asarray(o.n_accepted).sum())
+    assert 0.2 * R * B < accepted  # (the head's first-depth nodes were accepted at times, and not always)
+    exp = p * counts.sum()
+    big = exp >= 5
+    obs_cells = np.append(counts[big], counts[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    assert chisquare(obs_cells, exp_cells).pvalue > 0.01
