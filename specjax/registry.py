@@ -320,11 +320,19 @@ def drafter_label(drafter: str, draft_layers: int = 8, draft_model: str | None =
 TARGET_ONLY = "prompt_lookup"  # the host drafter launch/profile.py times the target-only steps with
 
 
-def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
+def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None, trees: str = "") -> str:
     """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
     suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
-    which launch/profile.py fits under the name TARGET_ONLY."""
-    return drafter_label(drafter, draft_layers, draft_model) if drafter in DEVICE_DRAFTERS else TARGET_ONLY
+    which launch/profile.py fits under the name TARGET_ONLY. ``trees``: a head's device trees
+    (``tree_label``), whose steps cost what its chains' do not."""
+    return drafter_label(drafter, draft_layers, draft_model) + trees if drafter in DEVICE_DRAFTERS else TARGET_ONLY
+
+
+def tree_label(d) -> str:
+    """What a DrafterSpec's device trees add to its performance-model label ("" for chains)."""
+    if d.name == "eagle" and d.eagle_tree_width:
+        return f"_tree{d.eagle_tree_width}x{d.eagle_tree_depth}"
+    return "_tree" if d.name == "medusa" and d.medusa_tree else ""
 
 
 def default_perf_models() -> str:
@@ -372,14 +380,14 @@ def perf_key(spec, target_name: str) -> str:
     from specjax.goodput.perf_model import hardware_key, model_key
 
     d = spec.drafter
-    return model_key(target_name, perf_model_label(d.name, d.draft_layers, d.draft_model), hardware_key(),
-                     spec.code_key())
+    return model_key(target_name, perf_model_label(d.name, d.draft_layers, d.draft_model, tree_label(d)),
+                     hardware_key(), spec.code_key())
 
 
 def profile_command(spec) -> str:
     """The launch/profile.py command that profiles what ``spec`` compiles."""
     d, f = spec.drafter, spec.fwd
-    label = perf_model_label(d.name, d.draft_layers, d.draft_model)
+    label = perf_model_label(d.name, d.draft_layers, d.draft_model, tree_label(d))
     dev = DRAFTERS[d.name].device
     args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
             f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
@@ -414,7 +422,8 @@ def build_policy(spec, target_name: str):
         diff = code_mismatch(path, key)
         why = (str(e) if not os.path.exists(path) else f"no performance model for {key!r} in {path}"
                + (f" (it has one for other compiled code: {diff})" if diff else ""))
-        todo = f"profile this configuration: {profile_command(spec)}"
+        todo = (f"profile this configuration: {profile_command(spec)}" if not tree_label(spec.drafter) else
+                "launch/profile.py does not profile a head's device trees yet: give a fixed K")
         if pol.name != "auto":
             raise SpecjaxError(f"--policy {pol.name}: {why}; {todo}") from None
         k = pol.fallback_k
