@@ -495,12 +495,12 @@ def run_head(spec) -> int:
                         dtype=jnp.dtype(FLAGS.head_dtype))
         store.save_next(trainable, state, record)
         et.save_texts(os.path.join(ck, "state", TEXTS), seqs)
+        if FLAGS.plot:  # (every round: a run stopped between rounds has its plot too)
+            plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,
+                                 f"{kind.title} head warm-up: {len(ids)}-token head, " +
+                                 (f"{draft.heads} heads" if FLAGS.drafter == "medusa" else f"unroll {FLAGS.unroll}"),
+                                 acc_label=f"held-out tokens per verify step, K={FLAGS.k}")
     print(f"[{time.perf_counter() - t0:.0f} s; head saved to {ck} ({FLAGS.head_dtype})]", file=sys.stderr)
-    if FLAGS.plot:
-        plots.distill_curves(FLAGS.plot, losses, accs, FLAGS.distill_divergence, FLAGS.k,
-                             f"{kind.title} head warm-up: {len(ids)}-token head, " +
-                             (f"{draft.heads} heads" if FLAGS.drafter == "medusa" else f"unroll {FLAGS.unroll}"),
-                             acc_label=f"held-out tokens per verify step, K={FLAGS.k}")
     return 0
 
 
