@@ -91,6 +91,16 @@ def test_features_off_adds_nothing(tiny, backend):
     assert feat in _step_text(backend.table)
 
 
+def prefill_row0(be, tokens, greedy, samp, width=16):
+    """The state a B-row prefill of ``tokens`` into row 0 (the other rows empty) leaves."""
+    toks = np.zeros((B, width), np.int32)
+    toks[0, :len(tokens)] = tokens
+    n = np.zeros(B, np.int32)
+    n[0] = len(tokens)
+    return be.table.prefill(B, width, SLOTS, greedy, True)(be.params, be.dparams, jax.device_put(toks),
+                                                           jax.device_put(n), samp)
+
+
 def _step_text(table):
     from specjax.engine.step import spec_step_jit
 
@@ -116,10 +126,7 @@ def test_head_state_equals_a_prefill_of_what_was_committed(backend, greedy, step
     active = put(np.arange(B) == 0)
 
     def prefill(tokens):
-        toks = np.zeros((B, 16), np.int32)
-        toks[0, :len(tokens)] = tokens
-        exe = t.prefill(B, 16, SLOTS, greedy, True)
-        return exe(backend.params, backend.dparams, put(toks), put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+        return prefill_row0(backend, tokens, greedy, samp)
 
     state = prefill(prompt)
     out, accepted = [int(state.pending[0])], 0
@@ -160,19 +167,35 @@ def test_row_operations_carry_the_feature(backend):
     np.testing.assert_array_equal(ins.dcache.feat[:3], feat[:3])
 
 
-def test_greedy_token_identical_to_ar_with_joins_and_leaves(tiny, backend):
-    """Requests join a running batch and leave it at different steps (up to 3 at once), and a
-    late one runs alone (batch 1, in the 4-row state)."""
+def serves_as_ar(tiny, be, policies, k_max=2):
+    """Greedy serving on ``be`` under each policy equals the AR reference with requests joining a
+    running batch and leaving it at different steps (up to 3 at once), a late one alone (batch
+    1, in the 4-row state), drafts verified; then sampled serving (K = ``k_max``) reproduces
+    itself."""
     cfg, params = tiny
     ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
-    backend.reset()
-    eng = ServingEngine(backend, FixedK(2), clock=OpClock())
-    reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
-    outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
-    for o, r in zip(outs, ref + [ref[1]]):
-        assert o.tokens == r, f"{o.id} diverged from autoregressive greedy"
-    sizes = [s.n for s in eng.steps]
-    assert max(sizes) >= 3 and sizes[-1] == 1
+    for policy in policies:
+        be.reset()
+        eng = ServingEngine(be, policy, clock=OpClock())
+        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
+        outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
+        for o, r in zip(outs, ref + [ref[1]]):
+            assert o.tokens == r, f"{o.id} diverged from autoregressive greedy ({type(policy).__name__})"
+        assert eng.counts.drafted > 0
+        sizes = [s.n for s in eng.steps]
+        assert max(sizes) >= 3 and sizes[-1] == 1
+
+    def sampled():
+        be.reset()
+        return [o.tokens for o in ServingEngine(be, FixedK(k_max)).run(
+            [Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=2.0, seed=10 + i))
+             for i, p in enumerate(PROMPTS[:3])])]
+
+    assert sampled() == sampled()
+
+
+def test_greedy_token_identical_to_ar_with_joins_and_leaves(tiny, backend):
+    serves_as_ar(tiny, backend, [FixedK(2)])
 
 
 class Alternating(FixedK):
@@ -384,26 +407,9 @@ def kv_set(dc, lengths):
     return kv.set_lengths(dc, lengths)
 
 
-def test_dynamic_trees_lossless_with_joins_leaves_and_plain_calls(tiny, tree_backend):
-    """Greedy serving with the head's dynamic trees (node budgets 2 and 4, plain decode calls
-    between) equals AR with requests joining and leaving; sampled serving is reproducible."""
-    cfg, params = tiny
-    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
-    for policy in (FixedK(4), Alternating()):
-        tree_backend.reset()
-        eng = ServingEngine(tree_backend, policy, clock=OpClock())
-        outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
-                        for i, p in enumerate(PROMPTS)])
-        assert [o.tokens for o in outs] == ref, type(policy).__name__
-        assert eng.counts.drafted > 0
-
-    def sampled():
-        tree_backend.reset()
-        return [o.tokens for o in ServingEngine(tree_backend, FixedK(4)).run(
-            [Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=2.0, seed=10 + i))
-             for i, p in enumerate(PROMPTS[:3])])]
-
-    assert sampled() == sampled()
+def test_dynamic_trees_lossless_with_joins_leaves_and_plain_calls(tree_backend, tiny):
+    """The head's dynamic trees (node budgets 2 and 4, plain decode calls between)."""
+    serves_as_ar(tiny, tree_backend, [FixedK(4), Alternating()], 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,10 +440,7 @@ def test_tree_step_catches_the_head_up_along_the_accepted_path(tiny, head):
     samp = SamplingArrays.build([SamplingParams()], B)
 
     def prefill(tokens):
-        toks = np.zeros((B, 32), np.int32)
-        toks[0, :len(tokens)] = tokens
-        return t.prefill(B, 32, SLOTS, True, True)(be.params, be.dparams, put(toks),
-                                                   put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+        return prefill_row0(be, tokens, True, samp, 32)
 
     state = prefill(prompt)
     out = [int(state.pending[0])]

@@ -27,7 +27,7 @@ from specjax.errors import SpecjaxError
 from specjax.goodput import FixedK
 from specjax.reference_ar import reference_generate
 from specjax.sampling import SamplingArrays, SamplingParams
-from tests.test_eagle import PROMPTS, Alternating, OpClock
+from tests.test_eagle import PROMPTS, Alternating, prefill_row0, serves_as_ar
 
 SLOTS = 64
 MAX_NEW = 12
@@ -60,10 +60,7 @@ def test_carried_hidden_state_is_a_prefills_of_what_was_committed(backend, greed
     active = put(np.arange(B) == 0)
 
     def prefill(tokens):
-        toks = np.zeros((B, 16), np.int32)
-        toks[0, :len(tokens)] = tokens
-        exe = t.prefill(B, 16, SLOTS, greedy, True)
-        return exe(backend.params, backend.dparams, put(toks), put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+        return prefill_row0(backend, tokens, greedy, samp)
 
     state = prefill(prompt)
     out, accepted = [int(state.pending[0])], 0
@@ -82,20 +79,8 @@ def test_carried_hidden_state_is_a_prefills_of_what_was_committed(backend, greed
 
 
 def test_greedy_token_identical_to_ar_with_joins_leaves_and_plain_calls(tiny, backend):
-    """Requests join a running batch and leave it at different steps, a late one runs alone, and
-    K = 2 steps alternate with decode calls of plain steps."""
-    cfg, params = tiny
-    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
-    for policy in (FixedK(2), Alternating()):
-        backend.reset()
-        eng = ServingEngine(backend, policy, clock=OpClock())
-        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
-        outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
-        for o, r in zip(outs, ref + [ref[1]]):
-            assert o.tokens == r, f"{o.id} diverged from autoregressive greedy ({type(policy).__name__})"
-        assert eng.counts.drafted > 0
-        sizes = [s.n for s in eng.steps]
-        assert max(sizes) >= 3 and sizes[-1] == 1
+    """Chains: K = 2 steps, alone and alternating with decode calls of plain steps."""
+    serves_as_ar(tiny, backend, [FixedK(2), Alternating()])
 
 
 @pytest.fixture(scope="module")
@@ -116,28 +101,10 @@ def test_best_tree_is_best_first_and_a_tree_at_every_prefix():
     assert all(p <= i for i, p in enumerate(parents))  # parents first: every prefix is a tree
 
 
-def test_tree_mode_greedy_identical_sampled_reproducible_and_state_kept(tiny, tree_backend):
+def test_tree_mode_lossless_with_joins_leaves_and_plain_calls(tiny, tree_backend):
     """Token trees from the heads (node budgets 2 and 4, rows cut to fewer nodes by the policy's
-    caps too) are verified losslessly: greedy outputs equal AR's with requests joining and
-    leaving, and sampled ones are reproducible."""
-    cfg, params = tiny
-    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
-    for policy in (FixedK(4), Alternating()):
-        tree_backend.reset()
-        eng = ServingEngine(tree_backend, policy, clock=OpClock())
-        outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
-                        for i, p in enumerate(PROMPTS)])
-        assert [o.tokens for o in outs] == ref, type(policy).__name__
-        assert eng.counts.drafted > 0
-
-    def sampled():
-        tree_backend.reset()
-        eng = ServingEngine(tree_backend, FixedK(4))
-        outs = eng.run([Request(f"s{i}", p, MAX_NEW, sampling=SamplingParams(temperature=20.0, seed=10 + i))
-                        for i, p in enumerate(PROMPTS[:3])])
-        return [o.tokens for o in outs], eng.counts
-
-    assert sampled()[0] == sampled()[0]
+    caps too, plain decode calls between)."""
+    serves_as_ar(tiny, tree_backend, [FixedK(4), Alternating()], 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +132,7 @@ def test_tree_step_keeps_the_last_accepted_nodes_hidden_state(tiny, head):
     samp = SamplingArrays.build([SamplingParams()], B)
 
     def prefill(tokens):
-        toks = np.zeros((B, 16), np.int32)
-        toks[0, :len(tokens)] = tokens
-        return t.prefill(B, 16, SLOTS, True, True)(be.params, be.dparams, put(toks),
-                                                   put(np.array([len(tokens), 0, 0, 0], np.int32)), samp)
+        return prefill_row0(be, tokens, True, samp)
 
     state, out = prefill(prompt), []
     out.append(int(state.pending[0]))

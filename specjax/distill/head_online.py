@@ -127,19 +127,20 @@ class HeadRefiner:
         self.pending = []
         self.seqs.extend(et.make_sequences(self.cfg, self.params, ps, outs, topk=self.topk,
                                            features=self.trainer.features))
-        trainable, state, losses = self.trainable, self.opt_state, []
-        for _ in range(self.oc.steps):
-            batch = et.make_batch(list(self.seqs), self.rng, self.oc.batch, self.oc.length,
-                                  prompt_loss=self.prompt_loss)
-            trainable, state, loss, ok = self.trainer.step(trainable, state, self.frozen, batch)
-            if not bool(ok):
-                self.dropped += 1
-                log.warning("online head refinement: update %d dropped (loss %s is not finite or a gradient is not); "
-                            "the serving head is unchanged", self.updates + 1, float(loss))
-                self.update_s += time.perf_counter() - t0
-                return False
-            losses.append(float(loss))
-        self.trainable, self.opt_state = trainable, state
+        seqs = list(self.seqs)
+
+        def step(trainable, state):
+            batch = et.make_batch(seqs, self.rng, self.oc.batch, self.oc.length, prompt_loss=self.prompt_loss)
+            return self.trainer.step(trainable, state, self.frozen, batch)
+
+        got = tr.update_or_none(step, self.trainable, self.opt_state, self.oc.steps)
+        if got[0] is None:
+            self.dropped += 1
+            log.warning("online head refinement: update %d dropped (loss %s is not finite or a gradient is not); "
+                        "the serving head is unchanged", self.updates + 1, got[1])
+            self.update_s += time.perf_counter() - t0
+            return False
+        self.trainable, self.opt_state, losses = got
         self.backend.swap_draft_params(self.serving_params())
         self.policy.draft_changed()
         self.updates += 1

@@ -111,19 +111,20 @@ class OnlineDistiller:
         """``steps`` optimizer steps, then the swap; False when any step was dropped (nothing of
         this update is then swapped in)."""
         t0 = time.perf_counter()
-        trainable, state, losses = self.trainable, self.opt_state, []
-        for _ in range(self.oc.steps):
+
+        def step(trainable, state):
             tokens, ids, logits, mask = self.buffer.batch(self.rng, self.oc.batch, self.oc.length)
-            trainable, state, loss, ok = tr.train_step(trainable, state, self.draft.frozen, tokens,
-                                                       TopK(ids, logits), mask, cfg=self.draft.draft.cfg, tc=self.tc,
-                                                       optimizer=self.optimizer)
-            if not bool(ok):
-                self.dropped += 1
-                log.warning("online distillation: update %d dropped (loss %s is not finite or a gradient is not); "
-                            "the serving draft is unchanged", self.updates + 1, float(loss))
-                self.update_s += time.perf_counter() - t0
-                return False
-            losses.append(float(loss))
+            return tr.train_step(trainable, state, self.draft.frozen, tokens, TopK(ids, logits), mask,
+                                 cfg=self.draft.draft.cfg, tc=self.tc, optimizer=self.optimizer)
+
+        got = tr.update_or_none(step, self.trainable, self.opt_state, self.oc.steps)
+        if got[0] is None:
+            self.dropped += 1
+            log.warning("online distillation: update %d dropped (loss %s is not finite or a gradient is not); "
+                        "the serving draft is unchanged", self.updates + 1, got[1])
+            self.update_s += time.perf_counter() - t0
+            return False
+        trainable, state, losses = got
         self.trainable, self.opt_state = trainable, state
         self.new = 0
         if self.serving:  # (a draft not being served now swaps in when it is activated)

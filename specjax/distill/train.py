@@ -141,3 +141,17 @@ def apply_if_finite(trainable, opt_state, loss, grads, optimizer: optax.Gradient
         return jnp.where(ok, n, o)
 
     return jax.tree_util.tree_map(keep, new, trainable), jax.tree_util.tree_map(keep, new_state, opt_state), loss, ok
+
+
+def update_or_none(step, trainable, opt_state, n: int):
+    """An online update: ``n`` calls of ``step(trainable, opt_state) -> (trainable, opt_state,
+    loss, ok)`` (each on a fresh batch). (trainable, opt_state, [losses]) after all of them, or
+    (None, the first non-finite loss) when one was dropped: an update is applied whole or not at
+    all (distill.online, distill.head_online)."""
+    losses = []
+    for _ in range(n):
+        trainable, opt_state, loss, ok = step(trainable, opt_state)
+        if not bool(ok):
+            return None, float(loss)
+        losses.append(float(loss))
+    return trainable, opt_state, losses
