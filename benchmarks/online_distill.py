@@ -10,6 +10,8 @@ first turns, GSM8K train again (other questions). Prints the moving acceptance r
 --window requests at block boundaries and at the end, the update overhead (training and swap
 seconds over the run's wall time), and writes a plot of the curve with the boundaries marked.
 A second pass with --baseline serves the same stream with the untrained draft (no updates).
+``--drafter eagle`` / ``medusa``: the shipped head refined while serving (distill.head_online)
+against the same head frozen ("untrained" in the output: not refined).
 
 --checkpoint_dir keeps orbax checkpoints of the online draft there (every --checkpoint_every
 updates and at the end: launch/bench.py --distilled_draft evaluates it). --kill_at N stops
@@ -35,6 +37,8 @@ from benchmarks.task_stream import define_stream_flags, online_configs, stream, 
 FLAGS = flags.FLAGS
 define_stream_flags(["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], draft_layers=4, every=16, steps=4,
                     lr=1e-4)
+flags.DEFINE_enum("drafter", "layer_skip", ["layer_skip", "eagle", "medusa"], "The draft trained online: the "
+                  "self-draft, or a feature head (the shipped one, refined by distill.head_online; no checkpoints).")
 flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
 flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
 flags.DEFINE_bool("online", True, "Serve the stream with online distillation (--noonline: the baseline alone).")
@@ -67,6 +71,16 @@ def serve(m, texts, train: bool):
     def start():
         """A backend, policy and distiller as a fresh process builds them (resumed when there is a checkpoint)."""
         nonlocal compile_s
+        if FLAGS.drafter != "layer_skip":  # a feature head, refined as a batch job's --online_distill does
+            from specjax import registry
+            from specjax.distill.head_online import HeadRefiner
+
+            be = registry.make_backend(m, FLAGS.drafter, k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512)
+            t0 = time.perf_counter()
+            be.warmup(prompt_lens=sorted({len(p) for p in prompts}))
+            compile_s += time.perf_counter() - t0
+            pol = FixedK(FLAGS.k)
+            return be, pol, HeadRefiner(be, pol, cfg, m.params, tc, oc) if train else None
         if train and FLAGS.checkpoint_dir:
             sd, ck = open_draft(FLAGS.checkpoint_dir, cfg, m.params, FLAGS.draft_layers)
         else:
@@ -105,7 +119,7 @@ def serve(m, texts, train: bool):
         if od is not None:
             update_s += od.update_s
             od.update_s = update_s
-            if stop_at is None:  # (a killed process saves nothing more)
+            if stop_at is None and FLAGS.drafter == "layer_skip":  # (a killed process saves nothing more)
                 od.save()
         if stop_at is not None:
             print(f"\nkilled after {len(finished)} requests (update {od.updates}; its buffer of "
@@ -129,6 +143,8 @@ def main(argv):
             res = json.load(f)
         bounds = res["bounds"]
         return _plot(res, bounds, np)
+    if FLAGS.drafter != "layer_skip" and (FLAGS.kill_at or FLAGS.checkpoint_dir):
+        raise SystemExit("error: --kill_at / --checkpoint_dir are for the self-draft's checkpoints")
     texts = stream(FLAGS.data_dir, FLAGS.blocks)
     m = load_model("smollm2-135m")
     runs = {"online": serve(m, texts, True)} if FLAGS.online else {}
@@ -194,7 +210,8 @@ def _plot(res, bounds, np) -> None:
             ax.text(b, 0.02, name.split(":")[0], rotation=90, fontsize=7, va="bottom")
         ax.set_xlabel("request")
         ax.set_ylabel(f"acceptance, last {FLAGS.window}")
-        ax.set_title(f"SmolLM2-135M, {FLAGS.draft_layers}-layer self-draft, K={FLAGS.k}")
+        ax.set_title(f"SmolLM2-135M, {FLAGS.draft_layers}-layer self-draft, K={FLAGS.k}" if FLAGS.drafter == "layer_skip"
+                     else f"SmolLM2-135M, the shipped {FLAGS.drafter} head, K={FLAGS.k}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(FLAGS.plot, dpi=120)
