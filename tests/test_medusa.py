@@ -226,3 +226,21 @@ def test_training_lowers_the_loss(tiny):
         losses.append(float(loss))
     assert losses[-1] < 0.8 * losses[0], losses
     assert not np.allclose(np.asarray(trainable["w"]), 0)
+
+
+def test_the_shipped_heads_are_the_embedded_models_and_small():
+    """heads/: the embedded SmolLM2's Medusa heads are what --drafter medusa loads by default, with
+    the tree their held-out accuracy made best; medusa.json names that target; the files stay
+    small (bfloat16, the target's vocab rows shared, not saved)."""
+    import os
+
+    from specjax.config import get_model_config
+
+    cfg = get_model_config("smollm2-135m")
+    path = heads.shipped_head(medusa.KIND, cfg)
+    assert path and os.path.basename(path) == "smollm2-135m-instruct-medusa"
+    spec = heads.read_spec(medusa.KIND, path, cfg)
+    assert spec["shared_head"] and spec["dtype"] == "bfloat16" and spec["heads"] == 4
+    assert len(spec["tree"]) == medusa.TREE_NODES and all(0 <= p <= i for i, (p, _) in enumerate(spec["tree"]))
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+    assert size < 4e6, size
