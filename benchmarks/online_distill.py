@@ -201,7 +201,8 @@ def _plot(res, bounds, np) -> None:
             ax.text(FLAGS.kill_at, 0.9 * ax.get_ylim()[1], " kill", color="red", fontsize=8)
         for name in ("online", "untrained"):
             if name in res:
-                label = name + (f", killed at {FLAGS.kill_at} and resumed" if name == "online" and FLAGS.kill_at
+                shown = "frozen head" if name == "untrained" and FLAGS.drafter != "layer_skip" else name
+                label = shown + (f", killed at {FLAGS.kill_at} and resumed" if name == "online" and FLAGS.kill_at
                                 else "")
                 ax.plot(np.arange(1, len(res[name]["curve"]) + 1), res[name]["curve"], label=label, lw=1,
                         ls="--" if FLAGS.reference_json else "-")
