@@ -8,7 +8,8 @@ attention reads [the token's embedding (the target's, shared), the feature] whil
 stream is the feature; the layer's output, through the target's final norm and a head over a
 reduced vocabulary (N frequent target ids, logits scattered back to the full vocabulary with
 -inf elsewhere, so q stays an exact distribution), gives the next token. Drafting is a chain:
-each draft feeds the head's own output hidden as the next feature, as EAGLE does.
+each draft feeds the head's own output hidden as the next feature, as EAGLE does; or, with
+``tree_width``, a dynamic token tree (EAGLE-2: ``draft_tree``) drafted inside the tree step.
 
 Alignment: the head's entry at position p pairs token x_p with the fused target feature of
 position p - 1 (zeros for p = 0), so it predicts x_{p+1}, as the target at p does. Its cache
