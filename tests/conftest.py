@@ -126,7 +126,8 @@ def _release_executables():
 _LONGEST_FIRST = ("test_sharding.py", "test_spec_generate.py", "test_distill.py", "test_launch_matrix.py",
                   "test_batch_job.py", "test_engine.py", "test_tree_attention_kernels.py", "test_device_check.py",
                   "test_verify_tree.py", "test_smollm2_parity.py", "test_chunked_prefill.py", "test_per_request.py",
-                  "test_verify_lossless.py", "test_launch_spec.py", "test_ondisk.py", "test_job_reliability.py",
+                  "test_verify_lossless.py", "test_launch_spec.py", "test_eagle.py", "test_ondisk.py",
+                  "test_job_reliability.py",
                   "test_prefix_cache.py", "test_pallas_end_to_end.py", "test_rows_dot.py", "test_launch_generate.py")
 
 

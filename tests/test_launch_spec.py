@@ -239,7 +239,7 @@ BAD_BENCH = [
     (["--temperature", "0.7", "--llamacpp_python", sys.executable], "the peers run greedy only"),
     (["--question_file", "/nonexistent/question.jsonl"], "question file not found"),
     (["--categories", "nosuch"], "unknown categories"),
-    (["--drafters", "prompt_lookup,medusa"], "unknown drafters"),
+    (["--drafters", "prompt_lookup,lookahead"], "unknown drafters"),
     (["--num_spec_tokens", "16"], "larger than the largest bucket"),
     (["--hf_python", "/nonexistent/python"], "is not an executable file"),
     (["--policies", "auto,3"], "--policy K=3 is not in --k_buckets"),
