@@ -56,8 +56,8 @@ class HeadTrainer:
 
     @property
     def features(self) -> tuple[int, ...]:
-        """The target features its data keeps (make_sequences' ``features``)."""
-        return head_features(self.draft.label, self.draft.features[-1] if self.medusa else None)
+        """The target features its data keeps (make_sequences' ``features``): the head's own."""
+        return tuple(self.draft.features)
 
     def step(self, trainable, opt_state, frozen, batch):
         """One optimizer step on a make_batch batch: (trainable, opt_state, loss, ok)."""
