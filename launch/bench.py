@@ -71,6 +71,10 @@ cli.define_prefill_flags(prefix_cache_mb=0, why_off="0 by default here: the prot
 flags.DEFINE_string("distilled_draft", None, "Also run each device drafter of --drafters with the draft distilled "
                     "into this checkpoint directory (launch/distill.py, --online_distill) as method <drafter>-distilled, "
                     "next to the untrained one.")
+flags.DEFINE_bool("also_chains", False, "With heads that draft trees (--eagle_tree_width, Medusa's default "
+                  "tree): also run each as chains, as method <drafter>-chain, in the same run.")
+# what a head's chain variant changes (--also_chains)
+CHAIN_OF = {"eagle": {"eagle_tree_width": 0}, "medusa": {"medusa_tree": False}}
 flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
                   f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
@@ -140,6 +144,9 @@ def validate_flags():
     for flag in ("llamacpp_batch_sizes", "prefill_lens"):
         if not all(v.isdigit() and int(v) >= 1 for v in FLAGS[flag].value):
             raise SpecjaxError(f"--{flag} must list positive integers, got {','.join(FLAGS[flag].value)}")
+    if FLAGS.also_chains and not any(registry.tree_label(sp.drafter) for sp in specs.values()):
+        raise SpecjaxError("--also_chains needs a head drafting trees (--drafters eagle with --eagle_tree_width, "
+                           "or medusa)")
     samp = cli.sampling_from_flags()
     if not samp.greedy and (FLAGS.hf_python or FLAGS.llamacpp_python):
         raise SpecjaxError("the peers run greedy only; drop --hf_python / --llamacpp_python with --temperature > 0")
@@ -216,24 +223,28 @@ def bench() -> int:
     several = len(policy_names) > 1
     methods, gens, pols = [], {}, {}
     compiled_by = {"host": ar}  # the AR baseline is the host drafters' K = 0 step
-    variants = [(d, None) for d in drafters] + [(d, FLAGS.distilled_draft) for d in drafters
-                                                 if FLAGS.distilled_draft and registry.DRAFTERS[d].device]
-    for d, distilled in variants:
+    # (drafter, method-name suffix, what the variant changes in its DrafterSpec)
+    variants = ([(d, "", {}) for d in drafters]
+                + [(d, "-distilled", {"draft_checkpoint": FLAGS.distilled_draft}) for d in drafters
+                   if FLAGS.distilled_draft and registry.DRAFTERS[d].device]
+                + [(d, "-chain", CHAIN_OF[d]) for d in drafters
+                   if FLAGS.also_chains and registry.tree_label(specs[(d, policy_names[0])].drafter)])
+    for d, suffix, change in variants:
         for pn in policy_names:
-            name = specbench.method_name(d, pn, several) + ("-distilled" if distilled else "")
+            name = specbench.method_name(d, pn, several) + suffix
             spec = specs[(d, pn)]
-            if distilled:
-                spec = dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter, draft_checkpoint=distilled))
+            spec = dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter, **change))
+            distilled = change.get("draft_checkpoint")
             pol, label = cli.policy_from_spec(spec, model)
             goodput = isinstance(pol, GoodputPolicy)
             g = registry.build_generator(spec, model, draft=draft)
-            group = (d + (distilled or "")) if spec.device_draft else "host"  # (compile keys tell packed etc. apart)
+            group = (d + suffix) if spec.device_draft else "host"  # (compile keys tell packed etc. apart)
             if group in compiled_by:
                 g.share_compiled(compiled_by[group])
             else:
                 compiled_by[group] = g
             methods.append({"name": name, "drafter": d, "policy": pn, "label": label, "goodput": goodput,
-                            "distilled": distilled,
+                            "distilled": distilled, "chain": suffix == "-chain",
                             "k": None if goodput else getattr(pol, "k", None)})
             gens[name], pols[name] = g, pol
     names = [m["name"] for m in methods]
@@ -335,6 +346,7 @@ def bench() -> int:
                      + (f", draft prefill on {x['draft_prefills']}/{over['prompts']} prompts"
                         if registry.DRAFTERS[d].device else "")
                      + (f" (distilled draft from {m['distilled']})" if m["distilled"] else "")
+                     + (" (as chains)" if m["chain"] else "")
                      + " (" + ", ".join(f"{f}={FLAGS[f].value}" for f in sorted(registry.DRAFTERS[d].reads)
                                         if f != "draft_checkpoint") + ")")
     notes.append(f"Outputs identical to the AR baseline: {'all' if not mismatches else 'NO'} "

@@ -395,6 +395,9 @@ def profile_command(spec) -> str:
     args += ["--rows_activations int8"] * f.rows_int8
     args += [f"--draft_layers {d.draft_layers}"] * (label.startswith("layer_skip")) + \
         [f"--draft_model {d.draft_model}"] * (dev and bool(d.draft_model))
+    if d.name == "eagle" and d.eagle_tree_width:  # (a head's trees cost what its chains do not)
+        args += [f"--eagle_tree_width {d.eagle_tree_width}", f"--eagle_tree_depth {d.eagle_tree_depth}"]
+    args += ["--nomedusa_tree"] * (d.name == "medusa" and not d.medusa_tree)
     return "python launch/profile.py " + " ".join(args)
 
 
@@ -422,8 +425,7 @@ def build_policy(spec, target_name: str):
         diff = code_mismatch(path, key)
         why = (str(e) if not os.path.exists(path) else f"no performance model for {key!r} in {path}"
                + (f" (it has one for other compiled code: {diff})" if diff else ""))
-        todo = (f"profile this configuration: {profile_command(spec)}" if not tree_label(spec.drafter) else
-                "launch/profile.py does not profile a head's device trees yet: give a fixed K")
+        todo = f"profile this configuration: {profile_command(spec)}"
         if pol.name != "auto":
             raise SpecjaxError(f"--policy {pol.name}: {why}; {todo}") from None
         k = pol.fallback_k

@@ -314,8 +314,8 @@ def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
 def test_suffix_with_the_head_as_fallback(tiny, head):
     """``hybrid_eagle``: rows whose suffix match scores above tau verify the suffix chain, the
     others the head's drafts, in the same steps; greedy outputs equal AR's (with requests joining
-    and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted.
-    (Host drafts at T > 0 are verified with a one-hot q: verify_chain's host path.)"""
+    and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted,
+    including in steps where no row needed the head (which then skipped its drafting). (Host drafts at T > 0 are verified with a one-hot q: verify_chain's host path.)"""
     from specjax.drafters.head_hybrid import SuffixHeadDrafter
     from specjax.drafters.suffix import SuffixDrafter
 
@@ -331,6 +331,7 @@ def test_suffix_with_the_head_as_fallback(tiny, head):
     outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)])
     assert [o.tokens for o in outs] == ref
     assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used
+    assert be.drafter.head_skipped > 0  # steps with suffix chains only: the head did not draft (lax.cond)
     assert outs[0].accepted + outs[1].accepted > 0
 
 
@@ -351,7 +352,7 @@ def test_dynamic_tree_nodes_are_the_heads_best_children(tiny, head):
     """EAGLE-2's tree: parents come first and every node's token is among its parent's top-width
     choices of the head drafting along the node's path (the chain feed: pending token, then the
     path, each with the head's own last output as feature); siblings differ; the most likely
-    node is node 1."""
+    node is node 1 and the nodes come best first."""
     cfg, params = tiny
     draft, dparams = head
     draft = dataclasses.replace(draft, tree_width=3, tree_depth=3)
@@ -385,8 +386,9 @@ def test_dynamic_tree_nodes_are_the_heads_best_children(tiny, head):
         for i in range(1, 7):
             kids.setdefault(int(parents[b, i]), []).append(int(toks[b, i]))
         assert all(len(set(v)) == len(v) for v in kids.values())
-        # the most likely drafted node (the root's best child) is always kept, first
-        assert max(logp, key=logp.get) == 1
+        # best first: node m's path is at most as likely as node m - 1's, so the first m nodes
+        # are the m-node tree (what SmartSpec's node budget and TreeNodeRates rely on)
+        assert all(logp[i] <= logp[i - 1] + 1e-5 for i in range(2, 7)), logp
 
 
 def kv_set(dc, lengths):
@@ -397,8 +399,18 @@ def kv_set(dc, lengths):
 
 def test_dynamic_trees_lossless_with_joins_leaves_and_plain_calls(tree_backend, tiny):
     """The head's dynamic trees (node budget 2, plain decode calls between: the tree step settles
-    the deferred window first; Medusa's test runs budget 4 on the same step)."""
-    serves_as_ar(tiny, tree_backend, [Alternating()], 4)
+    the deferred window first; Medusa's test runs budget 4 on the same step). The drafter learnt
+    its nodes' acceptance from the steps' accepted paths (SmartSpec's node-budget scores)."""
+    drafter, got = tree_backend.drafter, []
+    drafter.rates.clear()
+    drafter.tree_verified = lambda rows: (got.extend(rows), type(drafter).tree_verified(drafter, rows))
+    try:
+        serves_as_ar(tiny, tree_backend, [Alternating()], 4)
+    finally:
+        del drafter.tree_verified
+    # each verified row: its node count, and the accepted nodes' numbers, increasing along the path
+    assert got and all(1 <= d <= 4 and all(a < b <= d for a, b in zip([0, *p], p)) for d, p in got)
+    assert len(drafter.rates._rates) == 4 and all(len(r) for r in drafter.rates._rates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,7 +457,8 @@ def test_tree_step_catches_the_head_up_along_the_accepted_path(tiny, head):
         oracle[0] = [0, (ref[j] + 1) % cfg.vocab_size, ref[j], ref[j + 1], (ref[j + 2] + 1) % cfg.vocab_size]
         state, o = t.tree_step(B, 4, SLOTS, True)(be.params, {**be.dparams, "oracle": put(oracle)}, state,
                                                   put(np.zeros((B, 5), np.int32)), parents, valid, active, samp, None)
-        assert int(o.n_accepted[0]) == 2
+        assert int(o.n_accepted[0]) == 2 and list(np.asarray(o.path[0])) == [2, 3, 0, 0]  # the accepted nodes
+        assert list(np.asarray(o.host)[0, 5:]) == [2, 3, 0, 0, 2, 4]  # what the host reads: path | n | drafted
         out += [int(x) for x in o.tokens[0, :3]]
     assert out == ref[:len(out)]
     L = int(state.cache.lengths[0])
@@ -497,3 +510,57 @@ def test_sampled_dynamic_tree_emits_the_targets_distribution(tiny):
     obs_cells = np.append(counts[big], counts[~big].sum())
     exp_cells = np.append(exp[big], exp[~big].sum())
     assert chisquare(obs_cells, exp_cells).pvalue > 0.01
+
+
+@pytest.mark.slow
+def test_trained_heads_sampled_dynamic_tree_emits_the_targets_distribution():
+    """The shipped, trained head on the embedded SmolLM2 (real weights), drafting EAGLE-2 trees
+    of 6 nodes (width 3, depth 3) at T = 1: the first token a tree step emits after a chat
+    prompt and one greedy step follows the target's own distribution there (chi-square over
+    1,600 draws), with the head's first-depth nodes accepted in a good share of the draws."""
+    from scipy.stats import chisquare
+
+    from specjax.drafters.device import DeviceTreeDrafter
+    from specjax.models.loader import load_model
+
+    model = load_model("smollm2-135m", dtype="float32")
+    cfg, params = model.cfg, model.params
+    draft, dparams = eagle.load_head(eagle.shipped_head(cfg), cfg, params)
+    be = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(dataclasses.replace(draft, tree_width=3, tree_depth=3),
+                                                           dparams), k_buckets=(0, 6), batch_buckets=(B,), slots=SLOTS)
+    put, t, T, R = jax.device_put, be.table, 1.0, 400
+    prompt = model.tokenizer.encode_chat("Write one sentence about the sea.")
+    C = -(-len(prompt) // 16) * 16
+    toks = np.zeros((B, C), np.int32)
+    toks[:, :len(prompt)] = prompt
+    greedy = SamplingArrays.build([SamplingParams()] * B, B)
+    state = t.prefill(B, C, SLOTS, True, True)(be.params, be.dparams, put(toks), put(np.full(B, len(prompt), np.int32)),
+                                               greedy)
+    parents, valid = put(np.zeros((B, 7), np.int32)), put(np.broadcast_to(np.arange(7) > 0, (B, 7)))
+    # one greedy tree step first: its correction (" sea" after "The") makes a context whose next
+    # token the head drafts well
+    first = int(state.pending[0])
+    state, o = t.tree_step(B, 6, SLOTS, True)(be.params, be.dparams, state, put(np.zeros((B, 7), np.int32)),
+                                              parents, valid, put(np.ones(B, bool)), greedy, None)
+    ctx = jnp.asarray([prompt + [first] + [int(x) for x in o.tokens[0, :int(o.n_accepted[0]) + 1]]], jnp.int32)
+    L = ctx.shape[1]
+    lg = llama.forward(params, ctx, jnp.arange(L, dtype=jnp.int32)[None], llama.init_cache_for(cfg, 1, L),
+                       llama.causal_mask(1, L), cfg=cfg, use_prefix=False)[0][0, -1]
+    p = np.asarray(jax.nn.softmax(lg.astype(jnp.float32) / T), np.float64)
+    p /= p.sum()  # (float32 sums to 1 within 1e-7; the test's expected counts must sum to the draws)
+    step = t.tree_step(B, 6, SLOTS, False)
+    counts, accepted = np.zeros(cfg.vocab_size), 0
+    for it in range(R):  # the same state each time (a copy: the step donates it), other seeds
+        samp = SamplingArrays.build([SamplingParams(temperature=T, seed=7000 + it * B + b) for b in range(B)], B)
+        _, o = step(be.params, be.dparams, jax.tree_util.tree_map(jnp.copy, state), put(np.zeros((B, 7), np.int32)),
+                    parents, valid, put(np.ones(B, bool)), samp, None)
+        counts += np.bincount(np.asarray(o.tokens[:, 0]), minlength=cfg.vocab_size)
+        accepted += int((np.asarray(o.n_accepted) > 0).sum())
+    assert 0.1 * R * B < accepted < R * B  # a first-depth node of the trained head accepted often, not always
+    exp = p * counts.sum()
+    big = exp >= 5
+    obs_cells, exp_cells = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
+    res = chisquare(obs_cells, exp_cells)
+    print(f"trained head, T = {T}: a first-depth node accepted in {accepted}/{R * B} draws; chi-square over "
+          f"{len(obs_cells)} cells p = {res.pvalue:.3f}")
+    assert res.pvalue > 0.01

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from specjax.errors import SpecjaxError
-from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, ScoreCalibration, confidence_lengths,
+from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, ScoreCalibration, TreeNodeRates,
+                                        confidence_lengths,
                                         expected_len, expected_len_from_positions, tree_batched_tokens,
                                         tree_expected_len)
 from specjax.engine.spec import DrafterSpec, EngineSpec, PolicySpec
@@ -915,6 +916,31 @@ def test_selector_reprobes_after_stale_k0_steps():
     assert pol.choose(view) > 0
     pol.observe(4, [4, 4], [0, 0])  # the probe fails
     assert pol.acc.alpha.value == 0.0 and pol.choose(view) == 0
+
+
+def test_tree_node_rates_learn_every_smaller_budget_and_reprobe():
+    """A device tree's nodes come best first, so a verified 6-node tree says what each smaller
+    budget would have accepted: node i scores how often it was on the accepted path. SmartSpec
+    sums them into the expected length of each budget and picks the one with the best goodput;
+    a run of K = 0 choices (no tree verified) reopens the prior."""
+    rates = TreeNodeRates(window=4, prior=0.5, reprobe_after=3)
+    assert list(rates.scores(3)) == [0.5, 0.5, 0.5]
+    for path in ([1, 3], [1], [2], [1, 3]):  # node 1 on 3 of 4 paths, node 2 on 1, node 3 on 2
+        rates.observe(6, path)
+    rates.observe(2, [1])  # a 2-node tree: nodes 3.. unobserved this time
+    sc = rates.scores(6)
+    assert list(sc) == pytest.approx([0.75, 0.25, 0.5, 0.0, 0.0, 0.0])  # window 4: the first path dropped
+    # Verify cost 10 ms + 2 ms per block token: 3 nodes (2.5 tokens in 18 ms) beat 1 node (1.75 in
+    # 14 ms) and K = 0 (1 in 12 ms); the 3 never-accepted nodes after them only cost.
+    cost = StepCostModel(target=LinearCost(0.0, 2e-3, 1e-2), draft=LinearCost(0.0, 0.0, 0.0))
+    pol = GoodputPolicy(cost, min_gain=0.0)
+    view = BatchView(ctx_lens=[50], bucket=1, k_options=[0, 1, 3, 6], request_ids=["a"], draft_lens=[6],
+                     draft_scores=[sc])
+    assert pol.expected_tokens(view, 3) == pytest.approx(1 + 0.75 + 0.25 + 0.5)
+    assert pol.choose(view) == 3
+    for _ in range(3):
+        rates.scores(6)  # proposals with no tree verified (K = 0 chosen)
+    assert list(rates.scores(6)) == [0.5] * 6  # the fourth: back to the prior
 
 
 def test_goodput_over_scored_trees_chooses_and_calibrates():

@@ -43,6 +43,7 @@ from specjax.config import ModelConfig
 from specjax.drafters.protocol import TREE, Drafter, StepInputs, VerifyStep
 from specjax.engine.loop import Proposal
 from specjax.errors import require
+from specjax.goodput.acceptance import TreeNodeRates
 from specjax.models import llama
 from specjax.sampling import SamplingArrays, argmax, probs_from_logits
 from specjax.verify import SALT_DRAFT, _sample_rows, stream_keys
@@ -331,6 +332,22 @@ class DeviceTreeDrafter(FeatureHeadDrafter):
     each row verifies."""
 
     step = TREE
+
+    def __init__(self, draft: ModelDraft, params):
+        super().__init__(draft, params)
+        self.rates = TreeNodeRates()  # (kept across runs, as a policy's estimates are: per node, not per request)
+
+    def propose(self, be, rs, k_max, threshold=None):
+        """Each speculating row's node scores: the learnt acceptance of nodes 1..k_max, so that
+        a goodput policy weighs node budgets (the tree itself is drafted inside the step)."""
+        prop = super().propose(be, rs, k_max, threshold)
+        sc = self.rates.scores(k_max)
+        prop.draft_scores = [sc if n else None for n in prop.draft_lens]
+        return prop
+
+    def tree_verified(self, rows):
+        for drafted, path in rows:
+            self.rates.observe(drafted, path)
 
     def step_inputs(self, be, rs, k, cap):
         num = np.zeros(be.B, np.int32)

@@ -127,7 +127,7 @@ class EagleDraft(ModelDraft):
         under its ancestor mask (on a CPU a block of a few dozen tokens reads the weights once,
         as one token does) over the committed entries, so no drafted entry needs keeping. The
         tree is the ``n`` drafted nodes of the highest cumulative log-probability (a child's is
-        at most its parent's, so they form a tree), in block order (parents first). The head's
+        at most its parent's, so they form a tree), best first (so parents first). The head's
         committed entries are untouched (the block is written past them, as scratch)."""
         W, Dp = self.tree_width, self.tree_depth
         M = 1 + W * Dp
@@ -158,9 +158,9 @@ class EagleDraft(ModelDraft):
             cum = cum.at[:, slots].set(best)
             own = jax.nn.one_hot(slots, M, dtype=bool)[None]  # [1, W, M]
             mask = mask.at[:, slots].set(mask[rows, par] | own)
-        # the n best drafted nodes (ties: the earlier slot, so a parent before its child), in slot order
+        # the n best drafted nodes, best first (top_k puts the earlier slot first on a tie, so a
+        # parent comes before its child): the first m of them are the m-node tree, for every m
         _, keep = jax.lax.top_k(jnp.where(jnp.arange(M) > 0, cum, -jnp.inf), n)
-        keep = jnp.sort(keep, axis=1)
         new_of = jnp.zeros((B, M), jnp.int32).at[rows, keep].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
         parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32),
                                    new_of[rows, jnp.take_along_axis(parent, keep, axis=1)]], axis=1)

@@ -2,10 +2,10 @@
 
 The suffix trees propose a chain for every row on the host (path mode); a row whose proposal
 scores above ``tau`` verifies it, every other row verifies the head's drafts, all in one chain
-step: the head drafts inside the step for every row (its cost does not depend on which rows use
-it), and the step takes the host chains for the rows marked by ``draft_tokens[:, 0] >= 0``
-(``ModelDraft.host_rows``; a deterministic draft's q is one-hot, so sampling stays lossless).
-The head catches up on each row's verified block whoever drafted it.
+step: the head drafts inside the step for every row when any row needs its drafts, not at all
+when none does, and the step takes the host chains for the rows marked by
+``draft_tokens[:, 0] >= 0`` (``ModelDraft.host_rows``; a deterministic draft's q is one-hot, so
+sampling stays lossless). The head catches up on each row's verified block whoever drafted it.
 
 Repetitive requests (a long suffix match) then get suffix drafts at no cost per token, open-ended
 ones the head's; a row neither can help drafts nothing when the policy says so.
@@ -33,6 +33,7 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         super().__init__(dataclasses.replace(draft, host_rows=True), params)
         self.suffix, self.tau = suffix, float(tau)
         self.used = {"suffix": 0, "head": 0}  # rows that drafted from each source
+        self.head_skipped = 0  # verify steps whose drafting rows all had suffix chains (the head did not draft)
         self._host: dict = {}  # uid -> this step's suffix chain (absent: the head drafts)
 
     def reset(self):
@@ -80,5 +81,7 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
             tokens[row, :] = 0
             tokens[row, :len(d)] = d
             self.used["suffix"] += 1
-        self.used["head"] += int(sum(1 for r in rs if be.row_of[r.uid] not in host and num_draft[be.row_of[r.uid]]))
+        heads = int(sum(1 for r in rs if be.row_of[r.uid] not in host and num_draft[be.row_of[r.uid]]))
+        self.used["head"] += heads
+        self.head_skipped += int(k_step > 0 and heads == 0)
         return StepInputs(self.step, k_step, num_draft, (tokens,))

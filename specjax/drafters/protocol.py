@@ -205,6 +205,10 @@ class Drafter(abc.ABC):
     def finish(self, uid) -> None:
         """A request left."""
 
+    def tree_verified(self, rows) -> None:
+        """A tree step's outcome: per row that verified nodes, (nodes verified, the accepted
+        nodes' 1-based numbers in path order)."""
+
     @abc.abstractmethod
     def propose(self, be, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal:
         """Proposals of up to ``k_max`` drafts for ``rs`` before the policy chooses

@@ -645,7 +645,11 @@ class JaxBackend:
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
-        toks, n_acc, nd = host[:, :-2], host[:, -2], host[:, -1]
+        w = o.tokens.shape[1]
+        toks, n_acc, nd = host[:, :w], host[:, -2], host[:, -1]
+        if o.path is not None:  # a tree step: each row's verified node count and accepted nodes
+            rows = [self.row_of[r.uid] for r in rs]
+            self.drafter.tree_verified([(int(nd[j]), host[j, w:w + n_acc[j]]) for j in rows if nd[j] > 0])
         ids = lg = None
         if o.teacher_ids is not None:
             ids, lg = np.asarray(o.teacher_ids), np.asarray(o.teacher_logits)

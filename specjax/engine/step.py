@@ -60,15 +60,19 @@ class StepOutput:
     # computed after a rejected draft and mean nothing)
     teacher_ids: jax.Array | None = None
     teacher_logits: jax.Array | None = None
+    # tree steps: [B, K] the accepted drafts' node numbers (1-based, in path order; 0 past
+    # n_accepted), in ``host`` between the tokens and the counts (TreeNodeRates learns from them)
+    path: jax.Array | None = None
 
     @staticmethod
-    def of(tokens, n_accepted, num_draft, logits=None, teacher: int = 0) -> "StepOutput":
-        host = jnp.concatenate([tokens, n_accepted[:, None], num_draft[:, None]], axis=1).astype(jnp.int32)
+    def of(tokens, n_accepted, num_draft, logits=None, teacher: int = 0, path=None) -> "StepOutput":
+        cols = [tokens] + ([path] if path is not None else []) + [n_accepted[:, None], num_draft[:, None]]
+        host = jnp.concatenate(cols, axis=1).astype(jnp.int32)
         ids = vals = None
         if teacher:
             vals, ids = jax.lax.top_k(logits.astype(jnp.float32), teacher)
         return StepOutput(tokens=tokens, n_accepted=n_accepted, num_draft=num_draft, host=host,
-                          teacher_ids=ids, teacher_logits=vals)
+                          teacher_ids=ids, teacher_logits=vals, path=path)
 
 
 def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active, samp: SamplingArrays, q=None,
@@ -88,13 +92,26 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     feat0 = None if dcache is None or not key.features else dcache.feat
     if K > 0 and draft is not None:
         host_tokens = draft_tokens[:, :K]
-        draft_tokens, q, dcache = draft.draft(dparams, dcache, state.prev, state.pending, state.cache.lengths,
-                                              K, samp, greedy_only)
+
+        def head(dc):
+            return draft.draft(dparams, dc, state.prev, state.pending, state.cache.lengths, K, samp, greedy_only)
+
         if draft.host_rows:  # rows with host drafts verify those (deterministic drafts: q one-hot)
             host = host_tokens[:, 0] >= 0
+            # The head drafts only when some row verifies its drafts: a step whose drafting rows
+            # all have host chains skips its K forwards (the catch-up below overwrites what
+            # drafting writes to its cache, so skipping leaves the same state).
+            made = jax.eval_shape(head, dcache)[:2]
+
+            def skip(dc):
+                return (*jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), made), dc)
+
+            draft_tokens, q, dcache = jax.lax.cond(jnp.any(active & (num_draft > 0) & ~host), head, skip, dcache)
             draft_tokens = jnp.where(host[:, None], host_tokens, draft_tokens)
             if q is not None:
                 q = jnp.where(host[:, None, None], jax.nn.one_hot(host_tokens, q.shape[-1], dtype=q.dtype), q)
+        else:
+            draft_tokens, q, dcache = head(dcache)
         # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
         num_draft = jnp.minimum(num_draft, K)
     num_draft = jnp.where(active, num_draft, 0)
@@ -229,7 +246,8 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     pending = jnp.where(active, jnp.take_along_axis(out, n[:, None], axis=1)[:, 0], state.pending)
     num_draft = jnp.sum(node_valid[:, 1:], axis=1).astype(jnp.int32)
     new_state = pin(key.layout, StepState(cache=cache, dcache=dcache, prev=prev, pending=pending))
-    return new_state, StepOutput.of(out, n, num_draft)
+    accepted_nodes = jnp.where(jnp.arange(1, N)[None, :] <= n[:, None], path[:, 1:], 0)
+    return new_state, StepOutput.of(out, n, num_draft, path=accepted_nodes)
 
 
 def fresh_state(params, dparams, B: int, key: CompileKey) -> StepState:

@@ -132,6 +132,50 @@ class ScoreCalibration:
         return sum(map(len, self._obs.values()))
 
 
+class TreeNodeRates:
+    """How often each node of a device-drafted token tree is accepted, learnt online: the scores
+    a tree drafter gives SmartSpec for its node budget (``BatchView.draft_scores``), whose first
+    m summed are the expected accepted drafts of an m-node tree.
+
+    The nodes come best first (Medusa's tree from the heads' accuracy, EAGLE-2's by cumulative
+    draft probability), so the m-node tree is the first m nodes of any larger one, and a verified
+    tree also says what each smaller one would have accepted: node i (1-based) was accepted iff
+    it is on the accepted path. Each verified tree of ``drafted`` nodes adds one observation to
+    nodes 1..drafted (a moving average of ``window`` per node, ``prior`` before any).
+
+    A tree's drafts exist only inside the step, after the choice, so the estimate is per node
+    position over recent steps, not per proposal. Re-probe: after ``reprobe_after`` proposals
+    with no tree verified (the policy chose K = 0 throughout), the rates go back to the prior,
+    so the next choice tries a tree again (text changes from request to request)."""
+
+    def __init__(self, window: int = 32, prior: float = 0.5, reprobe_after: int = 64):
+        self.window, self.prior, self.reprobe_after = window, float(prior), reprobe_after
+        self.clear()
+
+    def clear(self) -> None:
+        self._rates: list[MovingAverage] = []
+        self._idle = 0
+
+    def _node(self, i: int) -> MovingAverage:
+        while len(self._rates) <= i:
+            self._rates.append(MovingAverage(self.window, self.prior))
+        return self._rates[i]
+
+    def observe(self, drafted: int, path: Sequence[int]) -> None:
+        """A verified tree of its first ``drafted`` nodes, ``path`` the accepted nodes' numbers."""
+        on = set(int(p) for p in path)
+        for i in range(int(drafted)):
+            self._node(i).add(float(i + 1 in on))
+        self._idle = 0
+
+    def scores(self, m: int) -> np.ndarray:
+        """The first ``m`` nodes' acceptance estimates (one proposal: counts toward re-probing)."""
+        self._idle += 1
+        if self._idle > self.reprobe_after:
+            self.clear()
+        return np.array([self._node(i).value for i in range(m)], np.float64)
+
+
 def _ratio(num, den):
     """num / den, 0 where nothing was counted (elementwise for per-row or per-position counts)."""
     if np.ndim(den):
