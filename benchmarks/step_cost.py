@@ -3,6 +3,7 @@
   python benchmarks/step_cost.py --context 64,512,1024 --ks 0,1,2,4,8 [--draft_layers 8]
   python benchmarks/step_cost.py --context 256 --ks 1,3,5 --draft_layers 8 --draft_vocab 4096,8192
   python benchmarks/step_cost.py --context 256 --ks 0,1,3,5 --eagle_vocab 4096,49152 --launch_fwd
+  python benchmarks/step_cost.py --context 256,1024 --ks 0,1,3,6 --medusa --trees --launch_fwd
 
 For each committed context length and each K, times the engine's compiled chain step (host
 drafter, greedy, batch 1; the drafts are random tokens, acceptance does not change the cost) and
@@ -13,7 +14,10 @@ the autoregressive ``decode_step`` at the same context, every K and AR in rotate
 host-drafter step at the same K: K draft forwards and the draft cache's re-feed).
 ``--eagle_vocab`` does the same for an EAGLE head (drafters.eagle, random weights: the cost does
 not depend on them) with a head over that many target tokens (the model's vocabulary size = no
-reduction); ``--launch_fwd`` times every table and AR with the launch scripts' forward options as
+reduction); ``--medusa`` adds the shipped Medusa heads (chains: K heads at once) and
+``--trees`` the tree step of K nodes (K = the node budget, K = 0 left out) for the host (random
+siblings), Medusa's static tree and the shipped EAGLE head's dynamic tree of ``--eagle_tree``
+(width x depth), each tree's draft cost against the host tree step's; ``--launch_fwd`` times every table and AR with the launch scripts' forward options as
 resolved for this model on this machine (rows kernel, CPU attention, layers as a loop) instead of
 XLA's defaults.
 A speculative step that accepts ``a`` tokens on average (bonus included) beats AR when
@@ -39,6 +43,10 @@ flags.DEFINE_integer("slots", 2048, "Cache slots.")
 flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
 flags.DEFINE_list("eagle_vocab", [], "Also time an EAGLE head with a vocabulary head of each of these sizes.")
+flags.DEFINE_bool("medusa", False, "Also time the shipped Medusa heads' chain steps.")
+flags.DEFINE_bool("trees", False, "Also time tree steps: the host's, Medusa's static tree and the shipped EAGLE "
+                  "head's dynamic tree (--eagle_tree).")
+flags.DEFINE_string("eagle_tree", "3x3", "--trees: the EAGLE dynamic tree's width x depth.")
 flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
                   "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
@@ -51,7 +59,7 @@ def main(argv):
 
     from specjax import cache as kv
     from specjax.benchtime import interleaved_medians, prefill_fn, steady_step
-    from specjax.drafters import eagle
+    from specjax.drafters import eagle, medusa
     from specjax.drafters.device import layer_skip, reduced_vocab
     from specjax.engine.spec import EngineSpec
     from specjax.engine.table import StepTable
@@ -74,8 +82,17 @@ def main(argv):
     for n in map(int, FLAGS.eagle_vocab):
         d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n))
         drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens"), dp))
-    tables = [("host", StepTable(cfg, params, params, fwd=fwd))] + [
-        (d.label, StepTable(cfg, params, dp, d, fwd=fwd)) for d, dp in drafts]
+    if FLAGS.medusa:
+        h = medusa.build(m, tree=False)
+        drafts.append((dataclasses.replace(h.draft, label="medusa"), h.params))
+    # (name, table, tree step?)
+    tables = [("host", StepTable(cfg, params, params, fwd=fwd), False)] + [
+        (d.label, StepTable(cfg, params, dp, d, fwd=fwd), False) for d, dp in drafts]
+    if FLAGS.trees:
+        w, depth = (int(x) for x in FLAGS.eagle_tree.lower().split("x"))
+        trees = [("medusa tree", medusa.build(m)), (f"eagle tree {w}x{depth}", eagle.build(m, None, w, depth))]
+        tables += [("host tree", StepTable(cfg, params, params, fwd=fwd), True)] + [
+            (name, StepTable(cfg, params, h.params, h.draft, fwd=fwd), True) for name, h in trees]
     samp = SamplingArrays.build([SamplingParams()], 1)
     ks = [int(k) for k in FLAGS.ks]
 
@@ -95,16 +112,18 @@ def main(argv):
     print("|---|---|---|---|---|---|---|")
     rows = []
     for ctx in map(int, FLAGS.context):
-        host_ms = {}
-        for name, table in tables:
-            variants = {K: steady_step(table, 1, K, ctx, S, rng) for K in ks}
+        base = {}  # the host's chain and tree steps: each drafter's own cost is its step minus these
+        for name, table, tree in tables:
+            kk = [K for K in ks if K > 0] if tree else ks
+            variants = {K: steady_step(table, 1, K, ctx, S, rng, tree=tree) for K in kk}
             if name == "host":
                 variants["AR"] = ar_step(table, ctx)
             ms = {k: 1e3 * t for k, t in interleaved_medians(variants, FLAGS.reps).items()}
-            host_ms = host_ms or ms
-            for K in ks:
-                r = {"context": ctx, "drafter": name, "K": K, "step_ms": ms[K], "ar_ms": host_ms["AR"],
-                     "draft_ms": None if name == "host" else ms[K] - host_ms[K]}
+            base.setdefault(tree, ms)
+            host_ms = base[False]
+            for K in kk:
+                r = {"context": ctx, "drafter": name, "K": K, "tree": tree, "step_ms": ms[K], "ar_ms": host_ms["AR"],
+                     "draft_ms": None if name.startswith("host") else ms[K] - base[tree][K]}
                 rows.append(r)
                 cells = [ctx, name, K, f"{ms[K]:.1f}", f"{host_ms['AR']:.1f}", f"{ms[K] / host_ms['AR']:.2f}",
                          "" if r["draft_ms"] is None else f"{r['draft_ms']:.1f}"]

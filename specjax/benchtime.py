@@ -128,23 +128,30 @@ def _held(state, lengths):
                        pending=state.pending)
 
 
-def steady_step(table, B: int, K: int, ctx: int, S: int, rng) -> Callable:
+def steady_step(table, B: int, K: int, ctx: int, S: int, rng, tree: bool = False) -> Callable:
     """A greedy K-draft chain step of ``table`` on B rows held at ``ctx`` committed tokens: each
     call runs the step and sets the lengths back, so every call costs the same (random drafts:
-    acceptance does not change a verify's time)."""
+    acceptance does not change a verify's time). ``tree``: the tree step of K nodes instead (a
+    device tree drafter drafts its own tree; otherwise K random siblings of the pending token)."""
     import jax
     import numpy as np
 
     samp = _greedy_samp(B)
     holder = [prefill_fn(table, B, ctx, S, rng)()]
-    exe = table.step(B, K, S, True, compile_if_missing=True)
-    dt = jax.device_put(rng.integers(0, table.cfg.vocab_size, (B, max(K, 1)), dtype=np.int32))
-    nd = jax.device_put(np.full(B, K, np.int32))
     act = jax.device_put(np.ones(B, bool))
     lens = np.full(B, ctx, np.int32)
+    if tree:
+        exe = table.tree_step(B, K, S, True, compile_if_missing=True)
+        inputs = (jax.device_put(rng.integers(0, table.cfg.vocab_size, (B, K + 1), dtype=np.int32)),
+                  jax.device_put(np.zeros((B, K + 1), np.int32)),
+                  jax.device_put(np.broadcast_to(np.arange(K + 1) > 0, (B, K + 1))), act, samp, None)
+    else:
+        exe = table.step(B, K, S, True, compile_if_missing=True)
+        inputs = (jax.device_put(rng.integers(0, table.cfg.vocab_size, (B, max(K, 1)), dtype=np.int32)),
+                  jax.device_put(np.full(B, K, np.int32)), act, samp, None, None)
 
     def run():
-        st, o = exe(table.params, table.dparams, holder[0], dt, nd, act, samp, None, None)
+        st, o = exe(table.params, table.dparams, holder[0], *inputs)
         jax.block_until_ready(o.tokens)
         holder[0] = _held(st, jax.device_put(lens))
 
