@@ -324,8 +324,12 @@ def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | Non
     """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
     suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
     which launch/profile.py fits under the name TARGET_ONLY. ``trees``: a head's device trees
-    (``tree_label``), whose steps cost what its chains' do not."""
-    return drafter_label(drafter, draft_layers, draft_model) + trees if drafter in DEVICE_DRAFTERS else TARGET_ONLY
+    (``tree_label``), whose steps cost what its chains' do not. hybrid_eagle's steps are the
+    EAGLE head's chain steps (less the head's drafting where every row has a suffix chain, which
+    the online cost calibration sees), so it is costed with eagle's model."""
+    if drafter not in DEVICE_DRAFTERS:
+        return TARGET_ONLY
+    return ("eagle" if drafter == "hybrid_eagle" else drafter_label(drafter, draft_layers, draft_model)) + trees
 
 
 def tree_label(d) -> str:

@@ -328,8 +328,12 @@ def test_suffix_with_the_head_as_fallback(tiny, head):
     be = JaxBackend(cfg, params, drafter=SuffixHeadDrafter(sd, draft, dparams, tau=0.5), k_buckets=(0, 2),
                     batch_buckets=(B,), slots=SLOTS)
     eng = ServingEngine(be, FixedK(2), clock=OpClock())
+    props, propose = [], be.drafter.propose
+    be.drafter.propose = lambda *a, **k: props.append(propose(*a, **k)) or props[-1]
     outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)])
     assert [o.tokens for o in outs] == ref
+    # each row's draft class names its source, so that SmartSpec learns their acceptance apart
+    assert {c for p in props for c in p.draft_classes} == {"suffix", "head"}
     assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used
     assert be.drafter.head_skipped > 0  # steps with suffix chains only: the head did not draft (lax.cond)
     assert outs[0].accepted + outs[1].accepted > 0

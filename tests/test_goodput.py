@@ -396,6 +396,10 @@ def test_registry_policies_are_keyed_by_their_device_draft(tmp_path):
     assert registry.perf_model_label("hybrid") == registry.perf_model_label("suffix") == "prompt_lookup"
     assert registry.perf_model_label("layer_skip", 12) == "layer_skip12"
     assert registry.perf_model_label("draft_model", draft_model="/w/coder-0.5b.gguf") == "draft_model:coder-0.5b.gguf"
+    # hybrid_eagle runs the EAGLE head's chain steps; a head's trees are costed apart from its chains
+    assert registry.perf_model_label("hybrid_eagle") == registry.perf_model_label("eagle") == "eagle"
+    tree = DrafterSpec(name="eagle", eagle_tree_width=3, eagle_tree_depth=3)
+    assert registry.perf_model_label("eagle", trees=registry.tree_label(tree)) == "eagle_tree3x3"
     assert registry.model_name("smollm2-135m") == "smollm2-135m"
     path = str(tmp_path / "perf.json")
     save_model(path, "other", StepCostModel(target=LinearCost()))

@@ -62,7 +62,9 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
                 lens.append(len(d.tokens))
             else:
                 lens.append(k_max if r.speculate else 0)
-        return Proposal(draft_lens=lens)
+        # A goodput policy learns each source's acceptance apart (its draft classes): a suffix
+        # chain above tau is accepted far more often than the head's drafts of open-ended text.
+        return Proposal(draft_lens=lens, draft_classes=["suffix" if r.uid in self._host else "head" for r in rs])
 
     def step_inputs(self, be, rs, k, cap):
         num_draft = np.zeros(be.B, np.int32)
