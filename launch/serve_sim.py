@@ -37,8 +37,8 @@ from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry  # noqa: E402
 from specjax.simulate import report  # noqa: E402
-from specjax.sweep import (SCALES, load_prompts, load_replay, log_row, make_requests, policy_label,  # noqa: E402
-                           rotated, run_summary)
+from specjax.sweep import (SCALES, load_prompts, load_replay, load_tree_paths, log_row, make_requests,  # noqa: E402
+                           policy_label, rotated, run_summary)
 
 FLAGS = flags.FLAGS
 
@@ -61,6 +61,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("ignore_eos", False, "Generate exactly --max_new_tokens per request.")
     flags.DEFINE_string("scale", None, "sim mode without a real model: comma list of 7b, 70b (assumed coefficients).")
     flags.DEFINE_float("sim_alpha", 0.7, "sim --scale: per-token acceptance rate of the draft.")
+    flags.DEFINE_string("sim_tree_paths", None, "sim --scale: FILE:DRAFTER, the accepted tree paths a --mode real "
+                        "run of a device tree drafter saved in its --out_json: the scale's draft drafts such trees.")
     flags.DEFINE_integer("sim_input_len", 256, "sim --scale: prompt tokens per request.")
     flags.DEFINE_integer("sim_output_len", 128, "sim --scale: output tokens per request.")
     flags.DEFINE_integer("window", 16, "SmartSpec moving-average window (steps).")
@@ -208,6 +210,8 @@ def run():
     if FLAGS.speed_probe and (FLAGS.mode == "sim" or FLAGS.sim_cost != "table"):
         raise SpecjaxError("--speed_probe scales the profiled table by probes taken before real runs: use it with "
                            "--mode real or both and --sim_cost table")
+    if FLAGS.sim_tree_paths and not FLAGS.scale:
+        raise SpecjaxError("--sim_tree_paths gives a --scale simulation its head trees: use it with --scale")
     if FLAGS.replay_json and (FLAGS.mode != "sim" or FLAGS.scale):
         raise SpecjaxError("--replay_json re-simulates saved real runs: use it with --mode sim (no --scale)")
     if FLAGS.burst > 0:
@@ -218,6 +222,7 @@ def run():
             raise SpecjaxError("--scale is a simulation: use --mode sim")
         from specjax.engine.scheduler import Request
 
+        trees = load_tree_paths(FLAGS.sim_tree_paths) if FLAGS.sim_tree_paths else {}
         for name in [s.strip() for s in FLAGS.scale.split(",")]:
             if name not in SCALES:
                 raise SpecjaxError(f"unknown --scale {name!r}; known: {', '.join(SCALES)}")
@@ -226,7 +231,7 @@ def run():
                                  prefill=LinearCost(**sc["prefill"]), context_mode="sum")
             g = dict(geom, batch_buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc["rows"]], slots=sc["slots"],
                      prefill_rows=None)
-            acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,))
+            acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,), **trees)
             import numpy as np
 
             def reqs_for_rate(rate, rep, n=FLAGS.num_requests):
@@ -300,8 +305,9 @@ def measured_acceptance(real_runs):
 
     prof = AcceptanceProfile.measured([eng for eng, _ in real_runs.values()])
     dist = "" if prof.draft_len_dist is None else f", proposal lengths {[round(x, 2) for x in prof.draft_len_dist]}"
+    trees = "" if prof.tree_paths is None else f", {len(prof.tree_paths)} accepted paths of {prof.tree_nodes}-node trees"
     print(f"[measured acceptance per position given the earlier ones {[round(x, 2) for x in prof.per_position]}"
-          f"{dist}]", file=sys.stderr)
+          f"{dist}{trees}]", file=sys.stderr)
     return prof
 
 

@@ -114,8 +114,28 @@ def load_replay(path, drafter, rates, policies, repeats: int):
                            f"{missing[0]}; use the rates, repeats and policies of the run that wrote it")
     prof = AcceptanceProfile(per_position=tuple(acc["per_position"]), propose_prob=acc["propose_prob"],
                              draft_len_cap=acc.get("draft_len_cap"),
-                             draft_len_dist=tuple(acc["draft_len_dist"]) if acc.get("draft_len_dist") else None)
+                             draft_len_dist=tuple(acc["draft_len_dist"]) if acc.get("draft_len_dist") else None,
+                             **_tree_fields(acc))
     return [r for r in real if r["rate"] in rates], lens, prof
+
+
+def _tree_fields(acc: dict) -> dict:
+    paths = acc.get("tree_paths")
+    return dict(tree_paths=tuple(tuple(p) for p in paths), tree_nodes=int(acc["tree_nodes"])) if paths else {}
+
+
+def load_tree_paths(arg: str) -> dict:
+    """``FILE:DRAFTER``: the accepted tree paths a serve_sim ``--out_json`` measured for a device
+    tree drafter, as AcceptanceProfile fields (a simulated scale's head trees)."""
+    path, _, drafter = arg.rpartition(":")
+    try:
+        with open(path) as f:
+            fields = _tree_fields(json.load(f)["acceptance"][drafter])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"--sim_tree_paths {arg}: no measured acceptance for {drafter!r} ({e})") from None
+    if not fields:
+        raise SpecjaxError(f"--sim_tree_paths {arg}: {drafter!r} verified no device trees in that run")
+    return fields
 
 
 CALIBRATION_PROMPTS = [

@@ -287,6 +287,26 @@ def test_simulator_smartspec_tracks_load():
     assert oracle["mean_latency_s"] <= light["smart"]["mean_latency_s"] * 1.02
 
 
+def test_simulator_head_trees():
+    """A device tree drafter in the simulator: each request draws one of a real run's accepted
+    paths per step, a budget of m nodes accepts its nodes <= m, and SmartSpec sizes the trees
+    from the node rates it learns there: more nodes where verify tokens are cheap, none where
+    they are dear."""
+    acc = AcceptanceProfile((0.0,), tree_paths=((1, 2), (1,), (), (1, 2, 4), (1, 3)), tree_nodes=6)
+    geom = dict(device_draft=True, k_buckets=(0, 1, 3, 6), batch_buckets=(1, 2, 4), slots=512)
+    reqs = [Request(f"r{i}", [1] * 16, 200, arrival=0.0, ignore_eos=True) for i in range(4)]
+    cost = StepCostModel(target=LinearCost(0.0, 1e-4, 1e-2), draft=LinearCost(0.0, 0.0, 1e-4))
+    _, eng = simulate(reqs, FixedK(3), cost, acc, **geom)
+    c = eng.counts  # nodes <= 3 of the paths: 2, 1, 0, 2, 2 accepted
+    assert c.drafted == 3 * c.steps and c.accepted / c.steps == pytest.approx(7 / 5, rel=0.1)
+    _, cheap = simulate(reqs, GoodputPolicy(cost), cost, acc, **geom)
+    dear = StepCostModel(target=LinearCost(0.0, 2e-2, 1e-2), draft=LinearCost(0.0, 0.0, 1e-4))
+    _, costly = simulate(reqs, GoodputPolicy(dear), dear, acc, **geom)
+    ks = [s.k for s in cheap.steps]
+    assert np.mean(ks) > 2.5 and cheap.counts.accepted > 0
+    assert np.mean([s.k for s in costly.steps]) < 0.5
+
+
 def test_engine_counts_are_the_requests_summed():
     """The engine's acceptance counts (its step observer's) equal the sum of its requests'
     own counts, and every step reached the step log, the counts and a subscribed observer: its

@@ -44,6 +44,8 @@ FLAG_ERRORS = [
     (["--replay_json", "x.json"], "use it with --mode sim (no --scale)"),
     (["--speed_probe"], "use it with --mode real or both"),
     (["--sim_alpha", "1.5"], "--sim_alpha must be in [0, 1]"),
+    (["--sim_tree_paths", "missing.json:eagle"], "no measured acceptance for 'eagle'"),
+    (["--scale", "", "--sim_tree_paths", "x.json:eagle"], "use it with --scale"),
     (["--prefill_disable", "nan"], "--prefill_disable must be a finite number"),
     (["--prefill_chunk", "100"], "--prefill_chunk must be a power of two"),
     (["--prefill_budget", "-1"], "--prefill_budget must be >= 0"),

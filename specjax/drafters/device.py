@@ -30,6 +30,7 @@ accepted step left out.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -336,6 +337,7 @@ class DeviceTreeDrafter(FeatureHeadDrafter):
     def __init__(self, draft: ModelDraft, params):
         super().__init__(draft, params)
         self.rates = TreeNodeRates()  # (kept across runs, as a policy's estimates are: per node, not per request)
+        self.paths: collections.deque = collections.deque(maxlen=100_000)  # (verified, accepted nodes): the simulator's
 
     def propose(self, be, rs, k_max, threshold=None):
         """Each speculating row's node scores: the learnt acceptance of nodes 1..k_max, so that
@@ -348,6 +350,7 @@ class DeviceTreeDrafter(FeatureHeadDrafter):
     def tree_verified(self, rows):
         for drafted, path in rows:
             self.rates.observe(drafted, path)
+            self.paths.append((int(drafted), tuple(int(p) for p in path)))
 
     def step_inputs(self, be, rs, k, cap):
         num = np.zeros(be.B, np.int32)

@@ -9,7 +9,9 @@ real run); a step of K drafts accepts ``min(that, drafts)``. The draw is made be
 chooses and handed to it as ``true_accept``, which only the oracle policy reads (the paper's
 'optimal' predictor that knows the accepted lengths). Host drafters propose for a request
 with a proposal length drawn from the lengths measured on a real run (prompt lookup and suffix
-trees often find nothing, or less than K), or with probability ``propose_prob`` a full draft.
+trees often find nothing, or less than K), or with probability ``propose_prob`` a full draft. A device tree drafter (``tree_paths``) draws
+one of a real run's accepted paths per request and step instead, and proposes its nodes with
+the scores its own ``TreeNodeRates`` learn, as the real drafter does.
 Batch buckets, compiled K values, KV rows and slots mirror the real backend's, so the same
 scheduler decisions (admission, padding to buckets) happen in both. The live state's bucket
 follows the real backend's rule (``engine.live_bucket``: grow at once, compact after
@@ -32,7 +34,7 @@ from specjax.engine.prefill_jobs import PrefillQueue, make_jobs
 from specjax.engine.prefix_store import PrefixStore
 from specjax.engine.loop import EventClock, Proposal, RowResult, ServingEngine
 from specjax.engine.scheduler import Request, RequestOutput, Running
-from specjax.goodput.acceptance import AcceptanceCounts
+from specjax.goodput.acceptance import AcceptanceCounts, TreeNodeRates
 from specjax.goodput.perf_model import StepCostModel
 from specjax.goodput.selector import DraftPrefillGate, Policy
 
@@ -48,6 +50,11 @@ class AcceptanceProfile:
     propose_prob: float = 1.0
     draft_len_cap: int | None = None  # host drafters: longest draft they ever return
     draft_len_dist: tuple[float, ...] | None = None
+    # A device tree drafter (a head's best-first trees): the accepted node numbers of each tree
+    # of ``tree_nodes`` nodes a real run verified; a step draws one per request, and a budget of
+    # m nodes accepts the path's nodes <= m (the m-node tree is the first m nodes).
+    tree_paths: tuple[tuple[int, ...], ...] | None = None
+    tree_nodes: int = 0
 
     def rate(self, j: int) -> float:
         return self.per_position[min(j, len(self.per_position) - 1)] if self.per_position else 0.0
@@ -58,8 +65,12 @@ class AcceptanceProfile:
         examined, which is what ``rate`` chains; accepted / drafted would count the positions
         after a rejection as rejections too) and, for host drafters, the proposal lengths."""
         c = AcceptanceCounts.merged(e.counts for e in engines)
+        drafters = {id(e.backend.drafter): e.backend.drafter for e in engines}  # (engines may share one)
+        seen = [x for d in drafters.values() for x in getattr(d, "paths", ())]  # (nodes verified, path)
+        n = max((d for d, _ in seen), default=0)
         return AcceptanceProfile(per_position=tuple(c.conditional_acceptance) or (0.0,),
-                                 propose_prob=c.propose_rate if c.offered else 1.0, draft_len_dist=c.draft_len_dist)
+                                 propose_prob=c.propose_rate if c.offered else 1.0, draft_len_dist=c.draft_len_dist,
+                                 tree_paths=tuple(p for d, p in seen if d == n) or None, tree_nodes=n)
 
 
 class SimBackend:
@@ -93,6 +104,10 @@ class SimBackend:
         self.prefills = PrefillQueue()
         self.prefix = PrefixStore(int(prefix_cache_mb * 2 ** 20)) if prefix_cache_mb > 0 else None
         self.kv_bytes_per_token = int(kv_bytes_per_token)
+        # a device tree drafter: its node rates (the scores SmartSpec sizes trees by) and each
+        # request's drawn path for the coming step
+        self.rates = TreeNodeRates() if accept.tree_paths else None
+        self._paths: dict = {}
         self._pending_t = 0.0  # row-op time of admissions, charged with their first chunks
         self.row_ops: list[tuple[str, int, int]] = []
 
@@ -149,6 +164,13 @@ class SimBackend:
     def propose(self, rs: Sequence[Running], k_max: int, threshold: float | None = None) -> Proposal:
         """``threshold`` is ignored: the simulator has no model of draft confidences, so a
         confidence policy estimates from its moving average here."""
+        if self.rates is not None:  # (the oracle's true_accept is a chain's: none for trees)
+            tp = self.accept.tree_paths
+            self._paths = {r.uid: tp[int(self.rng.integers(len(tp)))] for r in rs}
+            self._lens = {r.uid: (min(k_max, self.accept.tree_nodes) if r.speculate else 0) for r in rs}
+            sc = self.rates.scores(min(k_max, self.accept.tree_nodes))
+            return Proposal(draft_lens=[self._lens[r.uid] for r in rs],
+                            draft_scores=[sc if self._lens[r.uid] else None for r in rs])
         self._would = {r.uid: self._draw_would_accept(k_max) for r in rs}
         if self.device_draft:
             self._lens = {r.uid: (k_max if r.speculate else 0) for r in rs}
@@ -180,7 +202,13 @@ class SimBackend:
         out = []
         for r in rs:
             d = drafted[r.uid]
-            a = min(self._would.get(r.uid, 0), d)
+            if self.rates is not None:
+                on = [p for p in self._paths.get(r.uid, ()) if p <= d]
+                a = len(on)
+                if d:
+                    self.rates.observe(d, on)
+            else:
+                a = min(self._would.get(r.uid, 0), d)
             out.append(RowResult([0] * (a + 1), d, a))
         shrink = self.live.before_step(self._running)
         t = self._row_op(shrink)
@@ -197,6 +225,7 @@ class SimBackend:
         self._running -= 1
         self._to_clear = True
         self._would.pop(r.uid, None)
+        self._paths.pop(r.uid, None)
         self._lens.pop(r.uid, None)
 
 
