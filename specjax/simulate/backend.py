@@ -65,7 +65,8 @@ class AcceptanceProfile:
         examined, which is what ``rate`` chains; accepted / drafted would count the positions
         after a rejection as rejections too) and, for host drafters, the proposal lengths."""
         c = AcceptanceCounts.merged(e.counts for e in engines)
-        drafters = {id(e.backend.drafter): e.backend.drafter for e in engines}  # (engines may share one)
+        # (engines may share a drafter; a simulated backend has none)
+        drafters = {id(d): d for d in (getattr(e.backend, "drafter", None) for e in engines)}
         seen = [x for d in drafters.values() for x in getattr(d, "paths", ())]  # (nodes verified, path)
         n = max((d for d, _ in seen), default=0)
         return AcceptanceProfile(per_position=tuple(c.conditional_acceptance) or (0.0,),
