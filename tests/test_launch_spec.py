@@ -246,6 +246,7 @@ BAD_BENCH = [
     (["--policies", "4,2,4"], "lists a policy twice"),
     (["--policies", ""], "--policies is empty"),
     (["--policy", "4", "--policies", "2,4"], "not both"),
+    (["--drafters", "prompt_lookup", "--also_chains"], "--also_chains needs a head drafting trees"),
 ]
 
 
