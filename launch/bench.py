@@ -162,6 +162,7 @@ def bench() -> int:
     from specjax.errors import SpecjaxError
     from specjax.goodput import GoodputPolicy
     from specjax.models.loader import load_model
+    from specjax.simulate.backend import tree_paths_of
     from specjax.spec_generate import SpecStats
 
     drafters, specs, samp = validate_flags()
@@ -436,6 +437,8 @@ def bench() -> int:
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},
                "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
                           "compile_events_during_timing": counter.count},
+               # device tree drafters' accepted paths (serve_sim --sim_tree_paths FILE:METHOD)
+               "acceptance": {n: a for n in names if (a := tree_paths_of([gens[n].drafter]))},
                "summary": summary, "goodput_checks": checks, "num_mismatches": len(mismatches),
                "mismatches": mismatches, "num_skipped": len(skipped), "skipped": skipped, "prompts": rows,
                "hf": hf, "llamacpp": peer_res.get("llamacpp"), "prefill_s": prefill_s, "markdown": md,

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from specjax import buckets as bk  # noqa: E402
 from specjax import cli, plots, registry  # noqa: E402
 from specjax.sweep import calibration_requests  # noqa: E402
 
@@ -139,7 +140,7 @@ def run():
             else:
                 be = dev_be[d]
             steps = []
-            for k in sorted({0, min(2, max(ks)), max(ks)}):
+            for k in sorted({0, bk.proposal_bucket(ks, min(2, max(ks))), max(ks)}):  # (2, or the next compiled K)
                 be.reset()
                 eng = ServingEngine(be, FixedK(k), eos_ids=model.tokenizer.eos_ids)
                 eng.run(cal_reqs)

@@ -65,13 +65,20 @@ class AcceptanceProfile:
         examined, which is what ``rate`` chains; accepted / drafted would count the positions
         after a rejection as rejections too) and, for host drafters, the proposal lengths."""
         c = AcceptanceCounts.merged(e.counts for e in engines)
-        # (engines may share a drafter; a simulated backend has none)
-        drafters = {id(d): d for d in (getattr(e.backend, "drafter", None) for e in engines)}
-        seen = [x for d in drafters.values() for x in getattr(d, "paths", ())]  # (nodes verified, path)
-        n = max((d for d, _ in seen), default=0)
         return AcceptanceProfile(per_position=tuple(c.conditional_acceptance) or (0.0,),
                                  propose_prob=c.propose_rate if c.offered else 1.0, draft_len_dist=c.draft_len_dist,
-                                 tree_paths=tuple(p for d, p in seen if d == n) or None, tree_nodes=n)
+                                 **tree_paths_of(getattr(e.backend, "drafter", None) for e in engines))
+
+
+def tree_paths_of(drafters) -> dict:
+    """The AcceptanceProfile fields of the device trees these drafters verified (their
+    ``paths``: nodes verified, accepted nodes): the paths of the largest trees; {} if none."""
+    uniq = {id(d): d for d in drafters}  # (engines may share a drafter; a simulated backend has none)
+    seen = [x for d in uniq.values() for x in getattr(d, "paths", ())]
+    if not seen:
+        return {}
+    n = max(d for d, _ in seen)
+    return dict(tree_paths=tuple(p for d, p in seen if d == n), tree_nodes=n)
 
 
 class SimBackend:
