@@ -337,7 +337,8 @@ class DeviceTreeDrafter(FeatureHeadDrafter):
     def __init__(self, draft: ModelDraft, params):
         super().__init__(draft, params)
         self.rates = TreeNodeRates()  # (kept across runs, as a policy's estimates are: per node, not per request)
-        self.paths: collections.deque = collections.deque(maxlen=100_000)  # (verified, accepted nodes): the simulator's
+        # each verified row's (nodes verified, accepted nodes): the simulator's tree acceptance (tree_paths_of)
+        self.paths: collections.deque = collections.deque(maxlen=100_000)
 
     def propose(self, be, rs, k_max, threshold=None):
         """Each speculating row's node scores: the learnt acceptance of nodes 1..k_max, so that
