@@ -311,32 +311,79 @@ def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
         EngineSpec(model="tiny-random", drafter=DrafterSpec("eagle", k=2), policy=PolicySpec("smartspec-conf"))
 
 
-def test_suffix_with_the_head_as_fallback(tiny, head):
-    """``hybrid_eagle``: rows whose suffix match scores above tau verify the suffix chain, the
-    others the head's drafts, in the same steps; greedy outputs equal AR's (with requests joining
-    and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted,
-    including in steps where no row needed the head (which then skipped its drafting). (Host drafts at T > 0 are verified with a one-hot q: verify_chain's host path.)"""
+@pytest.fixture(scope="module")
+def hybrid_backend(tiny, head):
+    """hybrid_eagle on the tiny model: suffix trees holding two earlier requests' outputs."""
     from specjax.drafters.head_hybrid import SuffixHeadDrafter
     from specjax.drafters.suffix import SuffixDrafter
 
     cfg, params = tiny
-    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
-    history = [list(p) + r for p, r in zip(PROMPTS[:2], ref[:2])]  # what earlier requests wrote
-    draft, dparams = head
-
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS[:2], max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    history = [list(p) + r for p, r in zip(PROMPTS[:2], ref)]  # what earlier requests wrote
     sd = SuffixDrafter(registry.suffix_config(2, tree=False), history=history)
-    be = JaxBackend(cfg, params, drafter=SuffixHeadDrafter(sd, draft, dparams, tau=0.5), k_buckets=(0, 2),
-                    batch_buckets=(B,), slots=SLOTS)
+    return JaxBackend(cfg, params, drafter=SuffixHeadDrafter(sd, head[0], head[1], tau=0.5), k_buckets=(0, 2),
+                      batch_buckets=(B,), slots=SLOTS)
+
+
+def test_suffix_with_the_head_as_fallback(tiny, hybrid_backend):
+    """``hybrid_eagle``: rows whose suffix match scores above tau verify the suffix chain, the
+    others the head's drafts, in the same steps; greedy outputs equal AR's (with requests joining
+    and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted,
+    including in steps where no row needed the head (which then skipped its drafting). (Host drafts
+    at T > 0 are verified with a one-hot q: verify_chain's host path.)"""
+    cfg, params = tiny
+    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    be = hybrid_backend
     eng = ServingEngine(be, FixedK(2), clock=OpClock())
     props, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, **k: props.append(propose(*a, **k)) or props[-1]
-    outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)])
+    try:
+        outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
+                        for i, p in enumerate(PROMPTS)])
+    finally:
+        del be.drafter.propose
     assert [o.tokens for o in outs] == ref
     # each row's draft class names its source, so that SmartSpec learns their acceptance apart
     assert {c for p in props for c in p.draft_classes} == {"suffix", "head"}
     assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used
     assert be.drafter.head_skipped > 0  # steps with suffix chains only: the head did not draft (lax.cond)
     assert outs[0].accepted + outs[1].accepted > 0
+
+
+def test_hybrid_steps_without_the_head_defer_its_catch_up(tiny, hybrid_backend):
+    """A hybrid step whose rows all verify host chains runs neither the head's drafting nor its
+    catch-up: the committed block goes to the head's lag window (as plain steps' tokens do), which
+    fills and is caught up, and is caught up before the head next drafts. After host-only and
+    head steps (chains accepted whole, in part, not at all) the tokens are AR's and the head's
+    cache and feature, once settled, are a prefill's of the committed tokens."""
+    cfg, params = tiny
+    be, put = hybrid_backend, jax.device_put
+    t = be.table
+    prompt = [5, 17, 42, 9, 100]
+    ref = reference_generate(cfg, params, [prompt], max_new_tokens=40, batch_buckets=(1,))[0].tokens
+    samp = SamplingArrays.build([SamplingParams()], B)
+    active = put(np.arange(B) == 0)
+    state = prefill_row0(be, prompt, True, samp)
+    out, lags = [int(state.pending[0])], []
+    for kind in ("host", "host", "miss", "host", "host", "host", "host", "head", "host", "half"):
+        j = len(out)  # ref[j], ref[j + 1] follow the pending token ref[j - 1]
+        toks = np.full((B, 2), -1, np.int32)  # (-1: the head's rows)
+        if kind != "head":
+            toks[0] = {"host": [ref[j], ref[j + 1]], "half": [ref[j], (ref[j + 1] + 1) % cfg.vocab_size],
+                       "miss": [(ref[j] + 1) % cfg.vocab_size, ref[j + 1]]}[kind]
+        state, o = t.step(B, 2, SLOTS, True)(be.params, be.dparams, state, put(toks), put(np.full(B, 2, np.int32)),
+                                             active, samp, None, None)
+        out += [int(x) for x in o.tokens[0, :int(o.n_accepted[0]) + 1]]
+        lags.append(int(state.dcache.lag[0]))
+    assert out == ref[:len(out)]
+    assert lags[7] == 0 and lags[-1] > 0 and max(lags) > 3  # (deferred, caught up by the head's step, again)
+    assert len([x for x, y in zip(lags, lags[1:]) if y < x]) >= 2  # a full window was caught up, then the head's
+    L = int(state.cache.lengths[0])
+    got, want = jax.jit(t.draft.settle)(be.dparams, state.dcache), prefill_row0(be, (prompt + out)[:L], True,
+                                                                                 samp, 32).dcache
+    assert int(got.lengths[0]) == int(want.lengths[0]) == L
+    np.testing.assert_allclose(got.k[:, 0, :, :L], want.k[:, 0, :, :L], atol=1e-5)
+    np.testing.assert_allclose(got.feat[0], want.feat[0], atol=1e-5)
 
 
 TREE = (2, 2)  # dynamic trees: 2 nodes kept per depth, 2 depths (4 drafted nodes)

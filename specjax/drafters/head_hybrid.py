@@ -5,7 +5,10 @@ scores above ``tau`` verifies it, every other row verifies the head's drafts, al
 step: the head drafts inside the step for every row when any row needs its drafts, not at all
 when none does, and the step takes the host chains for the rows marked by
 ``draft_tokens[:, 0] >= 0`` (``ModelDraft.host_rows``; a deterministic draft's q is one-hot, so
-sampling stays lossless). The head catches up on each row's verified block whoever drafted it.
+sampling stays lossless). In a step where the head drafted, it catches up on each row's verified
+block whoever drafted it; a step whose rows all took suffix chains runs none of the head (no
+settle, drafting or catch-up) and defers its committed block to the head's lag window, as plain
+steps do, so the head catches up in one block when the window fills or before it next drafts.
 
 Repetitive requests (a long suffix match) then get suffix drafts at no cost per token, open-ended
 ones the head's; a row neither can help drafts nothing when the policy says so.

@@ -87,31 +87,38 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     if q is not None:
         q = q[:, :K]
     dcache = state.dcache
-    if K > 0 and key.features:  # a feature head first catches up on what plain steps deferred
+    hybrid = K > 0 and draft is not None and draft.host_rows  # host chains for some rows, the head's for others
+    if K > 0 and key.features and not hybrid:  # a feature head first catches up on what plain steps deferred
         dcache = draft.settle(dparams, dcache)
     feat0 = None if dcache is None or not key.features else dcache.feat
+    need_head = None  # hybrid: whether some drafting row takes the head's drafts (a traced bool)
     if K > 0 and draft is not None:
         host_tokens = draft_tokens[:, :K]
 
         def head(dc):
-            return draft.draft(dparams, dc, state.prev, state.pending, state.cache.lengths, K, samp, greedy_only)
+            if hybrid:  # (settled only where the head drafts: see the catch-up below)
+                dc = draft.settle(dparams, dc)
+            toks, dq, drafted = draft.draft(dparams, dc, state.prev, state.pending, state.cache.lengths, K, samp,
+                                            greedy_only)
+            return toks, dq, drafted, dc.feat
 
-        if draft.host_rows:  # rows with host drafts verify those (deterministic drafts: q one-hot)
+        if hybrid:  # rows with host drafts verify those (deterministic drafts: q one-hot)
             host = host_tokens[:, 0] >= 0
             # The head drafts only when some row verifies its drafts: a step whose drafting rows
-            # all have host chains skips its K forwards (the catch-up below overwrites what
-            # drafting writes to its cache, so skipping leaves the same state).
+            # all have host chains skips its settle and its K forwards (the catch-up overwrites
+            # what drafting writes to its cache, so skipping leaves the same state).
+            need_head = jnp.any(active & (num_draft > 0) & ~host)
             made = jax.eval_shape(head, dcache)[:2]
 
             def skip(dc):
-                return (*jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), made), dc)
+                return (*jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), made), dc, dc.feat)
 
-            draft_tokens, q, dcache = jax.lax.cond(jnp.any(active & (num_draft > 0) & ~host), head, skip, dcache)
+            draft_tokens, q, dcache, feat0 = jax.lax.cond(need_head, head, skip, dcache)
             draft_tokens = jnp.where(host[:, None], host_tokens, draft_tokens)
             if q is not None:
                 q = jnp.where(host[:, None, None], jax.nn.one_hot(host_tokens, q.shape[-1], dtype=q.dtype), q)
         else:
-            draft_tokens, q, dcache = head(dcache)
+            draft_tokens, q, dcache, _ = head(dcache)
         # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
         num_draft = jnp.minimum(num_draft, K)
     num_draft = jnp.where(active, num_draft, 0)
@@ -124,7 +131,17 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     if key.features and K == 0:  # a feature head keeps a plain step's token for a later catch-up
         dcache = draft.defer(dparams, dcache, state.pending, feats[0][:, 0], active)
     elif key.features:  # ... and catches up on a verify step's with the target's own features
-        dcache = draft.catch_up(dparams, dcache, feat0, block, feats[0], cache.lengths, jnp.where(active, n + 1, 0))
+
+        def catch_up(dc):
+            return draft.catch_up(dparams, dc, feat0, block, feats[0], cache.lengths, jnp.where(active, n + 1, 0))
+
+        def defer_block(dc):  # as K + 1 plain steps would: the head catches up when it next drafts
+            for j in range(K + 1):
+                dc = draft.defer(dparams, dc, block[:, j], feats[0][:, j], active & (j <= n))
+            return dc
+
+        # (a hybrid step whose rows all took host chains defers its committed block instead)
+        dcache = catch_up(dcache) if need_head is None else jax.lax.cond(need_head, catch_up, defer_block, dcache)
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
