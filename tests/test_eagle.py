@@ -329,20 +329,24 @@ def test_suffix_with_the_head_as_fallback(tiny, hybrid_backend):
     """``hybrid_eagle``: rows whose suffix match scores above tau verify the suffix chain, the
     others the head's drafts, in the same steps; greedy outputs equal AR's (with requests joining
     and leaving), both sources drafted and the suffix drafts (from earlier outputs) were accepted,
-    including in steps where no row needed the head (which then skipped its drafting). (Host drafts
-    at T > 0 are verified with a one-hot q: verify_chain's host path.)"""
+    including in steps where no row needed the head (which then skipped its drafting) and by a
+    request admitted without the head's cache. (Host drafts at T > 0 are verified with a one-hot
+    q: verify_chain's host path.)"""
     cfg, params = tiny
     ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
     be = hybrid_backend
-    eng = ServingEngine(be, FixedK(2), clock=OpClock())
+    # (the first 3 admissions get the head's cache; "again", admitted without it, repeats an
+    # earlier request's prompt: it takes suffix chains all the same)
+    eng = ServingEngine(be, FixedK(2), clock=OpClock(), prefill_gate=FirstOnly(3))
     props, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, **k: props.append(propose(*a, **k)) or props[-1]
     try:
         outs = eng.run([Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i))
-                        for i, p in enumerate(PROMPTS)])
+                        for i, p in enumerate(PROMPTS)] + [Request("again", PROMPTS[1], MAX_NEW, arrival=0.05)])
     finally:
         del be.drafter.propose
-    assert [o.tokens for o in outs] == ref
+    assert [o.tokens for o in outs] == ref + [ref[1]]
+    assert outs[-1].accepted > 0  # no head cache, suffix drafts accepted
     # each row's draft class names its source, so that SmartSpec learns their acceptance apart
     assert {c for p in props for c in p.draft_classes} == {"suffix", "head"}
     assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used

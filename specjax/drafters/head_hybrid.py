@@ -60,7 +60,9 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         lens = []
         for r in rs:
             d = self.suffix.draft(r.uid, k_max, tree=False) if k_max > 0 else None
-            if r.speculate and d is not None and len(d) and d.score > self.tau:
+            # (a request admitted without the head's cache, ``speculate`` False, still takes
+            # suffix chains: they need nothing of the head, whose entries for it are never read)
+            if d is not None and len(d) and d.score > self.tau:
                 self._host[r.uid] = np.asarray(d.tokens, np.int32)
                 lens.append(len(d.tokens))
             else:
