@@ -100,7 +100,7 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
                 dc = draft.settle(dparams, dc)
             toks, dq, drafted = draft.draft(dparams, dc, state.prev, state.pending, state.cache.lengths, K, samp,
                                             greedy_only)
-            return toks, dq, drafted, dc.feat
+            return toks, dq, drafted, dc.feat if key.features else None
 
         if hybrid:  # rows with host drafts verify those (deterministic drafts: q one-hot)
             host = host_tokens[:, 0] >= 0
