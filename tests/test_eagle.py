@@ -349,6 +349,12 @@ def test_suffix_with_the_head_as_fallback(tiny, hybrid_backend):
     assert outs[-1].accepted > 0  # no head cache, suffix drafts accepted
     # each row's draft class names its source, so that SmartSpec learns their acceptance apart
     assert {c for p in props for c in p.draft_classes} == {"suffix", "head"}
+    # and a suffix chain is scored by its node probabilities (the head's drafts by their class)
+    scored = [(sc, n, c) for p in props if p.draft_scores is not None
+              for sc, n, c in zip(p.draft_scores, p.draft_lens, p.draft_classes)]
+    assert scored and all((sc is not None) == (c == "suffix") for sc, _, c in scored)
+    for sc, n, _ in (x for x in scored if x[0] is not None):
+        assert len(sc) == n and np.all(sc > 0) and np.all(sc <= 1) and np.all(np.diff(sc) <= 1e-12)
     assert be.drafter.used["suffix"] > 0 and be.drafter.used["head"] > 0, be.drafter.used
     assert be.drafter.head_skipped > 0  # steps with suffix chains only: the head did not draft (lax.cond)
     assert outs[0].accepted + outs[1].accepted > 0

@@ -57,7 +57,7 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         require(threshold is None, "the head hybrid drafts inside the step; confidence-based proposal "
                 "(smartspec-conf) is not available for it")
         self._host = {}
-        lens = []
+        lens, scores = [], []
         for r in rs:
             d = self.suffix.draft(r.uid, k_max, tree=False) if k_max > 0 else None
             # (a request admitted without the head's cache, ``speculate`` False, still takes
@@ -65,11 +65,17 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
             if d is not None and len(d) and d.score > self.tau:
                 self._host[r.uid] = np.asarray(d.tokens, np.int32)
                 lens.append(len(d.tokens))
+                scores.append(np.asarray(d.probs, np.float64))
             else:
                 lens.append(k_max if r.speculate else 0)
-        # A goodput policy learns each source's acceptance apart (its draft classes): a suffix
-        # chain above tau is accepted far more often than the head's drafts of open-ended text.
-        return Proposal(draft_lens=lens, draft_classes=["suffix" if r.uid in self._host else "head" for r in rs])
+                scores.append(None)
+        # A goodput policy weighs a suffix chain by its node probabilities (as it weighs the
+        # suffix drafter's own), calibrated against their real acceptance, and the head's drafts
+        # by the acceptance learnt for their class. Without the scores a suffix chain was weighed
+        # at the head's alpha until its class had observations of its own, which it never got
+        # where the head's drafts did not pay: the hybrid verified nothing under SmartSpec.
+        return Proposal(draft_lens=lens, draft_scores=scores if self._host else None,
+                        draft_classes=["suffix" if r.uid in self._host else "head" for r in rs])
 
     def step_inputs(self, be, rs, k, cap):
         num_draft = np.zeros(be.B, np.int32)
