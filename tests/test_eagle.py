@@ -167,23 +167,23 @@ def test_row_operations_carry_the_feature(backend):
     np.testing.assert_array_equal(ins.dcache.feat[:3], feat[:3])
 
 
-def serves_as_ar(tiny, be, policies, k_max=2):
+def serves_as_ar(tiny, be, policies, k_max=2, prompts=PROMPTS, together=3):
     """Greedy serving on ``be`` under each policy equals the AR reference with requests joining a
-    running batch and leaving it at different steps (up to 3 at once), a late one alone (batch
-    1, in the 4-row state), drafts verified; then sampled serving (K = ``k_max``) reproduces
-    itself."""
+    running batch and leaving it at different steps (``together`` at once first, the others
+    joining one by one), a late one alone (batch 1), drafts verified; then sampled serving
+    (K = ``k_max``) reproduces itself. Returns the last policy's step records."""
     cfg, params = tiny
-    ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
+    ref = [r.tokens for r in reference_generate(cfg, params, prompts, max_new_tokens=MAX_NEW, batch_buckets=(1,))]
     for policy in policies:
         be.reset()
         eng = ServingEngine(be, policy, clock=OpClock())
-        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < 3 else 0.004 * i)) for i, p in enumerate(PROMPTS)]
-        outs = eng.run(reqs + [Request("late", PROMPTS[1], MAX_NEW, arrival=100.0)])
+        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < together else 0.004 * i)) for i, p in enumerate(prompts)]
+        outs = eng.run(reqs + [Request("late", prompts[1], MAX_NEW, arrival=100.0)])
         for o, r in zip(outs, ref + [ref[1]]):
             assert o.tokens == r, f"{o.id} diverged from autoregressive greedy ({type(policy).__name__})"
         assert eng.counts.drafted > 0
         sizes = [s.n for s in eng.steps]
-        assert max(sizes) >= 3 and sizes[-1] == 1
+        assert max(sizes) >= together and sizes[-1] == 1
 
     def sampled():
         be.reset()
@@ -192,10 +192,32 @@ def serves_as_ar(tiny, be, policies, k_max=2):
              for i, p in enumerate(PROMPTS[:3])])]
 
     assert sampled() == sampled()
+    return eng.steps
 
 
 def test_greedy_token_identical_to_ar_with_joins_and_leaves(tiny, backend):
     serves_as_ar(tiny, backend, [FixedK(2)])
+
+
+def serves_at_batch_1_and_8(tiny, drafter, k_max):
+    """``serves_as_ar`` on a state with batch buckets 1 and 8: 8 requests at once, a ninth
+    joining, then the rows (with the head's cache and carried feature) moved down to the
+    1-row state as they leave."""
+    cfg, params = tiny
+    be = JaxBackend(cfg, params, drafter=drafter, k_buckets=(0, k_max), batch_buckets=(1, 8), slots=SLOTS,
+                    shrink_patience=1)
+    steps = serves_as_ar(tiny, be, [FixedK(k_max)], k_max, prompts=_prompts(9, seed=3), together=8)
+    assert {s.bucket for s in steps if s.k_step} == {1, 8}  # verify steps at both
+
+
+def test_chains_and_dynamic_trees_at_batch_1_and_8(tiny, head):
+    """The 4-row tests above run batches of 1 to 3 in one state; this runs 8 at once and 1 alone
+    in their own buckets, chains then EAGLE-2 trees."""
+    draft, dparams = head
+    serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(draft, dparams), 2)
+    from specjax.drafters.device import DeviceTreeDrafter
+    serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2),
+                                                    dparams), 4)
 
 
 class Alternating(FixedK):

@@ -987,3 +987,24 @@ def test_goodput_over_scored_trees_chooses_and_calibrates():
     assert len(cal) == 8
     pol.finish("a")
     assert "a" not in pol._scores
+
+
+def test_a_draft_free_step_costs_the_verify_alone():
+    """hybrid_eagle's steps whose rows all took suffix chains run none of the head: SmartSpec
+    costs them without the draft forwards (which here would make a 0.6-accepted chain not pay),
+    and calibrates them apart from the head's steps of the same shape."""
+    # Verify: 10 ms + 2 ms per block token; each draft forward 4 ms (a head's chain of 2: 8 ms).
+    cost = StepCostModel(target=LinearCost(0.0, 2e-3, 1e-2), draft=LinearCost(0.0, 0.0, 4e-3))
+    pol = GoodputPolicy(cost, min_gain=0.0)
+    chain = dict(ctx_lens=[50], bucket=1, k_options=[0, 2], request_ids=["a"], draft_lens=[2],
+                 draft_scores=[np.array([0.6, 0.3])])
+    head, free = BatchView(**chain), BatchView(**chain, draft_free=True)
+    # 1.9 tokens: in 24 ms with the head's drafting (0.079 / ms < K = 0's 1 in 12 ms), in 16 without
+    assert pol._model_cost(head, 2, 3) == pytest.approx(0.024)
+    assert pol._model_cost(free, 2, 3) == pytest.approx(0.016)
+    assert pol.choose(head) == 0 and pol.choose(free) == 2
+    pol.observe_time(free, 2, 3, 0.032)  # the draft-free step measured 2x its prediction
+    assert pol.step_cost(free, 2) == pytest.approx(0.032) and pol.step_cost(head, 2) == pytest.approx(0.024 * 2)
+    pol.observe_time(head, 2, 3, 0.024)  # the head's step as predicted: its own shape's factor
+    assert pol.step_cost(head, 2) == pytest.approx(0.024) and pol.step_cost(free, 2) == pytest.approx(0.032)
+    assert pol.choose(free) == 0  # 1.9 tokens in 32 ms

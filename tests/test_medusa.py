@@ -27,7 +27,7 @@ from specjax.errors import SpecjaxError
 from specjax.goodput import FixedK
 from specjax.reference_ar import reference_generate
 from specjax.sampling import SamplingArrays, SamplingParams
-from tests.test_eagle import PROMPTS, Alternating, prefill_row0, serves_as_ar
+from tests.test_eagle import PROMPTS, Alternating, prefill_row0, serves_as_ar, serves_at_batch_1_and_8
 
 SLOTS = 64
 MAX_NEW = 12
@@ -105,6 +105,14 @@ def test_tree_mode_lossless_with_joins_leaves_and_plain_calls(tiny, tree_backend
     """Token trees from the heads (node budgets 2 and 4, rows cut to fewer nodes by the policy's
     caps too, plain decode calls between)."""
     serves_as_ar(tiny, tree_backend, [FixedK(4), Alternating()], 4)
+
+
+def test_chains_and_trees_at_batch_1_and_8(tiny, head):
+    """8 requests at once and 1 alone in their own batch buckets (the tests above run 1 to 3 in
+    a 4-row state), chains then trees."""
+    serves_at_batch_1_and_8(tiny, FeatureHeadDrafter(*head), 2)
+    draft = dataclasses.replace(head[0], tree=medusa.best_tree(medusa.prior_accuracy(3, 2), 4))
+    serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(draft, head[1]), 4)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,8 +74,12 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         # by the acceptance learnt for their class. Without the scores a suffix chain was weighed
         # at the head's alpha until its class had observations of its own, which it never got
         # where the head's drafts did not pay: the hybrid verified nothing under SmartSpec.
+        # A step whose drafting rows all took suffix chains runs none of the head (spec_step's
+        # hybrid branch): SmartSpec costs it as the verify alone.
+        head_free = all(r.uid in self._host or not r.speculate for r in rs)
         return Proposal(draft_lens=lens, draft_scores=scores if self._host else None,
-                        draft_classes=["suffix" if r.uid in self._host else "head" for r in rs])
+                        draft_classes=["suffix" if r.uid in self._host else "head" for r in rs],
+                        draft_free=bool(self._host) and head_free)
 
     def step_inputs(self, be, rs, k, cap):
         num_draft = np.zeros(be.B, np.int32)

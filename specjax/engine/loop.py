@@ -91,6 +91,7 @@ class Proposal:
     draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
     draft_classes: list | None = None  # host drafters: the kind of match behind each proposal (BatchView)
     drafted_ahead: int = 0  # device draft forwards already run for this step (a draft call, Algorithm 3)
+    draft_free: bool = False  # no device drafting this step whatever K (BatchView)
 
 
 @dataclasses.dataclass
@@ -347,7 +348,7 @@ class ServingEngine:
                          request_ids=[r.uid for r in rs], draft_lens=prop.draft_lens,
                          confidences=prop.confidences, true_accept=prop.true_accept,
                          draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
-                         drafted_ahead=prop.drafted_ahead,
+                         drafted_ahead=prop.drafted_ahead, draft_free=prop.draft_free,
                          token_options={k: tuple(be.token_options(bucket, k)) for k in opts},
                          k_coming=coming)
         k = self.policy.choose(view)

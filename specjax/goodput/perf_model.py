@@ -148,7 +148,7 @@ class StepCostModel:
 
 class CostCalibration:
     """Online correction of a step-cost model (the way alpha is learnt online): per compiled step
-    shape (batch bucket, K, verified tokens), the median of the last ``window`` ratios of the
+    shape (batch bucket, K, verified tokens; a draft-free step apart: ``GoodputPolicy._shape``), the median of the last ``window`` ratios of the
     measured iteration time to the model's prediction. The fitted line is one line through every
     batch size; measured, the batch-1 verify steps cost 1.2-1.5x what it predicts while the
     batch-8 ones match, which made the selector draft where drafting does not pay.
@@ -161,12 +161,12 @@ class CostCalibration:
         if window < 1:
             raise ValueError(f"calibration window must be >= 1, got {window}")
         self.window = window
-        self._ratios: dict[tuple[int, int, int], collections.deque] = {}
+        self._ratios: dict[tuple, collections.deque] = {}
         # Factors looked up since the last observation (the selector asks for every compiled K
         # each step; a median per lookup was most of its host time).
-        self._cache: dict[tuple[int, int, int], float] = {}
+        self._cache: dict[tuple, float] = {}
 
-    def observe(self, key: tuple[int, int, int], predicted: float, measured: float) -> None:
+    def observe(self, key: tuple, predicted: float, measured: float) -> None:
         if predicted > 0 and measured > 0 and math.isfinite(measured):
             self._ratios.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(measured / predicted)
             self._cache.clear()
@@ -177,7 +177,7 @@ class CostCalibration:
         self._ratios = {key: v for key, v in self._ratios.items() if key[:2] != (bucket, k)}
         self._cache.clear()
 
-    def factor(self, key: tuple[int, int, int]) -> float:
+    def factor(self, key: tuple) -> float:
         key = tuple(key)
         f = self._cache.get(key)
         if f is None:
@@ -188,7 +188,7 @@ class CostCalibration:
             f = self._cache[key] = float(statistics.median(xs))
         return f
 
-    def factors(self) -> dict[tuple[int, int, int], float]:
+    def factors(self) -> dict[tuple, float]:
         """Every measured shape's current factor (for reports)."""
         return {k: float(np.median(v)) for k, v in sorted(self._ratios.items())}
 

@@ -48,6 +48,8 @@ class BatchView:
       its proposal came from (the n-gram length), or None; acceptance is learnt per class.
     drafted_ahead: draft forwards a device drafter already ran for this step before the choice
       (confidence-based proposal): their cost is spent whatever K is chosen.
+    draft_free: the step runs no device drafting whatever K (hybrid_eagle when every row took a
+      suffix chain): a verify step costs the target's block alone.
     token_options: K -> the packed verify sizes the backend compiled for (bucket, K) (empty: the
       block always costs bucket x (K + 1) rows); a packed step costs its real tokens.
     k_coming: K buckets not in ``k_options`` yet that a background warm-up is building for this
@@ -64,6 +66,7 @@ class BatchView:
     draft_scores: Sequence[np.ndarray | None] | None = None
     draft_classes: Sequence[Hashable | None] | None = None
     drafted_ahead: int = 0
+    draft_free: bool = False
     token_options: dict = dataclasses.field(default_factory=dict)
     k_coming: Sequence[int] = ()
 
@@ -263,7 +266,7 @@ class GoodputPolicy(Policy):
         tokens = self._step_tokens(view, k_step, n_tokens)
         t = self._model_cost(view, k_step, tokens)
         if self.calibration is not None:
-            t *= self.calibration.factor((view.bucket, k_step, tokens))
+            t *= self.calibration.factor(self._shape(view, k_step, tokens))
         return t
 
     @staticmethod
@@ -276,11 +279,18 @@ class GoodputPolicy(Policy):
                 return P
         return view.bucket * (k_step + 1)
 
+    @staticmethod
+    def _shape(view: BatchView, k_step: int, tokens: int) -> tuple:
+        """The calibration's key: a draft-free verify step is measured apart from one of the
+        same shape that drafts on the device."""
+        return (view.bucket, k_step, tokens, "draft_free") if view.draft_free and k_step else (view.bucket, k_step, tokens)
+
     def _model_cost(self, view: BatchView, k_step: int, tokens: int) -> float:
         """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated."""
         packed = tokens if tokens != view.bucket * (k_step + 1) else None
-        if view.drafted_ahead:
-            # The drafts are made (Algorithm 3): their cost is spent whatever K, only the verify varies.
+        if view.drafted_ahead or view.draft_free:
+            # Drafts made before the choice (Algorithm 3; draft_time of 0 forwards is 0) or none
+            # to make: only the verify varies with K.
             return (self.cost.draft_time(view.bucket, view.drafted_ahead, view.ctx_lens)
                     + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
         return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
@@ -301,7 +311,7 @@ class GoodputPolicy(Policy):
             # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
             # cost reading 1.35x its calls' where K > 0 was chosen.
             return
-        self.calibration.observe((view.bucket, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
+        self.calibration.observe(self._shape(view, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
     def goodput(self, view: BatchView, k: int, rows: list[np.ndarray] | None = None) -> float:
         """Algorithm 1: generated length / batch execution time (``rows``: see expected_tokens)."""
