@@ -69,15 +69,17 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
             else:
                 lens.append(k_max if r.speculate else 0)
                 scores.append(None)
-        # A goodput policy weighs a suffix chain by its node probabilities (as it weighs the
-        # suffix drafter's own), calibrated against their real acceptance, and the head's drafts
-        # by the acceptance learnt for their class. Without the scores a suffix chain was weighed
-        # at the head's alpha until its class had observations of its own, which it never got
-        # where the head's drafts did not pay: the hybrid verified nothing under SmartSpec.
-        # A step whose drafting rows all took suffix chains runs none of the head (spec_step's
-        # hybrid branch): SmartSpec costs it as the verify alone.
+        # For a goodput policy: a suffix chain is weighed by its node probabilities (as the
+        # suffix drafter's are), calibrated against their real acceptance, and the head's drafts
+        # by their class's alpha (a suffix chain weighed at the head's alpha was never verified);
+        # the chains are host drafts too, shadow-verified while K = 0 runs, so that calibration
+        # keeps learning (one rejected chain read 0 forever); and a step whose drafting rows all
+        # took suffix chains runs none of the head (spec_step's hybrid branch): it is costed as
+        # the verify alone.
         head_free = all(r.uid in self._host or not r.speculate for r in rs)
-        return Proposal(draft_lens=lens, draft_scores=scores if self._host else None,
+        none = np.zeros(0, np.int32)
+        return Proposal(draft_lens=lens, drafts=[self._host.get(r.uid, none) for r in rs],
+                        draft_scores=scores if self._host else None,
                         draft_classes=["suffix" if r.uid in self._host else "head" for r in rs],
                         draft_free=bool(self._host) and head_free)
 
