@@ -148,10 +148,11 @@ class StepCostModel:
 
 class CostCalibration:
     """Online correction of a step-cost model (the way alpha is learnt online): per compiled step
-    shape (batch bucket, K, verified tokens; a draft-free step apart: ``GoodputPolicy._shape``), the median of the last ``window`` ratios of the
-    measured iteration time to the model's prediction. The fitted line is one line through every
-    batch size; measured, the batch-1 verify steps cost 1.2-1.5x what it predicts while the
-    batch-8 ones match, which made the selector draft where drafting does not pay.
+    shape (batch bucket, K, verified tokens; a draft-free step apart: ``GoodputPolicy._shape``),
+    the median of the last ``window`` ratios of the measured iteration time to the model's
+    prediction. The fitted line is one line through every batch size; measured, the batch-1
+    verify steps cost 1.2-1.5x what it predicts while the batch-8 ones match, which made the
+    selector draft where drafting does not pay.
 
     A shape not measured yet borrows the ratio of the nearest measured shape of its bucket (by
     verified tokens, then K), else 1: an underestimated shape gets tried, measured and corrected;
