@@ -118,7 +118,9 @@ def run():
         be = dev_be[d] = registry.build_backend(specs[d], model)
         be.warmup(prompt_lens=warm_lens, progress=True)
         with tqdm(total=cells, desc=f"{d} steps", disable=None) as bar:
-            dr = profile_steps(be, bbs, contexts, [k for k in ks if k > 0], FLAGS.reps, FLAGS.seed, bar.update)
+            # (its own K buckets: those above the most drafts its steps take are not compiled)
+            dr = profile_steps(be, bbs, contexts, [k for k in be.k_buckets if k > 0], FLAGS.reps, FLAGS.seed,
+                               bar.update)
         dev_pre[d] = profile_prefills(be, bbs, plens)
         row_ops[d] = profile_row_ops(be)  # its state holds the draft's cache too
         fits[d] = fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
@@ -140,7 +142,8 @@ def run():
             else:
                 be = dev_be[d]
             steps = []
-            for k in sorted({0, bk.proposal_bucket(ks, min(2, max(ks))), max(ks)}):  # (2, or the next compiled K)
+            bks = list(be.k_buckets)
+            for k in sorted({0, bk.proposal_bucket(bks, min(2, max(bks))), max(bks)}):  # (2, or the next compiled K)
                 be.reset()
                 eng = ServingEngine(be, FixedK(k), eos_ids=model.tokenizer.eos_ids)
                 eng.run(cal_reqs)

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Sequence
 
 from specjax import buckets as bk
+from specjax.errors import require
 from specjax.models.options import ForwardOptions
 
 @dataclasses.dataclass(frozen=True)
@@ -486,9 +487,15 @@ def build_backend(spec, model, *, draft=None, **kw):
     kw.setdefault("layout", layout(spec))
     kw.setdefault("draft_first", spec.policy.draft_first)
     kw.setdefault("packed", spec.policy.packed)
-    return make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
+    be = make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
                         slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
                         prefix_cache_mb=spec.prefix_cache_mb, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+    # (K buckets above the most drafts the drafter's steps take are not compiled: usable_k_buckets)
+    k = spec.policy.fixed_k if spec.policy.fixed_k is not None else spec.policy.fallback_k
+    require(spec.drafter.name == "none" or k in be.k_buckets,
+            f"K = {k}: the {spec.drafter.name} drafter takes at most {be.drafter.max_k} drafts a step "
+            f"(--num_spec_tokens / --policy)")
+    return be
 
 
 def build_generator(spec, model, draft=None):

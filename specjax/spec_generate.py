@@ -12,12 +12,14 @@ tables (``share_compiled``), so a benchmark of several drafters or policies comp
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Literal, Sequence
 
 from specjax.config import ModelConfig
 from specjax.drafters.kinds import as_drafter
+from specjax.drafters.protocol import usable_k_buckets
 from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
 from specjax.engine.loop import ServingEngine
 from specjax.engine.options import BackendOptions, model_params
@@ -54,6 +56,7 @@ class SpecGenerator:
         self.options = BackendOptions(**options)
         self.cfg = cfg
         self.drafter = as_drafter(drafter, draft, draft_params)
+        self.options = dataclasses.replace(self.options, k_buckets=usable_k_buckets(self.options.k_buckets, self.drafter))
         check_pair(cfg, self.drafter.draft, self.drafter.params)
         self.params = model_params(cfg, params, self.options.fwd, self.drafter.params)  # (once for every backend)
         self.dparams = self.drafter.params if self.drafter.params is not None else self.params
@@ -211,6 +214,9 @@ class SpecGenerator:
         require(all(isinstance(s, SamplingParams) for s in sampling),
                 "sampling must be a SamplingParams or one SamplingParams per prompt")
         check_max_new_tokens(max_new_tokens)
+        limit = self.drafter.max_k
+        require(limit is None or num_spec_tokens <= limit,
+                f"num_spec_tokens={num_spec_tokens}: this drafter takes at most {limit} drafts a step")
         require(num_spec_tokens in self.k_buckets,
                 f"num_spec_tokens={num_spec_tokens} is not a precompiled K bucket {list(self.k_buckets)}"
                 if num_spec_tokens <= max(self.k_buckets) else

@@ -77,6 +77,12 @@ BAD_SPEC = [
     (["--drafter", "prompt_lookup", "--policy", "smartspec"], "no performance model for 'tiny-random|prompt_lookup"),
     (["--drafter", "prompt_lookup", "--policy", "3"], "--policy K=3 is not in --k_buckets"),
     (["--drafter", "prompt_lookup", "--policy", "fast"], "--policy must be auto, smartspec"),
+    # (K buckets above a drafter's most drafts a step are not compiled: the default 0,1,2,4,8
+    # serves 4 Medusa heads at 0, 1, 2, 4)
+    (["--drafter", "medusa", "--nomedusa_tree", "--num_spec_tokens", "8"],
+     "num_spec_tokens=8: this drafter takes at most 4 drafts a step"),
+    (["--drafter", "medusa", "--nomedusa_tree", "--num_spec_tokens", "8", "--k_buckets", "0,8"],
+     "the medusa drafter takes at most 4 drafts a step; --k_buckets [0, 8] has no K in 1..4"),
 ]
 
 

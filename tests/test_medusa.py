@@ -180,8 +180,9 @@ def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
 
 def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
     """Saved heads load back exactly through ``--medusa_head`` (the target's arrays not in them),
-    heads of another target or an EAGLE head's folder are refused, and K above the heads is
-    refused when the step is built."""
+    heads of another target or an EAGLE head's folder are refused, and K buckets above what a
+    step can take (the heads; a tree's nodes) are not compiled, none left being refused, as is
+    such a K when the step is built all the same."""
     from specjax.drafters import eagle
     from specjax.models import prepared
 
@@ -204,10 +205,17 @@ def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
     with pytest.raises(SpecjaxError, match="holds no Medusa head"):
         heads.load_head(medusa.KIND, str(tmp_path / "e"), cfg, params)
     assert heads.shipped_head(medusa.KIND, cfg) is None
-    be = JaxBackend(cfg, params, drafter=FeatureHeadDrafter(draft, dparams), k_buckets=(0, 4), batch_buckets=(1,),
-                    slots=SLOTS)
+    be = JaxBackend(cfg, params, drafter=FeatureHeadDrafter(draft, dparams), k_buckets=(0, 1, 2, 4, 8),
+                    batch_buckets=(1,), slots=SLOTS)
+    assert be.k_buckets == (0, 1, 2) and be.k_max == 2
     with pytest.raises(SpecjaxError, match="3 heads"):
         be.table.step(1, 4, SLOTS, True)
+    small = dataclasses.replace(draft, tree=medusa.best_tree(medusa.prior_accuracy(3, 2), 5))
+    assert JaxBackend(cfg, params, drafter=DeviceTreeDrafter(small, dparams), k_buckets=(0, 2, 4, 8), batch_buckets=(1,),
+                      slots=SLOTS).k_buckets == (0, 2, 4)
+    with pytest.raises(SpecjaxError, match="at most 3 drafts a step; --k_buckets \\[0, 4\\] has no K in 1..3"):
+        JaxBackend(cfg, params, drafter=FeatureHeadDrafter(draft, dparams), k_buckets=(0, 4), batch_buckets=(1,),
+                   slots=SLOTS)
 
 
 def test_training_lowers_the_loss(tiny):

@@ -64,6 +64,10 @@ class ModelDraft:
     features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
     drafts_trees = False  # it drafts token trees inside the tree step (``draft_tree``: Medusa, EAGLE-2)
 
+    def max_drafts(self, trees: bool) -> int | None:
+        """The most drafts (``trees``: tree nodes) one step can take; None: any K."""
+        return None
+
     def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
         """The draft's empty cache for B rows (step.fresh_state)."""
         return llama.init_cache_for(self.cfg, B, slots, dtype)
@@ -260,6 +264,10 @@ class DeviceDrafter(Drafter):
 
     def __init__(self, draft: ModelDraft, params):
         self.draft, self.params = draft, params  # (checked against the target: check_pair)
+
+    @property
+    def max_k(self) -> int | None:
+        return self.draft.max_drafts(self.step is TREE)
         self._ahead = None  # the last draft call's (tokens, q, width, proposed per row, seconds)
 
     def reset(self):

@@ -26,6 +26,7 @@ import numpy as np
 from specjax import tree
 from specjax.engine.loop import Proposal
 from specjax.engine.scheduler import Running
+from specjax.errors import require
 
 
 class StepKind(abc.ABC):
@@ -192,6 +193,7 @@ class Drafter(abc.ABC):
     params = None  # that draft's params (None: it has none of its own)
     step: StepKind = CHAIN  # the compiled step its proposals (K > 0) run in
     draft_prefill = False  # admission runs a prefill of its own (a draft cache) that a request may skip
+    max_k: int | None = None  # the most drafts (tree nodes) one step can take (usable_k_buckets); None: any
 
     def reset(self) -> None:
         """A new run: forget per-step state (requests are told through finish)."""
@@ -224,3 +226,18 @@ class Drafter(abc.ABC):
         at batch ``B``; ``tokens(K)``: the packed sizes; ``ahead``: the width of a draft-ahead
         call to compile too (0: none; kinds that cannot draft ahead ignore it)."""
         return [StepJob(self.step, B, K, greedy, t) for K in ks for t in (0,) + tuple(tokens(K))]
+
+
+def usable_k_buckets(k_buckets: Sequence[int], drafter: Drafter) -> tuple:
+    """The K buckets ``drafter``'s steps can run: those above its most drafts per step (a Medusa
+    chain: its heads; a head's tree: its nodes) are not compiled, since no step could take them,
+    so the default menu (0, 1, 2, 4, 8) serves a 4-head Medusa at 0, 1, 2, 4. One-line error
+    when none above 0 is left."""
+    ks, limit = tuple(k_buckets), drafter.max_k
+    if limit is None or max(ks) <= limit:
+        return ks
+    kept = tuple(k for k in ks if k <= limit)
+    name = getattr(drafter.draft, "label", type(drafter).__name__)
+    require(len(kept) > 1, f"the {name} drafter takes at most {limit} drafts a step; --k_buckets {list(ks)} "
+            f"has no K in 1..{limit}")
+    return kept

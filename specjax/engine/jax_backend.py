@@ -19,6 +19,7 @@ chain step: plain decoding is one executable whatever the drafter.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 import weakref
@@ -31,7 +32,7 @@ from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.drafters.kinds import as_drafter
-from specjax.drafters.protocol import CHAIN, DecodeStep, StepInputs, StepJob
+from specjax.drafters.protocol import CHAIN, DecodeStep, StepInputs, StepJob, usable_k_buckets
 from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
 from specjax.engine.options import BackendOptions, model_params
@@ -186,6 +187,7 @@ class JaxBackend:
         self.cfg = cfg
         self.drafter = as_drafter(drafter, draft, draft_params)
         d = self.drafter
+        opt = self.options = dataclasses.replace(opt, k_buckets=usable_k_buckets(opt.k_buckets, d))
         check_pair(cfg, d.draft, d.params)
         require(not (opt.teacher_topk and not d.step.teacher),
                 "a teacher signal (teacher_topk) comes from chain steps; this drafter proposes token trees")
