@@ -227,8 +227,10 @@ def run():
             if name not in SCALES:
                 raise SpecjaxError(f"unknown --scale {name!r}; known: {', '.join(SCALES)}")
             sc = SCALES[name]
+            # (a head's trees cost the draft forwards the measured drafter's trees took: EAGLE-2's depth)
             cost = StepCostModel(target=LinearCost(**sc["target"]), draft=LinearCost(**sc["draft"]),
-                                 prefill=LinearCost(**sc["prefill"]), context_mode="sum")
+                                 prefill=LinearCost(**sc["prefill"]), context_mode="sum",
+                                 draft_forwards=trees.get("tree_forwards", 0))
             g = dict(geom, batch_buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b <= sc["rows"]], slots=sc["slots"],
                      prefill_rows=None)
             acc = AcceptanceProfile(per_position=(FLAGS.sim_alpha,), **trees)

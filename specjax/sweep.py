@@ -121,7 +121,10 @@ def load_replay(path, drafter, rates, policies, repeats: int):
 
 def _tree_fields(acc: dict) -> dict:
     paths = acc.get("tree_paths")
-    return dict(tree_paths=tuple(tuple(p) for p in paths), tree_nodes=int(acc["tree_nodes"])) if paths else {}
+    if not paths:
+        return {}
+    return dict(tree_paths=tuple(tuple(p) for p in paths), tree_nodes=int(acc["tree_nodes"]),
+                tree_forwards=int(acc.get("tree_forwards", 0)))  # (files written before it: 0, one per node)
 
 
 def load_tree_paths(arg: str) -> dict:

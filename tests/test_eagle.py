@@ -494,6 +494,10 @@ def test_dynamic_trees_lossless_with_joins_leaves_and_plain_calls(tree_backend, 
     # each verified row: its node count, and the accepted nodes' numbers, increasing along the path
     assert got and all(1 <= d <= 4 and all(a < b <= d for a, b in zip([0, *p], p)) for d, p in got)
     assert len(drafter.rates._rates) == 4 and all(len(r) for r in drafter.rates._rates)
+    # the simulator's head trees: those paths, and the tree's draft forwards (its depth, any budget)
+    from specjax.simulate.backend import tree_paths_of
+    prof = tree_paths_of([drafter])
+    assert prof["tree_nodes"] == 4 and prof["tree_forwards"] == TREE[1] and prof["tree_paths"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ and the event clock."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest.mock import ANY
 
 import numpy as np
@@ -305,6 +306,11 @@ def test_simulator_head_trees():
     ks = [s.k for s in cheap.steps]
     assert np.mean(ks) > 2.5 and cheap.counts.accepted > 0
     assert np.mean([s.k for s in costly.steps]) < 0.5
+    # A dynamic tree of depth 2 costs 2 draft forwards whatever its node budget (a chain: one per draft)
+    tree = dataclasses.replace(cost, draft_forwards=2)
+    assert [tree.draft_time(1, k, [16]) for k in (0, 1, 6)] == pytest.approx([0.0, 1e-4, 2e-4])
+    assert cost.draft_time(1, 6, [16]) == pytest.approx(6e-4)
+    assert StepCostModel.from_dict(tree.to_dict()) == tree
 
 
 def test_engine_counts_are_the_requests_summed():

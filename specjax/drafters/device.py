@@ -68,6 +68,11 @@ class ModelDraft:
         """The most drafts (``trees``: tree nodes) one step can take; None: any K."""
         return None
 
+    def tree_forwards(self) -> int:
+        """Draft forwards one of its token trees costs whatever the node budget (the simulator's
+        StepCostModel.draft_forwards); 0: one per node."""
+        return 0
+
     def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
         """The draft's empty cache for B rows (step.fresh_state)."""
         return llama.init_cache_for(self.cfg, B, slots, dtype)

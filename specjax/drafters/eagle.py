@@ -120,6 +120,9 @@ class EagleDraft(ModelDraft):
     def max_drafts(self, trees: bool) -> int | None:
         return self.tree_width * self.tree_depth if trees else None  # (chains: any K, one forward each)
 
+    def tree_forwards(self) -> int:
+        return self.tree_depth  # (one expansion per depth)
+
     def draft_tree(self, dparams, dcache, pending, lengths, n: int):
         """A token tree of ``n`` nodes per row drafted from the pending token (EAGLE-2's dynamic
         tree): (tokens [B, n + 1] (node 0 left 0: the pending token), parents [B, n + 1]).

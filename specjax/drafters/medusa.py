@@ -87,6 +87,9 @@ class MedusaDraft(ModelDraft):
     def max_drafts(self, trees: bool) -> int | None:
         return len(self.tree) if trees else self.heads
 
+    def tree_forwards(self) -> int:
+        return 1  # (every head at once on the carried state)
+
     def tree_parents(self, n: int) -> np.ndarray:
         """Parents [n + 1] of the tree's first n nodes (-1 for node 0)."""
         require(n <= len(self.tree), f"the Medusa tree has {len(self.tree)} nodes: at most K = {len(self.tree)}")

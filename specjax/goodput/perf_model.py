@@ -61,6 +61,9 @@ class StepCostModel:
     host_step, host_row: Python/dispatch overhead per step and per running request, which a
       simulator needs to match a real engine (the paper calibrates its simulator likewise).
     prefill: T of a prefill over bucket x prompt-bucket tokens (draft prefill included if any).
+    draft_forwards: a head's token tree of any node budget costs this many draft forwards
+      (EAGLE-2's dynamic tree: its depth; Medusa's: one pass of every head); 0: one per draft,
+      a chain's (what launch/profile.py fits: its tree cost is in the fitted coefficients).
     """
 
     target: LinearCost
@@ -71,6 +74,10 @@ class StepCostModel:
     prefill: LinearCost = LinearCost()
     context_mode: str = "sum"
     chunk: int = 256
+    draft_forwards: int = 0
+
+    def _forwards(self, k: int) -> int:
+        return min(k, self.draft_forwards) if self.draft_forwards else k
 
     def target_time(self, bucket: int, k: int, ctx_lens: Sequence[int], tokens_per_row: int | None = None,
                     batched: int | None = None) -> float:
@@ -86,7 +93,7 @@ class StepCostModel:
             return self.host_draft
         ctx = np.asarray(ctx_lens, np.int64)
         t = 0.0
-        for i in range(k):
+        for i in range(self._forwards(k)):
             t += self.draft(context_tokens(ctx + i, bucket, self.context_mode, self.chunk), bucket * (2 if i == 0 else 1))
         return t
 
@@ -124,7 +131,7 @@ class StepCostModel:
         f[2] = 1.0
         if device_draft and k > 0:
             ctx = np.asarray(ctx_lens, np.int64)
-            for i in range(k):
+            for i in range(self._forwards(k)):
                 f[3] += context_tokens(ctx + i, bucket, self.context_mode, self.chunk)
                 f[4] += bucket * (2 if i == 0 else 1)
                 f[5] += 1.0

@@ -55,6 +55,7 @@ class AcceptanceProfile:
     # m nodes accepts the path's nodes <= m (the m-node tree is the first m nodes).
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     tree_nodes: int = 0
+    tree_forwards: int = 0  # draft forwards one of those trees cost (ModelDraft.tree_forwards; 0: unknown)
 
     def rate(self, j: int) -> float:
         return self.per_position[min(j, len(self.per_position) - 1)] if self.per_position else 0.0
@@ -78,7 +79,8 @@ def tree_paths_of(drafters) -> dict:
     if not seen:
         return {}
     n = max(d for d, _ in seen)
-    return dict(tree_paths=tuple(p for d, p in seen if d == n), tree_nodes=n)
+    forwards = max((d.draft.tree_forwards() for d in uniq.values() if getattr(d, "paths", ())), default=0)
+    return dict(tree_paths=tuple(p for d, p in seen if d == n), tree_nodes=n, tree_forwards=forwards)
 
 
 class SimBackend:
