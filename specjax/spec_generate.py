@@ -56,7 +56,8 @@ class SpecGenerator:
         self.options = BackendOptions(**options)
         self.cfg = cfg
         self.drafter = as_drafter(drafter, draft, draft_params)
-        self.options = dataclasses.replace(self.options, k_buckets=usable_k_buckets(self.options.k_buckets, self.drafter))
+        self.options = dataclasses.replace(self.options,
+                                           k_buckets=usable_k_buckets(self.options.k_buckets, self.drafter))
         check_pair(cfg, self.drafter.draft, self.drafter.params)
         self.params = model_params(cfg, params, self.options.fwd, self.drafter.params)  # (once for every backend)
         self.dparams = self.drafter.params if self.drafter.params is not None else self.params

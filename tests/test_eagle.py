@@ -177,7 +177,8 @@ def serves_as_ar(tiny, be, policies, k_max=2, prompts=PROMPTS, together=3):
     for policy in policies:
         be.reset()
         eng = ServingEngine(be, policy, clock=OpClock())
-        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < together else 0.004 * i)) for i, p in enumerate(prompts)]
+        reqs = [Request(f"q{i}", p, MAX_NEW, arrival=(0.0 if i < together else 0.004 * i))
+                for i, p in enumerate(prompts)]
         outs = eng.run(reqs + [Request("late", prompts[1], MAX_NEW, arrival=100.0)])
         for o, r in zip(outs, ref + [ref[1]]):
             assert o.tokens == r, f"{o.id} diverged from autoregressive greedy ({type(policy).__name__})"

@@ -211,8 +211,8 @@ def test_save_load_registry_and_refusals(tiny, head, tmp_path, monkeypatch):
     with pytest.raises(SpecjaxError, match="3 heads"):
         be.table.step(1, 4, SLOTS, True)
     small = dataclasses.replace(draft, tree=medusa.best_tree(medusa.prior_accuracy(3, 2), 5))
-    assert JaxBackend(cfg, params, drafter=DeviceTreeDrafter(small, dparams), k_buckets=(0, 2, 4, 8), batch_buckets=(1,),
-                      slots=SLOTS).k_buckets == (0, 2, 4)
+    assert JaxBackend(cfg, params, drafter=DeviceTreeDrafter(small, dparams), k_buckets=(0, 2, 4, 8),
+                      batch_buckets=(1,), slots=SLOTS).k_buckets == (0, 2, 4)
     with pytest.raises(SpecjaxError, match="at most 3 drafts a step; --k_buckets \\[0, 4\\] has no K in 1..3"):
         JaxBackend(cfg, params, drafter=FeatureHeadDrafter(draft, dparams), k_buckets=(0, 4), batch_buckets=(1,),
                    slots=SLOTS)

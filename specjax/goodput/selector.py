@@ -283,7 +283,8 @@ class GoodputPolicy(Policy):
     def _shape(view: BatchView, k_step: int, tokens: int) -> tuple:
         """The calibration's key: a draft-free verify step is measured apart from one of the
         same shape that drafts on the device."""
-        return (view.bucket, k_step, tokens, "draft_free") if view.draft_free and k_step else (view.bucket, k_step, tokens)
+        shape = (view.bucket, k_step, tokens)
+        return shape + ("draft_free",) if view.draft_free and k_step else shape
 
     def _model_cost(self, view: BatchView, k_step: int, tokens: int) -> float:
         """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated."""
