@@ -12,7 +12,6 @@ import time
 from typing import Callable, Sequence
 
 from specjax import buckets as bk
-from specjax.errors import require
 from specjax.models.options import ForwardOptions
 
 @dataclasses.dataclass(frozen=True)
@@ -490,11 +489,12 @@ def build_backend(spec, model, *, draft=None, **kw):
     be = make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
                         slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
                         prefix_cache_mb=spec.prefix_cache_mb, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+    from specjax.drafters.protocol import check_k
+
     # (K buckets above the most drafts the drafter's steps take are not compiled: usable_k_buckets)
-    k = spec.policy.fixed_k if spec.policy.fixed_k is not None else spec.policy.fallback_k
-    require(spec.drafter.name == "none" or k in be.k_buckets,
-            f"K = {k}: the {spec.drafter.name} drafter takes at most {be.drafter.max_k} drafts a step "
-            f"(--num_spec_tokens / --policy)")
+    pol = spec.policy
+    check_k(pol.fallback_k if pol.fixed_k is None else pol.fixed_k, be.drafter,
+            "num_spec_tokens" if pol.fixed_k is None else "--policy K")
     return be
 
 

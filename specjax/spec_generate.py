@@ -19,7 +19,7 @@ from typing import Literal, Sequence
 
 from specjax.config import ModelConfig
 from specjax.drafters.kinds import as_drafter
-from specjax.drafters.protocol import usable_k_buckets
+from specjax.drafters.protocol import check_k, usable_k_buckets
 from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
 from specjax.engine.loop import ServingEngine
 from specjax.engine.options import BackendOptions, model_params
@@ -215,9 +215,7 @@ class SpecGenerator:
         require(all(isinstance(s, SamplingParams) for s in sampling),
                 "sampling must be a SamplingParams or one SamplingParams per prompt")
         check_max_new_tokens(max_new_tokens)
-        limit = self.drafter.max_k
-        require(limit is None or num_spec_tokens <= limit,
-                f"num_spec_tokens={num_spec_tokens}: this drafter takes at most {limit} drafts a step")
+        check_k(num_spec_tokens, self.drafter, "num_spec_tokens")
         require(num_spec_tokens in self.k_buckets,
                 f"num_spec_tokens={num_spec_tokens} is not a precompiled K bucket {list(self.k_buckets)}"
                 if num_spec_tokens <= max(self.k_buckets) else

@@ -237,7 +237,18 @@ def usable_k_buckets(k_buckets: Sequence[int], drafter: Drafter) -> tuple:
     if limit is None or max(ks) <= limit:
         return ks
     kept = tuple(k for k in ks if k <= limit)
-    name = getattr(drafter.draft, "label", type(drafter).__name__)
-    require(len(kept) > 1, f"the {name} drafter takes at most {limit} drafts a step; --k_buckets {list(ks)} "
-            f"has no K in 1..{limit}")
+    require(len(kept) > 1, f"the {_name(drafter)} drafter takes at most {limit} drafts a step; --k_buckets "
+            f"{list(ks)} has no K in 1..{limit}")
     return kept
+
+
+def check_k(k: int, drafter: Drafter, flag: str) -> None:
+    """One-line error when the K asked for (``flag``: the option that asked) exceeds what one of
+    ``drafter``'s steps can take (usable_k_buckets did not compile it)."""
+    limit = drafter.max_k
+    require(limit is None or k <= limit,
+            f"{flag}={k}: this drafter takes at most {limit} drafts a step ({_name(drafter)})")
+
+
+def _name(drafter: Drafter) -> str:
+    return getattr(drafter.draft, "label", type(drafter).__name__)
