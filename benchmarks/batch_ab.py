@@ -293,7 +293,9 @@ def run() -> int:
     md = (paired_table(runs, [n for n in names if n != "ar"], FLAGS.rounds) if FLAGS.paired
           else table(runs, names, FLAGS.rounds))
     print(f"\n{specbench.cpu_description()}; "
-          f"{len(ar_out)} records, batch buckets {FLAGS.batch_buckets}, {FLAGS.rounds} rounds\n\n{md}")
+          f"{len(ar_out)} records, batch buckets {FLAGS.batch_buckets}, {FLAGS.rounds} rounds; every run "
+          f"compiled ahead and run once before serving (launch/batch.py --compile ahead; its default, lazy, "
+          f"compiles beside serving: benchmarks/prefix_cache.sh, benchmarks/cold_compile.sh)\n\n{md}")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"command": "python benchmarks/batch_ab.py " + " ".join(sys.argv[1:]), "runs": runs,

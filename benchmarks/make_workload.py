@@ -24,7 +24,9 @@ of each of three kinds built from the same data:
 ``--shared_prefix N``: a batch job (launch/batch.py records, ``{"id", "prompt"}``) of N GSM8K test
 questions behind one shared few-shot block of worked GSM8K training solutions (``--prefix_chars``,
 about 1.1k SmolLM2 tokens by default): the prefix-caching workload (one instruction block and
-the same examples in front of every record).
+the same examples in front of every record). ``--distinct_first_line``: the same records, each
+starting with a line of its own, so no prompt shares a prefill chunk with another (the control
+a prefix-caching speedup is measured against: the same tokens to serve, nothing to reuse).
 
 ``--shared_prefix N --prefix_kind json``: the same job as structured extraction instead: one
 shared instruction block asking for a fixed JSON schema (the question copied verbatim, the
@@ -202,6 +204,8 @@ def main():
     ap.add_argument("--prefix_chars", type=int, default=4400, help="the shared prefix's size (--shared_prefix)")
     ap.add_argument("--prefix_kind", choices=("fewshot", "json", "code", "both"), default="fewshot",
                     help="--shared_prefix's block: worked solutions, structured extractions, code rewriting, or fewshot and json interleaved")
+    ap.add_argument("--distinct_first_line", action="store_true",
+                    help="--shared_prefix: begin each record with a line of its own (nothing shared: the control)")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
     a = ap.parse_args()
@@ -212,6 +216,8 @@ def main():
         return
     if a.shared_prefix:
         rows = shared_prefix_job(a.data_dir, a.shared_prefix, a.prefix_chars, a.prefix_kind)
+        if a.distinct_first_line:
+            rows = [dict(r, prompt=f"Record {r['id']} of this batch.\n{r['prompt']}") for r in rows]
         _write(a.out, rows)
         kinds = [[r["prompt"] for r in rows if r["id"].startswith(k)] for k in ("fewshot", "json")] if a.prefix_kind == "both" \
             else [[r["prompt"] for r in rows]]

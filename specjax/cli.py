@@ -11,7 +11,7 @@ import os
 
 from absl import flags
 
-from specjax import registry
+from specjax import buckets as bk, registry
 
 FLAGS = flags.FLAGS
 
@@ -219,7 +219,7 @@ def init_distributed() -> tuple[int, int]:
 
 def define_prefill_flags(prefix_cache_mb: float = 1024, why_off: str = "") -> None:
     """Prefill chunks and the prefix store (EngineSpec.prefill_chunk / prefix_cache_mb)."""
-    flags.DEFINE_integer("prefill_chunk", 512, "Prefill prompts in chunks of at most this many tokens (a power "
+    flags.DEFINE_integer("prefill_chunk", bk.DEFAULT_PREFILL_CHUNK, "Prefill prompts in chunks of at most this many tokens (a power "
                          "of two >= 16); each chunk attends to the cached prefix and itself.")
     flags.DEFINE_float("prefix_cache_mb", prefix_cache_mb, "Prefix caching: MiB of prefilled prompt chunks kept for "
                        "later prompts that start with the same tokens (0: off; outputs are identical either way)"

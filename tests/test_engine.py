@@ -706,7 +706,44 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, backends, reference, tm
     with monkeypatch.context() as m:
         m.setattr(JaxBackend, "_compile_later", lambda *a: None)
         ServingEngine(make(), FixedK(0)).run([Request("a", PROMPTS[0], MAX_NEW)])
-    partial = make()  # a warm cache: only the K steps are built ahead, the rest when first reached
-    assert partial.later_planned == 1 + 2 and partial.k_options(1) == partial.k_options(4) == (0,)
+    # a warm cache: only the K steps and the prefix store's row operation (its capture and restore:
+    # never reached by a job without a shared chunk, and not built on disk) are built ahead, the
+    # rest when first reached
+    partial = make()
+    assert partial.later_planned == 1 + 2 + 1 and partial.k_options(1) == partial.k_options(4) == (0,)
     partial._later.join()
     assert partial.k_options(1) == partial.k_options(4) == KS
+
+
+def test_steps_run_cold_are_no_cost_observation(tiny, reference, tmp_path, monkeypatch):
+    """A lazily compiled job's first steps wait for their compilation (or run beside a background
+    one): their seconds are not what the step costs, so SmartSpec's cost calibration never takes
+    them (a first K = 0 step timed with its compilation made K = 0 look dear for the window), while
+    their tokens and acceptance count as any step's. Steps run once everything is built are
+    observed as before. Tokens are AR's."""
+    from specjax.engine import exe_cache
+
+    cfg, params = tiny
+    seen = []  # (cold, calibrated) per observe_time
+
+    class Spy(GoodputPolicy):
+        def observe_time(self, view, k_step, tokens, seconds, full_call=False, cold=False):
+            n = sum(map(len, self.calibration._ratios.values()))
+            super().observe_time(view, k_step, tokens, seconds, full_call, cold=cold)
+            seen.append((cold, sum(map(len, self.calibration._ratios.values())) > n))
+
+    be = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS, slots=SLOTS)
+    be.table.disk_cache = exe_cache.ExecutableCache(str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr(JaxBackend, "_compile_later", lambda *a: None)  # nothing ahead: serving compiles each step
+        be.warmup(prompt_lens=[16], greedy_modes=(True,), lazy=True, queue=[16], later_ks=())
+    engine = ServingEngine(be, Spy(_cheap_spec()))
+    outs = engine.run([Request("a", PROMPTS[0], MAX_NEW)])
+    assert outs[0].tokens == reference[0]
+    cold = [s.cold for s in engine.steps]
+    assert cold[0] and not cold[-1], cold  # the first step compiled; the last ran what was built
+    assert any(c for c, _ in seen) and not any(calibrated for c, calibrated in seen if c)
+    assert any(calibrated for c, calibrated in seen if not c)
+    assert engine.counts.steps == len(engine.steps)  # cold steps' tokens count as any step's
+    # the serving thread's compilations are CPU that serve_job takes out of the serving CPU figure
+    assert be.table.late_cpu_s > 0 and be.table.ahead_cpu_s == 0

@@ -57,7 +57,9 @@ def _serve(be, prompts, sampling, max_new, arrivals):
 
     be.reset()
     reqs = [Request(f"r{i}", p, m, s, a) for i, (p, s, m, a) in enumerate(zip(prompts, sampling, max_new, arrivals))]
-    return [o.tokens for o in ServingEngine(be, FixedK(2), clock=EventClock()).run(reqs)]
+    # (drafts and acceptances too: a host drafter's history and a head's restored feature are
+    # those of a full prefill, so the same drafts are offered and accepted)
+    return [(o.tokens, o.drafted, o.accepted) for o in ServingEngine(be, FixedK(2), clock=EventClock()).run(reqs)]
 
 
 # (the default run: a host drafter, whose K = 0 steps are AR's, and the feature head, whose draft
@@ -196,8 +198,9 @@ def test_a_job_serves_records_sharing_a_prefix_together():
 
 def test_the_simulator_charges_only_the_chunks_it_prefills():
     """SimBackend runs the engine's store rule: of ten requests sharing a 1,100-token prefix
-    (chunks of 512), the first prefills everything, the rest start after two stored chunks, and
-    the event clock charges only what ran."""
+    (the default chunks), the first prefills everything, the rest start after its first 1,024
+    tokens' stored chunks, and the event clock charges only what ran."""
+    from specjax import buckets as bk
     from specjax.goodput import FixedK
     from specjax.goodput.perf_model import LinearCost, StepCostModel
     from specjax.engine.scheduler import Request
@@ -213,6 +216,48 @@ def test_the_simulator_charges_only_the_chunks_it_prefills():
         ends[mb] = max(o.finished for o in outs)
         if mb:
             st = eng.backend.prefix.stats
-            assert (st.hits, st.tokens_saved) == (9, 9 * 1024) and st.inserted == 2, st
+            assert (st.hits, st.tokens_saved) == (9, 9 * 1024) and st.inserted == 1024 // bk.DEFAULT_PREFILL_CHUNK, st
     # 10 x 1,120 prompt tokens padded to 1,152 each, against one of those and 9 x 128
     assert ends[64] < ends[0] * 0.25, ends
+
+
+def test_a_batch_job_under_the_default_flags_reuses_a_shared_prefix(tmp_path):
+    """launch/batch.py as the README runs it (lazy compilation, the store on; only the tiny
+    model named): records sharing a prefix of more than two prefill chunks reuse it, counted in the
+    summary, with the outputs of the job served without the store. Run after a job without the
+    store left its executables on disk (a warm cache without the store's captures, which once
+    made every later job store nothing) and again on a cold cache."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from specjax import buckets as bk
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    block = "".join(f"Rule {i}: answer in one short line and cite the rule you used.\n" for i in range(9))
+    assert len(block) > 2 * bk.DEFAULT_PREFILL_CHUNK  # (the tiny model's tokens are bytes)
+    rows = [{"id": f"q{i}", "prompt": block + f"Question {i}: what is {i} plus {i + 1}?"} for i in range(6)]
+    job = tmp_path / "in.jsonl"
+    job.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def serve(name, cache, *flags):
+        out = tmp_path / f"{name}.jsonl"
+        p = subprocess.run([sys.executable, os.path.join(root, "launch", "batch.py"), "--model", "tiny-random",
+                            "--input_jsonl", str(job), "--output_jsonl", str(out), "--max_new_tokens", "8", *flags],
+                           capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu", SPECJAX_CACHE_DIR=str(tmp_path / cache)))
+        assert p.returncode == 0, p.stderr[-2000:]
+        with open(out) as f:
+            return {o["id"]: o["output_ids"] for o in map(json.loads, f)}, p.stdout + p.stderr
+
+    want, _ = serve("off", "warm", "--prefix_cache_mb", "0")
+    shared = 2 * bk.DEFAULT_PREFILL_CHUNK  # the whole chunks of the shared block
+    for name, cache in (("warm", "warm"), ("cold", "cold")):
+        got, log = serve(name, cache)
+        m = re.search(r"prefix cache: (\d+)/(\d+) prompts hit .*?, (\d+) of \d+ prompt tokens reused", log)
+        assert m, log[-2000:]
+        # (one prompt per prefill job on a CPU: the first stores the block, the other five reuse it)
+        assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (5, 6, 5 * shared), (name, m.group(0))
+        assert got == want, name

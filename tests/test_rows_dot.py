@@ -211,6 +211,37 @@ def test_rows_kernel_in_the_engine_is_lossless(tiny):
         llama.dense(jnp.ones((1, 8)), jnp.ones((8, 4)), fwd)
 
 
+def test_a_stand_in_forward_gives_a_feature_heads_inputs_bit_for_bit(tiny):
+    """A lazily compiled job's first steps run as stand-ins (the layers as one loop over the rows
+    kernel's stacks, StepTable.stand_in): the logits, the cache and the layer inputs a feature head
+    drafts from are the unrolled forward's bit for bit, so a head drafts the same in those steps."""
+    from functools import partial
+
+    from specjax import cache as kv
+    from specjax.drafters import eagle
+    from specjax.engine.table import STAND_IN_UNROLL
+    from specjax.models import llama
+
+    cfg, params = tiny
+    draft, _ = eagle.init_params(cfg, params)
+    p = llama.pack_for_rows(params, cfg)
+    rng = np.random.default_rng(0)
+    c = kv.init_cache(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim)
+    toks = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 20)), jnp.int32)
+    fwd = ForwardOptions(rows_kernel=32)
+    _, c = llama.forward(p, toks, jnp.broadcast_to(jnp.arange(20), (2, 20)), c, llama.causal_mask(2, 20), cfg=cfg,
+                         fwd=fwd)[:2]
+    c = kv.advance(c, jnp.full((2,), 20, jnp.int32))
+    for T in (1, 3):  # a decode step's block and a verify block
+        blk = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, T)), jnp.int32)
+        pos = c.lengths[:, None] + jnp.arange(T)[None]
+        unrolled, stand_in = (jax.jit(partial(llama.forward, cfg=cfg, fwd=dataclasses.replace(fwd, scan_layers=s),
+                                              features=draft.features))(p, blk, pos, c, llama.causal_mask(2, T))
+                              for s in (0, STAND_IN_UNROLL))
+        for x, y in zip(jax.tree_util.tree_leaves(unrolled), jax.tree_util.tree_leaves(stand_in), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_rows_kernel_without_a_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(rd, "_loaded", {})
     monkeypatch.setattr(rd, "_compiler", lambda: None)

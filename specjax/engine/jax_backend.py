@@ -39,7 +39,7 @@ from specjax.engine.options import BackendOptions, model_params
 from specjax.engine import prefix_store
 from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.scheduler import Running
-from specjax.engine.table import StepTable
+from specjax.engine.table import StepTable, yield_to_serving
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
 
@@ -254,6 +254,7 @@ class JaxBackend:
         self._prepared = False  # the live state was resized / cleared for the coming step
         self.last_k_step = 0
         self.last_tokens = 0  # the last step's verify rows (packed size, or bucket x (k_step + 1))
+        self.last_cold = False  # the last step call ran cold (StepTable.cold_since): its time is no cost
         self.resizes = 0
         self.live.reset()
         self._inputs: dict = {}  # step inputs already on the device, by value (see to_device)
@@ -411,33 +412,24 @@ class JaxBackend:
         starts, so the jobs queued before it have stored theirs): their segments written into a
         fresh prefill state, which the job's remaining chunks continue."""
         Bp = self.bucket(len(job.rs))
-        paths = prefix_store.start_job(self.prefix, job, lambda C: self._segment_op_ok(
-            lambda: self.table.segment_put(Bp, self.slots, C, job.run_draft)))
+        paths = prefix_store.start_job(self.prefix, job)
         if not job.next:
             return
         state = _zeros_like_info(self.table.state_info(Bp, self.slots, job.run_draft))
         for b, path in enumerate(paths):
             for node in path:
-                put = self.table.segment_put(Bp, self.slots, node.key[0], job.run_draft)
+                put = self.table.segment_put(Bp, self.slots, node.key[0], job.run_draft, compile_if_missing=True)
                 state = put(state, node.segment, np.int32(b), np.int32(node.start))
         job.state = state
-
-    def _segment_op_ok(self, build_call) -> bool:
-        """Whether a prefix-store row operation may run now: always before a warm-up (it compiles
-        on first use); after one, only if built (a warm table refuses to compile it) or, lazy, on
-        disk (loaded on first use); a lazy warm-up's background builds the rest: serving never
-        waits for a compilation the store would only save on."""
-        return not self.table.warm or self.table.ready(build_call, disk=self.table.lazy)
 
     def _store_prefix(self, job: PrefillJob, start: int, C: int, n_valid) -> None:
         """After a chunk: store it for each row that ran it whole (prefix_store.after_chunk)."""
         if self.prefix is None:
             return
         Bp = self.bucket(len(job.rs))
-        if not self._segment_op_ok(lambda: self.table.segment_take(Bp, self.slots, C, job.run_draft)):
-            job.nodes = [None] * len(job.rs)  # (not built: nothing waits for the store)
-            return
-        take = self.table.segment_take(Bp, self.slots, C, job.run_draft)
+        # (built on first use, whatever the compile mode: a capture compiles in about 0.1 s where
+        # one chunk it saves costs a prefill; skipping it had a warm lazy job store nothing)
+        take = self.table.segment_take(Bp, self.slots, C, job.run_draft, compile_if_missing=True)
         prefix_store.after_chunk(self.prefix, job, start, C, n_valid,
                                  self.table.segment_bytes(Bp, self.slots, C, job.run_draft),
                                  lambda b: take(job.state, np.int32(b), np.int32(start)))
@@ -450,10 +442,9 @@ class JaxBackend:
         seq = list(r.req.prompt) + list(r.out.tokens)
         kv_len = min(r.ctx_len, len(seq) - 1)
         C, row = self.max_chunk, self.row_of[r.uid]
-        if self.state is None or kv_len < C or not self._segment_op_ok(
-                lambda: self.table.segment_take(self.B, self.slots, C, False)):
+        if self.state is None or kv_len < C:
             return
-        take = self.table.segment_take(self.B, self.slots, C, False)
+        take = self.table.segment_take(self.B, self.slots, C, False, compile_if_missing=True)
 
         def capture(start: int) -> dict:
             seg = take(self.state, np.int32(row), np.int32(start))
@@ -552,6 +543,7 @@ class JaxBackend:
         <= K (the policy's per-request choice). A ``packed`` backend runs the block's real tokens
         only, in the smallest compiled packed size that holds them."""
         t0 = time.perf_counter()
+        mark = self.table.cold_mark()
         active = self._begin(rs)
         B = self.B
         cap = {r.uid: k if row_k is None else min(k, int(row_k[i])) for i, r in enumerate(rs)}
@@ -561,6 +553,7 @@ class JaxBackend:
             # The one K = 0 program of a backend with decode calls: a call of one step (no
             # second executable; the same tokens, spec_decode runs the K = 0 step inside).
             toks = self._decode_call(rs, active, 1, [1] * len(rs), [False] * len(rs), None, False)
+            self.last_cold = self.table.cold_since(mark)
             return [RowResult(t, 0, 0) for t in toks], time.perf_counter() - t0
         if inp.k == 0:
             inp = StepInputs.plain(B)
@@ -578,7 +571,9 @@ class JaxBackend:
         put = [self.to_device(a) if isinstance(a, np.ndarray) else a for a in inp.inputs]  # (device arrays pass)
         o = self.run(exe, *inp.kind.args(tuple(put), self.to_device(inp.num_draft), self.to_device(active),
                                          self.sampling(), pack))
-        return self._results(rs, o), time.perf_counter() - t0
+        results = self._results(rs, o)
+        self.last_cold = self.table.cold_since(mark)
+        return results, time.perf_counter() - t0
 
     def _begin(self, rs: Sequence[Running]) -> np.ndarray:
         """What every step call does first (count it, resize / clear the state); the active rows."""
@@ -600,7 +595,9 @@ class JaxBackend:
         first request stops (a waiting request takes its row then). Returns each request's tokens
         and the seconds."""
         t0 = time.perf_counter()
+        mark = self.table.cold_mark()
         toks = self._decode_call(rs, self._begin(rs), steps, left, eos_rows, eos_ids, stop_first)
+        self.last_cold = self.table.cold_since(mark)
         return toks, time.perf_counter() - t0
 
     def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first) -> list[list[int]]:
@@ -802,8 +799,10 @@ class JaxBackend:
             # and compiling it beside serving slowed a warm README batch job by a third; only K
             # steps are built ahead (until built they are no option), the rest on first use.
             # The first bucket's K = 0 step, on disk, loads beside the first prefill.
+            # The prefix store's row operations too (an earlier job without the store leaves none).
             first_k0 = [p for p in loaded if p[0] == "step" and p[1] in self._k0_jobs.get(self.bucket(first), ())]
-            todo = first_k0 + [p for p in todo if p[0] == "step" and p[1].k in later]
+            todo = first_k0 + [p for p in todo if (p[0] == "step" and p[1].k in later)
+                               or (p[0] == "row" and p[1][0] == "segment")]
         # work on demand: what is neither in memory nor on disk (row operations, then steps by K)
         on_demand = {key: sorted([p for p in items if not self.table.ready(lambda p=p: self._build(*p))],
                                  key=lambda p: (p[0] == "step", getattr(p[1], "k", 0)))
@@ -882,6 +881,7 @@ class JaxBackend:
 
         gated = False
         self.table.background.on = True
+        yield_to_serving()
         while True:
             if not gated and not self._todo and not self._demanded:  # (before waiting: the steps on disk join)
                 if not through_gate():

@@ -369,7 +369,7 @@ class ServingEngine:
         if k_step == 0:
             self._step_s = wall
         self._observe(StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted,
-                                elapsed, wall, tuple(be.take_row_ops())))
+                                elapsed, wall, tuple(be.take_row_ops()), cold=getattr(be, "last_cold", False)))
 
     def _plain_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
         """K = 0 steps to run in one backend call (``Backend.decode``): the policy's commitment
@@ -423,7 +423,8 @@ class ServingEngine:
                 if rs[i].done != last and (rs[i].done or len(toks[i]) < steps):
                     raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
             self._observe(StepEvent(self._now(), sub, view, prop, self.policy, 0, 0, be.last_tokens, results, emitted,
-                                    elapsed, wall, ops if j == 0 else (), full_call=full, first_of_call=j == 0))
+                                    elapsed, wall, ops if j == 0 else (), full_call=full, first_of_call=j == 0,
+                                    cold=getattr(be, "last_cold", False)))
 
     def _take(self, r: Running, res: RowResult) -> int:
         """A row's step result into its request (tokens, teacher signal, its own counts); returns

@@ -48,6 +48,10 @@ class StepEvent:
     # False for a decode call's steps after its first: the call is one timing (``wall`` is its
     # per step), which the policy's cost calibration takes once, not once per step
     first_of_call: bool = True
+    # the step waited for a compilation, ran a stand-in or ran beside a background compile (a
+    # lazily compiled job's first steps): its time is not what the step costs, so no policy
+    # calibrates on it (its tokens and acceptance count as any step's)
+    cold: bool = False
 
     @property
     def drafted(self) -> list[int]:
@@ -85,6 +89,7 @@ class StepRecord:
     accepted: int
     row_ops: tuple = ()  # (op, bucket from, bucket to): cache resizes / clears the step also ran
     tokens: int = 0  # verify rows the step ran (a packed size, or bucket x (k_step + 1))
+    cold: bool = False  # StepEvent.cold: its time is not the compiled step's
 
 
 class StepLog(Observer):
@@ -96,7 +101,7 @@ class StepLog(Observer):
     def on_step(self, ev: StepEvent) -> None:
         self.steps.append(StepRecord(ev.t, len(ev.rows), ev.view.bucket, ev.k, ev.k_step, ev.view.ctx_lens,
                                      ev.elapsed, ev.wall, sum(ev.emitted), sum(ev.drafted), sum(ev.accepted),
-                                     ev.row_ops, ev.tokens))
+                                     ev.row_ops, ev.tokens, ev.cold))
 
 
 class CountAcceptance(Observer):
@@ -129,7 +134,7 @@ class PolicyFeedback(Observer):
         ev.policy.observe(ev.k, ev.drafted, ev.accepted, ev.view.request_ids)
         self._shadow_verify(ev)
         if ev.first_of_call:
-            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call)
+            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call, cold=ev.cold)
         for r in ev.rows:
             if r.done:
                 self._shadow.pop(r.uid, None)

@@ -194,19 +194,16 @@ class PrefixStore:
             self.roots[rd].children.clear()
 
 
-def start_job(store: PrefixStore | None, job, restorable=None) -> list[list[Node]]:
+def start_job(store: PrefixStore | None, job) -> list[list[Node]]:
     """Before a prefill job (engine.prefill_jobs.PrefillJob) runs: the stored chunks every row
-    of it has, from the start of the job's plan (the run all its rows share; ``restorable(size)``
-    false ends the run at a chunk of that size); the job then starts after them (``job.next``)
-    and ``job.nodes`` holds each row's last chunk. Returns each row's chunks to restore (the
-    backend writes their segments into its prefill state)."""
+    of it has, from the start of the job's plan (the run all its rows share); the job then starts
+    after them (``job.next``) and ``job.nodes`` holds each row's last chunk. Returns each row's
+    chunks to restore (the backend writes their segments into its prefill state)."""
     job.nodes = [None] * len(job.rs)
     if store is None:
         return [[] for _ in job.rs]
     paths = [store.match(r.req.prompt, job.plan, job.run_draft) for r in job.rs]
     n = min(len(p) for p in paths)
-    if restorable is not None:
-        n = next((i for i, (_, size) in enumerate(job.plan[:n]) if not restorable(size)), n)
     for b, (r, p) in enumerate(zip(job.rs, paths)):
         store.count(len(r.req.prompt), p[n - 1].end if n else 0)
         store.use(p[:n])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax import buckets as bk
 from specjax.errors import require
 from specjax.models.options import DEFAULT_SCAN_UNROLL, ForwardOptions
 
@@ -169,7 +170,7 @@ class EngineSpec:
     k_buckets: tuple = (0, 1, 2, 4, 8)
     batch_buckets: tuple = (1, 2, 4, 8)
     slots: int = 512
-    prefill_chunk: int = 512
+    prefill_chunk: int = bk.DEFAULT_PREFILL_CHUNK
     prefix_cache_mb: float = 1024  # (buckets.DEFAULT_PREFIX_CACHE_MB)
     fwd: ForwardOptions = ForwardOptions()
     rows_kernel_auto: bool = False
@@ -181,7 +182,6 @@ class EngineSpec:
     shard_draft: bool = False
 
     def __post_init__(self):
-        from specjax import buckets as bk
         from specjax.errors import SpecjaxError
 
         require(self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}")

@@ -24,6 +24,7 @@ row operations included (their static ``layout`` argument).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from functools import partial
@@ -181,6 +182,24 @@ def _layer_groups(layers) -> list[int]:
     return out
 
 
+# the nice value of threads that compile ahead (yield_to_serving); $SPECJAX_BACKGROUND_NICE sets
+# another (the test suite's 0: its two worker processes keep both cores busy, so a thread at 19
+# that a test joins would wait behind the other worker)
+BACKGROUND_NICE = int(os.environ.get("SPECJAX_BACKGROUND_NICE", "19"))
+
+
+def yield_to_serving() -> None:
+    """Lower the calling thread's CPU priority (on Linux a thread's nice value is its own, and the
+    threads it starts inherit it): a compilation ahead of need then runs on cycles serving leaves
+    idle instead of taking a core from it (on 2 cores a background compile slowed a batch job's
+    serving by about a third). A thread that serving waits for is not starved: the waiting
+    thread leaves its core idle. Elsewhere, or where refused: nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class StepTable:
     def __init__(self, cfg: ModelConfig, params, dparams, draft: ModelDraft | None = None,
                  fwd: ForwardOptions = ForwardOptions(), teacher_topk: int = 0, layout: Layout | None = None,
@@ -214,8 +233,13 @@ class StepTable:
         self.lazy = False  # warm + lazy: a missing shape compiles on first use instead of raising
         self.late_s = 0.0  # seconds callers of a warm table waited for a compilation (lazy, or in flight)
         self.late = 0  # ... that many executables
+        self.late_cpu_s = 0.0  # ... and the CPU seconds the waiting threads spent compiling
         self.ahead_s = 0.0  # seconds the background compiler spent building (JaxBackend.warmup)
         self.ahead = 0  # ... that many executables
+        self.ahead_cpu_s = 0.0  # ... and the CPU seconds its threads spent (not serving's: serve_job)
+        self.stood_in = 0  # serving calls answered with a stand-in (stand_in)
+        self.builds_begun = 0  # background builds begun, and ended (cold_mark: was one running?)
+        self.builds_ended = 0
         self._one_device = all(len(getattr(x, "sharding", None).device_set) == 1
                                for x in jax.tree_util.tree_leaves((params, dparams)) if hasattr(x, "sharding"))
         self.warm = False
@@ -293,6 +317,7 @@ class StepTable:
         with the stand-in stores the step on its way out, for the next run to load)."""
         def run():
             self.background.on = True
+            yield_to_serving()
             try:
                 self._get(key, spec, what, compile_if_missing=True)
             except Exception:  # (the stand-in keeps serving; a later build of the step says why)
@@ -330,9 +355,10 @@ class StepTable:
         elif twin is not None and (twin in self._exe or key in self._building or not self._on_disk(key, spec)):
             stand = self._get(twin, spec, what + " (stand-in)", compile_if_missing=True)
             self._build_behind(key, spec, what)
+            self.stood_in += 1
             return stand
         waits = self.warm and not getattr(self.background, "on", False)  # a serving caller stalls here
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while True:
             with self._lock:
                 exe = self._exe.get(key)
@@ -340,6 +366,7 @@ class StepTable:
                 mine = exe is None and ev is None
                 if mine:
                     ev = self._building[key] = threading.Event()
+                    self.builds_begun += not waits
             if exe is not None:
                 break
             if not mine:
@@ -350,15 +377,31 @@ class StepTable:
             finally:
                 with self._lock:
                     del self._building[key]
+                    self.builds_ended += not waits
                 ev.set()
             break
         if waits:
             self.late_s += time.perf_counter() - t0
+            self.late_cpu_s += time.thread_time() - c0
             self.late += 1
         elif getattr(self.background, "on", False) and mine:
             self.ahead_s += time.perf_counter() - t0
+            self.ahead_cpu_s += time.thread_time() - c0
             self.ahead += 1
         return exe
+
+    def cold_mark(self) -> tuple[int, int, int, int]:
+        """Counters ``cold_since`` compares: (serving waits, stand-in answers, background builds
+        begun); and builds ended, the fourth (read at the start: was one running then?)."""
+        return self.late, self.stood_in, self.builds_begun, self.builds_ended
+
+    def cold_since(self, mark) -> bool:
+        """Whether a call made since ``cold_mark()`` ran cold: it waited for a compilation, ran a
+        stand-in, or a background build ran beside it (on a CPU it takes cores from the call).
+        Such a call's time is not what the step costs once built (its timing is not a cost
+        observation: engine.observers.PolicyFeedback)."""
+        late, stood, begun, ended = mark
+        return self.late != late or self.stood_in != stood or self.builds_begun != ended
 
     def ready(self, build_call, disk: bool = True) -> bool:
         """Whether ``build_call()`` (a call of one of this table's methods) would find its
@@ -541,7 +584,7 @@ class StepTable:
 
         return self._get(key, spec, f"row insert of {Bp} into batch {B}")
 
-    def segment_take(self, B: int, S: int, C: int, run_draft: bool):
+    def segment_take(self, B: int, S: int, C: int, run_draft: bool, compile_if_missing: bool = False):
         """take_segment of a C-token chunk from a [B]-row prefill state."""
         run_draft = bool(run_draft) and self.draft is not None
         key = ("segment_take", B, S, C, run_draft)
@@ -550,7 +593,7 @@ class StepTable:
             i = self._sds((), jnp.int32, per_row=False)
             return take_segment, (self.state_info(B, S, run_draft), i, i), {"size": C}
 
-        return self._get(key, spec, f"prefix segment capture of {C} tokens from batch {B}")
+        return self._get(key, spec, f"prefix segment capture of {C} tokens from batch {B}", compile_if_missing)
 
     def segment_info(self, B: int, S: int, C: int, run_draft: bool):
         """Abstract segment of a C-token chunk of a [B]-row prefill state (take_segment's output)."""
@@ -566,7 +609,7 @@ class StepTable:
         """Bytes one stored segment of a C-token chunk holds (its share of a prefix store's budget)."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self.segment_info(B, S, C, run_draft)))
 
-    def segment_put(self, B: int, S: int, C: int, run_draft: bool):
+    def segment_put(self, B: int, S: int, C: int, run_draft: bool, compile_if_missing: bool = False):
         """put_segment of a C-token chunk into a [B]-row prefill state (the state donated)."""
         run_draft = bool(run_draft) and self.draft is not None
         key = ("segment_put", B, S, C, run_draft)
@@ -575,7 +618,7 @@ class StepTable:
             i = self._sds((), jnp.int32, per_row=False)
             return put_segment, (self.state_info(B, S, run_draft), self.segment_info(B, S, C, run_draft), i, i)
 
-        return self._get(key, spec, f"prefix segment restore of {C} tokens into batch {B}")
+        return self._get(key, spec, f"prefix segment restore of {C} tokens into batch {B}", compile_if_missing)
 
     def take(self, B_from: int, B_to: int, S: int):
         key = ("take", B_from, B_to, S)

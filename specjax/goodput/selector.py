@@ -99,11 +99,13 @@ class Policy:
         rows' draft classes and node scores when not those of the last choice (shadow-verified
         older proposals)."""
 
-    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False) -> None:
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
+                     cold: bool = False) -> None:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
         and the seconds the whole iteration took, what the policy's cost estimate predicts;
         ``full_call``: a K = 0 step of a decode call as long as the backend runs (``seconds``: the
-        call's per step)."""
+        call's per step); ``cold``: the step waited for or ran beside a compilation, so
+        ``seconds`` is not its cost."""
 
     def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
         """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
@@ -296,7 +298,11 @@ class GoodputPolicy(Policy):
                     + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
         return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
 
-    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False) -> None:
+    def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
+                     cold: bool = False) -> None:
+        if cold:  # (a compilation's seconds: neither a cost nor a verdict on whether drafting paid)
+            self._accepted = 0
+            return
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
