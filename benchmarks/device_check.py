@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from specjax.benchtime import median_seconds, prefill_fn, steady_step  # noqa: E402
+from specjax.engine.spec import DrafterSpec  # noqa: E402
 from specjax.goodput.acceptance import AcceptanceCounts  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -350,7 +351,7 @@ def section_engine(out):
         be.warmup(prompt_lens=lengths, execute=True)
         warm_s = time.perf_counter() - t
         for k in (0, 4):
-            name = "no-SD" if k == 0 else registry.drafter_label(drafter, draft_layers)
+            name = "no-SD" if k == 0 else registry.perf_model_label(DrafterSpec(name=drafter, draft_layers=draft_layers))
             if k == 0 and entry.device:
                 continue  # no-SD is the same step as the host backend's
             be.reset()

@@ -112,13 +112,11 @@ def serve(job, spec) -> int:
     if spec.slots > model.cfg.max_position:  # (positions past the context; and a huge cache fails to allocate)
         raise SpecjaxError(f"--slots {spec.slots} exceeds {model.cfg.name}'s context of {model.cfg.max_position}")
     drafts, draft = [], None
-    head_dir = FLAGS.online_distill if FLAGS.online_distill and FLAGS.drafter in cli.HEAD_DRAFTERS else None
+    kind = registry.entry(FLAGS.drafter).head_kind()  # (a feature head: refined while serving)
+    head_dir = FLAGS.online_distill if FLAGS.online_distill and kind is not None else None
     if head_dir:  # a feature head refined while serving: from its directory when it holds one
         import os
 
-        from specjax.drafters import eagle, medusa
-
-        kind = eagle.KIND if FLAGS.drafter == "eagle" else medusa.KIND
         if os.path.exists(os.path.join(head_dir, kind.file)):
             spec = dataclasses.replace(spec, drafter=dataclasses.replace(spec.drafter, **{f"{kind.name}_head": head_dir}))
         spec = spec if spec.slots else dataclasses.replace(spec, slots=512)  # (one backend, refined in place)

@@ -73,8 +73,6 @@ flags.DEFINE_string("distilled_draft", None, "Also run each device drafter of --
                     "next to the untrained one.")
 flags.DEFINE_bool("also_chains", False, "With heads that draft trees (--eagle_tree_width, Medusa's default "
                   "tree): also run each as chains, as method <drafter>-chain, in the same run.")
-# what a head's chain variant changes (--also_chains)
-CHAIN_OF = {"eagle": {"eagle_tree_width": 0}, "medusa": {"medusa_tree": False}}
 flags.DEFINE_list("policies", None, "Several policies per drafter in one run (comma list of "
                   f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
@@ -144,7 +142,7 @@ def validate_flags():
     for flag in ("llamacpp_batch_sizes", "prefill_lens"):
         if not all(v.isdigit() and int(v) >= 1 for v in FLAGS[flag].value):
             raise SpecjaxError(f"--{flag} must list positive integers, got {','.join(FLAGS[flag].value)}")
-    if FLAGS.also_chains and not any(registry.tree_label(sp.drafter) for sp in specs.values()):
+    if FLAGS.also_chains and not any(registry.chain_of(sp.drafter) for sp in specs.values()):
         raise SpecjaxError("--also_chains needs a head drafting trees (--drafters eagle with --eagle_tree_width, "
                            "or medusa)")
     samp = cli.sampling_from_flags()
@@ -228,8 +226,8 @@ def bench() -> int:
     variants = ([(d, "", {}) for d in drafters]
                 + [(d, "-distilled", {"draft_checkpoint": FLAGS.distilled_draft}) for d in drafters
                    if FLAGS.distilled_draft and registry.DRAFTERS[d].device]
-                + [(d, "-chain", CHAIN_OF[d]) for d in drafters
-                   if FLAGS.also_chains and registry.tree_label(specs[(d, policy_names[0])].drafter)])
+                + [(d, "-chain", dict(registry.entry(d).chain)) for d in drafters
+                   if FLAGS.also_chains and registry.chain_of(specs[(d, policy_names[0])].drafter)])
     for d, suffix, change in variants:
         for pn in policy_names:
             name = specbench.method_name(d, pn, several) + suffix

@@ -5,7 +5,7 @@ No weights and no device memory are needed: ``abstract_table`` builds the engine
 variant lowers and compiles exactly as serving would compile it on that mesh (on fake CPU
 devices, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, a 70B bucket set compiles on a
 laptop). ``variant_memory`` reads an executable's per-device memory analysis; ``per_device_bytes``
-is the exact size of one device's shard of a placed pytree, which the tests hold the compiled
+(sharding.py, re-exported here) is the exact size of one device's shard of a placed pytree, which the tests hold the compiled
 argument sizes to.
 
 XLA:CPU computes bfloat16 dots in float32 and keeps converted copies of the weights among its
@@ -18,7 +18,6 @@ bf16 program on an accelerator.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import jax
@@ -29,8 +28,8 @@ from specjax.config import ModelConfig
 from specjax.engine.table import StepTable
 from specjax.errors import SpecjaxError
 from specjax.models.options import ForwardOptions
-
-GB = 1e9
+# (the memory arithmetic a layout checks before placing a model lives with the layout)
+from specjax.sharding import GB, check_fit, kv_bytes_per_token, per_device_bytes  # noqa: F401
 
 
 def abstract_table(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16,
@@ -40,44 +39,6 @@ def abstract_table(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16,
     layout.check(cfg)
     params = layout.abstract_params(cfg, dtype, stacked=fwd.scan_stacked)
     return StepTable(cfg, params, params, fwd=fwd, layout=layout)
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a pytree of placed arrays or sharded ShapeDtypeStructs (the
-    largest shard: uneven splits are padded to it)."""
-    total = 0
-    for x in jax.tree_util.tree_leaves(tree):
-        shape = x.sharding.shard_shape(tuple(x.shape)) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return total
-
-
-def kv_bytes_per_token(cfg: ModelConfig, layout: sh.Layout, dtype=jnp.bfloat16) -> float:
-    """KV cache bytes one device holds per cached token (K and V of every layer; KV heads split
-    over the model axis where they divide, replicated where they do not)."""
-    from specjax.cache import KVCache
-
-    shape = (cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim)
-    s = layout.cache(KVCache(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
-                             lengths=jax.ShapeDtypeStruct((1,), jnp.int32))).k
-    return 2 * math.prod(s.shard_shape(shape)) * jnp.dtype(dtype).itemsize
-
-
-def check_fit(cfg: ModelConfig, layout: sh.Layout, batch: int, slots: int, dtype=jnp.bfloat16,
-              budget: float = 80 * GB) -> float:
-    """One-line SpecjaxError, before any compilation or device work, when one device's share of
-    the weights and of a ``batch`` x ``slots`` KV cache exceeds ``budget`` bytes; else the KV bytes
-    per cached token and device."""
-    layout.check(cfg)
-    weights = per_device_bytes(layout.abstract_params(cfg, dtype))
-    kv_tok = kv_bytes_per_token(cfg, layout, dtype)
-    kv = kv_tok * batch * slots
-    if weights + kv > budget:
-        room = max(0, int((budget - weights) // kv_tok))
-        raise SpecjaxError(f"{cfg.name} on {layout.describe()}: {weights / GB:.1f} GB of weights + {kv / GB:.1f} GB "
-                           f"of KV cache ({batch} x {slots} tokens) per device exceed the {budget / GB:.0f} GB budget; "
-                           f"at most {room} cached tokens fit beside the weights")
-    return kv_tok
 
 
 @dataclasses.dataclass

@@ -298,10 +298,9 @@ def prewarm_drafter(name: str) -> None:
     drafter's first draft waits for them, drafters.suffix.drafter)."""
     import threading
 
-    from specjax.registry import SUFFIX_DRAFTERS, warm_host_kernels
-
-    if name in SUFFIX_DRAFTERS:
-        threading.Thread(target=warm_host_kernels, args=(name,), name="specjax-suffix-kernels", daemon=True).start()
+    if registry.entry(name).host_kernels:
+        threading.Thread(target=registry.warm_host_kernels, args=(name,), name="specjax-host-kernels",
+                         daemon=True).start()
 
 
 def load_target(spec, layout=None):
@@ -368,9 +367,6 @@ def distill_configs_from_flags(total_steps: int = 100_000, full_teacher: bool = 
     return tc, oc
 
 
-HEAD_DRAFTERS = ("eagle", "medusa")  # feature heads: refined online by distill.head_online
-
-
 def check_online_distill_flags(drafter: str) -> None:
     """The online distillation flag checks that need no model."""
     from specjax.errors import SpecjaxError
@@ -381,7 +377,7 @@ def check_online_distill_flags(drafter: str) -> None:
     if drafter not in online:
         raise SpecjaxError(f"--online_distill trains a device draft: use --drafter "
                            f"{' or '.join(online)}, not {drafter}")
-    if drafter in HEAD_DRAFTERS and (FLAGS.distill_tags or FLAGS.distill_clusters):
+    if drafter in registry.HEAD_DRAFTERS and (FLAGS.distill_tags or FLAGS.distill_clusters):
         raise SpecjaxError(f"--online_distill refines one {drafter} head; --distill_tags / --distill_clusters route "
                            "requests between several drafts (layer_skip, draft_model)")
     if FLAGS.draft_checkpoint:

@@ -9,69 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from specjax import buckets as bk
 from specjax.models.options import ForwardOptions
 
-@dataclasses.dataclass(frozen=True)
-class DrafterEntry:
-    """One drafter kind as the registry knows it: the only place that does.
-    build(model, spec: engine.spec.DrafterSpec, draft=None) makes the drafter the backend runs, a
-    drafters.protocol.Drafter (``draft``: an already loaded draft model). device: it drafts inside
-    the compiled step (its own draft forward), so its step costs need a performance model of their
-    own. reads: the DrafterSpec fields it uses (a setting given for a drafter that does not read it
-    is refused). trains: distillation (launch/distill.py; --online_distill too, but for eagle) can train its draft.
-    draft_ahead: it can draft ahead of the policy's choice (confidence policies, smartspec-conf)."""
+# The drafter kinds: one table (drafters.table), shared by everything that asks about a kind.
+from specjax.drafters.table import (DRAFTERS, TARGET_ONLY, DrafterEntry, entry, model_name, names,  # noqa: E402,F401
+                                    register_drafter)
 
-    name: str
-    build: Callable | None
-    device: bool = False
-    reads: frozenset = frozenset()
-    trains: bool = False
-    draft_ahead: bool = False
-
-
-_PLD = frozenset({"pld_min_ngram", "pld_max_ngram", "pld_max_draft"})
-_SUFFIX = frozenset({"suffix_max_depth", "suffix_alpha", "suffix_min_prob", "suffix_tree", "suffix_cache_requests",
-                     "suffix_cache_mb", "suffix_history_jsonl"})
-
-
-def _build_parts(model, spec, draft=None):
-    return drafter_parts(model, spec.name, k=spec.k, **drafter_kwargs(spec, model, draft))["drafter"]
-
-
-DRAFTERS: dict[str, DrafterEntry] = {}
-
-
-def register_drafter(entry: DrafterEntry) -> None:
-    """Add a drafter kind (a new kind needs its module and this one call, nothing else)."""
-    DRAFTERS[entry.name] = entry
-
-
-for _e in (DrafterEntry("none", None),
-           DrafterEntry("prompt_lookup", _build_parts, reads=_PLD),
-           DrafterEntry("draft_model", _build_parts, device=True, reads=frozenset({"draft_model", "draft_checkpoint"}),
-                        trains=True, draft_ahead=True),
-           DrafterEntry("layer_skip", _build_parts, device=True, reads=frozenset({"draft_layers", "draft_checkpoint"}),
-                        trains=True, draft_ahead=True),
-           DrafterEntry("eagle", _build_parts, device=True,
-                        reads=frozenset({"eagle_head", "eagle_tree_width", "eagle_tree_depth"}), trains=True),
-           DrafterEntry("medusa", _build_parts, device=True, reads=frozenset({"medusa_head", "medusa_tree"}),
-                        trains=True),
-           DrafterEntry("suffix", _build_parts, reads=_SUFFIX),
-           DrafterEntry("suffix_path", _build_parts, reads=_SUFFIX - {"suffix_tree"}),
-           DrafterEntry("hybrid", _build_parts, reads=_SUFFIX | _PLD | {"suffix_tau"}),
-           DrafterEntry("hybrid_eagle", _build_parts, device=True,
-                        reads=(_SUFFIX - {"suffix_tree"}) | {"suffix_tau", "eagle_head"})):
-    register_drafter(_e)
-
-# (views kept for callers; the table above is the source)
-SUFFIX_DRAFTERS = ("suffix", "suffix_path", "hybrid", "hybrid_eagle")  # (the drafters with suffix trees)
-SPEC_DRAFTERS = tuple(n for n in DRAFTERS if n != "none")
-DEVICE_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.device)
-TRAINED_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.trains)
-AHEAD_DRAFTERS = tuple(n for n, e in DRAFTERS.items() if e.draft_ahead)
+# (views of the table, for callers)
+SPEC_DRAFTERS = names(build=True)
+DEVICE_DRAFTERS = names(device=True)
+TRAINED_DRAFTERS = names(trains=True)
+HEAD_DRAFTERS = names(head=True)
 
 
 def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = False) -> list:
@@ -95,125 +46,22 @@ def number_list(name: str, text: str, kind=int, minimum=None, positive: bool = F
     return xs
 
 
-def prompt_lookup_config(k: int, min_ngram: int = 1, max_ngram: int = 3, max_draft: int = 0):
-    """Validated before the model load (raises SpecjaxError on bad n-gram bounds). max_draft:
-    at most this many drafts per step; 0 means K."""
-    from specjax.drafters.prompt_lookup import PromptLookupConfig
-
-    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=min(max_draft or k, max(k, 1)))
-
-
-def suffix_config(k: int, *, max_depth=64, alpha=1.0, min_prob=0.1, tree=True, cache_requests=100000,
-                  cache_mb=1024.0):
-    """Validated before the model load (raises SpecjaxError on bad knobs)."""
-    from specjax.drafters.suffix import SuffixConfig
-
-    return SuffixConfig(max_depth=max_depth, alpha=alpha, min_prob=min_prob, tree=tree, max_spec=max(k, 1),
-                        max_cached_requests=cache_requests, max_cached_mb=cache_mb)
+def build_drafter(model, spec, draft=None):
+    """The Drafter of ``spec`` (an engine.spec.DrafterSpec) on ``model`` (a LoadedModel), built by
+    its kind's entry (``draft``: an already loaded draft model); None for ``none``. Raises
+    SpecjaxError on bad settings."""
+    build = entry(spec.name).builder()
+    return None if build is None else build(model, spec, draft)
 
 
-def load_suffix_history(path: str, tokenizer) -> list[list[int]]:
-    """Past outputs for the global suffix tree: JSONL lines with 'output_ids' or 'output' text."""
-    from specjax.jobs import read_outputs
-
-    return [tokenizer.encode(x) if isinstance(x, str) else x
-            for x in read_outputs(path, flag="--suffix_history_jsonl")]
-
-
-def drafter_parts(model, drafter: str, *, k: int, draft_model: str | None = None, draft_layers: int = 8,
-                  pld_min_ngram: int = 1, pld_max_ngram: int = 3, pld_max_draft: int = 0, dtype: str = "float32",
-                  draft=None, suffix=None, suffix_tau: float = 1.0, suffix_history=(),
-                  draft_checkpoint: str | None = None, eagle_head: str | None = None,
-                  medusa_head: str | None = None, medusa_tree: bool = True, eagle_tree: tuple = (0, 4)) -> dict:
-    """The drafter of ``drafter`` (a registered name) on ``model`` as the keyword arguments of
-    SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}`` (``{}`` for none). ``draft``: an
-    already loaded draft LoadedModel (else ``draft_model`` is loaded here). Raises SpecjaxError on
-    bad settings. ``suffix``: a SuffixConfig for the suffix/hybrid drafters; ``suffix_history``:
-    past outputs (token lists) preloaded into the global suffix tree. ``draft_checkpoint``: a
-    layer-skip draft's or draft model's distilled params, from that checkpoint directory
-    (distill.checkpoint). ``eagle_head``: the eagle drafter's saved head (drafters.eagle.save_head;
-    None: the shipped head, else a random-initialised one; ``eagle_tree``: (width, depth) of its
-    dynamic trees, width 0: chains); ``medusa_head``: the medusa drafter's
-    (drafters.medusa; None: the shipped heads, else fresh ones), drafting trees unless not
-    ``medusa_tree``."""
-    from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
-    from specjax.drafters.host import host_drafter
-    from specjax.drafters.prompt_lookup import PromptLookupDrafter
-    from specjax.errors import SpecjaxError
-    from specjax.models.loader import load_model
-
-    cfg = model.cfg
-    if drafter == "prompt_lookup":
-        pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
-        return {"drafter": host_drafter(pld)}
-    if drafter == "hybrid_eagle":  # suffix chains where they score above tau, the EAGLE head elsewhere
-        import dataclasses
-
-        from specjax.drafters import eagle
-        from specjax.drafters.head_hybrid import SuffixHeadDrafter
-        from specjax.drafters.suffix import SuffixDrafter
-
-        head = eagle.build(model, eagle_head)
-        sd = SuffixDrafter(dataclasses.replace(suffix or suffix_config(k), tree=False), history=suffix_history)
-        return {"drafter": SuffixHeadDrafter(sd, head.draft, head.params, tau=suffix_tau)}
-    if drafter in SUFFIX_DRAFTERS:
-        import dataclasses
-
-        from specjax.drafters.suffix import HybridDrafter, SuffixDrafter
-
-        scfg = suffix or suffix_config(k)
-        if drafter == "suffix_path":
-            scfg = dataclasses.replace(scfg, tree=False)
-        sd = SuffixDrafter(scfg, history=suffix_history)
-        if drafter == "hybrid":
-            pld = PromptLookupDrafter(prompt_lookup_config(k, pld_min_ngram, pld_max_ngram, pld_max_draft))
-            if suffix_tau < 0:
-                raise SpecjaxError(f"--suffix_tau must be >= 0, got {suffix_tau}")
-            sd = HybridDrafter(sd, pld, tau=suffix_tau)
-        return {"drafter": host_drafter(sd)}
-    if drafter == "layer_skip":
-        if draft_checkpoint:  # (its draft.json says how many layers)
-            from specjax.distill.checkpoint import load_draft
-
-            td, trainable = load_draft(draft_checkpoint, cfg, model.params)
-            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
-        if not 1 <= draft_layers <= cfg.num_layers - 1:
-            raise SpecjaxError(f"--draft_layers must be in 1..{cfg.num_layers - 1} for {cfg.name} "
-                               f"({cfg.num_layers} layers), got {draft_layers}")
-        return {"drafter": DeviceDrafter(*layer_skip(cfg, model.params, draft_layers))}
-    if drafter == "eagle":
-        from specjax.drafters import eagle
-
-        return {"drafter": eagle.build(model, eagle_head, *eagle_tree)}
-    if drafter == "medusa":
-        from specjax.drafters import medusa
-
-        return {"drafter": medusa.build(model, medusa_head, medusa_tree)}
-    if drafter == "draft_model":
-        if draft is None:
-            if not draft_model:
-                raise SpecjaxError("--drafter draft_model needs --draft_model (a model name, .gguf file or HF dir)")
-            draft = load_model(draft_model, dtype)
-        dcfg = draft.cfg
-        if dcfg.vocab_size != cfg.vocab_size:
-            raise SpecjaxError(f"draft model {dcfg.name} has vocabulary size {dcfg.vocab_size} but the target "
-                               f"{cfg.name} has {cfg.vocab_size}; draft and target must share a tokenizer")
-        if draft_checkpoint:
-            from specjax.distill.checkpoint import load_draft
-
-            td, trainable = load_draft(draft_checkpoint, cfg, model.params, draft_model=draft)
-            return {"drafter": DeviceDrafter(td.draft, td.params(trainable))}
-        return {"drafter": DeviceDrafter(ModelDraft(dcfg), draft.params)}
-    entry = DRAFTERS.get(drafter)
-    if entry is None:
-        raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
-    if entry.build is None:
-        return {}
-    # a kind registered elsewhere: its entry builds it, from its DrafterSpec (the knobs above are
-    # the built-in kinds' own)
+def drafter_parts(model, drafter: str, *, k: int, draft=None, **knobs) -> dict:
+    """The drafter ``drafter`` (a registered name) with DrafterSpec ``knobs`` on ``model`` as the
+    keyword arguments of SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}``
+    (``{}`` for none)."""
     from specjax.engine.spec import DrafterSpec
 
-    return {"drafter": entry.build(model, DrafterSpec(name=drafter, k=k), draft)}
+    d = build_drafter(model, DrafterSpec(name=drafter, k=k, **knobs), draft)
+    return {} if d is None else {"drafter": d}
 
 
 def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, draft_first: bool = False,
@@ -289,7 +137,7 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
-    if parts is None and drafter == "prompt_lookup" and profiling:
+    if parts is None and drafter == TARGET_ONLY and profiling:
         parts = {"drafter": FixedLengthDrafter()}
     elif parts is None:
         parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
@@ -299,44 +147,24 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
                       teacher_topk=teacher_topk, layout=layout, prefix_cache_mb=prefix_cache_mb, **(parts if isinstance(parts, dict) else {"drafter": parts}))
 
 
-def model_name(spec: str) -> str:
-    """The name a model spec loads under (LoadedModel.cfg.name): a config name as is, a .gguf
-    file or HF directory by its base name."""
-    import os
-
-    return os.path.basename(os.path.normpath(spec)) if (spec.endswith(".gguf") or os.path.isdir(spec)) else spec
-
-
-def drafter_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None) -> str:
-    """A drafter with what tells its device drafts apart: the layer count of a layer-skip draft,
-    the model of an independent draft model."""
-    if drafter == "layer_skip":
-        return f"layer_skip{draft_layers}"
-    if drafter == "draft_model" and draft_model:
-        return f"draft_model:{model_name(draft_model)}"
-    return drafter
+def perf_model_label(spec) -> str:
+    """The performance model the steps of ``spec`` (a DrafterSpec) are costed with (its kind's
+    entry: drafters.table). Host drafters (prompt lookup, suffix trees, hybrid) add nothing to the
+    device step, so they share the target-only model, which launch/profile.py fits under the name
+    TARGET_ONLY; a layer-skip draft is told apart by its layers, a draft model by its file, a
+    head's device trees by their shape (their steps cost what its chains' do not); hybrid_eagle's
+    steps are the EAGLE head's chain steps (less the head's drafting where every row has a suffix
+    chain, which the online cost calibration sees), so it is costed with eagle's model."""
+    return entry(spec.name).label(spec)
 
 
-TARGET_ONLY = "prompt_lookup"  # the host drafter launch/profile.py times the target-only steps with
-
-
-def perf_model_label(drafter: str, draft_layers: int = 8, draft_model: str | None = None, trees: str = "") -> str:
-    """The performance model a drafter's steps are costed with. Host drafters (prompt lookup,
-    suffix trees, hybrid) add nothing to the device step, so they share the target-only model,
-    which launch/profile.py fits under the name TARGET_ONLY. ``trees``: a head's device trees
-    (``tree_label``), whose steps cost what its chains' do not. hybrid_eagle's steps are the
-    EAGLE head's chain steps (less the head's drafting where every row has a suffix chain, which
-    the online cost calibration sees), so it is costed with eagle's model."""
-    if drafter not in DEVICE_DRAFTERS:
-        return TARGET_ONLY
-    return ("eagle" if drafter == "hybrid_eagle" else drafter_label(drafter, draft_layers, draft_model)) + trees
-
-
-def tree_label(d) -> str:
-    """What a DrafterSpec's device trees add to its performance-model label ("" for chains)."""
-    if d.name == "eagle" and d.eagle_tree_width:
-        return f"_tree{d.eagle_tree_width}x{d.eagle_tree_depth}"
-    return "_tree" if d.name == "medusa" and d.medusa_tree else ""
+def chain_of(spec):
+    """``spec`` (a DrafterSpec of a kind that drafts trees) drafting chains instead (its entry's
+    ``chain``), or None when it already drafts chains or its kind has no such switch."""
+    changes = dict(entry(spec.name).chain)
+    if not changes or all(getattr(spec, k) == v for k, v in changes.items()):
+        return None
+    return dataclasses.replace(spec, **changes)
 
 
 def default_perf_models() -> str:
@@ -383,25 +211,25 @@ def perf_key(spec, target_name: str) -> str:
     hardware: host drafters share the target-only model; the code key names the executable."""
     from specjax.goodput.perf_model import hardware_key, model_key
 
-    d = spec.drafter
-    return model_key(target_name, perf_model_label(d.name, d.draft_layers, d.draft_model, tree_label(d)),
-                     hardware_key(), spec.code_key())
+    return model_key(target_name, perf_model_label(spec.drafter), hardware_key(), spec.code_key())
 
 
 def profile_command(spec) -> str:
-    """The launch/profile.py command that profiles what ``spec`` compiles."""
+    """The launch/profile.py command that profiles what ``spec`` compiles: its forward options and,
+    for a device drafter, the knobs of its kind that differ from their defaults."""
+    from specjax.engine.spec import DrafterSpec
+
     d, f = spec.drafter, spec.fwd
-    label = perf_model_label(d.name, d.draft_layers, d.draft_model, tree_label(d))
-    dev = DRAFTERS[d.name].device
+    dev = entry(d.name).device
     args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
             f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
     args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + [f"--scan_layers {int(f.scan_layers)}"]
     args += ["--rows_activations int8"] * f.rows_int8
-    args += [f"--draft_layers {d.draft_layers}"] * (label.startswith("layer_skip")) + \
-        [f"--draft_model {d.draft_model}"] * (dev and bool(d.draft_model))
-    if d.name == "eagle" and d.eagle_tree_width:  # (a head's trees cost what its chains do not)
-        args += [f"--eagle_tree_width {d.eagle_tree_width}", f"--eagle_tree_depth {d.eagle_tree_depth}"]
-    args += ["--nomedusa_tree"] * (d.name == "medusa" and not d.medusa_tree)
+    default = DrafterSpec(name=d.name)
+    for knob in sorted(entry(d.name).reads) if dev else ():
+        v = getattr(d, knob)
+        if v != getattr(default, knob):
+            args.append(f"--{'' if v else 'no'}{knob}" if isinstance(v, bool) else f"--{knob} {v}")
     return "python launch/profile.py " + " ".join(args)
 
 
@@ -439,21 +267,6 @@ def build_policy(spec, target_name: str):
     return policy_for("smartspec" if pol.name == "auto" else pol.name, cost), pol.label, None
 
 
-def drafter_kwargs(spec, model, draft=None, dtype: str = "float32") -> dict:
-    """A DrafterSpec as drafter_parts' keyword arguments (``draft``: a loaded draft model, else
-    one is loaded in ``dtype``)."""
-    hist = spec.suffix_history_jsonl if "suffix_history_jsonl" in DRAFTERS[spec.name].reads else None
-    return dict(draft_model=spec.draft_model, draft_layers=spec.draft_layers, pld_min_ngram=spec.pld_min_ngram,
-                pld_max_ngram=spec.pld_max_ngram, pld_max_draft=spec.pld_max_draft, draft=draft, dtype=dtype,
-                suffix=suffix_config(spec.k, max_depth=spec.suffix_max_depth, alpha=spec.suffix_alpha,
-                                     min_prob=spec.suffix_min_prob, tree=spec.suffix_tree,
-                                     cache_requests=spec.suffix_cache_requests, cache_mb=spec.suffix_cache_mb),
-                suffix_tau=spec.suffix_tau, draft_checkpoint=spec.draft_checkpoint, eagle_head=spec.eagle_head,
-                medusa_head=spec.medusa_head, medusa_tree=spec.medusa_tree,
-                eagle_tree=(spec.eagle_tree_width, spec.eagle_tree_depth),
-                suffix_history=load_suffix_history(hist, model.tokenizer) if hist else ())
-
-
 def layout(spec):
     """The sharding.Layout of ``spec.mesh`` over this process's devices, or None (one device)."""
     if not spec.mesh:
@@ -465,16 +278,17 @@ def layout(spec):
 
 
 def warm_host_kernels(name: str) -> bool:
-    """Compile (or load from numba's disk cache) the host kernels drafter ``name`` calls, once per
-    process (a cold cache: about 19 s for the suffix drafters' kernels; none for the others).
-    A launch script starts it in a thread beside the model load (cli.prewarm_drafter); a job
-    compiled ahead waits for it before serving (serve_job), so no request pays it. Returns
-    whether the drafter has such kernels."""
-    if name not in SUFFIX_DRAFTERS:
+    """Compile (or load from numba's disk cache) the host kernels drafter ``name`` calls (its
+    entry's ``host_kernels``), once per process (a cold cache: about 19 s for the suffix drafters'
+    kernels; none for the others). A launch script starts it in a thread beside the model load
+    (cli.prewarm_drafter); a job compiled ahead waits for it before serving (serve_job), so no
+    request pays it. Returns whether the drafter has such kernels."""
+    warm = entry(name).host_kernels
+    if warm is None:
         return False
-    from specjax.drafters.suffix.drafter import warm_kernels
+    from specjax.drafters.table import resolve
 
-    warm_kernels()
+    resolve(warm)()
     return True
 
 
@@ -487,8 +301,8 @@ def build_backend(spec, model, *, draft=None, **kw):
     kw.setdefault("draft_first", spec.policy.draft_first)
     kw.setdefault("packed", spec.policy.packed)
     be = make_backend(model, spec.drafter.name, k_buckets=spec.k_buckets, batch_buckets=spec.batch_buckets,
-                        slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
-                        prefix_cache_mb=spec.prefix_cache_mb, **kw, **({} if kw.get("parts") else drafter_kwargs(spec.drafter, model, draft, spec.dtype)))
+                      slots=spec.slots, fwd=spec.fwd, prefill_chunk=spec.prefill_chunk,
+                      prefix_cache_mb=spec.prefix_cache_mb, draft=draft, **spec.drafter.knobs(), **kw)
     from specjax.drafters.protocol import check_k
 
     # (K buckets above the most drafts the drafter's steps take are not compiled: usable_k_buckets)
@@ -508,5 +322,5 @@ def build_generator(spec, model, draft=None):
                          prefill_chunk=spec.prefill_chunk, prefix_cache_mb=spec.prefix_cache_mb)
     return build_spec_generator(model, spec.drafter.name, k=spec.drafter.k, k_buckets=spec.k_buckets, fwd=spec.fwd,
                                 draft_first=spec.policy.draft_first, packed=spec.policy.packed,
-                                prefill_chunk=spec.prefill_chunk, prefix_cache_mb=spec.prefix_cache_mb,
-                                **drafter_kwargs(spec.drafter, model, draft, spec.dtype))
+                                prefill_chunk=spec.prefill_chunk, prefix_cache_mb=spec.prefix_cache_mb, draft=draft,
+                                **spec.drafter.knobs())

@@ -17,13 +17,16 @@ never reshards between steps. Without a layout everything runs on one device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import ModelConfig
+from specjax.errors import SpecjaxError
 
 LOGICAL_RULES: dict[str, str | None] = {
     "batch": "data",
@@ -71,7 +74,6 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A ``data`` x ``model`` mesh (jax.make_mesh, GSPMD-propagated ``Auto`` axes) over the
     first data * model of ``devices`` (default: this process's devices; in a multi-process job
     each process serves as a data-parallel replica on its own)."""
-    from specjax.errors import SpecjaxError
 
     if not (isinstance(data, (int, np.integer)) and isinstance(model, (int, np.integer)) and data >= 1 and model >= 1):
         raise SpecjaxError(f"mesh sizes must be positive integers, got data={data!r} x model={model!r}")
@@ -178,7 +180,6 @@ class Layout:
         """One-line SpecjaxError, naming the config and the mesh, for a model axis that would
         split attention heads or MLP columns unevenly (KV heads fewer than the shards are
         replicated instead; more but not divisible is an error)."""
-        from specjax.errors import SpecjaxError
 
         tp = self.mesh.shape.get(self._rules().get("heads") or "", 1)
         bad = [f"{n} {what}" for n, what in ((cfg.num_heads, "attention heads"), (cfg.intermediate_size, "MLP columns"))
@@ -214,9 +215,7 @@ class Layout:
             self.check(draft_cfg, "draft")
         budget = device_memory_budget()
         if budget:
-            from specjax import aot
-
-            aot.check_fit(cfg, self, rows, slots, jax.tree_util.tree_leaves(params)[0].dtype, budget)
+            check_fit(cfg, self, rows, slots, jax.tree_util.tree_leaves(params)[0].dtype, budget)
         same = draft_params is None or draft_params is params
         return (self.put_params(cfg, params),
                 None if same else self.put_params(draft_cfg or cfg, draft_params, draft=True))
@@ -278,3 +277,44 @@ def device_memory_budget() -> float | None:
 def with_shardings(abstract, shardings):
     """ShapeDtypeStructs of ``abstract`` carrying ``shardings`` (a matching tree)."""
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+GB = 1e9
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of placed arrays or sharded ShapeDtypeStructs (the
+    largest shard: uneven splits are padded to it)."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shape = x.sharding.shard_shape(tuple(x.shape)) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, layout: "Layout", dtype=jnp.bfloat16) -> float:
+    """KV cache bytes one device holds per cached token (K and V of every layer; KV heads split
+    over the model axis where they divide, replicated where they do not)."""
+    from specjax.cache import KVCache
+
+    shape = (cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim)
+    s = layout.cache(KVCache(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
+                             lengths=jax.ShapeDtypeStruct((1,), jnp.int32))).k
+    return 2 * math.prod(s.shard_shape(shape)) * jnp.dtype(dtype).itemsize
+
+
+def check_fit(cfg: ModelConfig, layout: "Layout", batch: int, slots: int, dtype=jnp.bfloat16,
+              budget: float = 80 * GB) -> float:
+    """One-line SpecjaxError, before any compilation or device work, when one device's share of
+    the weights and of a ``batch`` x ``slots`` KV cache exceeds ``budget`` bytes; else the KV bytes
+    per cached token and device."""
+    layout.check(cfg)
+    weights = per_device_bytes(layout.abstract_params(cfg, dtype))
+    kv_tok = kv_bytes_per_token(cfg, layout, dtype)
+    kv = kv_tok * batch * slots
+    if weights + kv > budget:
+        room = max(0, int((budget - weights) // kv_tok))
+        raise SpecjaxError(f"{cfg.name} on {layout.describe()}: {weights / GB:.1f} GB of weights + {kv / GB:.1f} GB "
+                           f"of KV cache ({batch} x {slots} tokens) per device exceed the {budget / GB:.0f} GB budget; "
+                           f"at most {room} cached tokens fit beside the weights")
+    return kv_tok

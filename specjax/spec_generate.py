@@ -20,7 +20,8 @@ from typing import Literal, Sequence
 from specjax.config import ModelConfig
 from specjax.drafters.kinds import as_drafter
 from specjax.drafters.protocol import check_k, usable_k_buckets
-from specjax.engine.jax_backend import JaxBackend, check_same_avals, param_avals
+from specjax.device_arrays import check_same_avals, param_avals
+from specjax.engine.jax_backend import JaxBackend
 from specjax.engine.loop import ServingEngine
 from specjax.engine.options import BackendOptions, model_params
 from specjax.engine.scheduler import Request

@@ -338,12 +338,13 @@ def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
 def hybrid_backend(tiny, head):
     """hybrid_eagle on the tiny model: suffix trees holding two earlier requests' outputs."""
     from specjax.drafters.head_hybrid import SuffixHeadDrafter
+    from specjax.drafters import suffix
     from specjax.drafters.suffix import SuffixDrafter
 
     cfg, params = tiny
     ref = [r.tokens for r in reference_generate(cfg, params, PROMPTS[:2], max_new_tokens=MAX_NEW, batch_buckets=(1,))]
     history = [list(p) + r for p, r in zip(PROMPTS[:2], ref)]  # what earlier requests wrote
-    sd = SuffixDrafter(registry.suffix_config(2, tree=False), history=history)
+    sd = SuffixDrafter(suffix.config(2, tree=False), history=history)
     return JaxBackend(cfg, params, drafter=SuffixHeadDrafter(sd, head[0], head[1], tau=0.5), k_buckets=(0, 2),
                       batch_buckets=(B,), slots=SLOTS)
 

@@ -393,13 +393,19 @@ def test_registry_policies_are_keyed_by_their_device_draft(tmp_path):
     per request; only smartspec-req also sets per-request draft counts."""
     from specjax import registry
 
-    assert registry.perf_model_label("hybrid") == registry.perf_model_label("suffix") == "prompt_lookup"
-    assert registry.perf_model_label("layer_skip", 12) == "layer_skip12"
-    assert registry.perf_model_label("draft_model", draft_model="/w/coder-0.5b.gguf") == "draft_model:coder-0.5b.gguf"
+    def label(name, **knobs):
+        return registry.perf_model_label(DrafterSpec(name=name, **knobs))
+
+    assert label("hybrid") == label("suffix") == "prompt_lookup"
+    assert label("layer_skip", draft_layers=12) == "layer_skip12"
+    assert label("draft_model", draft_model="/w/coder-0.5b.gguf") == "draft_model:coder-0.5b.gguf"
     # hybrid_eagle runs the EAGLE head's chain steps; a head's trees are costed apart from its chains
-    assert registry.perf_model_label("hybrid_eagle") == registry.perf_model_label("eagle") == "eagle"
+    assert label("hybrid_eagle") == label("eagle") == "eagle"
+    assert label("eagle", eagle_tree_width=3, eagle_tree_depth=3) == "eagle_tree3x3"
+    assert label("medusa") == "medusa_tree" and label("medusa", medusa_tree=False) == "medusa"
     tree = DrafterSpec(name="eagle", eagle_tree_width=3, eagle_tree_depth=3)
-    assert registry.perf_model_label("eagle", trees=registry.tree_label(tree)) == "eagle_tree3x3"
+    assert registry.chain_of(tree) == DrafterSpec(name="eagle", eagle_tree_depth=3)
+    assert registry.chain_of(DrafterSpec(name="eagle")) is None and registry.chain_of(DrafterSpec("suffix")) is None
     assert registry.model_name("smollm2-135m") == "smollm2-135m"
     path = str(tmp_path / "perf.json")
     save_model(path, "other", StepCostModel(target=LinearCost()))

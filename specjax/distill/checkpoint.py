@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 
 from specjax import ondisk
 from specjax.config import ModelConfig
-from specjax.engine.jax_backend import param_avals
+from specjax.device_arrays import param_avals
 from specjax.errors import SpecjaxError
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from specjax import buckets as bk
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters.protocol import TREE, Drafter, StepInputs, VerifyStep
-from specjax.engine.loop import Proposal
+from specjax.serving_types import Proposal
 from specjax.errors import require
 from specjax.goodput.acceptance import TreeNodeRates
 from specjax.models import llama
@@ -58,11 +58,14 @@ class ModelDraft:
     cfg: ModelConfig
     label: str = "draft_model"
     vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
-    # The chain step also takes host drafts (a hybrid's, drafters.head_hybrid): a row whose
-    # draft_tokens[:, 0] >= 0 verifies those (q one-hot: deterministic drafts), the others this draft's.
-    host_rows: bool = False
-    features = ()  # target layers whose inputs it reads (a feature head, drafters.eagle); none here
+    features = ()  # target layers whose inputs the target forward hands it (a feature head's signal); none here
     drafts_trees = False  # it drafts token trees inside the tree step (``draft_tree``: Medusa, EAGLE-2)
+    # its cache keeps up with plain (K = 0) steps too (a head's deferred window): a decode call in
+    # which no row will ever draft may leave that out (DecodeStep.upkeep)
+    plain_upkeep = False
+    # a layered prefill may run its layers as calls of their own (a Llama-family draft model; a head,
+    # which reads the target's features, prefills inside the finishing call)
+    prefill_as_layers = True
 
     def max_drafts(self, trees: bool) -> int | None:
         """The most drafts (``trees``: tree nodes) one step can take; None: any K."""
@@ -76,6 +79,34 @@ class ModelDraft:
     def init_cache(self, B: int, slots: int, dtype) -> kv.KVCache:
         """The draft's empty cache for B rows (step.fresh_state)."""
         return llama.init_cache_for(self.cfg, B, slots, dtype)
+
+    # ---- the compiled steps' hooks: engine.step calls these, whatever the kind, and a kind
+    # overrides what its steps need (a head's upkeep, a hybrid's host rows)
+
+    def chain_drafts(self, dparams, dcache, state, host_tokens, num_draft, active, K: int, samp: SamplingArrays,
+                     greedy_only: bool):
+        """The drafts a chain step of K verifies (``host_tokens`` [B, K]: what the host passed in;
+        ``state``: the step's StepState): (tokens [B, K], their distributions q or None, the draft
+        cache, a carry handed to ``after_chain``)."""
+        toks, q, dc = self.draft(dparams, dcache, state.prev, state.pending, state.cache.lengths, K, samp, greedy_only)
+        return toks, q, dc, None
+
+    def after_chain(self, dparams, dcache, carry, block, feats, lengths, n_commit, active, K: int):
+        """The draft cache after a chain step (K = 0: a plain step) verified ``block`` [B, K + 1]
+        (``feats``: the target's features of it, or None; ``lengths``: the target's before the
+        block; ``n_commit``: entries committed per row). A draft model re-derives what it needs
+        from the target's lengths when it next drafts: nothing to do."""
+        return dcache
+
+    def tree_drafts(self, dparams, dcache, pending, lengths, n: int):
+        """A token tree of ``n`` nodes drafted inside the tree step (``drafts_trees``): (tokens
+        [B, n + 1], parents, the draft cache)."""
+        tokens, parents = self.draft_tree(dparams, dcache, pending, lengths, n)
+        return tokens, parents, dcache
+
+    def after_tree(self, dparams, dcache, tokens, path, feats, lengths, n_commit):
+        """The draft cache after a tree step accepted ``path`` (node numbers [B, N]) of ``tokens``."""
+        return dcache
 
     def _full(self, dparams, lg):
         """Draft logits over the target's vocabulary: a reduced head's N columns go to their
@@ -189,6 +220,39 @@ class ModelDraft:
         _, _, dc, toks, qs, conf, n, _ = jax.lax.while_loop(
             cond, body, (jnp.int32(1), d, dc, toks, qs, conf, n, going))
         return toks, qs, conf, n, dc
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureHeadDraft(ModelDraft):
+    """What every feature head (drafters.eagle, drafters.medusa) does in the compiled steps: it
+    reads the target's features (``features``), keeps a plain step's token and features for a
+    later catch-up (``defer``), catches up on what plain steps deferred before it drafts
+    (``settle``), and after a verify step rewrites the block's entries with the target's real
+    features (``catch_up``); the kind supplies those three."""
+
+    plain_upkeep = True
+    prefill_as_layers = False
+
+    def chain_drafts(self, dparams, dcache, state, host_tokens, num_draft, active, K, samp, greedy_only):
+        dcache = self.settle(dparams, dcache)
+        toks, q, dc = self.draft(dparams, dcache, state.prev, state.pending, state.cache.lengths, K, samp, greedy_only)
+        return toks, q, dc, dcache.feat  # (the carried feature the block's first entry pairs with)
+
+    def after_chain(self, dparams, dcache, carry, block, feats, lengths, n_commit, active, K):
+        if K == 0:  # a plain step's token, kept for a later catch-up
+            return self.defer(dparams, dcache, block[:, 0], feats[:, 0], active)
+        return self.catch_up(dparams, dcache, carry, block, feats, lengths, n_commit)
+
+    def tree_drafts(self, dparams, dcache, pending, lengths, n):
+        dcache = self.settle(dparams, dcache)
+        tokens, parents = self.draft_tree(dparams, dcache, pending, lengths, n)
+        return tokens, parents, dcache
+
+    def after_tree(self, dparams, dcache, tokens, path, feats, lengths, n_commit):
+        # (along the accepted path, as after a chain)
+        on_path = jnp.take_along_axis(feats, path[..., None], axis=1)
+        return self.catch_up(dparams, dcache, dcache.feat, jnp.take_along_axis(tokens, path, axis=1), on_path,
+                             lengths, n_commit)
 
 
 def layer_skip(cfg: ModelConfig, params, num_layers: int) -> tuple[ModelDraft, dict]:

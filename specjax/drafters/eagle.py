@@ -40,7 +40,7 @@ import numpy as np
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters import heads
-from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDraft, FeatureHeadDrafter, frequent_tokens
 from specjax.errors import require
 from specjax.models import llama
 from specjax.models.options import ForwardOptions
@@ -50,7 +50,7 @@ trainable_of = heads.trainable_of  # (its own arrays: what is trained and saved)
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDraft(ModelDraft):
+class EagleDraft(FeatureHeadDraft):
     """The head as the compiled step runs it (hashable: part of the compile key). ``cfg``: the
     target's config as a one-layer model; ``features``: the target layers it reads."""
 
@@ -299,3 +299,8 @@ def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int =
     if tree_width:
         return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=tree_width, tree_depth=tree_depth), dparams)
     return FeatureHeadDrafter(draft, dparams)
+
+
+def build_kind(model, spec, draft=None) -> FeatureHeadDrafter:
+    """The ``eagle`` kind from its DrafterSpec (drafters.table)."""
+    return build(model, spec.eagle_head, spec.eagle_tree_width, spec.eagle_tree_depth)

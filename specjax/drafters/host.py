@@ -16,7 +16,7 @@ import numpy as np
 from specjax import buckets as bk
 from specjax import tree
 from specjax.drafters.protocol import TREE, Drafter, StepInputs, tree_inputs
-from specjax.engine.loop import Proposal
+from specjax.serving_types import Proposal
 
 
 class HostChain(Drafter):

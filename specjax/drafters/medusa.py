@@ -34,7 +34,7 @@ import numpy as np
 from specjax import cache as kv
 from specjax.config import ModelConfig
 from specjax.drafters import heads as head_io
-from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDrafter, ModelDraft, frequent_tokens
+from specjax.drafters.device import DeviceTreeDrafter, FeatureHeadDraft, FeatureHeadDrafter, frequent_tokens
 from specjax.errors import require
 from specjax.models import llama
 
@@ -43,7 +43,7 @@ DEFAULT_VOCAB = 4096
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDraft(ModelDraft):
+class MedusaDraft(FeatureHeadDraft):
     """The heads as the compiled step runs them (hashable: part of the compile key)."""
 
     label: str = "medusa"
@@ -214,3 +214,8 @@ def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDraft
     if not draft.tree:
         draft = dataclasses.replace(draft, tree=best_tree(prior_accuracy(draft.heads), TREE_NODES))
     return DeviceTreeDrafter(draft, dparams)
+
+
+def build_kind(model, spec, draft=None) -> FeatureHeadDrafter:
+    """The ``medusa`` kind from its DrafterSpec (drafters.table)."""
+    return build(model, spec.medusa_head, spec.medusa_tree)

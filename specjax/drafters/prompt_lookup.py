@@ -116,3 +116,21 @@ class PromptLookupDrafter:
         state = self._rows.get(row)
         require(state is not None, f"prompt lookup row {row} has no active request (call start first)")
         return state
+
+
+def config(k: int, min_ngram: int = 1, max_ngram: int = 3, max_draft: int = 0) -> PromptLookupConfig:
+    """Validated before the model load (SpecjaxError on bad n-gram bounds). max_draft: at most
+    this many drafts per step; 0 means K."""
+    return PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_draft=min(max_draft or k, max(k, 1)))
+
+
+def config_of(spec) -> PromptLookupConfig:
+    """A DrafterSpec's prompt-lookup settings."""
+    return config(spec.k, spec.pld_min_ngram, spec.pld_max_ngram, spec.pld_max_draft)
+
+
+def build(model, spec, draft=None):
+    """The ``prompt_lookup`` kind from its DrafterSpec (drafters.table)."""
+    from specjax.drafters.host import host_drafter
+
+    return host_drafter(PromptLookupDrafter(config_of(spec)))

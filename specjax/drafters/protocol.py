@@ -24,9 +24,8 @@ import jax
 import numpy as np
 
 from specjax import tree
-from specjax.engine.loop import Proposal
-from specjax.engine.scheduler import Running
 from specjax.errors import require
+from specjax.serving_types import Proposal, Running
 
 
 class StepKind(abc.ABC):
@@ -194,6 +193,12 @@ class Drafter(abc.ABC):
     step: StepKind = CHAIN  # the compiled step its proposals (K > 0) run in
     draft_prefill = False  # admission runs a prefill of its own (a draft cache) that a request may skip
     max_k: int | None = None  # the most drafts (tree nodes) one step can take (usable_k_buckets); None: any
+
+    @property
+    def plain_upkeep(self) -> bool:
+        """Whether its device draft keeps up with plain steps (``ModelDraft.plain_upkeep``: a head's
+        deferred window), which a decode call leaves out when no row will ever draft."""
+        return bool(self.draft is not None and self.draft.plain_upkeep)
 
     def reset(self) -> None:
         """A new run: forget per-step state (requests are told through finish)."""

@@ -40,6 +40,7 @@ from specjax.engine import prefix_store
 from specjax.engine.prefill_jobs import PrefillJob, PrefillQueue, make_jobs
 from specjax.engine.scheduler import Running
 from specjax.engine.table import StepTable, yield_to_serving
+from specjax.device_arrays import check_same_avals, param_avals  # noqa: F401  (re-exported)
 from specjax.errors import SpecjaxError, require
 from specjax.sampling import SamplingArrays, SamplingParams
 
@@ -52,22 +53,6 @@ def _zeros_like_info(info):
 MAPS_PER_LAYER_EXE = 22  # measured: ~650 memory maps per SmolLM2 (30-layer) prefill/step executable, row ops included
 
 
-def param_avals(tree):
-    """Each leaf's (shape, dtype): what a compiled executable fixes about a params pytree."""
-    return jax.tree_util.tree_map(lambda a: (tuple(a.shape), str(a.dtype)), tree)
-
-
-def check_same_avals(compiled, new, what: str) -> None:
-    """One-line SpecjaxError unless ``new`` has ``compiled``'s tree, shapes and dtypes."""
-    a, b = jax.tree_util.tree_flatten_with_path(compiled), jax.tree_util.tree_flatten_with_path(new)
-    if a[1] != b[1]:
-        raise SpecjaxError(f"{what} do not have the compiled tree: {b[1]} vs {a[1]}"[:400])
-    for (path, x), (_, y) in zip(a[0], b[0]):
-        if (tuple(x.shape), x.dtype) != (tuple(y.shape), y.dtype):
-            raise SpecjaxError(f"{what} do not match the compiled ones at {jax.tree_util.keystr(path)}: "
-                               f"{tuple(y.shape)} {y.dtype} vs {tuple(x.shape)} {x.dtype}")
-
-
 _LATER: "weakref.WeakSet[JaxBackend]" = weakref.WeakSet()  # backends whose warm-up started a background thread
 
 
@@ -78,8 +63,8 @@ def _stop_background() -> None:
 
 
 def _keeps_upkeep(job) -> bool:
-    """Whether a warm-up step job keeps a feature head's upkeep (all but the decode calls for
-    rows that never draft)."""
+    """Whether a warm-up step job keeps the drafter's plain-step upkeep (all but the decode calls
+    for rows that never draft)."""
     return getattr(getattr(job, "kind", None), "upkeep", True)
 
 
@@ -631,16 +616,11 @@ class JaxBackend:
         return out
 
     def _upkeep(self, rs: Sequence[Running]) -> bool:
-        """Whether a decode call on ``rs`` keeps a feature head's upkeep: unless no row can ever
-        draft (each admitted with the draft disabled, prefill disabling), when the head's work
-        on every plain step would be spent for nothing (a batch job in which drafting does not
-        pay ran 3.5-6% below AR with it)."""
-        return not self._feature_head or any(r.speculate for r in rs)
-
-    @property
-    def _feature_head(self) -> bool:
-        draft = self.drafter.draft
-        return bool(draft is not None and draft.features)
+        """Whether a decode call on ``rs`` keeps the drafter's plain-step upkeep: unless no row can
+        ever draft (each admitted with the draft disabled, prefill disabling), when that work on
+        every plain step would be spent for nothing (a batch job in which drafting does not pay
+        ran 3.5-6% below AR with a head's)."""
+        return not self.drafter.plain_upkeep or any(r.speculate for r in rs)
 
     def _results(self, rs: Sequence[Running], o) -> list[RowResult]:
         host = np.asarray(o.host)  # the step's results reach the host in one transfer
@@ -735,7 +715,7 @@ class JaxBackend:
             for g in greedy_modes:
                 if self.decode_steps > 1:  # plain decoding: its calls, a single K = 0 step among them
                     steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size), B, 0, g))
-                    if self._feature_head and False in draft_modes:  # (rows admitted without the draft)
+                    if self.drafter.plain_upkeep and False in draft_modes:  # (rows admitted without the draft)
                         steps.append(StepJob(DecodeStep(self.decode_steps, self.cfg.vocab_size, upkeep=False), B, 0, g))
                 else:
                     steps.append(StepJob(CHAIN, B, 0, g, 0))

@@ -40,7 +40,8 @@ import numpy as np
 
 from specjax.engine.observers import (BetweenSteps, CountAcceptance, Observer, PolicyFeedback, StepEvent, StepLog,
                                       StepRecord)
-from specjax.engine.scheduler import Request, RequestOutput, Running, Scheduler
+from specjax.engine.scheduler import Scheduler
+from specjax.serving_types import Proposal, Request, RequestOutput, RowResult, Running  # noqa: F401  (re-exported)
 from specjax.errors import SpecjaxError
 from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
@@ -78,30 +79,6 @@ class EventClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
-
-
-@dataclasses.dataclass
-class Proposal:
-    """What the backend knows before the policy picks K (see BatchView)."""
-
-    draft_lens: list[int] | None = None
-    drafts: list | None = None  # host drafters: the draft token arrays (for shadow verification)
-    confidences: object = None
-    true_accept: list[int] | None = None
-    draft_scores: list | None = None  # tree drafters: per-node acceptance estimates (BatchView)
-    draft_classes: list | None = None  # host drafters: the kind of match behind each proposal (BatchView)
-    drafted_ahead: int = 0  # device draft forwards already run for this step (a draft call, Algorithm 3)
-    draft_free: bool = False  # no device drafting this step whatever K (BatchView)
-
-
-@dataclasses.dataclass
-class RowResult:
-    tokens: list[int]  # accepted drafts then the correction/bonus token
-    drafted: int
-    accepted: int
-    # backends with a teacher_topk: the target's top-k (ids, logits) [len(tokens), k] behind
-    # each of ``tokens`` (online distillation's teacher signal)
-    teacher: tuple | None = None
 
 
 class Backend(Protocol):

@@ -14,17 +14,18 @@ distillation's opportunistic update).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from specjax.goodput.acceptance import AcceptanceCounts
 from specjax.goodput.selector import BatchView, DraftPrefillGate, Policy
+from specjax.serving_types import Proposal, RowResult, Running
 from specjax.tree import DraftTree
 
-if TYPE_CHECKING:  # (the loop imports this module)
-    from specjax.engine.loop import Proposal, RowResult, ServingEngine
-    from specjax.engine.scheduler import Running
+# The engine observers are handed (engine.loop.ServingEngine, which imports this module: named,
+# not imported, here).
+Engine = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Observer:
     def on_step(self, ev: StepEvent) -> None:
         """The step's outcome: its tokens are emitted, its finished requests have not left yet."""
 
-    def between_steps(self, engine: ServingEngine) -> None:
+    def between_steps(self, engine: Engine) -> None:
         """After the step's finished requests left (their on_finish hooks ran)."""
 
 
@@ -176,8 +177,8 @@ class PolicyFeedback(Observer):
 class BetweenSteps(Observer):
     """A callable run between steps with the engine (``ServingEngine(on_step=...)``)."""
 
-    def __init__(self, fn: Callable[[ServingEngine], None]):
+    def __init__(self, fn: Callable[[Engine], None]):
         self.fn = fn
 
-    def between_steps(self, engine: ServingEngine) -> None:
+    def between_steps(self, engine: Engine) -> None:
         self.fn(engine)

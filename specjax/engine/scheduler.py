@@ -12,75 +12,11 @@ queues work.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
-from typing import Callable, Sequence
+from typing import Callable
 
 from specjax.errors import SpecjaxError
-from specjax.sampling import SamplingParams
-
-
-@dataclasses.dataclass
-class Request:
-    id: str
-    prompt: Sequence[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    arrival: float = 0.0  # seconds after the start of the run
-    ignore_eos: bool = False
-    tag: str | None = None  # the client's label of the request (routing among several drafts)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    id: str
-    tokens: list[int]
-    finish_reason: str  # "eos" | "length" | "error"
-    prompt_len: int
-    arrival: float
-    admitted: float = float("nan")
-    first_token: float = float("nan")
-    finished: float = float("nan")
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    error: str | None = None
-    last_token: float = float("nan")
-    max_gap: float = 0.0  # the longest wait between two consecutive tokens (a streaming reader's worst stall)
-    # Online distillation's teacher signal (a backend with teacher_topk): per output token from a
-    # step (the first comes from the prefill and has none), the target's top-k token ids and
-    # logits there, and the output indices where a draft was rejected (Algorithm 1's error index).
-    teacher_ids: list = dataclasses.field(default_factory=list, repr=False)
-    teacher_logits: list = dataclasses.field(default_factory=list, repr=False)
-    teacher_from: int | None = None  # the output index of the first token with a teacher row
-    rejected_at: list[int] = dataclasses.field(default_factory=list, repr=False)
-
-    @property
-    def latency(self) -> float:
-        return self.finished - self.arrival
-
-    def record_teacher(self, start: int, emitted: int, teacher: tuple, drafted: int, accepted: int) -> None:
-        """Keep the teacher rows of the ``emitted`` tokens a step appended at output index ``start``."""
-        if self.teacher_from is None:
-            self.teacher_from = start
-        ids, logits = teacher
-        self.teacher_ids.append(ids[:emitted])
-        self.teacher_logits.append(logits[:emitted])
-        if accepted < drafted and accepted < emitted:
-            self.rejected_at.append(start + accepted)
-
-
-@dataclasses.dataclass
-class Running:
-    """A request that holds a KV row."""
-
-    uid: int
-    req: Request
-    speculate: bool  # False: admitted with the draft disabled (prefill disabling)
-    out: RequestOutput
-    ctx_len: int = 0  # committed cache entries (the pending token is not in the cache yet)
-    done: bool = False
-    prefilling: bool = False  # its prompt is still being prefilled (chunked prefill): no steps yet
+from specjax.serving_types import Request, RequestOutput, Running  # noqa: F401  (re-exported: the engine's names)
 
 
 class Scheduler:

@@ -16,9 +16,9 @@ from specjax.models.options import DEFAULT_SCAN_UNROLL, ForwardOptions
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
-    """name: a registered drafter (registry.DRAFTERS). k: the most drafts (or tree nodes) one
-    step may verify (the largest K bucket). The other fields are read only by the drafters that
-    name them in their registry entry's ``reads``."""
+    """name: a registered drafter kind (drafters.table.DRAFTERS). k: the most drafts (or tree
+    nodes) one step may verify (the largest K bucket). The other fields are read only by the
+    kinds that name them in their table entry's ``reads``."""
 
     name: str = "none"
     k: int = 4
@@ -48,26 +48,29 @@ class DrafterSpec:
     def __post_init__(self):
         require(self.k >= 0, f"the draft budget k must be >= 0, got {self.k}")
 
+    def knobs(self) -> dict:
+        """Every knob (the fields but ``name`` and ``k``) as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "k")}
+
     def check(self) -> None:
         """The drafter's own knobs, checked before any model is loaded (SpecjaxError on the
-        first bad one). Only the knobs the drafter reads (its registry entry's ``reads``)."""
-        from specjax import registry
+        first bad one). Only the knobs the drafter reads (its table entry's ``reads``)."""
+        from specjax.drafters.table import entry
         from specjax.errors import SpecjaxError
 
-        entry = registry.DRAFTERS.get(self.name)
-        if entry is None:
-            raise SpecjaxError(f"unknown drafter {self.name!r}; use one of {', '.join(registry.DRAFTERS)}")
-        reads = entry.reads
+        reads = entry(self.name).reads
         if "draft_model" in reads and not self.draft_model:
             raise SpecjaxError(f"drafter {self.name} needs --draft_model (a model name, .gguf file or HF dir)")
         if "draft_layers" in reads and self.draft_layers < 1:
             raise SpecjaxError(f"--draft_layers must be >= 1, got {self.draft_layers}")
         if reads & {"pld_min_ngram", "pld_max_ngram", "pld_max_draft"}:
-            registry.prompt_lookup_config(self.k, self.pld_min_ngram, self.pld_max_ngram, self.pld_max_draft)
+            from specjax.drafters import prompt_lookup
+
+            prompt_lookup.config_of(self)
         if "suffix_max_depth" in reads:
-            registry.suffix_config(self.k, max_depth=self.suffix_max_depth, alpha=self.suffix_alpha,
-                                   min_prob=self.suffix_min_prob, tree=self.suffix_tree,
-                                   cache_requests=self.suffix_cache_requests, cache_mb=self.suffix_cache_mb)
+            from specjax.drafters import suffix
+
+            suffix.config_of(self)
         if "suffix_tau" in reads and self.suffix_tau < 0:
             raise SpecjaxError(f"--suffix_tau must be >= 0, got {self.suffix_tau}")
         if "suffix_history_jsonl" in reads and self.suffix_history_jsonl:
@@ -211,10 +214,10 @@ class EngineSpec:
             if pol.name == "oracle":
                 raise SpecjaxError("--policy oracle needs the true acceptance: the simulator only")
             if pol.draft_first and not self.drafts_ahead:
-                from specjax import registry
+                from specjax.drafters.table import names
 
                 raise SpecjaxError(f"--policy smartspec-conf (confidence-based proposal) needs a device drafter "
-                                   f"that drafts ahead ({', '.join(registry.AHEAD_DRAFTERS)}), not {self.drafter.name}")
+                                   f"that drafts ahead ({', '.join(names(draft_ahead=True))}), not {self.drafter.name}")
         object.__setattr__(self, "k_buckets", ks)
         bbs = tuple(sorted(set(self.batch_buckets)))
         if not bbs or bbs[0] < 1:
@@ -237,16 +240,16 @@ class EngineSpec:
 
     @property
     def device_draft(self) -> bool:
-        from specjax import registry
+        from specjax.drafters.table import entry
 
-        return registry.DRAFTERS[self.drafter.name].device
+        return entry(self.drafter.name).device
 
     @property
     def drafts_ahead(self) -> bool:
         """The drafter can draft ahead of the policy's choice (confidence policies)."""
-        from specjax import registry
+        from specjax.drafters.table import entry
 
-        return registry.DRAFTERS[self.drafter.name].draft_ahead
+        return entry(self.drafter.name).draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
         """This spec with its automatic settings (``--rows_kernel -1``, ``--rows_activations int8``,

@@ -86,39 +86,10 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     B = state.pending.shape[0]
     if q is not None:
         q = q[:, :K]
-    dcache = state.dcache
-    hybrid = K > 0 and draft is not None and draft.host_rows  # host chains for some rows, the head's for others
-    if K > 0 and key.features and not hybrid:  # a feature head first catches up on what plain steps deferred
-        dcache = draft.settle(dparams, dcache)
-    feat0 = None if dcache is None or not key.features else dcache.feat
-    need_head = None  # hybrid: whether some drafting row takes the head's drafts (a traced bool)
-    if K > 0 and draft is not None:
-        host_tokens = draft_tokens[:, :K]
-
-        def head(dc):
-            if hybrid:  # (settled only where the head drafts: see the catch-up below)
-                dc = draft.settle(dparams, dc)
-            toks, dq, drafted = draft.draft(dparams, dc, state.prev, state.pending, state.cache.lengths, K, samp,
-                                            greedy_only)
-            return toks, dq, drafted, dc.feat if key.features else None
-
-        if hybrid:  # rows with host drafts verify those (deterministic drafts: q one-hot)
-            host = host_tokens[:, 0] >= 0
-            # The head drafts only when some row verifies its drafts: a step whose drafting rows
-            # all have host chains skips its settle and its K forwards (the catch-up overwrites
-            # what drafting writes to its cache, so skipping leaves the same state).
-            need_head = jnp.any(active & (num_draft > 0) & ~host)
-            made = jax.eval_shape(head, dcache)[:2]
-
-            def skip(dc):
-                return (*jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), made), dc, dc.feat)
-
-            draft_tokens, q, dcache, feat0 = jax.lax.cond(need_head, head, skip, dcache)
-            draft_tokens = jnp.where(host[:, None], host_tokens, draft_tokens)
-            if q is not None:
-                q = jnp.where(host[:, None, None], jax.nn.one_hot(host_tokens, q.shape[-1], dtype=q.dtype), q)
-        else:
-            draft_tokens, q, dcache, _ = head(dcache)
+    dcache, carry = state.dcache, None
+    if K > 0 and draft is not None:  # the drafter's own drafts (and what its upkeep needs after the step)
+        draft_tokens, q, dcache, carry = draft.chain_drafts(dparams, dcache, state, draft_tokens[:, :K], num_draft,
+                                                            active, K, samp, greedy_only)
         # num_draft from the host: K for speculating rows, 0 for rows served without speculation.
         num_draft = jnp.minimum(num_draft, K)
     num_draft = jnp.where(active, num_draft, 0)
@@ -128,20 +99,9 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     logits, cache, *feats = llama.forward(params, block, pos, cache, llama.causal_mask(B, K + 1), cfg=cfg,
                                           fwd=fwd, pack=pack, layout=key.layout, features=key.features)
     tokens, n, _ = verify_chain(logits, draft_tokens[:, :K], num_draft, samp, cache.lengths + 1, q, greedy_only)
-    if key.features and K == 0:  # a feature head keeps a plain step's token for a later catch-up
-        dcache = draft.defer(dparams, dcache, state.pending, feats[0][:, 0], active)
-    elif key.features:  # ... and catches up on a verify step's with the target's own features
-
-        def catch_up(dc):
-            return draft.catch_up(dparams, dc, feat0, block, feats[0], cache.lengths, jnp.where(active, n + 1, 0))
-
-        def defer_block(dc):  # as K + 1 plain steps would: the head catches up when it next drafts
-            for j in range(K + 1):
-                dc = draft.defer(dparams, dc, block[:, j], feats[0][:, j], active & (j <= n))
-            return dc
-
-        # (a hybrid step whose rows all took host chains defers its committed block instead)
-        dcache = catch_up(dcache) if need_head is None else jax.lax.cond(need_head, catch_up, defer_block, dcache)
+    if draft is not None:  # (K = 0 too: a plain step the draft keeps up with)
+        dcache = draft.after_chain(dparams, dcache, carry, block, feats[0] if feats else None, cache.lengths,
+                                   jnp.where(active, n + 1, 0), active, K)
     cache = kv.advance(cache, jnp.where(active, n + 1, 0))
     prev = jnp.where(active, jnp.take_along_axis(block, n[:, None], axis=1)[:, 0], state.prev)
     pending = jnp.where(active, jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0], state.pending)
@@ -234,14 +194,12 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     ``tokens[B, N]`` = accepted drafts then the correction/bonus. ``pack``: as for spec_step
     (the valid nodes of every active row). ``key.draft``: a device tree drafter (Medusa's static
     tree, EAGLE-2's dynamic one) whose tree replaces ``tree_tokens`` / ``parents`` (``node_valid``
-    still says how many nodes each row verifies); it then catches up along the accepted path."""
+    still says how many nodes each row verifies; ModelDraft.tree_drafts / after_tree)."""
     cfg, N, greedy_only, fwd = key.cfg, key.k + 1, key.greedy_only, key.fwd
     cache, dcache = state.cache, state.dcache
     B = state.pending.shape[0]
     if key.draft is not None:
-        if key.features:  # a feature head first catches up on what plain steps deferred
-            dcache = key.draft.settle(dparams, dcache)
-        tree_tokens, parents = key.draft.draft_tree(dparams, dcache, state.pending, cache.lengths, N - 1)
+        tree_tokens, parents, dcache = key.draft.tree_drafts(dparams, dcache, state.pending, cache.lengths, N - 1)
         parents = jnp.broadcast_to(parents, (B, N))
     tokens = tree_tokens.at[:, 0].set(state.pending)
     node_valid = node_valid & active[:, None]
@@ -250,10 +208,9 @@ def spec_tree_step(params, dparams, state: StepState, tree_tokens, parents, node
     logits, cache, *feats = llama.forward(params, tokens, pos, cache, mask, cfg=cfg, fwd=fwd, pack=pack,
                                           layout=key.layout, features=key.features)
     path, out, n, valid = verify_tree(logits, tokens, parents, node_valid, samp, cache.lengths + 1, None, greedy_only)
-    if key.features:  # the head catches up along the accepted path, as after a chain
-        on_path = jnp.take_along_axis(feats[0], path[..., None], axis=1)
-        dcache = key.draft.catch_up(dparams, dcache, dcache.feat, jnp.take_along_axis(tokens, path, axis=1), on_path,
-                                    cache.lengths, jnp.where(active, n + 1, 0))
+    if key.draft is not None:
+        dcache = key.draft.after_tree(dparams, dcache, tokens, path, feats[0] if feats else None, cache.lengths,
+                                      jnp.where(active, n + 1, 0))
     # Accepted node path[i] was written at slot lengths + path[i]; it belongs at lengths + i.
     cache = kv.gather_block(cache, path, jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N)),
                             valid & (path != jnp.arange(N)[None, :]))
@@ -326,10 +283,9 @@ def _prefill_end(dparams, tokens, n_valid, samp: SamplingArrays, state: StepStat
 
 
 def layered_draft(key: CompileKey) -> bool:
-    """Whether a layered prefill's draft model (not a feature head, which reads the target's
-    features) runs its layers as calls of ``prefill_layer`` too: embed gives its embeddings and
-    finish only counts its chunk."""
-    return bool(key.part) and key.draft is not None and not key.draft.features
+    """Whether a layered prefill's draft runs its layers as calls of ``prefill_layer`` too
+    (``prefill_as_layers``): embed gives its embeddings and finish only counts its chunk."""
+    return bool(key.part) and key.draft is not None and key.draft.prefill_as_layers
 
 
 # A layered prefill: the chunk as 2 + L calls of three small programs instead of one program of

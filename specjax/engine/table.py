@@ -248,9 +248,9 @@ class StepTable:
         self._layer_index = None  # the layer indices on the device, made once
         # each layer's first layer of the same param shapes (one layer program per group)
         self._layer_groups = _layer_groups(params["layers"]) if self.layered_prefill else None
-        # ... and a draft model's (step.layered_draft: a feature head's prefill stays in finish)
+        # ... and a draft model's (step.layered_draft: a head's prefill stays in finish)
         self._draft_groups = (_layer_groups(dparams["layers"]) if self.layered_prefill and draft is not None
-                              and not draft.features else None)
+                              and draft.prefill_as_layers else None)
         # compiled executables on disk (beside jax's cache, when that is on); single-device only
         self.disk_cache = exe_cache.default() if self._one_device and layout is None else None
 
