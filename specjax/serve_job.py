@@ -141,8 +141,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
             kernels = run_once and registry.warm_host_kernels(drafter)
             t["compile"] += time.perf_counter() - t0
             warmed[be.slots].update(shapes)
-            how = (f"compiling on first use, {be.later_planned} executables ahead in the background"
-                   + (f" and {be.on_demand_planned} if serving reaches them" if be.on_demand_planned else "")
+            how = (f"compiling on first use, {be.planner.later_planned} executables ahead in the background"
+                   + (f" and {be.planner.on_demand_planned} if serving reaches them" if be.planner.on_demand_planned else "")
                    if lazy else f"compiled {len(be.table)} executables{' and ran each once' if run_once else ''}"
                    f"{', warmed the drafter host kernels,' if kernels else ''} in {t['compile']:.1f} s")
             job.note(f"[{how}; serving {len(items)} requests, policy {policy_label}, drafter {drafter}, "

@@ -534,10 +534,10 @@ def test_executables_on_disk_and_in_the_background(tiny, ar_greedy, tmp_path, mo
         be.table.step(1, 4, S, True)  # not compiled yet, and nothing compiles it in the foreground
     res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)  # < MAX_NEW steps
     assert [r.tokens for r in res] == ar_greedy[1]
-    assert not be._later_gate.is_set() and be.k_options(1) == (0,)
+    assert not be.planner._later_gate.is_set() and be.k_options(1) == (0,)
     bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=0)  # past the count: it starts
-    assert be._later_gate.is_set()
-    be._later.join()
+    assert be.planner._later_gate.is_set()
+    be.planner._later.join()
     assert be.k_options(1) == (0, 1, 4) and bg.stop_later() == []
     res = bg.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4)
     assert [r.tokens for r in res] == ar_greedy[1]
