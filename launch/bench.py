@@ -77,35 +77,6 @@ flags.DEFINE_list("policies", None, "Several policies per drafter in one run (co
                   f"{POLICY_HELP}, e.g. auto,2,4,8); default: --policy alone.")
 
 
-def run_peers(prompts, eos_ids, gguf: str, prefill_prompts) -> dict:
-    """Each peer asked for, one after the other, on the same token ids: {summary key: result}."""
-    from specjax.peers import PEERS, run_peer
-
-    base = {"gguf": gguf, "max_new_tokens": FLAGS.max_new_tokens, "eos_ids": list(eos_ids),
-            "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts]}
-    ngram = FLAGS.hf_max_matching_ngram_size or None
-    jobs = {}  # summary key: (peer, python, job)
-    if FLAGS.hf_python:
-        jobs["hf"] = ("hf_pld", FLAGS.hf_python, {
-            **base, "threads": FLAGS.hf_threads, "modes": ["greedy", "pld"] + (["prefill"] if prefill_prompts else []),
-            "prefill_prompts": prefill_prompts, "max_matching_ngram_size": ngram,
-            "prompt_lookup_num_tokens": FLAGS.hf_prompt_lookup_num_tokens, "omp_wait_policy": FLAGS.hf_omp_wait_policy})
-    if FLAGS.llamacpp_python:
-        modes = ["greedy", "pld"] + (["prefill"] if prefill_prompts else []) + (
-            ["batch"] if FLAGS.llamacpp_batch_sizes else [])
-        jobs["llamacpp"] = ("llamacpp", FLAGS.llamacpp_python, {
-            **base, "threads": FLAGS.llamacpp_threads, "modes": modes, "prefill_prompts": prefill_prompts,
-            "pld_num_pred_tokens": FLAGS.hf_prompt_lookup_num_tokens, "pld_max_ngram_size": ngram or 2,
-            "batch_sizes": [int(b) for b in FLAGS.llamacpp_batch_sizes],
-            "omp_wait_policy": FLAGS.llamacpp_omp_wait_policy})
-    out = {}
-    for key, (peer, python, job) in jobs.items():
-        print(f"[{specbench.PEER_LABELS[key]} peer: {python} {PEERS[peer].script} on {len(prompts)} prompts "
-              f"({job['threads']} threads)]", file=sys.stderr)
-        out[key] = run_peer(peer, python, job)
-    return out
-
-
 def validate_flags():
     from specjax.errors import SpecjaxError
 
@@ -212,7 +183,16 @@ def bench() -> int:
     rng = np.random.default_rng(0)
     prefill_prompts = [[int(x) for x in rng.integers(100, cfg.vocab_size, int(n))] for n in FLAGS.prefill_lens]
     # Peers first, each in its own process, before any specjax work (never concurrently).
-    peer_res = run_peers(prompts, tok.eos_ids, gguf, prefill_prompts) if gguf else {}
+    ngram = FLAGS.hf_max_matching_ngram_size or None
+    peer_res = peers.run_requested(
+        prompts, tok.eos_ids, gguf, prefill_prompts, FLAGS.max_new_tokens,
+        hf=FLAGS.hf_python and dict(python=FLAGS.hf_python, threads=FLAGS.hf_threads, max_matching_ngram_size=ngram,
+                                    prompt_lookup_num_tokens=FLAGS.hf_prompt_lookup_num_tokens,
+                                    omp_wait_policy=FLAGS.hf_omp_wait_policy),
+        llamacpp=FLAGS.llamacpp_python and dict(
+            python=FLAGS.llamacpp_python, threads=FLAGS.llamacpp_threads, pld_max_ngram_size=ngram or 2,
+            pld_num_pred_tokens=FLAGS.hf_prompt_lookup_num_tokens, omp_wait_policy=FLAGS.llamacpp_omp_wait_policy,
+            batch_sizes=[int(b) for b in FLAGS.llamacpp_batch_sizes])) if gguf else {}
     hf = peer_res.get("hf")
 
     # One generator and one policy object per (drafter, policy) pair; generators whose steps
@@ -356,33 +336,7 @@ def bench() -> int:
         notes.append(f"Prefix cache on (--prefix_cache_mb {FLAGS.prefix_cache_mb:g}: a warm store, the warm-up's "
                      "prompts stored), all runs: " + "; ".join(
                          f"{n}: {g.prefix_stats.line().removeprefix('prefix cache: ')}" for n, g in [("ar", ar), *gens.items()]))
-    if hf:
-        he, x = hf["env"], over["hf"]
-        notes.append(f"transformers peer: transformers {he['transformers']}, torch {he['torch']} (CPU capability "
-                     f"{he['torch_cpu_capability']}), gguf {he['gguf_package']}, {he['threads']} threads, "
-                     f"OMP_WAIT_POLICY {he['omp_wait_policy']}, the GGUF "
-                     "dequantized to float32; greedy = its own KV-cache loop (base model + lm_head on the last "
-                     "position, argmax), prefill and decode timed apart; PLD = generate(prompt_lookup_num_tokens="
-                     f"{he['prompt_lookup_num_tokens']}) timed whole (generate's per-step overhead included, which the "
-                     f"loop does not pay); its PLD output differs from its greedy on {x.get('pld_differs_from_greedy')}"
-                     f"/{x['prompts']} prompts.")
-    lc = peer_res.get("llamacpp")
-    if lc:
-        le, x = lc["env"], over["llamacpp"]
-        pld = (f"; PLD = LlamaPromptLookupDecoding(max_ngram_size={le['pld']['max_ngram_size']}, num_pred_tokens="
-               f"{le['pld']['num_pred_tokens']}) through Llama.generate, which forces logits_all=True; PLD speedup = "
-               "llama.cpp greedy wall / PLD wall") if "pld" in le else ""
-        notes.append(f"llama.cpp peer: llama-cpp-python {le['llama_cpp_python']}, {le['threads']} threads, n_batch "
-                     f"{le['n_batch']}, n_ubatch {le['n_ubatch']}, flash_attn {le['flash_attn']}, OMP_WAIT_POLICY "
-                     f"{le['omp_wait_policy']}; system info: "
-                     f"`{le['system_info']}`; greedy = eval + sample(temp=0) per token, prefill with logits of the "
-                     "last position only, decode tok/s from its own steps ((new tokens - 1) / decode seconds, like "
-                     f"the AR decode column){pld}; its PLD output differs from its greedy on "
-                     f"{x.get('pld_differs_from_greedy')}/{x['prompts']} prompts.")
-        for b in lc.get("batch", []):
-            notes.append(f"llama.cpp batch {b['batch_size']} (parallel sequences, low-level API): {b['tok_s']:.1f} "
-                         f"tok/s over {over['prompts']} prompts ({b['new_tokens']} tokens, {b['wall_s']:.1f} s, "
-                         f"prefills included), output equals its greedy on {b['equal_to_greedy']}.")
+    notes += specbench.peer_notes(peer_res, over)
     notes += specbench.check_lines(checks, drafters)
     parts = [head, "", table, ""]
     if peer_res:

@@ -116,3 +116,32 @@ def peer_main(run, argv=None) -> int:
     with open(args.output, "w") as f:
         json.dump(res, f)
     return 0
+
+
+def run_requested(prompts, eos_ids, gguf: str, prefill_prompts, max_new_tokens: int, hf: dict | None = None,
+                  llamacpp: dict | None = None) -> dict:
+    """Each peer asked for (``hf`` / ``llamacpp``: its venv's ``python`` and its settings), one
+    after the other, on the same token ids (``prompts``: specbench questions with their ``ids``):
+    {summary key: result}."""
+    import sys
+
+    from specjax.specbench import PEER_LABELS
+
+    base = {"gguf": gguf, "max_new_tokens": max_new_tokens, "eos_ids": list(eos_ids),
+            "prompts": [{"key": p["key"], "category": p["category"], "input_ids": p["ids"]} for p in prompts],
+            "prefill_prompts": prefill_prompts}
+    prefill = ["prefill"] if prefill_prompts else []
+    jobs = {}  # summary key: (peer, python, job)
+    if hf:
+        hf = dict(hf)
+        jobs["hf"] = ("hf_pld", hf.pop("python"), {**base, **hf, "modes": ["greedy", "pld"] + prefill})
+    if llamacpp:
+        lc = dict(llamacpp)
+        modes = ["greedy", "pld"] + prefill + (["batch"] if lc.get("batch_sizes") else [])
+        jobs["llamacpp"] = ("llamacpp", lc.pop("python"), {**base, **lc, "modes": modes})
+    out = {}
+    for key, (peer, python, job) in jobs.items():
+        print(f"[{PEER_LABELS[key]} peer: {python} {PEERS[peer].script} on {len(prompts)} prompts "
+              f"({job['threads']} threads)]", file=sys.stderr)
+        out[key] = run_peer(peer, python, job)
+    return out

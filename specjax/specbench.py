@@ -393,6 +393,42 @@ def peers_headline(fwd, envs: dict) -> str:
             "specjax AR is informational; what is checked is each specjax drafter's identity with specjax AR.")
 
 
+def peer_notes(peer_res: dict, over: dict) -> list[str]:
+    """What each peer of a run was (versions, threads, how it decodes and prompt-looks-up) and how
+    often its prompt lookup's output differed from its own greedy: the notes under a bench table
+    (``over``: the summary's overall row)."""
+    notes = []
+    hf = peer_res.get("hf")
+    if hf:
+        he, x = hf["env"], over["hf"]
+        notes.append(f"transformers peer: transformers {he['transformers']}, torch {he['torch']} (CPU capability "
+                     f"{he['torch_cpu_capability']}), gguf {he['gguf_package']}, {he['threads']} threads, "
+                     f"OMP_WAIT_POLICY {he['omp_wait_policy']}, the GGUF "
+                     "dequantized to float32; greedy = its own KV-cache loop (base model + lm_head on the last "
+                     "position, argmax), prefill and decode timed apart; PLD = generate(prompt_lookup_num_tokens="
+                     f"{he['prompt_lookup_num_tokens']}) timed whole (generate's per-step overhead included, which the "
+                     f"loop does not pay); its PLD output differs from its greedy on {x.get('pld_differs_from_greedy')}"
+                     f"/{x['prompts']} prompts.")
+    lc = peer_res.get("llamacpp")
+    if lc:
+        le, x = lc["env"], over["llamacpp"]
+        pld = (f"; PLD = LlamaPromptLookupDecoding(max_ngram_size={le['pld']['max_ngram_size']}, num_pred_tokens="
+               f"{le['pld']['num_pred_tokens']}) through Llama.generate, which forces logits_all=True; PLD speedup = "
+               "llama.cpp greedy wall / PLD wall") if "pld" in le else ""
+        notes.append(f"llama.cpp peer: llama-cpp-python {le['llama_cpp_python']}, {le['threads']} threads, n_batch "
+                     f"{le['n_batch']}, n_ubatch {le['n_ubatch']}, flash_attn {le['flash_attn']}, OMP_WAIT_POLICY "
+                     f"{le['omp_wait_policy']}; system info: "
+                     f"`{le['system_info']}`; greedy = eval + sample(temp=0) per token, prefill with logits of the "
+                     "last position only, decode tok/s from its own steps ((new tokens - 1) / decode seconds, like "
+                     f"the AR decode column){pld}; its PLD output differs from its greedy on "
+                     f"{x.get('pld_differs_from_greedy')}/{x['prompts']} prompts.")
+        for b in lc.get("batch", []):
+            notes.append(f"llama.cpp batch {b['batch_size']} (parallel sequences, low-level API): {b['tok_s']:.1f} "
+                         f"tok/s over {over['prompts']} prompts ({b['new_tokens']} tokens, {b['wall_s']:.1f} s, "
+                         f"prefills included), output equals its greedy on {b['equal_to_greedy']}.")
+    return notes
+
+
 def prefill_table(specjax_s: dict, peers: dict) -> str:
     """Prefill tok/s by prompt length: ``specjax_s`` {tokens: seconds}, ``peers`` {label: {tokens:
     seconds}}; a ratio column per peer (specjax / peer)."""
