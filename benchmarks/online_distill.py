@@ -33,11 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from benchmarks.task_stream import define_stream_flags, online_configs, stream, stream_backend  # noqa: E402
+from specjax import registry  # noqa: E402
 
 FLAGS = flags.FLAGS
 define_stream_flags(["gsm8k:300", "humaneval:164", "specbench:300", "gsm8k2:236"], draft_layers=4, every=16, steps=4,
                     lr=1e-4)
-flags.DEFINE_enum("drafter", "layer_skip", ["layer_skip", "eagle", "medusa"], "The draft trained online: the "
+flags.DEFINE_enum("drafter", "layer_skip", ["layer_skip", *registry.HEAD_DRAFTERS], "The draft trained online: the "
                   "self-draft, or a feature head (the shipped one, refined by distill.head_online; no checkpoints).")
 flags.DEFINE_integer("window", 50, "Requests in the moving acceptance rate.")
 flags.DEFINE_bool("baseline", True, "Also serve the stream with the untrained draft.")
@@ -51,6 +52,11 @@ flags.DEFINE_string("reference_label", "uninterrupted", "What the --reference_js
 flags.DEFINE_string("replot", None, "Plot (and compare) this earlier --json_out instead of serving.")
 flags.DEFINE_string("plot", None, "Write the acceptance plot here (PNG).")
 flags.DEFINE_string("json_out", None, "Write the curves and numbers here.")
+
+
+def refines_head() -> bool:
+    """--drafter is a feature head (refined in place), not the self-draft (checkpointed)."""
+    return registry.entry(FLAGS.drafter).head_kind() is not None
 
 
 def serve(m, texts, train: bool):
@@ -71,8 +77,7 @@ def serve(m, texts, train: bool):
     def start():
         """A backend, policy and distiller as a fresh process builds them (resumed when there is a checkpoint)."""
         nonlocal compile_s
-        if FLAGS.drafter != "layer_skip":  # a feature head, refined as a batch job's --online_distill does
-            from specjax import registry
+        if refines_head():  # as a batch job's --online_distill does
             from specjax.distill.head_online import HeadRefiner
 
             be = registry.make_backend(m, FLAGS.drafter, k_buckets=(0, FLAGS.k), batch_buckets=(4,), slots=512)
@@ -119,7 +124,7 @@ def serve(m, texts, train: bool):
         if od is not None:
             update_s += od.update_s
             od.update_s = update_s
-            if stop_at is None and FLAGS.drafter == "layer_skip":  # (a killed process saves nothing more)
+            if stop_at is None and not refines_head():  # (a killed process saves nothing more)
                 od.save()
         if stop_at is not None:
             print(f"\nkilled after {len(finished)} requests (update {od.updates}; its buffer of "
@@ -143,7 +148,7 @@ def main(argv):
             res = json.load(f)
         bounds = res["bounds"]
         return _plot(res, bounds, np)
-    if FLAGS.drafter != "layer_skip" and (FLAGS.kill_at or FLAGS.checkpoint_dir):
+    if refines_head() and (FLAGS.kill_at or FLAGS.checkpoint_dir):
         raise SystemExit("error: --kill_at / --checkpoint_dir are for the self-draft's checkpoints")
     texts = stream(FLAGS.data_dir, FLAGS.blocks)
     m = load_model("smollm2-135m")
@@ -201,7 +206,7 @@ def _plot(res, bounds, np) -> None:
             ax.text(FLAGS.kill_at, 0.9 * ax.get_ylim()[1], " kill", color="red", fontsize=8)
         for name in ("online", "untrained"):
             if name in res:
-                shown = "frozen head" if name == "untrained" and FLAGS.drafter != "layer_skip" else name
+                shown = "frozen head" if name == "untrained" and refines_head() else name
                 label = shown + (f", killed at {FLAGS.kill_at} and resumed" if name == "online" and FLAGS.kill_at
                                 else "")
                 ax.plot(np.arange(1, len(res[name]["curve"]) + 1), res[name]["curve"], label=label, lw=1,
@@ -211,8 +216,8 @@ def _plot(res, bounds, np) -> None:
             ax.text(b, 0.02, name.split(":")[0], rotation=90, fontsize=7, va="bottom")
         ax.set_xlabel("request")
         ax.set_ylabel(f"acceptance, last {FLAGS.window}")
-        ax.set_title(f"SmolLM2-135M, {FLAGS.draft_layers}-layer self-draft, K={FLAGS.k}" if FLAGS.drafter == "layer_skip"
-                     else f"SmolLM2-135M, the shipped {FLAGS.drafter} head, K={FLAGS.k}")
+        ax.set_title(f"SmolLM2-135M, the shipped {FLAGS.drafter} head, K={FLAGS.k}" if refines_head()
+                     else f"SmolLM2-135M, {FLAGS.draft_layers}-layer self-draft, K={FLAGS.k}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(FLAGS.plot, dpi=120)

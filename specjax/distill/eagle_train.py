@@ -97,6 +97,12 @@ def train_step(trainable, opt_state, frozen, tokens, prev_feats, positions, teac
     return apply_if_finite(trainable, opt_state, loss, grads, optimizer)
 
 
+def batch_step(trainable, opt_state, frozen, batch, *, draft: EagleDraft, tc: TrainConfig,
+               optimizer: optax.GradientTransformation, unroll: int):
+    """``train_step`` on a ``make_batch`` batch (the EAGLE kind's HeadKind.train_step)."""
+    return train_step(trainable, opt_state, frozen, *batch, draft=draft, tc=tc, optimizer=optimizer, steps=unroll)
+
+
 # ------------------------------------------------------------------------------------------ data
 
 

@@ -1,8 +1,8 @@
 """Feature heads (drafters.eagle, drafters.medusa) trained by kind, offline and while serving.
 
-``HeadTrainer``: what differs between the kinds' training, in one place (the target features a
-kind's data keeps, its jitted optimizer step on an ``eagle_train.make_batch`` batch);
-``launch/distill.py`` trains with it offline.
+``HeadTrainer``: a head's training as its kind (``drafters.heads.HeadKind``) defines it (the
+target features its data keeps, its jitted optimizer step on an ``eagle_train.make_batch``
+batch); ``distill.heads_offline`` trains with it before serving.
 
 ``HeadRefiner``: online refinement (seed 003's loop for a head). Hooked into
 ``ServingEngine(on_finish=...)``; every ``every`` finished requests it makes the head's training
@@ -34,16 +34,11 @@ from specjax.errors import require
 log = logging.getLogger("specjax.distill")
 
 
-def head_features(kind: str, num_layers: int | None) -> tuple[int, ...] | None:
-    """The target features a head kind's training data keeps: Medusa's, the last layer's output
-    (index ``num_layers``); None: the EAGLE head's (make_sequences' default)."""
-    return (num_layers,) if kind == "medusa" else None
-
-
 @dataclasses.dataclass(frozen=True)
 class HeadTrainer:
-    """Training of one head (``draft``: an EagleDraft or a MedusaDraft) with ``tc`` and
-    ``optimizer``; ``unroll``: the EAGLE head's training-time-test steps."""
+    """Training of one head (``draft``: a feature head's draft, whose ``head_kind`` says how it
+    trains) with ``tc`` and ``optimizer``; ``unroll``: training-time-test steps, for a kind whose
+    step ``unrolls``."""
 
     draft: object
     tc: tr.TrainConfig
@@ -51,8 +46,8 @@ class HeadTrainer:
     unroll: int = 3
 
     @property
-    def medusa(self) -> bool:
-        return self.draft.label == "medusa"
+    def kind(self) -> heads.HeadKind:
+        return self.draft.head_kind
 
     @property
     def features(self) -> tuple[int, ...]:
@@ -61,14 +56,8 @@ class HeadTrainer:
 
     def step(self, trainable, opt_state, frozen, batch):
         """One optimizer step on a make_batch batch: (trainable, opt_state, loss, ok)."""
-        if self.medusa:
-            from specjax.distill import medusa_train
-
-            _, prev, _, teacher, mask = batch
-            return medusa_train.train_step(trainable, opt_state, frozen, prev, teacher, mask, draft=self.draft,
-                                           tc=self.tc, optimizer=self.optimizer)
-        return et.train_step(trainable, opt_state, frozen, *batch, draft=self.draft, tc=self.tc,
-                             optimizer=self.optimizer, steps=self.unroll)
+        return self.kind.resolve("train_step")(trainable, opt_state, frozen, batch, draft=self.draft, tc=self.tc,
+                                               optimizer=self.optimizer, unroll=self.unroll)
 
 
 class HeadRefiner:
@@ -149,11 +138,8 @@ class HeadRefiner:
         return True
 
     def save(self, directory: str) -> None:
-        """The refined head, as ``--eagle_head`` / ``--medusa_head`` serves it (heads.save_head)."""
-        from specjax.drafters import eagle, medusa
-
-        kind = medusa.KIND if self.trainer.medusa else eagle.KIND
-        heads.save_head(kind, directory, self.cfg, self.serving_params(), self.draft, dtype=self.dtype)
+        """The refined head, as its kind's ``--<kind>_head`` serves it (heads.save_head)."""
+        heads.save_head(self.trainer.kind, directory, self.cfg, self.serving_params(), self.draft, dtype=self.dtype)
 
     def serving_params(self) -> dict:
         """The head's params as the backend runs them (its serving dtype, the target's arrays)."""

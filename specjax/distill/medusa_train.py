@@ -11,6 +11,7 @@ in the EAGLE trainer's unroll)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -20,7 +21,7 @@ import optax
 from specjax.distill import divergences as dv
 from specjax.distill.eagle_train import STEP_DECAY
 from specjax.distill.train import TrainConfig, apply_if_finite
-from specjax.drafters.medusa import MedusaDraft
+from specjax.drafters.medusa import TREE_NODES, MedusaDraft, best_tree
 
 
 def loss_fn(trainable, frozen, prev_feats, teacher, mask, *, draft: MedusaDraft, tc: TrainConfig):
@@ -50,6 +51,14 @@ def train_step(trainable, opt_state, frozen, prev_feats, teacher, mask, *, draft
     return apply_if_finite(trainable, opt_state, loss, grads, optimizer)
 
 
+def batch_step(trainable, opt_state, frozen, batch, *, draft: MedusaDraft, tc: TrainConfig,
+               optimizer: optax.GradientTransformation, unroll: int = 0):
+    """``train_step`` on an ``eagle_train.make_batch`` batch (the Medusa kind's
+    HeadKind.train_step): the heads read only the hidden states; ``unroll`` does not apply."""
+    _, prev, _, teacher, mask = batch
+    return train_step(trainable, opt_state, frozen, prev, teacher, mask, draft=draft, tc=tc, optimizer=optimizer)
+
+
 def accuracy(draft: MedusaDraft, dparams, seqs, ranks: int = 4):
     """[heads, ranks]: how often head i's rank-r token is the target's own greedy choice i + 1
     positions after the hidden state's (the chance ``medusa.best_tree`` builds its tree from),
@@ -74,3 +83,12 @@ def accuracy(draft: MedusaDraft, dparams, seqs, ranks: int = 4):
             hits[i] += (got[t, i, :] == best[t + 1 + i, None]).sum(axis=0)
             total[i] += t.size
     return hits / np.maximum(total, 1)[:, None]
+
+
+def after_round(draft: MedusaDraft, dparams, seqs) -> tuple[MedusaDraft, str]:
+    """The heads with the tree their held-out accuracy on ``seqs`` makes best (saved with them:
+    what they serve), and that accuracy as a report line (the Medusa kind's HeadKind.after_round)."""
+    acc = accuracy(draft, dparams, seqs)
+    report = "  held-out top-1..4 accuracy per head: " + "; ".join(
+        f"head {i}: " + " ".join(f"{a:.2f}" for a in row) for i, row in enumerate(acc))
+    return dataclasses.replace(draft, tree=best_tree(acc, TREE_NODES)), report

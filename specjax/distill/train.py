@@ -155,3 +155,20 @@ def update_or_none(step, trainable, opt_state, n: int):
             return None, float(loss)
         losses.append(float(loss))
     return trainable, opt_state, losses
+
+
+def train_round(step, trainable, opt_state, n: int, desc: str):
+    """A warm-up round (distill.offline, distill.heads_offline): ``n`` calls of ``step`` as for
+    ``update_or_none``, but a step with a non-finite loss or gradient is skipped alone (it
+    changed nothing) and the round goes on. Returns (trainable, opt_state, the kept steps'
+    losses, how many were dropped); ``desc`` labels the progress bar."""
+    from tqdm import tqdm
+
+    losses, dropped = [], 0
+    for _ in tqdm(range(n), desc=desc, unit="step", disable=None):
+        trainable, opt_state, loss, ok = step(trainable, opt_state)
+        if not bool(ok):
+            dropped += 1
+            continue
+        losses.append(float(loss))
+    return trainable, opt_state, losses, dropped

@@ -73,6 +73,10 @@ class EagleDraft(FeatureHeadDraft):
     def drafts_trees(self) -> bool:
         return self.tree_width > 0
 
+    @property
+    def head_kind(self) -> heads.HeadKind:
+        return KIND
+
     def init_cache(self, B, slots, dtype):
         c = llama.init_cache_for(self.cfg, B, slots, dtype)
         W, F = self.lag_window, len(self.features) * self.cfg.hidden_size
@@ -259,7 +263,8 @@ def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> Eagl
                       shared_head=shared_head)
 
 
-KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft)
+KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, train_step="specjax.distill.eagle_train:batch_step",
+                      unrolls=True)
 HEAD_FILE = KIND.file
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from specjax import ondisk
 from specjax.config import ModelConfig
 from specjax.device_arrays import to_device
+from specjax.drafters.table import resolve
 from specjax.errors import SpecjaxError, require
 from specjax.models import prepared
 
@@ -39,17 +40,41 @@ SHIPPED = {("eagle", "smollm2-135m"): "smollm2-135m-instruct-eagle",
 class HeadKind:
     """One kind of feature head. ``init(cfg, params, vocab_ids, seed=, shared_head=, **settings)``
     -> (draft, params); ``draft_of(cfg, ids, shared_head, **settings)`` -> the draft;
-    ``settings``: the draft's own fields its file records too (Medusa: how many heads)."""
+    ``settings``: the draft's own fields its file records too (Medusa: how many heads).
+
+    What training needs of a kind (distill.head_online, distill.heads_offline ask these, never its
+    name). The trainers import this package, so their functions are ``"module:function"`` paths,
+    resolved on use. ``train_step``: one optimizer step on an ``eagle_train.make_batch`` batch,
+    ``(trainable, opt_state, frozen, batch, *, draft, tc, optimizer, unroll)`` -> (trainable,
+    opt_state, loss, ok). ``unrolls``: that step also trains on the head's own predicted features
+    (``unroll`` steps: part of what a run's checkpoints must match). ``options``: (setting, warm-up
+    option) pairs a new head's settings are taken from. ``after_round``: ``(draft, params,
+    held-out sequences) -> (draft, report line)``, run after each warm-up round on the held-out
+    text's features. ``check(k, settings)``: a one-line SpecjaxError where heads of these settings
+    cannot draft K = ``k``."""
 
     name: str
     title: str
     init: Callable
     draft_of: Callable
     settings: tuple[str, ...] = ()
+    train_step: str | None = None
+    unrolls: bool = False
+    options: tuple[tuple[str, str], ...] = ()
+    after_round: str | None = None
+    check: Callable | None = None
 
     @property
     def file(self) -> str:
         return f"{self.name}.json"
+
+    def features(self, cfg: ModelConfig, **settings) -> tuple[int, ...]:
+        """The target features a head reads: what its training data keeps of the target."""
+        return tuple(self.draft_of(cfg, np.arange(1), False, **settings).features)
+
+    def resolve(self, what: str) -> Callable | None:
+        """The function a ``"module:function"`` field (``train_step``, ``after_round``) names."""
+        return resolve(getattr(self, what))
 
 
 def check_ids(vocab_ids, V: int) -> np.ndarray:
@@ -127,8 +152,7 @@ def read_spec(kind: HeadKind, directory: str, cfg: ModelConfig) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise SpecjaxError(f"{directory}/{kind.file} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) \
             from None
-    if target != cfg.name or V != cfg.vocab_size or layers != kind.draft_of(cfg, np.arange(1), False,
-                                                                             **settings).features:
+    if target != cfg.name or V != cfg.vocab_size or layers != kind.features(cfg, **settings):
         raise SpecjaxError(f"{directory} holds an {kind.title} head of {target} ({V} tokens, features of layers "
                            f"{list(layers)}), not of {cfg.name}")
     spec["vocab_ids"] = check_ids(spec["vocab_ids"], cfg.vocab_size)

@@ -56,6 +56,10 @@ class MedusaDraft(FeatureHeadDraft):
     # Empty: chains (draft j = head j's choice).
     tree: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def head_kind(self) -> head_io.HeadKind:
+        return KIND
+
     def init_cache(self, B, slots, dtype):
         D, F = self.cfg.hidden_size, len(self.features) * self.cfg.hidden_size
         z = jnp.zeros((0, B, self.cfg.num_kv_heads, slots, self.cfg.head_dim), dtype)
@@ -198,7 +202,16 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
     return draft, head_io.with_target(draft, trainable, ids, cfg, params)
 
 
-KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads", "tree"))
+def check_k(k: int, settings: dict) -> None:
+    """A chain's draft j is head j's (``MedusaDraft.max_drafts``): K above the heads is refused
+    from the settings alone, before a model is loaded."""
+    heads = settings.get("heads", DEFAULT_HEADS)
+    require(k <= heads, f"--k {k} drafts more than --medusa_heads {heads} heads can")
+
+
+KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads", "tree"),
+                        train_step="specjax.distill.medusa_train:batch_step", options=(("heads", "medusa_heads"),),
+                        after_round="specjax.distill.medusa_train:after_round", check=check_k)
 
 
 def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDrafter:
