@@ -1,8 +1,9 @@
 """Command-line flags shared by the launch scripts, and their translation into library arguments.
 
 The scripts in ``launch/`` are leaves: each defines its own flags plus the groups here that it
-shares with the others, and builds everything through ``specjax.registry``. Functions here read
-absl ``FLAGS``; they are only called after the flags are parsed.
+shares with the others, and calls the library (the serving scripts build their engines through
+``specjax.registry``; distill.py through ``specjax.distill``). Functions here read absl
+``FLAGS``; they are only called after the flags are parsed.
 """
 
 from __future__ import annotations

@@ -140,3 +140,24 @@ def test_lazy_warmup_compiles_what_serving_reaches(tiny, reference, tmp_path, mo
     assert partial.planner.later_planned == 1 + 2 + 1 and partial.k_options(1) == partial.k_options(4) == (0,)
     partial.planner._later.join()
     assert partial.k_options(1) == partial.k_options(4) == KS
+
+
+def test_background_compile_threads_yield_to_serving():
+    """A thread that compiles ahead lowers its own CPU priority (Linux: per thread), so serving's
+    threads keep their cores; the serving thread's own priority is untouched."""
+    import os
+    import threading
+
+    from specjax.engine.table import yield_to_serving
+
+    seen = {}
+
+    def background():
+        yield_to_serving(nice=19)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert seen["nice"] == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

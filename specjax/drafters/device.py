@@ -333,11 +333,11 @@ class DeviceDrafter(Drafter):
 
     def __init__(self, draft: ModelDraft, params):
         self.draft, self.params = draft, params  # (checked against the target: check_pair)
+        self._ahead = None  # the last draft call's (tokens, q, width, proposed per row, seconds)
 
     @property
     def max_k(self) -> int | None:
         return self.draft.max_drafts(self.step is TREE)
-        self._ahead = None  # the last draft call's (tokens, q, width, proposed per row, seconds)
 
     def reset(self):
         self._ahead = None

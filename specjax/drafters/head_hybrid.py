@@ -113,6 +113,9 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         self.suffix.finish(uid)
         self._host.pop(uid, None)
 
+    def forget_outputs(self):
+        self.suffix.forget_outputs()
+
     def propose(self, be, rs, k_max, threshold=None):
         require(threshold is None, "the head hybrid drafts inside the step; confidence-based proposal "
                 "(smartspec-conf) is not available for it")
@@ -134,7 +137,7 @@ class SuffixHeadDrafter(FeatureHeadDrafter):
         # by their class's alpha (a suffix chain weighed at the head's alpha was never verified);
         # the chains are host drafts too, shadow-verified while K = 0 runs, so that calibration
         # keeps learning (one rejected chain read 0 forever); and a step whose drafting rows all
-        # took suffix chains runs none of the head (spec_step's hybrid branch): it is costed as
+        # took suffix chains runs none of the head (HostRows.chain_drafts): it is costed as
         # the verify alone.
         head_free = all(r.uid in self._host or not r.speculate for r in rs)
         none = np.zeros(0, np.int32)

@@ -37,6 +37,11 @@ class HostChain(Drafter):
         self.host.finish(uid)
         self._drafts.pop(uid, None)
 
+    def forget_outputs(self):
+        forget = getattr(self.host, "forget_outputs", None)
+        if forget is not None:
+            forget()
+
     def _propose_one(self, uid, k: int):
         return np.asarray(self.host.propose(uid, k), np.int32)
 

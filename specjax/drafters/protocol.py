@@ -212,6 +212,10 @@ class Drafter(abc.ABC):
     def finish(self, uid) -> None:
         """A request left."""
 
+    def forget_outputs(self) -> None:
+        """Forget what finished requests taught it (a suffix tree's global cache of past outputs),
+        so a benchmark's timed runs start from what a fresh process knows."""
+
     def tree_verified(self, rows) -> None:
         """A tree step's outcome: per row that verified nodes, (nodes verified, the accepted
         nodes' 1-based numbers in path order)."""

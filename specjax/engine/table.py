@@ -188,14 +188,15 @@ def _layer_groups(layers) -> list[int]:
 BACKGROUND_NICE = int(os.environ.get("SPECJAX_BACKGROUND_NICE", "19"))
 
 
-def yield_to_serving() -> None:
+def yield_to_serving(nice: int | None = None) -> None:
     """Lower the calling thread's CPU priority (on Linux a thread's nice value is its own, and the
     threads it starts inherit it): a compilation ahead of need then runs on cycles serving leaves
     idle instead of taking a core from it (on 2 cores a background compile slowed a batch job's
     serving by about a third). A thread that serving waits for is not starved: the waiting
-    thread leaves its core idle. Elsewhere, or where refused: nothing."""
+    thread leaves its core idle. ``nice``: another value than ``BACKGROUND_NICE``. Elsewhere, or
+    where refused: nothing."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE if nice is None else nice)
     except (AttributeError, OSError):
         pass
 

@@ -190,6 +190,10 @@ class SuffixDrafter:
 
     # ------------------------------------------------------------------ drafting
 
+
+    def forget_outputs(self) -> None:
+        """The drafters.protocol hook: ``clear_cache``."""
+        self.clear_cache()
     def draft(self, row: int, max_spec: int, tree: bool | None = None) -> Draft:
         """The best draft of both trees for this row (highest score, then longer match)."""
         from specjax.drafters.suffix.trie import Draft

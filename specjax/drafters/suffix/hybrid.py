@@ -27,6 +27,9 @@ class HybridDrafter:
     def proposes_trees(self) -> bool:
         return self.suffix.proposes_trees
 
+    def forget_outputs(self) -> None:
+        self.suffix.forget_outputs()
+
     def start(self, row, tokens):
         self.suffix.start(row, tokens)
         self.fallback.start(row, tokens)
