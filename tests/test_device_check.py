@@ -21,8 +21,8 @@ def test_device_check_tiny_engine(tmp_path):
     assert "(engine: ok" in report and "**NO**" not in report
     eng = json.loads((tmp_path / "engine.json").read_text())
     assert eng["identity_asserted"] and all(run["identical"] for run in eng["engine"])
-    assert {run["policy"] for run in eng["engine"]} == {"no-SD", "prompt_lookup", "layer_skip1", "eagle", "medusa"}
-    assert all(next(run for run in eng["engine"] if run["policy"] == p)["drafted"] > 0 for p in ("eagle", "medusa"))
+    assert {run["policy"] for run in eng["engine"]} == {"no-SD", "prompt_lookup", "layer_skip1", "eagle", "medusa_tree"}
+    assert all(next(run for run in eng["engine"] if run["policy"] == p)["drafted"] > 0 for p in ("eagle", "medusa_tree"))
     assert {c["K"] for c in eng["step_cost"]} == {0, 2, 4, 8}
     assert eng["programs"] and not any(p["k0_extra"] for p in eng["programs"])  # no whole-cache transpose at K = 0
     perf = json.loads((tmp_path / "perf_model.json").read_text())
