@@ -22,6 +22,9 @@ and features (specjax.distill.heads_offline); the same command with a larger ``-
       --round_prompts 16 --draft_vocab 4096 --checkpoint_dir head --rounds 30 --steps 60 --plot head.png
   python launch/generate.py --chat --drafter eagle --eagle_head head --prompt "..."
 
+For hours of training on a data set of verified shards, resumable exactly, add ``--pipeline``
+(specjax.distill.head_pipeline's docstring has the commands).
+
 User mistakes print one line ("error: ...") and exit with status 2.
 """
 
@@ -37,6 +40,7 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 from specjax import cli, registry  # noqa: E402
+from specjax.distill import pipeline_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -48,7 +52,8 @@ def define_flags() -> None:
     cli.define_model_flags()
     cli.define_drafter_flags("layer_skip")
     cli.define_prompt_flags()
-    flags.DEFINE_integer("draft_vocab", 0, "Reduced-vocabulary head of this many tokens (0: the full head).")
+    flags.DEFINE_integer("draft_vocab", 0, "Reduced-vocabulary head of this many tokens (0: the full head; "
+                         "--pipeline: the smallest reaching its coverage target, measured).")
     flags.DEFINE_integer("limit", 0, "Use the first N prompts (0: all).")
     flags.DEFINE_integer("max_prompt", 384, "Prompts longer than this many tokens keep their last ones.")
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens sampled per prompt.")
@@ -64,25 +69,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("k", 3, "Drafts per step when measuring acceptance.")
     flags.DEFINE_integer("seed", 0, "Data sampling and batch order seed.")
     flags.DEFINE_string("plot", None, "Write a loss / acceptance plot here (PNG).")
-    # --drafter eagle / medusa (feature heads; specjax.distill.heads_offline)
-    flags.DEFINE_integer("medusa_heads", 4, "medusa: how many heads (the largest K it drafts).")
-    flags.DEFINE_integer("unroll", 3, "eagle: training-time-test steps past the teacher-forced pass (the head on "
-                         "its own predicted features, as it drafts).")
-    flags.DEFINE_integer("round_prompts", 0, "heads: --input_jsonl training prompts written per round (0: all in "
-                         "round 1, then the same data every round); later rounds take the next ones, cycling.")
-    flags.DEFINE_integer("self_prompts", 0, "heads: prompts per round the model writes itself from its chat "
-                         "template's user prefix (sampled at T = 1), then answers (needs --chat).")
-    flags.DEFINE_integer("self_prompt_tokens", 48, "heads: the longest self-written prompt, in tokens.")
-    flags.DEFINE_bool("shared_head", True, "heads: the reduced head's rows are the target's own (not trained, not "
-                      "saved); --noshared_head trains (and saves) them.")
-    flags.DEFINE_string("answer_field", None, "heads: a line's non-blank text in this field is its answer, trained on "
-                        "teacher-forced instead of one the target writes (no generation: many more tokens per CPU "
-                        "second; the target's distribution at every position is still the teacher).")
-    flags.DEFINE_bool("prompt_loss", False, "heads: also train on the prompt's positions (the target's distribution "
-                      "of each next prompt token; the head drafts only in answers, but learns the target from more).")
-    flags.DEFINE_string("texts_from", None, "heads: start from the text an earlier head run had the target write "
-                        "(its checkpoint's state/texts.npz), its features recomputed (no generation).")
-    flags.DEFINE_enum("head_dtype", "bfloat16", ["bfloat16", "float32"], "heads: the dtype the head is saved in.")
+    pipeline_flags.define_flags()  # --drafter eagle / medusa: the rounds' flags and --pipeline's
     cli.define_distill_flags(online=False)
 
 
@@ -112,6 +99,9 @@ def validate_flags():
 
 
 def run() -> int:
+    if FLAGS.pipeline:
+        return pipeline_flags.run_from_flags(FLAGS, registry.entry(FLAGS.drafter).head_kind(),
+                                             cli.engine_spec_from_flags(policy="none"))
     spec, kind, opts, tc = validate_flags()
 
     def load_target():

@@ -53,3 +53,42 @@ def distill_curves(path: str, losses, accs, divergence: str, k: int, title: str,
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)
+
+
+def head_training(path: str, history, evals, k: int, title: str) -> None:
+    """A head's long run (distill.head_pipeline), redrawn as it goes: the loss (``history``:
+    [step, training tokens, mean loss] per logging interval) and the held-out acceptance
+    (``evals``: [step, tokens, top-1 agreement, estimated tokens per verify step, the engine's
+    measured tokens per verify step or None, ...]) against the training tokens seen (log x: the
+    curve of acceptance vs data). Written to a temporary name and renamed: a reader never sees a
+    half-written PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.4))
+    h = [r for r in history if r[1] > 0]
+    a.plot([r[1] for r in h], [r[2] for r in h], lw=0.8)
+    a.set_ylabel("training loss")
+    e = [r for r in evals if r[1] > 0]
+    b.plot([r[1] for r in e], [r[2] for r in e], marker=".", label="top-1 agreement (draft 1)")
+    b.set_ylabel("held-out top-1 agreement")
+    c.plot([r[1] for r in e], [r[3] for r in e], marker=".", label="estimate (stored held-out data)")
+    eng = [r for r in e if len(r) > 4 and r[4] is not None]
+    if eng:
+        c.plot([r[1] for r in eng], [r[4] for r in eng], marker="o", label="engine (held-out prompts)")
+    c.set_ylabel(f"tokens per verify step, K={k}")
+    c.legend(fontsize=8)
+    for ax in (a, b, c):
+        ax.set_xlabel("training tokens")
+        if h or e:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path) or ".", "." + os.path.basename(path) + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

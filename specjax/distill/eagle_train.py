@@ -1,11 +1,11 @@
 """Training an EAGLE feature head (drafters.eagle) toward its target: the data, EAGLE-3's
 training-time test, and one pure jitted optax step (train.make_optimizer, train.apply_if_finite).
 
-Data: sequences the target writes itself (``generate``: greedy or sampled continuations of
-prompts, reference_ar's loop), then ONE teacher-forced target forward per sequence with
-``features=`` (``target_signal``): the three feature layers at every position and the target's
-top-k logits there (the teacher, as the self-draft distiller keeps it; restricted to a reduced
-head's tokens by divergences.restrict).
+Data: sequences the target writes itself (greedy or sampled continuations of prompts, written
+through the engine: ``distill.head_data.TargetWriter``), then ONE teacher-forced target forward
+per sequence with ``features=`` (``target_signal``): the three feature layers at every position
+and the target's top-k logits there (the teacher, as the self-draft distiller keeps it;
+restricted to a reduced head's tokens by divergences.restrict).
 
 Training-time test (``unrolled_logits``): the head is unrolled ``steps`` times past its
 teacher-forced pass, each time on its OWN output hidden states, exactly as ``EagleDraft``
@@ -103,6 +103,33 @@ def batch_step(trainable, opt_state, frozen, batch, *, draft: EagleDraft, tc: Tr
     return train_step(trainable, opt_state, frozen, *batch, draft=draft, tc=tc, optimizer=optimizer, steps=unroll)
 
 
+def shift_left(x, j: int, fill=False):
+    """``x`` [B, T, ...] moved j positions earlier along T (``fill`` past the end): entry p of the
+    result is entry p + j of ``x``."""
+    if j == 0:
+        return x
+    pad = jnp.full((x.shape[0], j) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, j:], pad], axis=1)
+
+
+@partial(jax.jit, static_argnames=("draft", "k"))
+def chain_hits(dparams, batch, *, draft: EagleDraft, k: int):
+    """Which drafts of a greedy chain agree with the target (the EAGLE kind's
+    HeadKind.chain_hits): (hits, valid) [B, T, k] for the chain whose pending token is at window
+    entry p. Draft j of that chain is unroll entry (j, p + j) (module docstring); it hits when its
+    top-1 is the target's top-1 there. On greedy text (the drafts that hit are the text's own
+    tokens) the leading hits are what verification accepts, up to the window's attention context.
+    ``valid``: entry p + j is in the window and its next token is trained on (``mask``)."""
+    tokens, prev, pos, teacher, mask = batch
+    top1 = teacher.ids[..., 0]
+    hits, valid = [], []
+    for j, lg in enumerate(unrolled_logits(draft, dparams, tokens, prev, pos, k - 1)):
+        hit = dparams["vocab_ids"][jnp.argmax(lg, axis=-1)] == top1
+        hits.append(shift_left(hit, j))
+        valid.append(shift_left(mask, j))
+    return jnp.stack(hits, -1), jnp.stack(valid, -1)
+
+
 # ------------------------------------------------------------------------------------------ data
 
 
@@ -129,24 +156,6 @@ class HeadSequence:
     feats: np.ndarray
     ids: np.ndarray
     logits: np.ndarray
-
-
-def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-             seed: int, eos_ids=(), batch: int = 8, progress: Callable[[int], None] | None = None) -> list[list[int]]:
-    """The target's continuation of every prompt (greedy at ``temperature`` 0, else sampled with
-    seeds ``seed`` + i), up to ``max_new_tokens`` or an end-of-sequence id."""
-    from specjax.reference_ar import reference_generate
-    from specjax.sampling import SamplingParams
-
-    out = []
-    for i in range(0, len(prompts), batch):
-        chunk = [list(p) for p in prompts[i:i + batch]]
-        samp = [SamplingParams(temperature=temperature, seed=seed + i + r) for r in range(len(chunk))]
-        out += [r.tokens for r in reference_generate(cfg, params, chunk, samp, max_new_tokens=max_new_tokens,
-                                                     eos_ids=eos_ids, batch_buckets=(batch,))]
-        if progress:
-            progress(len(chunk))
-    return out
 
 
 def make_sequences(cfg: ModelConfig, params, prompts, outputs, *, topk: int, batch: int = 4, length_bucket: int = 64,
@@ -204,27 +213,40 @@ def load_texts(path: str) -> list[tuple[list[int], list[int]]]:
 def make_batch(seqs: Sequence[HeadSequence], rng: np.random.Generator, B: int, T: int, dtype=np.float32,
                prompt_loss: bool = False):
     """B random sequences as a training batch of windows of T positions (each sequence's last T,
-    padded at the end): (tokens, prev_feats, positions, dv.TopK teacher, mask), where ``mask``
-    marks the positions whose next token the target wrote (``prompt_loss``: every real position,
-    the target's distribution over the prompt's next tokens too)."""
-    D3 = seqs[0].feats.shape[1]
-    k = seqs[0].ids.shape[1]
+    padded at the end): ``window_batch``, the loss on the positions whose next token the target
+    wrote (``prompt_loss``: every real position, the target's distribution over the prompt's next
+    tokens too)."""
+    rows = []
+    for i in rng.integers(0, len(seqs), size=B):
+        s = seqs[i]
+        rows.append((s, max(0, len(s.tokens) - T), 0 if prompt_loss else s.start))
+    return window_batch(rows, T, dtype)
+
+
+def window_batch(rows, T: int, dtype=np.float32):
+    """A training batch of one window of T positions per row: ``rows`` holds (HeadSequence, a,
+    loss_from), the window covering positions a .. a + T - 1 (padded past the sequence's end).
+    Returns (tokens, prev_feats, positions, dv.TopK teacher, mask) [B, T, ...]: ``prev_feats`` at
+    entry u the target's features of position a + u - 1 (zeros before position 0), ``mask`` the
+    real positions >= ``loss_from`` (the positions before it, inside the window, are context a
+    head's attention reads, not trained on)."""
+    B = len(rows)
+    D3 = rows[0][0].feats.shape[1]
+    k = rows[0][0].ids.shape[1]
     toks = np.zeros((B, T), np.int32)
     prev = np.zeros((B, T, D3), dtype)
     pos = np.zeros((B, T), np.int32)
     ids = np.zeros((B, T, k), np.int32)
     lg = np.zeros((B, T, k), np.float32)
     mask = np.zeros((B, T), bool)
-    for r, i in enumerate(rng.integers(0, len(seqs), size=B)):
-        s = seqs[i]
-        L = len(s.tokens)
-        a = max(0, L - T)
+    for r, (s, a, loss_from) in enumerate(rows):
+        L = min(len(s.tokens), a + T)
         n = L - a
-        toks[r, :n] = s.tokens[a:]
+        toks[r, :n] = s.tokens[a:L]
         pos[r, :n] = np.arange(a, L)
         pos[r, n:] = np.arange(L, L + T - n)
         prev[r, 1 if a == 0 else 0:n] = s.feats[max(a - 1, 0):L - 1]
-        ids[r, :n], lg[r, :n] = s.ids[a:], s.logits[a:]
-        mask[r, :n] = np.arange(a, L) >= (0 if prompt_loss else s.start)
+        ids[r, :n], lg[r, :n] = s.ids[a:L], s.logits[a:L]
+        mask[r, :n] = np.arange(a, L) >= loss_from
     return (jnp.asarray(toks), jnp.asarray(prev), jnp.asarray(pos), dv.TopK(jnp.asarray(ids), jnp.asarray(lg)),
             jnp.asarray(mask))

@@ -32,6 +32,7 @@ from specjax.distill import eagle_train as et
 from specjax.distill import head_online
 from specjax.distill import train as tr
 from specjax.distill.checkpoint import DistillCheckpoints, fingerprint
+from specjax.distill.head_data import TargetWriter, user_prefix
 from specjax.distill.offline import WarmUp, say
 from specjax.drafters import heads
 from specjax.drafters.device import FeatureHeadDrafter, frequent_tokens
@@ -42,27 +43,21 @@ TEXTS = "texts.npz"  # (under the checkpoint's state/: every sequence the target
 
 class HeadData:
     """Training sequences for a head reading the target features ``features``: prompts, the
-    target's answers to them, and one target forward per sequence."""
+    target's answers to them (through the engine: head_data.TargetWriter), and one target forward
+    per sequence."""
 
     def __init__(self, model, opts: WarmUp, features: tuple[int, ...]):
         self.model, self.opts, self.feats_at = model, opts, features
         self.encode = opts.encoder(model)
+        self.writer = TargetWriter(model, batch=16)
 
     def self_prompts(self, n: int, seed: int) -> list[list[int]]:
         """The chat template up to the user's text, and the target writes the rest."""
-        tok, o = self.model.tokenizer, self.opts
-        marker = "\x00"
-        text = tok.apply_chat_template(([{"role": "system", "content": o.system}] if o.system else []) +
-                                       [{"role": "user", "content": marker}])
-        if marker not in text:
-            raise SpecjaxError("--self_prompts: this chat template does not show the user's text, so it has no "
-                               "user prefix to write prompts from")
-        prefix = tok.encode(text[:text.index(marker)], add_bos=False)
+        prefix = user_prefix(self.model.tokenizer, self.opts.system)
         with tqdm(total=n, desc="self-written prompts", unit="prompt", disable=None) as bar:
-            outs = et.generate(self.model.cfg, self.model.params, [prefix] * n, max_new_tokens=o.self_prompt_tokens,
-                               temperature=1.0, seed=seed, eos_ids=tok.eos_ids, progress=bar.update, batch=16)
-        asks = [tok.decode([t for t in out if t not in tok.eos_ids]).strip() for out in outs]
-        return [self.encode(a) for a in asks if len(a) >= 8]
+            asks = self.writer.self_prompts(prefix, [seed + i for i in range(n)], self.opts.self_prompt_tokens,
+                                            progress=bar.update, chunk=64)
+        return [self.encode(a) for a in asks if a is not None]
 
     def features(self, prompts, outputs, desc: str) -> list[et.HeadSequence]:
         with tqdm(total=len(prompts), desc=desc, unit="seq", disable=None) as bar:
@@ -71,12 +66,12 @@ class HeadData:
 
     def written(self, items, rnd: int) -> list[et.HeadSequence]:
         """(prompt, its answer from the file or None) -> sequences: the target writes the missing answers."""
-        o, tok = self.opts, self.model.tokenizer
+        o = self.opts
         ps = [p for p, a in items if a is None]
         with tqdm(total=len(ps), desc=f"round {rnd}: target writes", unit="prompt", disable=None) as bar:
-            outs = iter(et.generate(self.model.cfg, self.model.params, ps, seed=o.seed + 1000 * rnd,
-                                    progress=bar.update, batch=16, max_new_tokens=o.max_new_tokens,
-                                    temperature=o.sample_temperature, eos_ids=tok.eos_ids))
+            seed = o.seed + 1000 * rnd
+            outs = iter(self.writer.write(ps, [o.sample_temperature] * len(ps), [seed + i for i in range(len(ps))],
+                                          o.max_new_tokens, progress=bar.update, chunk=64))
         return self.features([p for p, _ in items], [next(outs) if a is None else a for _, a in items],
                              f"round {rnd}: target features")
 

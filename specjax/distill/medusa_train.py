@@ -59,6 +59,25 @@ def batch_step(trainable, opt_state, frozen, batch, *, draft: MedusaDraft, tc: T
     return train_step(trainable, opt_state, frozen, prev, teacher, mask, draft=draft, tc=tc, optimizer=optimizer)
 
 
+@partial(jax.jit, static_argnames=("draft", "k"))
+def chain_hits(dparams, batch, *, draft: MedusaDraft, k: int):
+    """Which drafts of a greedy chain agree with the target (the Medusa kind's
+    HeadKind.chain_hits): (hits, valid) [B, T, k] for the chain whose pending token is at window
+    entry u. Draft j is head j on the hidden state entry u carries (h_{u-1}); it hits when its
+    top-1 is the target's top-1 at entry u + j. ``valid``: u > 0 (entry 0 of a window that starts
+    a sequence has no hidden state) and entry u + j is in the window and trained on (``mask``)."""
+    from specjax.distill.eagle_train import shift_left
+
+    _, prev, _, teacher, mask = batch
+    T = mask.shape[1]
+    top = dparams["vocab_ids"][jnp.argmax(draft.reduced(dparams, prev, k), axis=-1)]  # [B, T, k]
+    top1 = teacher.ids[..., 0]
+    after0 = (jnp.arange(T) > 0)[None, :]
+    hits = [top[:, :, j] == shift_left(top1, j, -1) for j in range(k)]
+    valid = [shift_left(mask, j) & after0 for j in range(k)]
+    return jnp.stack(hits, -1), jnp.stack(valid, -1)
+
+
 def accuracy(draft: MedusaDraft, dparams, seqs, ranks: int = 4):
     """[heads, ranks]: how often head i's rank-r token is the target's own greedy choice i + 1
     positions after the hidden state's (the chance ``medusa.best_tree`` builds its tree from),

@@ -29,6 +29,19 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def prompt_encoder(model, chat: bool, system: str | None, max_prompt: int, max_new_tokens: int
+                   ) -> Callable[[str], list[int]]:
+    """Text -> prompt tokens (chat-templated with ``chat``), the last ones kept where it is longer
+    than ``max_prompt`` or than the context leaves room for after ``max_new_tokens``."""
+    tok = model.tokenizer
+    cut = min(max_prompt, model.cfg.max_position - max_new_tokens)
+
+    def encode(text: str) -> list[int]:
+        return (tok.encode_chat(text, system) if chat else tok.encode(text))[-cut:]
+
+    return encode
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmUp:
     """A warm-up run's settings. Each is named as launch/distill.py's flag for it, whose help
@@ -112,15 +125,7 @@ class WarmUp:
         return read_outputs(self.input_jsonl, flag="--input_jsonl", limit=self.limit, field=self.field)
 
     def encoder(self, model) -> Callable[[str], list[int]]:
-        """Text -> prompt tokens (chat-templated with ``chat``), the last ones kept where it is
-        longer than ``max_prompt`` or than the context leaves room for."""
-        tok = model.tokenizer
-        cut = min(self.max_prompt, model.cfg.max_position - self.max_new_tokens)
-
-        def encode(text: str) -> list[int]:
-            return (tok.encode_chat(text, self.system) if self.chat else tok.encode(text))[-cut:]
-
-        return encode
+        return prompt_encoder(model, self.chat, self.system, self.max_prompt, self.max_new_tokens)
 
     def prompts(self, model, texts) -> list[list[int]]:
         prompts = [self.encoder(model)(t) for t in texts]

@@ -59,13 +59,19 @@ class TrainConfig:
                 f"warmup_steps ({self.warmup_steps}) must be below total_steps ({self.total_steps})")
 
 
+def schedule(tc: TrainConfig):
+    """The learning rate at each step: 0 rising linearly to ``lr`` over ``warmup_steps``, then a
+    cosine down to ``lr * final_lr_fraction`` at ``total_steps`` (and there after)."""
+    return optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.total_steps,
+                                              end_value=tc.lr * tc.final_lr_fraction)
+
+
 @functools.lru_cache(maxsize=None)
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """The optimizer of ``tc``: one object per config, so that drafts trained with the same
     config share train_step's compiled executable (the optimizer is a static argument)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.total_steps,
-                                                  end_value=tc.lr * tc.final_lr_fraction)
-    return optax.chain(optax.clip_by_global_norm(tc.clip_norm), optax.adamw(schedule, weight_decay=tc.weight_decay))
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(schedule(tc), weight_decay=tc.weight_decay))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,11 @@ class HeadKind:
     option) pairs a new head's settings are taken from. ``after_round``: ``(draft, params,
     held-out sequences) -> (draft, report line)``, run after each warm-up round on the held-out
     text's features. ``check(k, settings)``: a one-line SpecjaxError where heads of these settings
-    cannot draft K = ``k``."""
+    cannot draft K = ``k``. ``chain_hits``: ``(params, batch, *, draft, k)`` -> (hits, valid)
+    [B, T, k] bools, whether draft j of the greedy chain whose pending token is at window entry p
+    is the target's top-1 (the held-out acceptance estimate of distill.head_pipeline).
+    ``attends``: the head's layer attends over earlier positions, so a training window that
+    starts inside a sequence carries context positions before its trained ones."""
 
     name: str
     title: str
@@ -63,6 +67,8 @@ class HeadKind:
     options: tuple[tuple[str, str], ...] = ()
     after_round: str | None = None
     check: Callable | None = None
+    chain_hits: str | None = None
+    attends: bool = False
 
     @property
     def file(self) -> str:
@@ -73,7 +79,8 @@ class HeadKind:
         return tuple(self.draft_of(cfg, np.arange(1), False, **settings).features)
 
     def resolve(self, what: str) -> Callable | None:
-        """The function a ``"module:function"`` field (``train_step``, ``after_round``) names."""
+        """The function a ``"module:function"`` field (``train_step``, ``after_round``,
+        ``chain_hits``) names."""
         return resolve(getattr(self, what))
 
 
@@ -119,16 +126,20 @@ def _checkpoints(directory: str, cfg: ModelConfig, draft, trainable, ids):
     return DistillCheckpoints(directory, fingerprint(cfg, draft.cfg, trainable, ids), max_to_keep=1)
 
 
-def save_head(kind: HeadKind, directory: str, cfg: ModelConfig, dparams, draft, dtype=None) -> None:
+def save_head(kind: HeadKind, directory: str, cfg: ModelConfig, dparams, draft, dtype=None,
+              training: dict | None = None) -> None:
     """Write the head (its own arrays, orbax; cast to ``dtype`` if given: bfloat16 halves the
-    file) and its ``kind.file`` to ``directory``."""
+    file) and its ``kind.file`` to ``directory``; ``training``: how it was trained so far (the
+    training tokens it has seen, held-out measurements), recorded in that file, so the heads a
+    run saves along the way are the points of its curve."""
     ids = np.asarray(dparams["vocab_ids"], np.int32)
     trainable = trainable_of(draft, dparams)
     if dtype is not None:
         trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype), trainable)
     spec = {"target": cfg.name, "vocab_size": cfg.vocab_size, "features": list(draft.features),
             "shared_head": draft.shared_head, "dtype": str(jax.tree_util.tree_leaves(trainable)[0].dtype),
-            **{k: getattr(draft, k) for k in kind.settings}, "vocab_ids": ids.tolist()}
+            **{k: getattr(draft, k) for k in kind.settings}, **({"training": training} if training else {}),
+            "vocab_ids": ids.tolist()}
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:

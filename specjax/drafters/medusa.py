@@ -211,7 +211,8 @@ def check_k(k: int, settings: dict) -> None:
 
 KIND = head_io.HeadKind("medusa", "Medusa", init_params, _draft, settings=("heads", "tree"),
                         train_step="specjax.distill.medusa_train:batch_step", options=(("heads", "medusa_heads"),),
-                        after_round="specjax.distill.medusa_train:after_round", check=check_k)
+                        after_round="specjax.distill.medusa_train:after_round", check=check_k,
+                        chain_hits="specjax.distill.medusa_train:chain_hits")
 
 
 def build(model, head: str | None = None, tree: bool = True) -> FeatureHeadDrafter:

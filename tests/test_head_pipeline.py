@@ -1,0 +1,336 @@
+"""The feature-head training pipeline (distill.head_data, distill.head_pipeline) on the tiny model:
+shards read back bit-exactly and a damaged one is caught and written again alone; a run killed at
+a random step (and later stopped by SIGTERM) and resumed ends with the uninterrupted run's head;
+the data-parallel step on a fake 8-device mesh equals the single-device step; the learning rate
+warms up, then decays along a cosine over the planned steps; the heads the pipeline trains serve
+losslessly (greedy equal to AR through the engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from specjax.distill import eagle_train as et
+from specjax.distill import head_data as hd
+from specjax.distill import head_pipeline as hp
+from specjax.distill import train as tr
+from specjax.drafters import eagle, medusa
+from specjax.errors import SpecjaxError
+
+SETTINGS = hd.DataSettings(max_new_tokens=12, max_prompt=32, chat=False, topk=4, eval_sequences=6, shard_size=8,
+                           temperatures=(0.0, 1.0), gen_batch=8, seed=0)
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    from specjax.models.loader import load_model
+
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def data(model, tmp_path_factory):
+    """An EAGLE data set of the tiny model: 40 prompt lines, 4 of them repeats (case, spaces)."""
+    root = tmp_path_factory.mktemp("head_data")
+    lines = [{"prompt": f"row {i}: " + "ab " * (i % 5) + "xyz"[i % 3]} for i in range(36)]
+    lines += [{"question": "  ROW 3: " + "ab " * 3 + "x"}, {"prompt": lines[5]["prompt"].upper()},
+              {"turns": [lines[7]["prompt"], "more"]}, {"text": lines[9]["prompt"] + "  "}]
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    st = dataclasses.replace(SETTINGS, prompt_files=(str(path),))
+    ds = hd.build_data(model, str(root / "eagle"), st, eagle.KIND.features(model.cfg), log=quiet)
+    return root, st, ds
+
+
+def run_config(ck, **kw) -> hp.RunConfig:
+    base = dict(checkpoint_dir=str(ck), batch=4, window=16, context=4, epochs=1.5, checkpoint_minutes=0,
+                checkpoint_steps=3, log_every=4, eval_every=0, engine_eval_every=0, draft_vocab=64, k=3, unroll=2,
+                seed=1, eval_prompts=2)
+    return hp.RunConfig(**{**base, **kw})
+
+
+TC = tr.TrainConfig(lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def trained(model, data, tmp_path_factory):
+    """An uninterrupted EAGLE run (with the held-out estimates, the engine's measurement and the
+    plot along the way: they read the head, never change it)."""
+    ck = tmp_path_factory.mktemp("eagle_run")
+    rc = run_config(ck / "head", eval_every=5, engine_eval_every=10, plot=str(ck / "curve.png"))
+    return rc, hp.train(eagle.KIND, model, data[2], rc, TC, log=quiet)
+
+
+def test_shards_round_trip_bit_exactly_and_a_damaged_one_is_caught(model, data, tmp_path, caplog):
+    """What write_shard writes read_shard maps back bit for bit (bfloat16 features and logits);
+    a flipped byte makes the shard unreadable with one warning; build_data writes that shard again
+    (the same bytes: its content is a function of the settings and its index) and no other.
+    Prompts are deduplicated (4 of the 40 lines repeat others)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    seqs = [et.HeadSequence(rng.integers(0, 256, n).astype(np.int32), n // 3,
+                            rng.standard_normal((n, 12)).astype(np.float32),
+                            rng.integers(0, 256, (n, 4)).astype(np.int32),
+                            rng.standard_normal((n, 4)).astype(np.float32)) for n in (5, 9, 1)]
+    hd.write_shard(str(tmp_path), "train-00000", seqs, [0.0, 0.7, 1.0], {"prompt_keys": []})
+    sh = hd.read_shard(str(tmp_path), "train-00000")
+    assert len(sh) == 3 and sh.temps.tolist() == pytest.approx([0.0, 0.7, 1.0])
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    for i, s in enumerate(seqs):
+        got = sh.sequence(i)
+        assert got.start == s.start and np.array_equal(got.tokens, s.tokens) and np.array_equal(got.ids, s.ids)
+        for a, b in ((got.feats, s.feats), (got.logits, s.logits)):
+            assert a.dtype == bf16 and np.array_equal(a.view(np.uint16), b.astype(bf16).view(np.uint16))
+    path = tmp_path / "train-00000.bin"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    path.write_bytes(bytes(blob))
+    with caplog.at_level(logging.WARNING):
+        assert hd.read_shard(str(tmp_path), "train-00000") is None
+        assert hd.read_shard(str(tmp_path), "train-00000") is None
+    assert sum("train-00000.bin" in r.getMessage() for r in caplog.records) == 1
+
+    root, st, ds = data
+    assert sum(len(s) for s in ds.train) + len(ds.eval) == 36 and len(ds.eval) == 6
+    d = root / "eagle"
+    want = (d / "train-00001.bin").read_bytes()
+    others = {f: os.stat(d / f).st_mtime_ns for f in os.listdir(d) if f.endswith(".bin") and "00001" not in f}
+    blob = bytearray(want)
+    blob[100] ^= 1
+    (d / "train-00001.bin").write_bytes(bytes(blob))
+    again = hd.build_data(model, str(d), st, eagle.KIND.features(model.cfg), log=quiet)
+    assert (d / "train-00001.bin").read_bytes() == want
+    assert {f: os.stat(d / f).st_mtime_ns for f in others} == others
+    assert again.digest() == ds.digest()
+
+
+def test_windows_cover_every_trained_position_once(data):
+    """Every position from a sequence's prompt's last on is trained in exactly one window, and an
+    attending head's later windows start ``context`` positions before their trained ones."""
+    _, _, ds = data
+    for C, prompt_loss in ((4, False), (0, True), (1, False)):
+        rows, counts = hp.windows(ds.train, 16, C, prompt_loss)
+        seen: dict = {}
+        for (s, q, a, first), n in zip(rows.tolist(), counts.tolist()):
+            assert first - a <= C and 0 < n <= 16 - (first - a)
+            for p in range(first, first + n):
+                seen[(s, q, p)] = seen.get((s, q, p), 0) + 1
+        want = {(s, q, p) for s, sh in enumerate(ds.train) for q in range(len(sh))
+                for p in range(0 if prompt_loss else int(sh.starts[q]), int(sh.lengths()[q]))}
+        assert set(seen) == want and set(seen.values()) == {1}
+
+
+def test_schedule_warms_up_then_decays_along_a_cosine_over_the_planned_steps():
+    """The token budget plans the steps (budget / mean training tokens per step); the learning
+    rate rises linearly to its peak over the warm-up, then follows a cosine to lr x
+    final_lr_fraction at the planned end."""
+    rows = np.zeros((100, 4), np.int64)
+    counts = np.full(100, 50, np.int64)
+    order = hp.Order(rows, counts, 8, seed=0)
+    rc = hp.RunConfig(checkpoint_dir="unused", batch=8, train_tokens=400 * 1000, warmup_fraction=0.05)
+    tc = hp.plan(order, rc, tr.TrainConfig(lr=1e-3, final_lr_fraction=0.1))
+    assert tc.total_steps == 1000 and tc.warmup_steps == 50
+    lr = tr.schedule(tc)
+    assert float(lr(0)) == 0 and float(lr(25)) == pytest.approx(0.5e-3) and float(lr(50)) == pytest.approx(1e-3)
+    for s in (50, 300, 525, 800, 1000):
+        cos = 0.5 * (1 + np.cos(np.pi * (s - 50) / 950))
+        assert float(lr(s)) == pytest.approx(1e-4 + 0.9e-3 * cos, rel=1e-5), s
+    assert float(lr(2000)) == pytest.approx(1e-4)
+    epochs = hp.plan(order, hp.RunConfig(checkpoint_dir="unused", batch=8, epochs=2.5), tr.TrainConfig())
+    assert epochs.total_steps == 30  # (12 batches per epoch)
+    # the order: a permutation per epoch, keyed by (seed, epoch), the same for the same step
+    assert sorted(np.concatenate([order.at(s) for s in range(12)]).tolist()) == sorted(
+        np.random.default_rng([0, 0]).permutation(100)[:96].tolist())
+    assert order.at(13).tolist() == hp.Order(rows, counts, 8, seed=0).at(13).tolist() != order.at(1).tolist()
+
+
+def test_chain_walk_verifies_as_the_engine_does():
+    """The held-out estimate walks each row as verification would: a step accepts its chain's
+    leading hits (where valid) plus one token, and the next starts after them."""
+    hits = np.ones((2, 12, 3), bool)
+    valid = np.zeros((2, 12, 3), bool)
+    for j in range(3):
+        valid[0, 1:11 - j, j] = True  # positions 1..10 trained: chains end at the window's end
+    hits[1, :, 1] = False  # row 2: draft 2 always misses, so a step accepts 1 draft
+    valid[1, :6] = True
+    valid[1, 6:, :] = False
+    top1, tps = hp.chain_walk(hits, valid)
+    # row 1: steps at 1 (3 + 1), 5 (4), 9 (positions 9, 10 valid: 2 + 1): 11 tokens in 3 steps;
+    # row 2: steps at 0, 2, 4 (1 + 1 each): 6 tokens in 3 steps
+    assert top1 == 1.0 and tps == pytest.approx(17 / 6)
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_head(model, data, trained, tmp_path, seed):
+    """Killed (no save) after a random number of steps, started again (it resumes from the last
+    checkpoint), stopped by SIGTERM a few steps later (it finishes the step, checkpoints and
+    returns), started again: the final head equals the uninterrupted run's, and the head saved in
+    the directory records the training tokens it has seen."""
+    rc0, full = trained
+    planned = full["planned"]
+    assert planned >= 8 and full["stopped"] is None
+    kill = 1 + seed % (planned - 2)
+    rc = run_config(tmp_path / "head")
+    got = hp.train(eagle.KIND, model, data[2], rc, TC, log=quiet, kill_after=kill)
+    assert got["stopped"] == "killed" and got["step"] == kill
+
+    def term(msg):  # SIGTERM to this process during the step after the resumed run's first line
+        if msg.startswith("step "):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    got = hp.train(eagle.KIND, model, data[2], dataclasses.replace(rc, log_every=1), TC, log=term)
+    assert got["stopped"] == "SIGTERM" and got["step"] < planned, (seed, got["step"])
+    lines = []
+    got = hp.train(eagle.KIND, model, data[2], rc, TC, log=lines.append)
+    assert got["step"] == planned and got["tokens"] == full["tokens"], (seed, lines)
+    assert any(f"resumed {rc.checkpoint_dir} at step" in m for m in lines)
+    for k in full["trainable"]:
+        for a, b in zip(_leaves(full["trainable"][k]), _leaves(got["trainable"][k])):
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7, err_msg=f"seed {seed}: killed at step {kill}")
+    spec = eagle.read_spec(rc.checkpoint_dir, model.cfg)
+    assert spec["training"]["tokens"] == full["tokens"] and spec["training"]["steps"] == planned
+    snaps = sorted(os.listdir(os.path.join(rc0.checkpoint_dir, "snapshots")))
+    assert snaps and snaps[-1] == f"tokens-{full['tokens']:012d}"
+    # a run with other settings in the same directory is refused in one line
+    with pytest.raises(SpecjaxError, match="trains a run of other settings"):
+        hp.train(eagle.KIND, model, data[2], dataclasses.replace(rc, batch=2), TC, log=quiet)
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_the_pipelines_heads_serve_losslessly(model, data, trained, tmp_path):
+    """The EAGLE head the pipeline saved, and Medusa heads trained on the same text (its data set
+    written from the EAGLE one's, features recomputed), serve through the engine at K = 3 with
+    greedy outputs equal to AR; the run drew its curve and measured held-out acceptance."""
+    from specjax import registry
+    from specjax.generate import Generator
+
+    rc, full = trained
+    assert os.path.getsize(os.path.dirname(rc.checkpoint_dir) + "/curve.png") > 0
+    root, st, ds = data
+    prompts = [ds.eval.prompt(i) for i in range(len(ds.eval))]
+    ar = [r.tokens for r in Generator(model.cfg, model.params).generate(prompts, max_new_tokens=16)]
+    gen = registry.build_spec_generator(model, "eagle", k=3, k_buckets=(0, 3), eagle_head=rc.checkpoint_dir)
+    assert [r.tokens for r in gen.generate(prompts, max_new_tokens=16, num_spec_tokens=3)] == ar
+
+    mst = dataclasses.replace(st, texts_from=str(root / "eagle"))
+    mds = hd.build_data(model, str(tmp_path / "medusa_data"), mst, medusa.KIND.features(model.cfg), log=quiet)
+    assert [s.tokens.tolist() for s in (mds.train[0], mds.eval)] == [s.tokens.tolist() for s in (ds.train[0], ds.eval)]
+    with pytest.raises(SpecjaxError, match="keeps the target features"):
+        hp.train(medusa.KIND, model, ds, run_config(tmp_path / "m"), TC, log=quiet)
+    mrc = run_config(tmp_path / "medusa", settings=(("heads", 3),), eval_every=4)
+    got = hp.train(medusa.KIND, model, mds, mrc, TC, log=quiet)
+    assert got["step"] == got["planned"]
+    saved = json.loads(open(os.path.join(mrc.checkpoint_dir, medusa.KIND.file)).read())
+    assert saved["heads"] == 3 and saved["tree"]  # (with the tree their held-out accuracy makes best)
+    gen = registry.build_spec_generator(model, "medusa", k=3, k_buckets=(0, 3), medusa_head=mrc.checkpoint_dir)
+    assert [r.tokens for r in gen.generate(prompts, max_new_tokens=16, num_spec_tokens=3)] == ar
+
+
+_MESH = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from specjax.config import get_model_config
+    from specjax.distill import eagle_train as et, head_online, head_pipeline as hp, train as tr
+    from specjax.drafters import eagle, heads, medusa
+    from specjax.models import llama
+
+    assert len(jax.devices()) == 8
+    cfg = get_model_config("tiny-random")
+    params = llama.init_random_params(cfg, 0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 255, 3 + i % 4)] for i in range(10)]
+    outs = [[int(t) for t in rng.integers(1, 255, 10)] for _ in range(10)]
+    tc = tr.TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10)
+    opt = tr.make_optimizer(tc)
+    for kind in (eagle.KIND, medusa.KIND):
+        seqs = et.make_sequences(cfg, params, prompts, outs, topk=4, batch=4, length_bucket=16,
+                                 features=kind.features(cfg))
+        draft, dp = kind.init(cfg, params, np.arange(0, 256, 2), seed=1, shared_head=False)
+        trainer = head_online.HeadTrainer(draft, tc, opt, 2)
+        own = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dp))
+        frozen = {k: v for k, v in dp.items() if k not in own}
+        res = {}
+        for n in (1, 8):
+            pl = hp.Placement(n)
+            t, s, f = pl.replicated(own), pl.replicated(opt.init(own)), pl.replicated(frozen)
+            for step in range(3):
+                batch = et.make_batch(seqs, np.random.default_rng(step), 8, 16)
+                t, s, loss, ok = trainer.step(t, s, f, pl.rows(batch))
+                assert bool(ok)
+            if n == 8:
+                assert pl.rows(batch)[0].sharding.spec[0] == "data"
+                for a in jax.tree_util.tree_leaves((t, s)):
+                    assert len(a.sharding.device_set) == 8 and a.sharding.is_fully_replicated, a.sharding
+            res[n] = (jax.device_get(t), float(loss))
+        for a, b in zip(jax.tree_util.tree_leaves(res[1][0]), jax.tree_util.tree_leaves(res[8][0])):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+        assert abs(res[1][1] - res[8][1]) < 1e-5 * max(1.0, abs(res[1][1])), (res[1][1], res[8][1])
+    print("MESH_STEP_OK")
+""")
+
+
+def test_the_mesh_step_equals_the_single_device_step():
+    """Three optimizer steps of an EAGLE and a Medusa head on a data mesh of 8 fake CPU devices
+    (the global batch of 8 windows split one per device, the head and its optimizer state
+    replicated) give the single-device steps' params and loss (to float rounding: the gradient's
+    sum runs in another order)."""
+    r = subprocess.run([sys.executable, "-c", _MESH], capture_output=True, text=True, env=dict(os.environ),
+                       timeout=600)
+    assert "MESH_STEP_OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_launch_command_writes_data_trains_stops_on_sigterm_and_resumes(tmp_path):
+    """launch/distill.py --pipeline all on the tiny model: the data set, then training; SIGTERM
+    mid-run exits 0 with one line; the same command resumes and finishes; mistakes are one-line
+    errors (exit 2)."""
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"row {i} " + "ab" * (i % 5)}) + "\n" for i in range(48)))
+    args = [sys.executable, os.path.join(root, "launch", "distill.py"), "--drafter", "eagle", "--model", "tiny-random",
+            "--pipeline", "all", "--data_dir", str(tmp_path / "data"), "--prompt_files", str(inp),
+            "--checkpoint_dir", str(tmp_path / "ck"), "--max_new_tokens", "16", "--shard_size", "8",
+            "--eval_sequences", "8", "--distill_length", "24", "--window_context", "4", "--distill_batch", "4",
+            "--epochs", "40", "--draft_vocab", "64", "--log_every", "1", "--eval_every", "20",
+            "--engine_eval_every", "0", "--checkpoint_minutes", "0", "--checkpoint_steps", "10",
+            "--plot", str(tmp_path / "c.png")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
+    err = []
+    for line in p.stderr:
+        err.append(line)
+        if line.startswith("step 30/"):
+            p.send_signal(signal.SIGTERM)
+            break
+    err += p.stderr.readlines()
+    assert p.wait(timeout=300) == 0 and "SIGTERM: stopped after step" in "".join(err), "".join(err)[-3000:]
+    t0 = time.time()
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "resumed" in r.stderr and "[trained " in r.stderr, r.stderr[-3000:]
+    assert time.time() - t0 < 600 and (tmp_path / "c.png").stat().st_size > 0
+    for extra, msg in [(("--distill_batch", "2"), "trains a run of other settings"),
+                       (("--data_parallel", "3", "--distill_batch", "4"), "--distill_batch 4 does not split evenly"),
+                       (("--input_jsonl", str(inp)), "--pipeline reads --prompt_files")]:
+        r = subprocess.run(args + list(extra), capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
