@@ -33,7 +33,7 @@ def main() -> None:
     for i, s in enumerate(seqs):
         llm.reset()
         llm.eval(s)
-        out[f"s{i}"] = np.asarray(llm.scores[:len(s)], np.float32)
+        out[f"s{i}"] = np.array(llm.scores[:len(s)], np.float32)  # a copy: llm.scores is reused by the next eval
     np.savez(a.out, **out)
 
 
