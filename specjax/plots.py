@@ -84,6 +84,7 @@ def head_training(path: str, history, evals, k: int, title: str) -> None:
         ax.set_xlabel("training tokens")
         if h or e:
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # (labelled minor ticks overlap)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
