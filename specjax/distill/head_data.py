@@ -331,6 +331,11 @@ class DataSettings:
         return d
 
 
+def differ(a: dict, b: dict) -> list[str]:
+    """The keys whose values differ between two records (what a refused resume names)."""
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
 def _digest(path: str) -> str:
     h = hashlib.sha256()
     try:
@@ -486,9 +491,7 @@ def build_data(model, directory: str, st: DataSettings, features: Sequence[int],
     have = ondisk.read(os.path.join(directory, DATA_FILE))
     if have is not None:
         old = json.loads(have)
-        diff = [k for k in sorted(set(old) | set(spec)) if old.get(k) != spec.get(k)]
-        diff += [f"settings.{k}" for k in sorted(set(old.get("settings", {})) | set(spec["settings"]))
-                 if old.get("settings", {}).get(k) != spec["settings"].get(k)]
+        diff = differ(old, spec) + [f"settings.{k}" for k in differ(old.get("settings", {}), spec["settings"])]
         if diff:
             raise SpecjaxError(f"{directory} holds a data set made otherwise ({', '.join(diff[:4])} differ): give the "
                                "same settings to go on with it, or a new --data_dir")

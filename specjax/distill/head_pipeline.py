@@ -73,7 +73,7 @@ import numpy as np
 from specjax import ondisk
 from specjax.distill import eagle_train as et
 from specjax.distill import train as tr
-from specjax.distill.head_data import DataSet, choose_vocab, format_vocab_table, vocab_table
+from specjax.distill.head_data import DataSet, choose_vocab, differ, format_vocab_table, vocab_table
 from specjax.errors import SpecjaxError, require
 
 PIPELINE_FILE = "pipeline.json"
@@ -284,10 +284,6 @@ def print_vocab_table(kind, model, ds: DataSet, settings: dict, shared_head: boo
     return rows
 
 
-def _differ(a: dict, b: dict) -> list[str]:
-    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
 # ------------------------------------------------------------------------------------------ train
 
 
@@ -336,7 +332,7 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                    draft_vocab=rc.draft_vocab and len(ids))
         now = dict(run, **{f"settings.{k}": v for k, v in rc.settings}, shared_head=rc.shared_head,
                    draft_vocab=rc.draft_vocab)
-        bad = _differ(had, now)
+        bad = differ(had, now)
         if bad:
             raise SpecjaxError(f"{ck} trains a run of other settings ({', '.join(bad[:4])} differ: {bad[0]} "
                                f"{had.get(bad[0])} there, {now.get(bad[0])} now); give the same ones to go on, or a "
@@ -374,7 +370,7 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
         _, trainable, state, record = got
         if record.get("run") != run:
             raise SpecjaxError(f"{ck}/{STATE_DIR} holds a run of other settings or data "
-                               f"({', '.join(_differ(record.get('run') or {}, run)[:4])} differ)")
+                               f"({', '.join(differ(record.get('run') or {}, run)[:4])} differ)")
         log(f"[resumed {ck} at step {record['step']:,} of {planned:,} (epoch {record['epoch']}, batch "
             f"{record['batch']}; {record['tokens']:,} training tokens)]")
 
