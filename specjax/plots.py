@@ -93,3 +93,34 @@ def head_training(path: str, history, evals, k: int, title: str) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def head_curve(path: str, series: dict, title: str, refs: dict | None = None) -> None:
+    """Held-out tokens per verify step against training tokens (log x): ``series`` maps a label
+    (a head kind and its drafting) to [(training tokens, tokens per step), ...]; ``refs`` maps a
+    label to one value drawn as a dashed line (the shipped head's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    lines = {}
+    for label, pts in series.items():
+        pts = sorted(pts)
+        lines[label] = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)[0]
+    for label, y in (refs or {}).items():
+        base = label.split(" (")[0]
+        color = lines[base].get_color() if base in lines else "gray"
+        ax.axhline(y, ls="--", lw=0.8, color=color, label=label)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out tokens per verify step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -334,3 +334,19 @@ def test_the_launch_command_writes_data_trains_stops_on_sigterm_and_resumes(tmp_
                        (("--input_jsonl", str(inp)), "--pipeline reads --prompt_files")]:
         r = subprocess.run(args + list(extra), capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def test_the_curve_takes_snapshots_evenly_in_log_tokens_and_counts_steps_per_group():
+    """benchmarks/head_curve.py: at most n snapshots, the first and the last kept and the rest
+    nearest to even steps in log tokens; tokens per step = 1 + accepted / steps over a group's
+    prompts (not a mean of per-prompt ratios), the chat categories pooled."""
+    from benchmarks import head_curve as hc
+
+    snaps = [(t, f"s{t}") for t in (10, 20, 40, 80, 160, 320, 640, 1280)]
+    assert hc.pick(snaps, 0) == snaps and hc.pick(snaps, 9) == snaps
+    assert [t for t, _ in hc.pick(snaps, 4)] == [10, 40, 320, 1280]
+    assert [t for t, _ in hc.pick(snaps, 2)] == [10, 1280]
+    rows = [(10, 5, True), (30, 0, True), (20, 20, False), (4, 4, True)]
+    s = hc.summarize(rows, ["writing", "qa", "math", "gsm8k"])
+    assert s["chat"] == 1 + 5 / 40 and s["math"] == 2.0 and s["overall"] == 1 + 29 / 64
+    assert (s["identical"], s["prompts"]) == (3, 4)

@@ -78,9 +78,10 @@ class HeadData:
 
 class HeldOut:
     """The engine with the head (``drafter``) on the held-out prompts, greedy: its own AR
-    (K = 0 steps: what speculation must reproduce) once, then at K = ``k`` after each round."""
+    (K = 0 steps: what speculation must reproduce) once, then at K = ``k`` after each round.
+    ``ref``: the AR outputs of an earlier HeldOut on the same prompts (not run again)."""
 
-    def __init__(self, model, drafter, prompts, max_new_tokens: int, k: int):
+    def __init__(self, model, drafter, prompts, max_new_tokens: int, k: int, ref: list[list[int]] | None = None):
         from specjax import buckets as bk
         from specjax.engine.jax_backend import JaxBackend
 
@@ -89,7 +90,7 @@ class HeldOut:
         slots = bk.slot_bucket(max([len(p) for p in prompts] + [1]) + max_new_tokens + k + 1, cfg.max_position)
         self.backend = JaxBackend(cfg, model.params, drafter=drafter, k_buckets=(0, k),
                                   batch_buckets=(min(8, max(1, len(prompts))),), slots=slots)
-        self.ref = self._run(0)[1]
+        self.ref = ref if ref is not None else [o.tokens for o in self._run(0)[1]]
 
     def _run(self, k: int):
         from specjax.engine.loop import ServingEngine
@@ -98,13 +99,18 @@ class HeldOut:
 
         self.backend.reset()
         eng = ServingEngine(self.backend, FixedK(k))
-        return eng, [o.tokens for o in eng.run([Request(f"e{i}", p, self.max_new_tokens)
-                                                for i, p in enumerate(self.prompts)])]
+        return eng, eng.run([Request(f"e{i}", p, self.max_new_tokens) for i, p in enumerate(self.prompts)])
 
     def measure(self) -> tuple[float, int]:
         """(tokens per verify step at K = k, how many outputs are token-identical to the AR's)."""
         eng, outs = self._run(self.k)
-        return 1.0 + eng.counts.accepted / max(eng.counts.offered, 1), sum(o == r for o, r in zip(outs, self.ref))
+        return (1.0 + eng.counts.accepted / max(eng.counts.offered, 1),
+                sum(o.tokens == r for o, r in zip(outs, self.ref)))
+
+    def per_prompt(self) -> list[tuple[int, int, bool]]:
+        """Each prompt's (steps, accepted drafts, output token-identical to the AR's) at K = k."""
+        _, outs = self._run(self.k)
+        return [(o.steps, o.accepted, o.tokens == r) for o, r in zip(outs, self.ref)]
 
 
 def train_head(kind: heads.HeadKind, opts: WarmUp, tc: tr.TrainConfig, load_target: Callable,
