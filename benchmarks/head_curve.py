@@ -14,7 +14,8 @@ reasoning, stem, humanities and qa.
       --data_dir /work/runs/eagle-data --out_dir /work/runs/curve
 
 Writes curve.json, curve.md and curve.png to ``--out_dir`` (the JSON after every point: a killed
-run keeps what it measured, and a rerun skips the points it has).
+run keeps what it measured, and a rerun skips the points it has). Runs measured apart, say side
+by side, go into one table and plot with ``--merge OTHER/curve.json --nomeasure``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("points", 0, "At most this many snapshots per run, spread evenly in log tokens (0: all).")
     flags.DEFINE_bool("shipped", True, "Also measure the shipped head of each kind (a dashed line on the plot).")
     flags.DEFINE_string("out_dir", None, "Where curve.json, curve.md and curve.png go.")
+    flags.DEFINE_multi_string("merge", [], "Also take the points of these curve.json files (other runs measured "
+                              "the same way, say in parallel), measuring nothing they have.")
+    flags.DEFINE_bool("measure", True, "--nomeasure: only write the table and the plot from what is measured.")
 
 
 CHAT = ("writing", "roleplay", "reasoning", "stem", "humanities", "qa")
@@ -135,8 +139,8 @@ def run() -> int:
     from specjax.errors import SpecjaxError
     from specjax.models.loader import load_model
 
-    if not FLAGS.run or not FLAGS.out_dir:
-        raise SpecjaxError("give --run KIND=DIR (one or more) and --out_dir")
+    if not (FLAGS.run or not FLAGS.measure) or not FLAGS.out_dir:
+        raise SpecjaxError("give --run KIND=DIR (one or more; none with --nomeasure) and --out_dir")
     runs = []
     for r in FLAGS.run:
         kind, _, d = r.partition("=")
@@ -147,9 +151,25 @@ def run() -> int:
         runs.append((kind, d, pick(snaps, FLAGS.points)))
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     out_json = os.path.join(FLAGS.out_dir, "curve.json")
-    done = json.load(open(out_json))["points"] if os.path.exists(out_json) else []
+    kept = ("run", "per_category", "gsm8k", "data_prompts", "max_new_tokens", "k", "tree_nodes", "tree_width",
+            "tree_depth")
+    settings = {x: FLAGS[x].value for x in kept if x != "run"}
+    done = []
+    if os.path.exists(out_json):  # (a rerun goes on with the points it has, if measured the same way)
+        old = json.load(open(out_json))
+        if {x: old["flags"].get(x) for x in settings} != settings:
+            raise SpecjaxError(f"{out_json} was measured with other settings ({old['flags']}): give the same ones "
+                               "or another --out_dir")
+        done = old["points"]
+    for path in FLAGS.merge:
+        other = json.load(open(path))
+        if {x: other["flags"].get(x) for x in settings} != settings:
+            raise SpecjaxError(f"--merge {path} was measured with other settings ({other['flags']})")
+        done += [p for p in other["points"] if p not in done]
     model = load_model()
     toks, groups = prompts(model)
+    if not FLAGS.measure:
+        runs = []
     print(f"[{len(toks)} held-out prompts: {', '.join(f'{g} {groups.count(g)}' for g in dict.fromkeys(groups))}]",
           file=sys.stderr)
     modes = [("chain", False, FLAGS.k)] + ([("tree", True, FLAGS.tree_nodes)] if FLAGS.tree_nodes else [])
@@ -177,10 +197,8 @@ def run() -> int:
                       f"{s['overall']:.3f}, chat {s['chat']:.3f}, {s['identical']}/{s['prompts']} identical; "
                       f"{time.perf_counter() - t0:.0f} s]", file=sys.stderr)
                 with open(out_json + ".tmp", "w") as f:
-                    json.dump({"flags": {x: FLAGS[x].value for x in ("run", "per_category", "gsm8k", "data_prompts",
-                                                                      "max_new_tokens", "k", "tree_nodes",
-                                                                      "tree_width", "tree_depth")},
-                               "groups": groups, "points": points}, f, indent=1)
+                    json.dump({"flags": {x: FLAGS[x].value for x in kept}, "groups": groups, "points": points}, f,
+                              indent=1)
                 os.replace(out_json + ".tmp", out_json)
     md = table(points, groups)
     with open(os.path.join(FLAGS.out_dir, "curve.md"), "w") as f:
