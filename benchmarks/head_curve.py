@@ -174,6 +174,12 @@ def run() -> int:
           file=sys.stderr)
     modes = [("chain", False, FLAGS.k)] + ([("tree", True, FLAGS.tree_nodes)] if FLAGS.tree_nodes else [])
     ref, points = None, list(done)
+
+    def save(points):
+        with open(out_json + ".tmp", "w") as f:
+            json.dump({"flags": {x: FLAGS[x].value for x in kept}, "groups": groups, "points": points}, f, indent=1)
+        os.replace(out_json + ".tmp", out_json)
+
     t0 = time.perf_counter()
     for kind, d, snaps in runs:
         todo = [(n, s) for n, s in snaps] + ([(None, None)] if FLAGS.shipped else [])
@@ -196,10 +202,8 @@ def run() -> int:
                 print(f"[{kind} {mode} K={k} at {'shipped' if n is None else f'{n:,} tokens'}: overall "
                       f"{s['overall']:.3f}, chat {s['chat']:.3f}, {s['identical']}/{s['prompts']} identical; "
                       f"{time.perf_counter() - t0:.0f} s]", file=sys.stderr)
-                with open(out_json + ".tmp", "w") as f:
-                    json.dump({"flags": {x: FLAGS[x].value for x in kept}, "groups": groups, "points": points}, f,
-                              indent=1)
-                os.replace(out_json + ".tmp", out_json)
+                save(points)
+    save(points)  # (with --merge: every point in one file)
     md = table(points, groups)
     with open(os.path.join(FLAGS.out_dir, "curve.md"), "w") as f:
         f.write(md + "\n")

@@ -114,7 +114,9 @@ def head_curve(path: str, series: dict, title: str, refs: dict | None = None) ->
         color = lines[base].get_color() if base in lines else "gray"
         ax.axhline(y, ls="--", lw=0.8, color=color, label=label)
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    xs = sorted({p[0] for pts in series.values() for p in pts})
+    ax.set_xticks(xs, [f"{x / 1e3:.0f}k" if x < 1e6 else f"{x / 1e6:.1f}M" for x in xs])  # (the points' own)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out tokens per verify step")
     ax.grid(alpha=0.3)
