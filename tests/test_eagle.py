@@ -601,22 +601,33 @@ def test_sampled_dynamic_tree_emits_the_targets_distribution(tiny):
     assert chisquare(obs_cells, exp_cells).pvalue > 0.01
 
 
+def _shipped_tree(kind, model):
+    """The shipped head of ``kind`` drafting its tree: EAGLE-2 dynamic trees of width 3 and depth
+    3, or the Medusa heads' saved static tree."""
+    from specjax.drafters import medusa
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    if kind == "medusa":
+        return medusa.build(model)
+    draft, dparams = eagle.load_head(eagle.shipped_head(model.cfg), model.cfg, model.params)
+    return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=3, tree_depth=3), dparams)
+
+
 @pytest.mark.slow
-def test_trained_heads_sampled_dynamic_tree_emits_the_targets_distribution():
-    """The shipped, trained head on the embedded SmolLM2 (real weights), drafting EAGLE-2 trees
-    of 6 nodes (width 3, depth 3) at T = 1: the first token a tree step emits after a chat
-    prompt and one greedy step follows the target's own distribution there (chi-square over
-    1,600 draws), with the head's first-depth nodes accepted in a good share of the draws."""
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_trained_heads_sampled_tree_emits_the_targets_distribution(kind):
+    """The shipped, trained heads on the embedded SmolLM2 (real weights), drafting 6-node trees
+    at T = 1: the first token a tree step emits after a chat prompt and one greedy step follows
+    the target's own distribution there (chi-square over 1,600 draws), with the heads'
+    first-depth nodes accepted in a good share of the draws."""
     from scipy.stats import chisquare
 
-    from specjax.drafters.device import DeviceTreeDrafter
     from specjax.models.loader import load_model
 
     model = load_model("smollm2-135m", dtype="float32")
     cfg, params = model.cfg, model.params
-    draft, dparams = eagle.load_head(eagle.shipped_head(cfg), cfg, params)
-    be = JaxBackend(cfg, params, drafter=DeviceTreeDrafter(dataclasses.replace(draft, tree_width=3, tree_depth=3),
-                                                           dparams), k_buckets=(0, 6), batch_buckets=(B,), slots=SLOTS)
+    be = JaxBackend(cfg, params, drafter=_shipped_tree(kind, model), k_buckets=(0, 6), batch_buckets=(B,),
+                    slots=SLOTS)
     put, t, T, R = jax.device_put, be.table, 1.0, 400
     prompt = model.tokenizer.encode_chat("Write one sentence about the sea.")
     C = -(-len(prompt) // 16) * 16
@@ -626,12 +637,19 @@ def test_trained_heads_sampled_dynamic_tree_emits_the_targets_distribution():
     state = t.prefill(B, C, SLOTS, True, True)(be.params, be.dparams, put(toks), put(np.full(B, len(prompt), np.int32)),
                                                greedy)
     parents, valid = put(np.zeros((B, 7), np.int32)), put(np.broadcast_to(np.arange(7) > 0, (B, 7)))
-    # one greedy tree step first: its correction (" sea" after "The") makes a context whose next
-    # token the head drafts well
-    first = int(state.pending[0])
-    state, o = t.tree_step(B, 6, SLOTS, True)(be.params, be.dparams, state, put(np.zeros((B, 7), np.int32)),
-                                              parents, valid, put(np.ones(B, bool)), greedy, None)
-    ctx = jnp.asarray([prompt + [first] + [int(x) for x in o.tokens[0, :int(o.n_accepted[0]) + 1]]], jnp.int32)
+    # greedy tree steps until one accepts a node: the sampled steps start from the state before it,
+    # a context whose next token the heads draft well
+    seq, step_greedy = prompt + [int(state.pending[0])], t.tree_step(B, 6, SLOTS, True)
+    for _ in range(8):
+        before = jax.tree_util.tree_map(jnp.copy, state)  # (the step donates its state)
+        state, o = step_greedy(be.params, be.dparams, state, put(np.zeros((B, 7), np.int32)), parents, valid,
+                               put(np.ones(B, bool)), greedy, None)
+        n = int(o.n_accepted[0])
+        if n:
+            break
+        seq += [int(x) for x in o.tokens[0, :n + 1]]
+    assert n, "no greedy step of the first 8 accepted a node"
+    state, ctx = before, jnp.asarray([seq], jnp.int32)
     L = ctx.shape[1]
     lg = llama.forward(params, ctx, jnp.arange(L, dtype=jnp.int32)[None], llama.init_cache_for(cfg, 1, L),
                        llama.causal_mask(1, L), cfg=cfg, use_prefix=False)[0][0, -1]
@@ -650,6 +668,6 @@ def test_trained_heads_sampled_dynamic_tree_emits_the_targets_distribution():
     big = exp >= 5
     obs_cells, exp_cells = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
     res = chisquare(obs_cells, exp_cells)
-    print(f"trained head, T = {T}: a first-depth node accepted in {accepted}/{R * B} draws; chi-square over "
+    print(f"trained {kind} head, T = {T}: a first-depth node accepted in {accepted}/{R * B} draws; chi-square over "
           f"{len(obs_cells)} cells p = {res.pvalue:.3f}")
     assert res.pvalue > 0.01
