@@ -160,10 +160,10 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     assert [r.tokens for r in spec.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
     table = next(iter(spec._backends.values())).table
     table.wait_behind()
+    spec.stop_later()  # (the warm-up's background thread too: it builds a step right after its stand-in)
     twins = [k for k in table._exe if getattr(k, "fwd", None) == dataclasses.replace(fwd, scan_layers=STAND_IN_UNROLL)]
     assert twins and all(table.stand_in(dataclasses.replace(k, fwd=fwd)) == k for k in twins)
     assert all(dataclasses.replace(k, fwd=fwd) in table._exe for k in twins)
-    spec.stop_later()
     # int8 activations: another model (its own reference), every decode / verify block on the kernel
     # whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too), prefill in float32
     from specjax.reference_ar import reference_generate
