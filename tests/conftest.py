@@ -11,18 +11,11 @@ from __future__ import annotations
 import gc
 import os
 
-# XLA:CPU compiles for the suite (and the launch scripts it runs, which inherit the environment)
-# tuned for compile time: most of the suite's CPU time is compiling small programs it runs a few
-# times, and the tests check tokens, not speed. LLVM at -O0; fusions through XLA's elemental
-# emitters instead of its MLIR fusion emitters, and one LLVM module per program instead of
-# several compiled in parallel (the two workers already fill both cores): together about 55% less
-# compile time (test_eagle + test_tree_attention_kernels: 81 s -> 36 s, AVX2 EPYC). None of these
-# changes results: XLA fixes each reduction's order itself, and LLVM never reorders float
-# arithmetic without fast-math flags; every comparison a test makes is between programs built
-# the same way.
-_SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                    "--xla_cpu_parallel_codegen_split_count=1")
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *_SUITE_XLA_FLAGS]))
+# XLA:CPU tuned for compile time for the whole suite, launch scripts it runs included (they
+# inherit the environment): tests/suite_xla.py says which flags and why.
+from suite_xla import SUITE_XLA_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *SUITE_XLA_FLAGS]))
 # Background compiles at normal priority (engine.table.yield_to_serving): the suite's two worker
 # processes keep both cores busy, so a lowered thread that a test waits for would wait behind the
 # other worker. (Tests check tokens and counts, never speed.)
