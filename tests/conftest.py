@@ -13,9 +13,9 @@ import os
 
 # XLA:CPU tuned for compile time for the whole suite, launch scripts it runs included (they
 # inherit the environment): tests/suite_xla.py says which flags and why.
-from suite_xla import SUITE_XLA_FLAGS  # noqa: E402
+from suite_xla import suite_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *SUITE_XLA_FLAGS]))
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *suite_flags()]))
 # Background compiles at normal priority (engine.table.yield_to_serving): the suite's two worker
 # processes keep both cores busy, so a lowered thread that a test waits for would wait behind the
 # other worker. (Tests check tokens and counts, never speed.)

@@ -12,8 +12,32 @@ fast-math flags, and every comparison is between programs built the same way.
 
 The few programs a test runs long enough for run time to dominate (the statistical tests'
 simulations) compile as XLA:CPU does by default instead: ``jax.jit(..., compiler_options=
-RUN_TIME_OPTIONS)`` (with the fusion emitters off one of them ran 2x slower)."""
+run_time_options())`` (with the fusion emitters off one of them ran 2x slower)."""
+
+import os
+import subprocess
+import sys
 
 SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
                    "--xla_cpu_parallel_codegen_split_count=1")
 RUN_TIME_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+_CHECKED = "SPECJAX_SUITE_XLA_FLAGS"  # (set once checked: the xdist workers inherit it)
+
+
+def suite_flags() -> tuple[str, ...]:
+    """SUITE_XLA_FLAGS if this jaxlib's XLA takes them all, else the -O0 flag alone: XLA aborts
+    the process on a flag it does not know, and a later XLA may drop the emitter switch. Checked
+    once per run, in a child process (about 2 s)."""
+    if _CHECKED not in os.environ:
+        env = dict(os.environ, XLA_FLAGS=" ".join(SUITE_XLA_FLAGS), JAX_PLATFORMS="cpu")
+        ok = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                            capture_output=True).returncode == 0
+        os.environ[_CHECKED] = " ".join(SUITE_XLA_FLAGS if ok else SUITE_XLA_FLAGS[:1])
+    return tuple(os.environ[_CHECKED].split())
+
+
+def run_time_options() -> dict:
+    """RUN_TIME_OPTIONS, less the emitter switch where this XLA does not take it."""
+    if "--xla_cpu_use_fusion_emitters=false" in suite_flags():
+        return RUN_TIME_OPTIONS
+    return {"xla_backend_optimization_level": 3}

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from markov_tables import P_TABLE, Q_TABLE, V, X0
-from suite_xla import RUN_TIME_OPTIONS
+from suite_xla import run_time_options
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.verify import SALT_ACCEPT, SALT_RESIDUAL, _sample_rows, stream_keys, verify_chain
 
@@ -100,7 +100,7 @@ RESID_P = 3  # WRONG: local copy of the rule with the correction drawn from p in
 
 
 @partial(jax.jit, static_argnames=("K",),
-         compiler_options=RUN_TIME_OPTIONS)  # run time dominates here (suite_xla)
+         compiler_options=run_time_options())  # run time dominates here (suite_xla)
 def simulate(P, Q, samp, key, draft_argmax, nd_random, rule, *, K: int):
     """Speculative generation of >= N_GEN tokens per row; returns (first tokens [B, N_GEN], stats).
 

@@ -22,7 +22,7 @@ from scipy.stats import chi2
 
 from specjax import tree
 from markov_tables import P_TABLE, Q_TABLE, V, X0
-from suite_xla import RUN_TIME_OPTIONS
+from suite_xla import run_time_options
 from specjax.sampling import SamplingArrays, probs_from_logits
 from specjax.verify import verify_chain
 from specjax.verify_tree import _sampled_row, verify_tree
@@ -147,7 +147,7 @@ def _no_residual_row(p_all, q_all, tokens, parents, node_valid, u):
 
 
 @partial(jax.jit, static_argnames=("mode", "wrong"),
-         compiler_options=RUN_TIME_OPTIONS)  # run time dominates here (suite_xla)
+         compiler_options=run_time_options())  # run time dominates here (suite_xla)
 def simulate(P, Q, samp, key, *, mode: int, wrong: bool):
     import specjax.verify_tree as vt
 
