@@ -122,12 +122,32 @@ def drafter(kind: str, model, head: str, tree: bool):
     return medusa.build(model, head, tree=tree)
 
 
-def table(points: list[dict], groups: list[str]) -> str:
+def shipped(kind: str, model) -> tuple[str | None, str | None]:
+    """The head of ``kind`` shipped for ``model``: (its directory, the hash its spec file's record
+    holds, which tells one shipped head from the next), or (None, None)."""
+    from specjax.drafters import heads
+
+    spec = __import__(f"specjax.drafters.{kind}", fromlist=["KIND"]).KIND
+    d = heads.shipped_head(spec, model.cfg)
+    if d is None:
+        return None, None
+    with open(os.path.join(d, spec.file + ".sha256")) as f:
+        return d, next(w for w in f.read().split() if len(w) == 64)[:16]
+
+
+def head_label(p: dict, current: dict) -> str:
+    """A point's head: its training tokens, else the shipped head (or the one shipped before it)."""
+    if p["tokens"] is not None:
+        return f"{p['tokens']:,}"
+    return "shipped" if p.get("head") == current.get(p["kind"]) else "earlier shipped head"
+
+
+def table(points: list[dict], groups: list[str], current: dict) -> str:
     cols = ["overall", "chat"] + list(dict.fromkeys(groups))
     lines = ["| head | drafting | training tokens | " + " | ".join(cols) + " | identical to AR |",
              "|" + "---|" * (len(cols) + 4)]
     for p in points:
-        tok = "shipped" if p["tokens"] is None else f"{p['tokens']:,}"
+        tok = head_label(p, current)
         lines.append(f"| {p['kind']} | {p['mode']} | {tok} | " + " | ".join(f"{p[c]:.2f}" for c in cols)
                      + f" | {p['identical']}/{p['prompts']} |")
     return "\n".join(lines)
@@ -186,15 +206,12 @@ def run() -> int:
         for mode, tree, k in modes:
             for n, head in todo:
                 label = {"kind": kind, "mode": f"{mode} K={k}", "tokens": n, "run": d}
-                if any(all(p.get(x) == label[x] for x in label) for p in done):
-                    continue
-                if head is None:
-                    from specjax.drafters import heads
-
-                    kmod = __import__(f"specjax.drafters.{kind}", fromlist=["KIND"])
-                    head = heads.shipped_head(kmod.KIND, model.cfg)
+                if n is None:  # (measured again once another head ships)
+                    head, label["head"] = shipped(kind, model)
                     if head is None:
                         continue
+                if any(all(p.get(x) == label[x] for x in label) for p in done):
+                    continue
                 held = HeldOut(model, drafter(kind, model, head, tree), toks, FLAGS.max_new_tokens, k, ref=ref)
                 ref = held.ref
                 s = summarize(held.per_prompt(), groups)
@@ -204,7 +221,8 @@ def run() -> int:
                       f"{time.perf_counter() - t0:.0f} s]", file=sys.stderr)
                 save(points)
     save(points)  # (with --merge: every point in one file)
-    md = table(points, groups)
+    current = {kind: shipped(kind, model)[1] for kind in {p["kind"] for p in points}}
+    md = table(points, groups, current)
     with open(os.path.join(FLAGS.out_dir, "curve.md"), "w") as f:
         f.write(md + "\n")
     print(md)
@@ -212,7 +230,7 @@ def run() -> int:
     for p in points:
         lab = f"{p['kind']} {p['mode']}"
         if p["tokens"] is None:
-            refs[f"{lab} (shipped head)"] = p["overall"]
+            refs[f"{lab} ({head_label(p, current)})"] = p["overall"]
         else:
             series.setdefault(lab, []).append((p["tokens"], p["overall"]))
     plots.head_curve(os.path.join(FLAGS.out_dir, "curve.png"), series,
