@@ -6,7 +6,7 @@ tokens, not speed, so the suite compiles for compile time: LLVM at -O0; fusions 
 elemental emitters instead of its MLIR fusion emitters; one LLVM module per program instead of
 several compiled in parallel (the two pytest workers already fill both cores). Together they take
 about 55% off compile time (test_eagle + test_tree_attention_kernels: 81 s -> 36 s on the AVX2
-EPYC) and the suite from 18:02 to about 12 minutes there. None of them changes what a test
+EPYC) and the suite from 18:02 to 10:05 there. None of them changes what a test
 compares: XLA fixes each reduction's order itself, LLVM never reorders float arithmetic without
 fast-math flags, and every comparison is between programs built the same way.
 
