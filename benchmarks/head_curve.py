@@ -174,18 +174,19 @@ def run() -> int:
     kept = ("run", "per_category", "gsm8k", "data_prompts", "max_new_tokens", "k", "tree_nodes", "tree_width",
             "tree_depth")
     settings = {x: FLAGS[x].value for x in kept if x != "run"}
-    done = []
-    if os.path.exists(out_json):  # (a rerun goes on with the points it has, if measured the same way)
-        old = json.load(open(out_json))
-        if {x: old["flags"].get(x) for x in settings} != settings:
-            raise SpecjaxError(f"{out_json} was measured with other settings ({old['flags']}): give the same ones "
-                               "or another --out_dir")
-        done = old["points"]
+
+    def measured_alike(path: str, what: str) -> list[dict]:
+        """The points of curve.json ``path``, refused if measured with other settings."""
+        with open(path) as f:
+            got = json.load(f)
+        if {x: got["flags"].get(x) for x in settings} != settings:
+            raise SpecjaxError(f"{what} was measured with other settings ({got['flags']}): give the same ones")
+        return got["points"]
+
+    # (a rerun goes on with the points it has, if measured the same way)
+    done = measured_alike(out_json, f"{out_json} (or give another --out_dir)") if os.path.exists(out_json) else []
     for path in FLAGS.merge:
-        other = json.load(open(path))
-        if {x: other["flags"].get(x) for x in settings} != settings:
-            raise SpecjaxError(f"--merge {path} was measured with other settings ({other['flags']})")
-        done += [p for p in other["points"] if p not in done]
+        done += [p for p in measured_alike(path, f"--merge {path}") if p not in done]
     model = load_model()
     toks, groups = prompts(model)
     if not FLAGS.measure:
