@@ -4,11 +4,13 @@
 (-march=haswell: the AVX2 + FMA + F16C path; before it had one, the portable loops). SmolLM2's 30
 layers of projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain;
 XLA's dot on the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
-(LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()). The last column is the
-default build with int8 activations (ForwardOptions.rows_int8, the launch default with the kernel:
-the codes in pairs, integer multiply-adds).
+(LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()). The int8 column is the
+default build with int8 activations (ForwardOptions.rows_int8, `--rows_activations int8`:
+the codes in pairs, integer multiply-adds). ``--against REV``: also the default build of the
+kernel's source at git revision REV (say HEAD, before a kernel change is committed), timed in turn
+with the others, and the working tree's time over it.
 
-  python benchmarks/rows_builds.py [--rows 1,5,9]
+  python benchmarks/rows_builds.py [--rows 1,5,9] [--against HEAD]
 """
 
 from __future__ import annotations
@@ -16,13 +18,30 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "5", "9"], "Activation rows (1: decode, K + 1: a K-draft verify).")
 flags.DEFINE_integer("reps", 11, "Timed calls per point (median).")
+flags.DEFINE_string("against", None, "A git revision whose rows_dot.cc is built and timed beside the working tree's.")
+
+
+def build_at(rev: str) -> str:
+    """The default build of the kernel's source at git revision ``rev`` (its FFI header beside it)."""
+    import subprocess
+    import tempfile
+
+    from specjax.models.cpu import rows_dot as rd
+
+    here, tmp = os.path.dirname(rd._SRC), tempfile.mkdtemp(prefix="rows_dot_")
+    for name in ("rows_dot.cc", "rows_dot_ffi.h"):
+        rel = os.path.relpath(os.path.join(here, name), ROOT)
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout)
+    return rd._build(rd._compiler(), src_path=os.path.join(tmp, "rows_dot.cc"))
 
 
 def main(argv):
@@ -38,6 +57,8 @@ def main(argv):
 
     rd.ensure()
     rd.register(rd._build(rd._compiler(), march="haswell"), "_avx2")
+    if FLAGS.against:
+        rd.register(build_at(FLAGS.against), "_against")
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
     p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu"))
@@ -65,19 +86,22 @@ def main(argv):
             return kernel(a, lp[n], N, suffix)
         return dot
 
-    print("| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations |\n"
-          "|---|---|---|---|---|")
+    against = f" | kernel, {FLAGS.against}'s source" if FLAGS.against else ""
+    print(f"| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations"
+          f"{against} |\n|---|---|---|---|---|{'---|' if against else ''}")
     for M in (int(r) for r in FLAGS.rows):
         x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
         variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
                                 m.params["embed"].T)}
-        for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8)):
+        for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8)) + ((("_against", p),) if against else ()):
             variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x,
                                     [llama.layer_packs(packs, i) for i in range(len(packs["layers"]))],
                                     packs["head" + llama.ROWS_SUFFIX])
         t = {k: 1e3 * v for k, v in interleaved_medians(variants, FLAGS.reps).items()}
         print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms | {t['_i8']:.1f} ms "
-              f"({t[''] / t['_i8']:.2f}x the default build) |", flush=True)
+              f"({t[''] / t['_i8']:.2f}x the default build) |" +
+              (f" {t['_against']:.1f} ms (the default build {t[''] / t['_against']:.2f}x it) |" if against else ""),
+              flush=True)
 
 
 if __name__ == "__main__":

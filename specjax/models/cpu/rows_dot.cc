@@ -360,14 +360,18 @@ inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast
   }
 
 // Runs tile(r0, std::integral_constant<int, R>) for sub-tiles [r0, r0 + R), R <= kRowTile2, of [m0, m0 + mm),
-// so the accumulators of a one-row decode step are 4 registers, not 12.
+// so the accumulators of a one-row decode step are 4 registers, not 12. Every output is one chain
+// of dependent FMAs (its fixed order over k), so a sub-tile of R rows keeps 4 R chains in flight:
+// one row (4) cannot cover the FMA latency, two (8) can. Past one row, sub-tiles are 3 or 2 rows,
+// never 1 (4 rows: 2 + 2, not 3 + 1, which took 1.5x the time of 3 rows on an AVX2 EPYC).
 template <typename T>
 inline void row_subtiles(int64_t m0, int64_t mm, T tile) {
-  for (int64_t r0 = m0; r0 < m0 + mm; r0 += kRowTile2) {
-    const int64_t rr = std::min<int64_t>(kRowTile2, m0 + mm - r0);
+  for (int64_t r0 = m0; r0 < m0 + mm; ) {
+    const int64_t rest = m0 + mm - r0, rr = rest == 4 ? 2 : std::min<int64_t>(kRowTile2, rest);
     if (rr == 1) tile(r0, std::integral_constant<int, 1>{});
     else if (rr == 2) tile(r0, std::integral_constant<int, 2>{});
     else tile(r0, std::integral_constant<int, 3>{});
+    r0 += rr;
   }
 }
 #endif
@@ -420,6 +424,84 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
   }
 }
 
+#if defined(SPECJAX_AVX2)
+// AVX2, more rows than one register sub-tile (a verify block): each group's weights (32 k of
+// column blocks b, b + 1) are decoded once into w, 4 KB that stay in L1, and every sub-tile's
+// FMAs read them there, so a row past the third costs its FMAs, not another decode of the group
+// (the fused loop in blocks_gguf decodes per sub-tile: 2.5x a one-row pass for 4 rows, 4x for 7).
+// The sub-tiles' accumulators wait in acc between groups. The decode, the FMAs and their order
+// per output are the fused loop's, so the bits are too.
+template <bool Q8>
+void decoded_subtiles(const float* __restrict x, const uint8_t* __restrict q0, const uint8_t* __restrict q1,
+                      const uint16_t* __restrict s0, const uint16_t* __restrict s1, float* __restrict y, int64_t K,
+                      int64_t N, int64_t ng, int64_t b, bool two, int64_t m0, int64_t mm) {
+  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;
+  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;
+  const __m256 zero = _mm256_setzero_ps();
+  alignas(32) float w[32][4][8];                 // [step][block b lanes 0-7, 8-15, block b + 1 ...]
+  alignas(32) float acc[kRowTile][4][8] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* __restrict c0 = q0 + g * kCodes;
+    const uint8_t* __restrict c1 = q1 + g * kCodes;
+    const uint16_t* __restrict e0 = s0 + g * kScales;
+    const uint16_t* __restrict e1 = s1 + g * kScales;
+    const __m256 d0 = half8(e0), d1 = half8(e0 + 8);
+    const __m256 d2 = two ? half8(e1) : zero, d3 = two ? half8(e1 + 8) : zero;
+    auto put = [&](int64_t step, __m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+      _mm256_store_ps(w[step][0], v0);
+      _mm256_store_ps(w[step][1], v1);
+      _mm256_store_ps(w[step][2], v2);
+      _mm256_store_ps(w[step][3], v3);
+    };
+    if constexpr (Q8) {
+      for (int64_t kk = 0; kk < 32; ++kk) {
+        const uint8_t* p0 = c0 + kk * kLanes;
+        const uint8_t* p1 = c1 + kk * kLanes;
+        put(kk, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0))), d0),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0 + 8))), d1),
+            two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1))), d2) : zero,
+            two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1 + 8))), d3) : zero);
+      }
+    } else {
+      const __m256 n0 = half8(e0 + kLanes), n1 = half8(e0 + kLanes + 8);
+      const __m256 n2 = two ? half8(e1 + kLanes) : zero, n3 = two ? half8(e1 + kLanes + 8) : zero;
+      const __m256i low = _mm256_set1_epi32(15);
+      for (int64_t kk = 0; kk < 16; ++kk) {  // step 2 kk: k = kk (low nibble), step 2 kk + 1: k = kk + 16
+        const uint8_t* p0 = c0 + kk * kLanes;
+        const uint8_t* p1 = c1 + kk * kLanes;
+        const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
+        const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
+        const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
+#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
+        put(2 * kk, SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low)), SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low)),
+            SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low)), SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low)));
+        put(2 * kk + 1, SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4)), SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4)),
+            SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4)), SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4)));
+#undef SPECJAX_Q4
+      }
+    }
+    row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m256 a[R][4];
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = _mm256_load_ps(acc[r0 - m0 + i][j]);
+      for (int64_t step = 0; step < 32; ++step) {
+        const int64_t k = g * 32 + (Q8 ? step : (step >> 1) + ((step & 1) << 4));
+        const __m256 v0 = _mm256_load_ps(w[step][0]), v1 = _mm256_load_ps(w[step][1]);
+        const __m256 v2 = _mm256_load_ps(w[step][2]), v3 = _mm256_load_ps(w[step][3]);
+        SPECJAX_ROWS_FMA2(k, v0, v1, v2, v3)
+      }
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < 4; ++j) _mm256_store_ps(acc[r0 - m0 + i][j], a[i][j]);
+    });
+  }
+  __m256 out[kRowTile][4];
+  for (int64_t i = 0; i < mm; ++i)
+    for (int j = 0; j < 4; ++j) out[i][j] = _mm256_load_ps(acc[i][j]);
+  store_tile(y, out, m0, mm, N, b, two);
+}
+#endif
+
 // Column blocks [b0, b1) of a q4_1 (Q8 = false) or q8_0 (Q8 = true) weight; sums over k in
 // increasing order of (group, kk), one FMA per k (q4_1: kk and kk + 16 in turn).
 template <bool Q8>
@@ -471,6 +553,10 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
       store_tile(y, a0, a1, m0, mm, N, b, two);
 #elif defined(SPECJAX_AVX2)
       const __m256 zero = _mm256_setzero_ps();
+      if (mm > kRowTile2) {
+        decoded_subtiles<Q8>(x, q0, q1, s0, s1, y, K, N, ng, b, two, m0, mm);
+        continue;
+      }
       row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
         constexpr int R = decltype(rows)::value;
         __m256 a[R][4];
