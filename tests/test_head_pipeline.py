@@ -350,3 +350,36 @@ def test_the_curve_takes_snapshots_evenly_in_log_tokens_and_counts_steps_per_gro
     s = hc.summarize(rows, ["writing", "qa", "math", "gsm8k"])
     assert s["chat"] == 1 + 5 / 40 and s["math"] == 2.0 and s["overall"] == 1 + 29 / 64
     assert (s["identical"], s["prompts"]) == (3, 4)
+
+
+def test_self_prompts_start_from_the_given_openings(model, tmp_path):
+    """--self_prompt_starters: each self-written prompt begins with the opening its seed picks
+    and goes on with the model's own text; a data set made without openings keeps its identity
+    (no new key); openings need --self_prompts; the shipped file reads, comments skipped."""
+    starters = ("Write a poem about", "Explain why", "Pretend you are a")
+    writer = hd.TargetWriter(model, batch=4)
+    prefix = model.tokenizer.encode("user: ", add_bos=False)
+    seeds = [3, 10, 11, 12, 40]
+    texts = writer.self_prompts(prefix, seeds, 12, starters=starters)
+    assert any(t is not None for t in texts)
+    for seed, text in zip(seeds, texts):
+        if text is not None:
+            start = hd.starter_of(starters, seed)
+            assert text.startswith(start) and len(text) > len(start), (seed, text)
+    assert len({hd.starter_of(starters, s) for s in seeds}) == 3
+    assert "self_prompt_starters" not in hd.DataSettings(self_prompts=4).identity()
+    ident = hd.DataSettings(self_prompts=4, self_prompt_starters=starters).identity()
+    assert ident["self_prompt_starters"] == list(starters)
+    with pytest.raises(SpecjaxError, match="give --self_prompts too"):
+        hd.DataSettings(prompt_files=("x.jsonl",), self_prompt_starters=starters).check()
+    path = tmp_path / "starters.txt"
+    path.write_text("# a comment\n\nWrite a poem about\n  Explain why  \n")
+    assert hd.read_starters(str(path)) == ("Write a poem about", "Explain why")
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    for bad, msg in ((tmp_path / "empty.txt", "holds no opening"), (tmp_path / "missing.txt", "No such file")):
+        with pytest.raises(SpecjaxError, match=msg):
+            hd.read_starters(str(bad))
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "data",
+                           "chat_starters.txt")
+    got = hd.read_starters(shipped)
+    assert len(got) >= 50 and len(set(got)) == len(got) and not any(s.startswith("#") for s in got)

@@ -5,7 +5,8 @@ target's features and top-k teacher at every position, in verified shards on dis
 Prompts come from JSONL files given by path (a ``prompt``, ``question`` (GSM8K), ``instruction``
 or ``text`` field, or Spec-Bench's first ``turns``; ``path:field`` names another) and from the
 instruct model itself: its chat template up to the user's text, which it continues at T = 1
-(Magpie). They are deduplicated (case- and whitespace-folded text) and their diversity is
+(Magpie), from nothing or from openings given in a file (``--self_prompt_starters``: "Write a
+poem about", "Explain why": the kinds of request a small model rarely thinks of writing itself). They are deduplicated (case- and whitespace-folded text) and their diversity is
 reported as the distinct-2-gram ratio of their tokens (distinct token bigrams / all bigrams).
 
 Every prompt is answered ``answers_per_prompt`` times by ``TargetWriter``: the engine's batch
@@ -176,13 +177,37 @@ class TargetWriter:
         return out
 
     def self_prompts(self, prefix: Sequence[int], seeds: Sequence[int], max_tokens: int,
-                     progress: Callable[[int], None] | None = None, chunk: int = 0) -> list[str | None]:
+                     progress: Callable[[int], None] | None = None, chunk: int = 0,
+                     starters: Sequence[str] = ()) -> list[str | None]:
         """One prompt text per seed, written by the model from its chat template's user prefix at
-        T = 1 (None where it wrote fewer than 8 characters)."""
+        T = 1 (None where it wrote fewer than 8 characters of its own). ``starters``: the model
+        continues one of these openings (``starter_of(seed)``) after the prefix instead of
+        starting from nothing, and the text begins with it."""
         tok = self.model.tokenizer
-        outs = self.write([list(prefix)] * len(seeds), [1.0] * len(seeds), seeds, max_tokens, progress, chunk)
-        texts = [tok.decode([t for t in o if t not in tok.eos_ids]).strip() for o in outs]
-        return [t if len(t) >= 8 else None for t in texts]
+        opening = [tok.encode(starter_of(starters, s), add_bos=False) if starters else [] for s in seeds]
+        outs = self.write([list(prefix) + o for o in opening], [1.0] * len(seeds), seeds, max_tokens, progress, chunk)
+        outs = [[t for t in out if t not in tok.eos_ids] for out in outs]
+        return [tok.decode(o + out).strip() if len(tok.decode(out).strip()) >= 8 else None
+                for o, out in zip(opening, outs)]
+
+
+def starter_of(starters: Sequence[str], seed: int) -> str:
+    """The opening a self-written prompt with this seed starts from (the slots' seeds spread
+    over the list)."""
+    return starters[seed % len(starters)]
+
+
+def read_starters(path: str) -> tuple[str, ...]:
+    """``--self_prompt_starters``: one opening per line (blank lines and ``#`` comments skipped);
+    a file that cannot be read or holds none: a one-line SpecjaxError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise SpecjaxError(f"--self_prompt_starters {path}: {e.strerror or e}") from None
+    got = tuple(line for line in lines if line and not line.startswith("#"))
+    require(got, f"--self_prompt_starters {path} holds no opening (one a line)")
+    return got
 
 
 # ----------------------------------------------------------------------------------------- shards
@@ -308,6 +333,7 @@ class DataSettings:
     seed: int = 0
     texts_from: str | None = None
     gen_batch: int = 32
+    self_prompt_starters: tuple[str, ...] = ()
 
     def check(self) -> None:
         """A one-line SpecjaxError for settings that cannot make a data set."""
@@ -315,6 +341,8 @@ class DataSettings:
                 "--pipeline needs prompts: --prompt_files and/or --self_prompts (or --data_texts_from)")
         require(not self.self_prompts or self.chat, "--self_prompts writes prompts from the chat template: it "
                 "needs --chat")
+        require(self.self_prompts or not self.self_prompt_starters, "--self_prompt_starters opens self-written "
+                "prompts: give --self_prompts too")
         require(self.temperatures and all(t == 0 or 0.05 <= t <= 2 for t in self.temperatures),
                 f"--temperatures: 0 (greedy) or 0.05..2, got {list(self.temperatures)}")
         for name, lo in (("answers_per_prompt", 1), ("max_new_tokens", 1), ("max_prompt", 1), ("topk", 1),
@@ -324,6 +352,10 @@ class DataSettings:
     def identity(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("gen_batch")
+        if not self.self_prompt_starters:  # (absent, as in the data sets made before it existed)
+            d.pop("self_prompt_starters")
+        else:
+            d["self_prompt_starters"] = list(self.self_prompt_starters)
         d["prompt_files"] = [[os.path.abspath(f), _digest(f.rpartition(":")[0] if not os.path.exists(f) else f)]
                              for f in self.prompt_files]
         d["temperatures"] = list(self.temperatures)
@@ -529,7 +561,8 @@ def build_data(model, directory: str, st: DataSettings, features: Sequence[int],
                 need = [s for s in slots if s.text is None]
                 mine = {id(s) for s in need}
                 if need:
-                    wrote = writer.self_prompts(prefix, [s.seed + 1 for s in need], st.self_prompt_tokens)
+                    wrote = writer.self_prompts(prefix, [s.seed + 1 for s in need], st.self_prompt_tokens,
+                                                starters=st.self_prompt_starters)
                     for s, t in zip(need, wrote):
                         s.text = t if t is not None and text_key(t) not in seen else None
                         if s.text is not None:

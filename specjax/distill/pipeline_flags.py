@@ -18,6 +18,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("self_prompts", 0, "heads: prompts per round the model writes itself from its chat "
                          "template's user prefix (sampled at T = 1), then answers (needs --chat); --pipeline: in all.")
     flags.DEFINE_integer("self_prompt_tokens", 48, "heads: the longest self-written prompt, in tokens.")
+    flags.DEFINE_string("self_prompt_starters", None, "--pipeline: a file of openings, one a line, that the "
+                        "self-written prompts start from, spread over them (the model continues each; say "
+                        "configs/data/chat_starters.txt).")
     flags.DEFINE_bool("shared_head", True, "heads: the reduced head's rows are the target's own (not trained, not "
                       "saved); --noshared_head trains (and saves) them.")
     flags.DEFINE_string("answer_field", None, "heads: a line's non-blank text in this field is its answer, trained on "
@@ -70,7 +73,7 @@ def run_from_flags(FLAGS, kind, spec) -> int:
     import jax
 
     from specjax import cli
-    from specjax.distill.head_data import DataSet, DataSettings, build_data
+    from specjax.distill.head_data import DataSet, DataSettings, build_data, read_starters
     from specjax.distill.head_pipeline import RunConfig, print_vocab_table, say, train
     from specjax.errors import SpecjaxError, require
 
@@ -89,7 +92,9 @@ def run_from_flags(FLAGS, kind, spec) -> int:
                       temperatures=temps, max_new_tokens=FLAGS.max_new_tokens, max_prompt=FLAGS.max_prompt,
                       chat=FLAGS.chat, system=FLAGS.system, topk=FLAGS.topk, eval_sequences=FLAGS.eval_sequences,
                       shard_size=FLAGS.shard_size, seed=FLAGS.seed, texts_from=FLAGS.data_texts_from,
-                      gen_batch=FLAGS.gen_batch)
+                      gen_batch=FLAGS.gen_batch,
+                      self_prompt_starters=read_starters(FLAGS.self_prompt_starters) if FLAGS.self_prompt_starters
+                      else ())
     if FLAGS.pipeline != "train":
         st.check()
     settings = {setting: FLAGS[option].value for setting, option in kind.options}
