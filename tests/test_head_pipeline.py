@@ -3,7 +3,8 @@ shards read back bit-exactly and a damaged one is caught and written again alone
 a random step (and later stopped by SIGTERM) and resumed ends with the uninterrupted run's head;
 the data-parallel step on a fake 8-device mesh equals the single-device step; the learning rate
 warms up, then decays along a cosine over the planned steps; the heads the pipeline trains serve
-losslessly (greedy equal to AR through the engine)."""
+losslessly (greedy equal to AR through the engine); self-written prompts start from given
+openings; several data sets train as one."""
 
 from __future__ import annotations
 
@@ -383,3 +384,29 @@ def test_self_prompts_start_from_the_given_openings(model, tmp_path):
                            "chat_starters.txt")
     got = hd.read_starters(shipped)
     assert len(got) >= 50 and len(set(got)) == len(got) and not any(s.startswith("#") for s in got)
+
+
+def test_a_run_trains_on_several_data_sets_as_one(model, data, tmp_path):
+    """--pipeline train --data_dir A,B: every training shard of both, A's held-out shard, an
+    identity of its own (a run on A alone cannot be resumed on A + B); data sets of other
+    features are refused in one line."""
+    root, st, ds = data
+    other = dataclasses.replace(st, seed=5, eval_sequences=2)
+    ds2 = hd.build_data(model, str(tmp_path / "second"), other, eagle.KIND.features(model.cfg), log=quiet)
+    both = hd.DataSet.union([ds, ds2])
+    assert [s.name for s in both.train] == [s.name for s in ds.train + ds2.train] and both.eval is ds.eval
+    assert both.digest() not in (ds.digest(), ds2.digest())
+    assert both.digest() == hd.DataSet.union([hd.DataSet.open(ds.directory, quiet), ds2]).digest()
+    assert hd.DataSet.union([ds]) is ds and both.summary().startswith("2 data sets, ")
+    odd = hd.DataSet(ds2.directory, {**ds2.spec, "features": [0]}, ds2.eval, ds2.train)
+    with pytest.raises(SpecjaxError, match="differ in features"):
+        hd.DataSet.union([ds, odd])
+    rc = run_config(tmp_path / "run", epochs=0.5)
+    alone, _ = hp.windows(ds.train, rc.window, rc.context, rc.prompt_loss)
+    rows, _ = hp.windows(both.train, rc.window, rc.context, rc.prompt_loss)
+    assert len(rows) > len(alone)
+    got = hp.train(eagle.KIND, model, both, rc, TC, log=quiet)
+    assert got["stopped"] is None and got["step"] == got["planned"] >= 1
+    assert eagle.read_spec(rc.checkpoint_dir, model.cfg)["training"]["tokens"] == got["tokens"]
+    with pytest.raises(SpecjaxError, match="trains a run of other settings"):  # (the data differ)
+        hp.train(eagle.KIND, model, ds, rc, TC, log=quiet)

@@ -419,8 +419,26 @@ class DataSet:
     """A data set on disk, opened for training: its ``spec`` (``data.json``), the held-out shard
     ``eval`` and the training shards ``train`` (each verified when opened)."""
 
-    def __init__(self, directory: str, spec: dict, eval_shard: Shard, train: list[Shard]):
+    def __init__(self, directory: str, spec: dict, eval_shard: Shard, train: list[Shard], parts: tuple = ()):
         self.directory, self.spec, self.eval, self.train = directory, spec, eval_shard, train
+        self.parts = parts  # (the data sets a union is made of)
+
+    @staticmethod
+    def union(sets: Sequence["DataSet"]) -> "DataSet":
+        """Several data sets trained on as one (``--pipeline train --data_dir A,B``): every
+        training shard of each, in order, and the first one's held-out shard (so a run's held-out
+        numbers stay comparable with a run on the first alone). They must be of one target and
+        keep the same features: a one-line SpecjaxError otherwise."""
+        first = sets[0]
+        if len(sets) == 1:
+            return first
+        for d in sets[1:]:
+            for key in ("target", "vocab_size", "features"):
+                require(d.spec.get(key) == first.spec.get(key), f"{d.directory} and {first.directory} differ in "
+                        f"{key} ({d.spec.get(key)} vs {first.spec.get(key)}): one run trains on data sets of one "
+                        "target with the same features")
+        return DataSet("+".join(d.directory for d in sets), first.spec, first.eval, [s for d in sets for s in d.train],
+                       parts=tuple(sets))
 
     @staticmethod
     def open(directory: str, log: Callable[[str], None] = say) -> "DataSet":
@@ -450,6 +468,8 @@ class DataSet:
     def digest(self) -> str:
         """The training shards' identity (their contents' records: a shard written again is the
         same shard): what a resumed run must train on."""
+        if self.parts:
+            return hashlib.sha256("+".join(d.digest() for d in self.parts).encode()).hexdigest()[:16]
         h = hashlib.sha256(json.dumps(self.spec, sort_keys=True).encode())
         for s in self.train:
             with open(_paths(self.directory, s.name)[0] + ondisk.RECORD, "rb") as f:
@@ -461,7 +481,7 @@ class DataSet:
         toks = sum(len(s.tokens) for s in self.train)
         answer = sum(int((s.lengths() - s.starts - 1).sum()) for s in self.train)
         gb = sum(s.meta["bytes"] for s in self.train + [self.eval]) / 1e9
-        return (f"{len(self.train)} training shards: {n:,} sequences, {toks:,} tokens ({answer:,} written by the "
+        return ((f"{len(self.parts)} data sets, " if self.parts else "") + f"{len(self.train)} training shards: {n:,} sequences, {toks:,} tokens ({answer:,} written by the "
                 f"target), held out {len(self.eval)} sequences; {gb:.2f} GB")
 
 

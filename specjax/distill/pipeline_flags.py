@@ -35,7 +35,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("pipeline", None, ["data", "train", "all"], "heads: instead of rounds, write a data set to "
                       "--data_dir (resumable by shard), train on it for a token or time budget (resumable exactly), "
                       "or both (specjax.distill.head_pipeline).")
-    flags.DEFINE_string("data_dir", None, "--pipeline: the data set (verified shards of features and top-k teacher).")
+    flags.DEFINE_string("data_dir", None, "--pipeline: the data set (verified shards of features and top-k teacher); "
+                        "--pipeline train: several, comma-separated, trained on as one (the first one's held-out shard).")
     flags.DEFINE_list("prompt_files", [], "--pipeline: JSONL prompt files, PATH or PATH:FIELD (default: a prompt, "
                       "question, instruction or text field, or Spec-Bench's first turn).")
     flags.DEFINE_integer("answers_per_prompt", 1, "--pipeline: answers the target writes per file prompt (the "
@@ -79,6 +80,8 @@ def run_from_flags(FLAGS, kind, spec) -> int:
 
     require(kind is not None, f"--pipeline trains a feature head: --drafter eagle or medusa, not {FLAGS.drafter}")
     require(FLAGS.data_dir, "--pipeline needs --data_dir")
+    require(FLAGS.pipeline == "train" or "," not in FLAGS.data_dir, "--pipeline data and all write one data set: "
+            "one --data_dir (several, comma-separated, are for --pipeline train)")
     require(FLAGS.pipeline == "data" or FLAGS.checkpoint_dir, f"--pipeline {FLAGS.pipeline} needs --checkpoint_dir")
     require(not FLAGS.input_jsonl, "--pipeline reads --prompt_files (PATH or PATH:FIELD), not --input_jsonl")
     require(not (FLAGS.answer_field or FLAGS.texts_from or FLAGS.round_prompts),
@@ -117,7 +120,7 @@ def run_from_flags(FLAGS, kind, spec) -> int:
                            f"{len(jax.devices())} {jax.devices()[0].platform} device(s) present")
     model, spec = cli.load_target(spec)
     if FLAGS.pipeline == "train":
-        ds = DataSet.open(FLAGS.data_dir, say)
+        ds = DataSet.union([DataSet.open(d, say) for d in FLAGS.data_dir.split(",")])
     else:
         ds = build_data(model, FLAGS.data_dir, st, kind.features(model.cfg, **settings), fwd=spec.fwd, log=say)
     if FLAGS.pipeline == "data":
