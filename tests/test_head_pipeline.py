@@ -410,3 +410,24 @@ def test_a_run_trains_on_several_data_sets_as_one(model, data, tmp_path):
     assert eagle.read_spec(rc.checkpoint_dir, model.cfg)["training"]["tokens"] == got["tokens"]
     with pytest.raises(SpecjaxError, match="trains a run of other settings"):  # (the data differ)
         hp.train(eagle.KIND, model, ds, rc, TC, log=quiet)
+
+
+def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
+    """--init_head: a new run starts from the saved head's own arrays and its draft vocabulary
+    (fine-tuning), records it, and refuses a head of other settings in one line."""
+    from specjax.drafters import heads
+
+    rc0, _ = trained
+    saved = heads.trainable_of(*heads.load_head(eagle.KIND, rc0.checkpoint_dir, model.cfg, model.params))
+    rc = run_config(tmp_path / "tuned", init_head=rc0.checkpoint_dir)
+    got = hp.train(eagle.KIND, model, data[2], rc, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=1)
+    assert got["stopped"] == "killed" and got["step"] == 1
+    for k in saved:
+        for a, b in zip(_leaves(saved[k]), _leaves(got["trainable"][k])):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a, np.float32), atol=1e-6, err_msg=k)
+    pipe = json.loads(open(os.path.join(rc.checkpoint_dir, hp.PIPELINE_FILE)).read())
+    assert pipe["vocab_ids"] == heads.read_spec(eagle.KIND, rc0.checkpoint_dir, model.cfg)["vocab_ids"].tolist()
+    assert pipe["run"]["init_head"] == os.path.abspath(rc0.checkpoint_dir)
+    with pytest.raises(SpecjaxError, match="head of other settings"):
+        hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "other", init_head=rc0.checkpoint_dir,
+                                                        shared_head=False), TC, log=quiet)

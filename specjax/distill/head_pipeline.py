@@ -9,6 +9,11 @@ same command (``launch/distill.py --drafter eagle|medusa --pipeline data|train|a
   python launch/distill.py --drafter medusa --chat --pipeline all --data_dir runs/medusa-data \\
       --data_texts_from runs/eagle-data --max_new_tokens 256 --checkpoint_dir runs/medusa-head \\
       --train_tokens 1e7 --distill_batch 16 --distill_length 256 --distill_lr 1e-3 --plot runs/medusa.png
+  # more data later: prompts from openings, then the head fine-tuned on both data sets
+  python launch/distill.py --drafter eagle --chat --pipeline data --data_dir runs/chat-data \
+      --self_prompts 1600 --self_prompt_starters configs/data/chat_starters.txt --max_new_tokens 192
+  python launch/distill.py --drafter eagle --chat --pipeline train --data_dir runs/eagle-data,runs/chat-data \
+      --init_head runs/eagle-head --checkpoint_dir runs/eagle-tuned --epochs 2 --distill_lr 3e-4
 
 (Spec-Bench's questions stay out of the data: they are the held-out benchmark.) The same command
 started again goes on where it stopped; ``--data_parallel N`` splits each step over N devices (on
@@ -118,6 +123,7 @@ class RunConfig:
     warmup_fraction: float = 0.02
     plot: str | None = None
     settings: tuple = ()
+    init_head: str | None = None  # a saved head (its weights and vocabulary) a new run starts from
 
     def check(self) -> None:
         for name, lo in (("batch", 1), ("window", 2), ("context", 0), ("checkpoint_steps", 0), ("log_every", 1),
@@ -287,6 +293,13 @@ def print_vocab_table(kind, model, ds: DataSet, settings: dict, shared_head: boo
 # ------------------------------------------------------------------------------------------ train
 
 
+def _write_pipeline(ck: str, kind, ids, settings: dict, shared: bool, run: dict) -> None:
+    spec = {"kind": kind.name, "vocab_ids": [int(i) for i in ids], "settings": settings, "shared_head": shared,
+            "run": run}
+    if not ondisk.write(os.path.join(ck, PIPELINE_FILE), json.dumps(spec).encode()):
+        raise SpecjaxError(f"cannot write {ck}/{PIPELINE_FILE}")
+
+
 def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Callable[[str], None] = say,
           kill_after: int = 0) -> dict:
     """Train (or go on training) a head of ``kind`` for the target ``model`` on ``ds`` as the
@@ -321,6 +334,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
     run = {"kind": kind.name, "data": ds.digest(), "batch": rc.batch, "window": rc.window, "context": C,
            "planned_steps": planned, "seed": rc.seed, "unroll": rc.unroll if kind.unrolls else None,
            "prompt_loss": rc.prompt_loss, "train": dataclasses.asdict(tc)}
+    if rc.init_head:  # (only then: the runs before it resume with the record they wrote)
+        run["init_head"] = os.path.abspath(rc.init_head)
 
     # the head: a new one (its vocabulary measured), or the one this directory's run trains
     os.makedirs(ck, exist_ok=True)
@@ -337,6 +352,14 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
             raise SpecjaxError(f"{ck} trains a run of other settings ({', '.join(bad[:4])} differ: {bad[0]} "
                                f"{had.get(bad[0])} there, {now.get(bad[0])} now); give the same ones to go on, or a "
                                "new --checkpoint_dir")
+    elif rc.init_head:
+        start = heads.read_spec(kind, rc.init_head, cfg)
+        head_settings = {k: start[k] for k in kind.settings}
+        require(head_settings == settings and bool(start.get("shared_head")) == rc.shared_head,
+                f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
+                f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
+        ids, shared = start["vocab_ids"], rc.shared_head
+        _write_pipeline(ck, kind, ids, settings, shared, run)
     else:
         if rc.draft_vocab and rc.draft_vocab < cfg.vocab_size:
             from specjax.drafters.device import frequent_tokens
@@ -352,11 +375,10 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
             table = print_vocab_table(kind, model, ds, settings, rc.shared_head, log=log)
             ids = choose_vocab(table)["ids"]
         shared = rc.shared_head
-        spec = {"kind": kind.name, "vocab_ids": [int(i) for i in ids], "settings": settings, "shared_head": shared,
-                "run": run}
-        if not ondisk.write(os.path.join(ck, PIPELINE_FILE), json.dumps(spec).encode()):
-            raise SpecjaxError(f"cannot write {ck}/{PIPELINE_FILE}")
+        _write_pipeline(ck, kind, ids, settings, shared, run)
     draft, dparams = kind.init(cfg, model.params, ids, seed=rc.seed, shared_head=shared, **settings)
+    if rc.init_head:  # (fine-tuning: the saved head's own arrays in place of a new head's)
+        dparams = {**dparams, **heads.trainable_of(draft, heads.load_head(kind, rc.init_head, cfg, model.params)[1])}
     trainer = head_online.HeadTrainer(draft, tc, opt, rc.unroll)
     trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dparams))
     frozen = {k: v for k, v in dparams.items() if k not in trainable}

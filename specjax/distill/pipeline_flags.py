@@ -64,6 +64,9 @@ def define_flags() -> None:
                          "replicated).")
     flags.DEFINE_integer("window_context", 64, "--pipeline: eagle: positions a window shares with the one before it, "
                          "read by the head's attention, not trained on again.")
+    flags.DEFINE_string("init_head", None, "--pipeline train: a new run starts from this saved head (its weights "
+                        "and draft vocabulary; say an earlier run's --checkpoint_dir) instead of a new one: fine-tuning "
+                        "on more data.")
     flags.DEFINE_float("warmup_fraction", 0.02, "--pipeline: linear learning-rate warm-up, as a fraction of the "
                        "planned steps.")
 
@@ -109,6 +112,7 @@ def run_from_flags(FLAGS, kind, spec) -> int:
                    unroll=FLAGS.unroll, seed=FLAGS.seed, data_parallel=FLAGS.data_parallel,
                    draft_vocab=FLAGS.draft_vocab, shared_head=FLAGS.shared_head, head_dtype=FLAGS.head_dtype,
                    prompt_loss=FLAGS.prompt_loss, warmup_fraction=FLAGS.warmup_fraction, plot=FLAGS.plot,
+                   init_head=FLAGS.init_head,
                    settings=tuple(sorted(settings.items())))
     if FLAGS.pipeline != "data":
         rc.check()
