@@ -425,61 +425,71 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
 }
 
 #if defined(SPECJAX_AVX2)
-// AVX2, more rows than one register sub-tile (a verify block): each group's weights (32 k of
-// column blocks b, b + 1) are decoded once into w, 4 KB that stay in L1, and every sub-tile's
-// FMAs read them there, so a row past the third costs its FMAs, not another decode of the group
-// (the fused loop in blocks_gguf decodes per sub-tile: 2.5x a one-row pass for 4 rows, 4x for 7).
-// The sub-tiles' accumulators wait in acc between groups. The decode, the FMAs and their order
-// per output are the fused loop's, so the bits are too.
+// AVX2: decodes group g of column blocks b (codes q0, scales s0) and b + 1 (q1, s1; zeros unless
+// `two`) and hands each k's four vectors (block b lanes 0-7, 8-15, block b + 1 likewise) to
+// sink(k within the group, v0, v1, v2, v3) in the order every path sums them: q8_0 k = 0..31,
+// q4_1 k = kk, kk + 16 for kk = 0..15 (a code byte's two nibbles).
+template <bool Q8, typename Sink>
+inline void decode_group(const uint8_t* __restrict q0, const uint8_t* __restrict q1, const uint16_t* __restrict s0,
+                         const uint16_t* __restrict s1, int64_t g, bool two, Sink sink) {
+  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;  // bytes of codes per group and block
+  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;       // float16 scales per group and block
+  const __m256 zero = _mm256_setzero_ps();
+  const uint8_t* __restrict c0 = q0 + g * kCodes;
+  const uint8_t* __restrict c1 = q1 + g * kCodes;
+  const uint16_t* __restrict e0 = s0 + g * kScales;
+  const uint16_t* __restrict e1 = s1 + g * kScales;
+  const __m256 d0 = half8(e0), d1 = half8(e0 + 8);
+  const __m256 d2 = two ? half8(e1) : zero, d3 = two ? half8(e1 + 8) : zero;
+  if constexpr (Q8) {
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const uint8_t* p0 = c0 + kk * kLanes;
+      const uint8_t* p1 = c1 + kk * kLanes;
+      sink(kk, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0))), d0),
+           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0 + 8))), d1),
+           two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1))), d2) : zero,
+           two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1 + 8))), d3) : zero);
+    }
+  } else {
+    const __m256 n0 = half8(e0 + kLanes), n1 = half8(e0 + kLanes + 8);
+    const __m256 n2 = two ? half8(e1 + kLanes) : zero, n3 = two ? half8(e1 + kLanes + 8) : zero;
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t kk = 0; kk < 16; ++kk) {
+      const uint8_t* p0 = c0 + kk * kLanes;
+      const uint8_t* p1 = c1 + kk * kLanes;
+      const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
+      const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
+      const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
+#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
+      sink(kk, SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low)), SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low)),
+           SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low)), SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low)));
+      sink(kk + 16, SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4)), SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4)),
+           SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4)), SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4)));
+#undef SPECJAX_Q4
+    }
+  }
+}
+
+// AVX2, more rows than one register sub-tile (a verify block): each group's weights are decoded
+// once into w, 4 KB that stay in L1, and every sub-tile's FMAs read them there, so a row past the
+// third costs its FMAs, not another decode of the group (the fused loop in blocks_gguf decodes
+// per sub-tile: 2.5x a one-row pass for 4 rows, 4x for 7). The sub-tiles' accumulators wait in
+// acc between groups. The decode, the FMAs and their order per output are the fused loop's, so
+// the bits are too.
 template <bool Q8>
 void decoded_subtiles(const float* __restrict x, const uint8_t* __restrict q0, const uint8_t* __restrict q1,
                       const uint16_t* __restrict s0, const uint16_t* __restrict s1, float* __restrict y, int64_t K,
                       int64_t N, int64_t ng, int64_t b, bool two, int64_t m0, int64_t mm) {
-  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;
-  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;
-  const __m256 zero = _mm256_setzero_ps();
-  alignas(32) float w[32][4][8];                 // [step][block b lanes 0-7, 8-15, block b + 1 ...]
+  alignas(32) float w[32][4][8];  // [step of the summing order][block b lanes 0-7, 8-15, block b + 1 ...]
   alignas(32) float acc[kRowTile][4][8] = {};
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* __restrict c0 = q0 + g * kCodes;
-    const uint8_t* __restrict c1 = q1 + g * kCodes;
-    const uint16_t* __restrict e0 = s0 + g * kScales;
-    const uint16_t* __restrict e1 = s1 + g * kScales;
-    const __m256 d0 = half8(e0), d1 = half8(e0 + 8);
-    const __m256 d2 = two ? half8(e1) : zero, d3 = two ? half8(e1 + 8) : zero;
-    auto put = [&](int64_t step, __m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    decode_group<Q8>(q0, q1, s0, s1, g, two, [&](int64_t k, __m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+      const int64_t step = Q8 ? k : (k < 16 ? 2 * k : 2 * (k - 16) + 1);
       _mm256_store_ps(w[step][0], v0);
       _mm256_store_ps(w[step][1], v1);
       _mm256_store_ps(w[step][2], v2);
       _mm256_store_ps(w[step][3], v3);
-    };
-    if constexpr (Q8) {
-      for (int64_t kk = 0; kk < 32; ++kk) {
-        const uint8_t* p0 = c0 + kk * kLanes;
-        const uint8_t* p1 = c1 + kk * kLanes;
-        put(kk, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0))), d0),
-            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0 + 8))), d1),
-            two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1))), d2) : zero,
-            two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1 + 8))), d3) : zero);
-      }
-    } else {
-      const __m256 n0 = half8(e0 + kLanes), n1 = half8(e0 + kLanes + 8);
-      const __m256 n2 = two ? half8(e1 + kLanes) : zero, n3 = two ? half8(e1 + kLanes + 8) : zero;
-      const __m256i low = _mm256_set1_epi32(15);
-      for (int64_t kk = 0; kk < 16; ++kk) {  // step 2 kk: k = kk (low nibble), step 2 kk + 1: k = kk + 16
-        const uint8_t* p0 = c0 + kk * kLanes;
-        const uint8_t* p1 = c1 + kk * kLanes;
-        const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
-        const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
-        const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
-#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
-        put(2 * kk, SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low)), SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low)),
-            SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low)), SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low)));
-        put(2 * kk + 1, SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4)), SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4)),
-            SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4)), SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4)));
-#undef SPECJAX_Q4
-      }
-    }
+    });
     row_subtiles(m0, mm, [&](int64_t r0, auto rows) {
       constexpr int R = decltype(rows)::value;
       __m256 a[R][4];
@@ -561,52 +571,10 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
         constexpr int R = decltype(rows)::value;
         __m256 a[R][4];
         for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = zero;
-        for (int64_t g = 0; g < ng; ++g) {
-          const uint8_t* __restrict c0 = q0 + g * kCodes;
-          const uint8_t* __restrict c1 = q1 + g * kCodes;
-          const uint16_t* __restrict e0 = s0 + g * kScales;
-          const uint16_t* __restrict e1 = s1 + g * kScales;
-          const __m256 d0 = half8(e0), d1 = half8(e0 + 8);
-          const __m256 d2 = two ? half8(e1) : zero, d3 = two ? half8(e1 + 8) : zero;
-          if constexpr (Q8) {
-            for (int64_t kk = 0; kk < 32; ++kk) {
-              const uint8_t* p0 = c0 + kk * kLanes;
-              const uint8_t* p1 = c1 + kk * kLanes;
-              const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0))), d0);
-              const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p0 + 8))), d1);
-              const __m256 v2 = two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1))), d2) : zero;
-              const __m256 v3 = two ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p1 + 8))), d3) : zero;
-              SPECJAX_ROWS_FMA2(g * 32 + kk, v0, v1, v2, v3)
-            }
-          } else {
-            const __m256 n0 = half8(e0 + kLanes), n1 = half8(e0 + kLanes + 8);
-            const __m256 n2 = two ? half8(e1 + kLanes) : zero, n3 = two ? half8(e1 + kLanes + 8) : zero;
-            const __m256i low = _mm256_set1_epi32(15);
-            for (int64_t kk = 0; kk < 16; ++kk) {
-              const uint8_t* p0 = c0 + kk * kLanes;
-              const uint8_t* p1 = c1 + kk * kLanes;
-              const __m256i u0 = _mm256_cvtepu8_epi32(load8(p0)), u1 = _mm256_cvtepu8_epi32(load8(p0 + 8));
-              const __m256i u2 = two ? _mm256_cvtepu8_epi32(load8(p1)) : _mm256_setzero_si256();
-              const __m256i u3 = two ? _mm256_cvtepu8_epi32(load8(p1 + 8)) : _mm256_setzero_si256();
-#define SPECJAX_Q4(d, n, op) _mm256_fmadd_ps(_mm256_cvtepi32_ps(op), d, n)
-              {
-                const __m256 l0 = SPECJAX_Q4(d0, n0, _mm256_and_si256(u0, low));
-                const __m256 l1 = SPECJAX_Q4(d1, n1, _mm256_and_si256(u1, low));
-                const __m256 l2 = SPECJAX_Q4(d2, n2, _mm256_and_si256(u2, low));
-                const __m256 l3 = SPECJAX_Q4(d3, n3, _mm256_and_si256(u3, low));
-                SPECJAX_ROWS_FMA2(g * 32 + kk, l0, l1, l2, l3)
-              }
-              {
-                const __m256 h0 = SPECJAX_Q4(d0, n0, _mm256_srli_epi32(u0, 4));
-                const __m256 h1 = SPECJAX_Q4(d1, n1, _mm256_srli_epi32(u1, 4));
-                const __m256 h2 = SPECJAX_Q4(d2, n2, _mm256_srli_epi32(u2, 4));
-                const __m256 h3 = SPECJAX_Q4(d3, n3, _mm256_srli_epi32(u3, 4));
-                SPECJAX_ROWS_FMA2(g * 32 + kk + 16, h0, h1, h2, h3)
-              }
-#undef SPECJAX_Q4
-            }
-          }
-        }
+        for (int64_t g = 0; g < ng; ++g)
+          decode_group<Q8>(q0, q1, s0, s1, g, two, [&](int64_t kk, __m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+            SPECJAX_ROWS_FMA2(g * 32 + kk, v0, v1, v2, v3)
+          });
         store_tile(y, a, r0, R, N, b, two);
       });
 #else
