@@ -428,6 +428,9 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     pipe = json.loads(open(os.path.join(rc.checkpoint_dir, hp.PIPELINE_FILE)).read())
     assert pipe["vocab_ids"] == heads.read_spec(eagle.KIND, rc0.checkpoint_dir, model.cfg)["vocab_ids"].tolist()
     assert pipe["run"]["init_head"] == os.path.abspath(rc0.checkpoint_dir)
+    with pytest.raises(SpecjaxError, match="not --draft_vocab 32"):
+        hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "v", init_head=rc0.checkpoint_dir, draft_vocab=32),
+                 TC, log=quiet)
     with pytest.raises(SpecjaxError, match="head of other settings"):
         hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "other", init_head=rc0.checkpoint_dir,
                                                         shared_head=False), TC, log=quiet)

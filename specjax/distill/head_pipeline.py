@@ -359,6 +359,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                 f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
                 f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
         ids, shared = start["vocab_ids"], rc.shared_head
+        require(not rc.draft_vocab or rc.draft_vocab == len(ids), f"--init_head {rc.init_head} drafts from "
+                f"{len(ids):,} tokens, not --draft_vocab {rc.draft_vocab:,}: leave --draft_vocab out to keep its own")
         _write_pipeline(ck, kind, ids, settings, shared, run)
     else:
         if rc.draft_vocab and rc.draft_vocab < cfg.vocab_size:
