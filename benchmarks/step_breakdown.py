@@ -42,6 +42,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
 flags.DEFINE_integer("new_tokens", 96, "Tokens decoded under the profiler (after a warm-up run).")
 flags.DEFINE_integer("batch", 1, "Rows decoding together (each the same prompt).")
 flags.DEFINE_string("prompt", "Write a long story about a dragon and a knight.", "The chat prompt.")
+flags.DEFINE_string("keep_hlo", None, "Copy the decode program's optimized HLO text here (to read what each op is).")
 
 _OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) custom-call\(.*custom_call_target=\"([^\"]+)\"")
 _SHAPE = re.compile(r"\[([\d,]*)\]")
@@ -180,6 +181,10 @@ def main(argv):
     rest = wall - in_program / 1e6
     print(f"| outside the programs (host work, dispatch; wall less the above) | | {rest / steps * 1e3:.3f} | "
           f"{rest / wall:.1%} | | |")
+    if FLAGS.keep_hlo:
+        os.makedirs(FLAGS.keep_hlo, exist_ok=True)
+        for path in glob.glob(os.path.join(dump, "*spec_decode*after_optimizations.txt")):
+            shutil.copy(path, FLAGS.keep_hlo)
     shutil.rmtree(cache, ignore_errors=True)
 
 
