@@ -38,11 +38,15 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
-flags.DEFINE_integer("new_tokens", 96, "Tokens decoded under the profiler (after a warm-up run).")
-flags.DEFINE_integer("batch", 1, "Rows decoding together (each the same prompt).")
-flags.DEFINE_string("prompt", "Write a long story about a dragon and a knight.", "The chat prompt.")
-flags.DEFINE_string("keep_hlo", None, "Copy the decode program's optimized HLO text here (to read what each op is).")
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
+    flags.DEFINE_integer("new_tokens", 96, "Tokens decoded under the profiler (after a warm-up run).")
+    flags.DEFINE_integer("batch", 1, "Rows decoding together (each the same prompt).")
+    flags.DEFINE_string("prompt", "Write a long story about a dragon and a knight.", "The chat prompt.")
+    flags.DEFINE_string("keep_hlo", None, "Copy the decode program's optimized HLO text here (to read what each op "
+                        "is).")
 
 _OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) custom-call\(.*custom_call_target=\"([^\"]+)\"")
 _SHAPE = re.compile(r"\[([\d,]*)\]")
@@ -189,4 +193,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
