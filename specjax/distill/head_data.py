@@ -6,8 +6,9 @@ Prompts come from JSONL files given by path (a ``prompt``, ``question`` (GSM8K),
 or ``text`` field, or Spec-Bench's first ``turns``; ``path:field`` names another) and from the
 instruct model itself: its chat template up to the user's text, which it continues at T = 1
 (Magpie), from nothing or from openings given in a file (``--self_prompt_starters``: "Write a
-poem about", "Explain why": the kinds of request a small model rarely thinks of writing itself). They are deduplicated (case- and whitespace-folded text) and their diversity is
-reported as the distinct-2-gram ratio of their tokens (distinct token bigrams / all bigrams).
+poem about", "Explain why": the kinds of request a small model rarely thinks of writing itself).
+They are deduplicated (case- and whitespace-folded text) and their diversity is reported as the
+distinct-2-gram ratio of their tokens (distinct token bigrams / all bigrams).
 
 Every prompt is answered ``answers_per_prompt`` times by ``TargetWriter``: the engine's batch
 path (``generate.Generator``: continuous admission into batch buckets up to ``gen_batch`` rows),
@@ -481,8 +482,9 @@ class DataSet:
         toks = sum(len(s.tokens) for s in self.train)
         answer = sum(int((s.lengths() - s.starts - 1).sum()) for s in self.train)
         gb = sum(s.meta["bytes"] for s in self.train + [self.eval]) / 1e9
-        return ((f"{len(self.parts)} data sets, " if self.parts else "") + f"{len(self.train)} training shards: {n:,} sequences, {toks:,} tokens ({answer:,} written by the "
-                f"target), held out {len(self.eval)} sequences; {gb:.2f} GB")
+        sets = f"{len(self.parts)} data sets, " if self.parts else ""
+        return (f"{sets}{len(self.train)} training shards: {n:,} sequences, {toks:,} tokens ({answer:,} written by "
+                f"the target), held out {len(self.eval)} sequences; {gb:.2f} GB")
 
 
 def read_spec(directory: str) -> dict:

@@ -10,9 +10,9 @@ same command (``launch/distill.py --drafter eagle|medusa --pipeline data|train|a
       --data_texts_from runs/eagle-data --max_new_tokens 256 --checkpoint_dir runs/medusa-head \\
       --train_tokens 1e7 --distill_batch 16 --distill_length 256 --distill_lr 1e-3 --plot runs/medusa.png
   # more data later: prompts from openings, then the head fine-tuned on both data sets
-  python launch/distill.py --drafter eagle --chat --pipeline data --data_dir runs/chat-data \
+  python launch/distill.py --drafter eagle --chat --pipeline data --data_dir runs/chat-data \\
       --self_prompts 1600 --self_prompt_starters configs/data/chat_starters.txt --max_new_tokens 192
-  python launch/distill.py --drafter eagle --chat --pipeline train --data_dir runs/eagle-data,runs/chat-data \
+  python launch/distill.py --drafter eagle --chat --pipeline train --data_dir runs/eagle-data,runs/chat-data \\
       --init_head runs/eagle-head --checkpoint_dir runs/eagle-tuned --epochs 2 --distill_lr 3e-4
 
 (Spec-Bench's questions stay out of the data: they are the held-out benchmark.) The same command
