@@ -61,6 +61,7 @@ def main(argv):
     from specjax.benchtime import interleaved_medians, prefill_fn, steady_step
     from specjax.drafters import eagle, medusa
     from specjax.drafters.device import layer_skip, reduced_vocab
+    from specjax.drafters.model_kinds import draft_forward
     from specjax.engine.spec import EngineSpec
     from specjax.engine.table import StepTable
     from specjax.reference_ar import decode_step
@@ -75,7 +76,8 @@ def main(argv):
     params = m.params_for(fwd)
     S = FLAGS.slots
     rng = np.random.default_rng(0)
-    drafts = [layer_skip(cfg, params, FLAGS.draft_layers)] if FLAGS.draft_layers else []
+    # (the layer-skip draft on the engine's forward, as --drafter layer_skip runs it)
+    drafts = [layer_skip(cfg, params, FLAGS.draft_layers, draft_forward(fwd))] if FLAGS.draft_layers else []
     for n in map(int, FLAGS.draft_vocab):
         # which N tokens does not change the cost: the first N ids stand for the N most frequent
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))

@@ -54,13 +54,13 @@ def build_drafter(model, spec, draft=None):
     return None if build is None else build(model, spec, draft)
 
 
-def drafter_parts(model, drafter: str, *, k: int, draft=None, **knobs) -> dict:
+def drafter_parts(model, drafter: str, *, k: int, draft=None, fwd=None, **knobs) -> dict:
     """The drafter ``drafter`` (a registered name) with DrafterSpec ``knobs`` on ``model`` as the
     keyword arguments of SpecGenerator / JaxBackend: ``{"drafter": a drafters.protocol.Drafter}``
-    (``{}`` for none)."""
+    (``{}`` for none); ``fwd``: the engine's forward options (DrafterSpec.fwd)."""
     from specjax.engine.spec import DrafterSpec
 
-    d = build_drafter(model, DrafterSpec(name=drafter, k=k, **knobs), draft)
+    d = build_drafter(model, DrafterSpec(name=drafter, k=k, fwd=fwd, **knobs), draft)
     return {} if d is None else {"drafter": d}
 
 
@@ -74,8 +74,8 @@ def build_spec_generator(model, drafter: str, *, k: int, k_buckets, fwd=None, dr
 
     if drafter == "none":
         raise SpecjaxError(f"unknown drafter {drafter!r}; use one of {', '.join(SPEC_DRAFTERS)}")
-    parts = drafter_parts(model, drafter, k=k, **kw)
     fwd = fwd or ForwardOptions()
+    parts = drafter_parts(model, drafter, k=k, fwd=fwd, **kw)
     return SpecGenerator(model.cfg, model.params_for(fwd), eos_ids=model.tokenizer.eos_ids, k_buckets=k_buckets,
                          slot_buckets=bk.context_slot_buckets(model.cfg.max_position), batch_buckets=bk.DEFAULT_BATCH_BUCKETS,
                          fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
@@ -137,11 +137,11 @@ def make_backend(model, drafter: str, *, k_buckets, batch_buckets, slots, profil
     from specjax.engine.jax_backend import JaxBackend
     from specjax.engine.profiling import FixedLengthDrafter
 
+    fwd = fwd or ForwardOptions()
     if parts is None and drafter == TARGET_ONLY and profiling:
         parts = {"drafter": FixedLengthDrafter()}
     elif parts is None:
-        parts = drafter_parts(model, drafter, k=max(k_buckets), **drafter_kw)
-    fwd = fwd or ForwardOptions()
+        parts = drafter_parts(model, drafter, k=max(k_buckets), fwd=fwd, **drafter_kw)
     return JaxBackend(model.cfg, model.params_for(fwd), k_buckets=k_buckets, batch_buckets=batch_buckets, slots=slots,
                       fwd=fwd, draft_first=draft_first, packed=packed, prefill_chunk=prefill_chunk,
                       teacher_topk=teacher_topk, layout=layout, prefix_cache_mb=prefix_cache_mb, **(parts if isinstance(parts, dict) else {"drafter": parts}))

@@ -214,6 +214,45 @@ def test_rows_kernel_in_the_engine_is_lossless(tiny):
         llama.dense(jnp.ones((1, 8)), jnp.ones((8, 4)), fwd)
 
 
+def test_a_layer_skip_draft_runs_on_the_engines_rows_kernel(tmp_path):
+    """On a rows-kernel engine the layer-skip draft's forward reads the target's quantized packs
+    in place (the kernel's Q4_1 calls, no float32 weight in its draft steps) and speculation
+    stays lossless; on a plain engine it keeps XLA's dot and no packs."""
+    from gguf import GGMLQuantizationType as Q
+    from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
+
+    from specjax import registry
+    from specjax.generate import Generator
+    from specjax.models import llama
+    from specjax.models.loader import load_model
+    from specjax.spec_generate import SpecStats
+
+    tokens, merges, types = tiny_bpe_vocab()
+    cfg = _gguf_cfg("llama_tied", len(tokens))
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=3), tokens, merges, types, proj_type=Q.Q4_1,
+                    embed_type=Q.Q8_0)
+    m = load_model(str(path))
+    fwd = ForwardOptions(rows_kernel=32)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
+    want = [r.tokens for r in Generator(m.cfg, m.params, batch_buckets=(2,)).generate(prompts, max_new_tokens=10)]
+    gen = registry.build_spec_generator(m, "layer_skip", k=4, k_buckets=(0, 4), fwd=fwd, draft_layers=1)
+    d = gen.drafter
+    assert d.draft.fwd == fwd and d.params[llama.LAYER_PACKS] is m.params_for(fwd)[llama.LAYER_PACKS]
+    dc = d.draft.init_cache(2, 32, jnp.float32)
+    step = jax.make_jaxpr(lambda p, c, t: d.draft._next(p, c, t))(d.params, dc, jnp.zeros((2,), jnp.int32))
+    assert "specjax_rows_q4_1" in str(step)
+    stats = SpecStats()
+    got = gen.generate(prompts, max_new_tokens=10, num_spec_tokens=4, stats=stats)
+    assert [r.tokens for r in got] == want and stats.drafted > 0
+    plain = registry.build_spec_generator(m, "layer_skip", k=4, k_buckets=(0, 4), draft_layers=1).drafter
+    assert plain.draft.fwd == ForwardOptions() and llama.LAYER_PACKS not in plain.params
+    with pytest.raises(SpecjaxError, match="packed params"):
+        from specjax.drafters.device import layer_skip
+
+        layer_skip(m.cfg, m.params, 1, fwd)
+
+
 def test_a_stand_in_forward_gives_a_feature_heads_inputs_bit_for_bit(tiny):
     """A lazily compiled job's first steps run as stand-ins (the layers as one loop over the rows
     kernel's stacks, StepTable.stand_in): the logits, the cache and the layer inputs a feature head

@@ -46,6 +46,7 @@ from specjax.serving_types import Proposal
 from specjax.errors import require
 from specjax.goodput.acceptance import TreeNodeRates
 from specjax.models import llama
+from specjax.models.options import ForwardOptions
 from specjax.sampling import SamplingArrays, argmax, probs_from_logits
 from specjax.verify import SALT_DRAFT, _sample_rows, stream_keys
 
@@ -58,6 +59,9 @@ class ModelDraft:
     cfg: ModelConfig
     label: str = "draft_model"
     vocab: int = 0  # N rows of a reduced-vocabulary head (params "lm_head" [D, N], "vocab_ids" [N]); 0: full
+    # the draft's own forward: its speed, never the output (drafts are verified). A layer-skip or
+    # draft model on a rows-kernel engine runs the engine's, on the packs its params then carry
+    fwd: ForwardOptions = ForwardOptions()
     features = ()  # target layers whose inputs the target forward hands it (a feature head's signal); none here
     drafts_trees = False  # it drafts token trees inside the tree step (``draft_tree``: Medusa, EAGLE-2)
     # its cache keeps up with plain (K = 0) steps too (a head's deferred window): a decode call in
@@ -121,7 +125,7 @@ class ModelDraft:
         attend to before the chunk); the step's own prefill chunk, for the draft."""
         B = tokens.shape[0]
         _, dcache = llama.forward(dparams, tokens, positions, dcache, mask, cfg=self.cfg, use_prefix=not first,
-                                  logits_at=jnp.zeros((B, 1), jnp.int32))
+                                  fwd=self.fwd.for_prefill(), logits_at=jnp.zeros((B, 1), jnp.int32))
         return kv.advance(dcache, n_valid)
 
     def _refeed(self, dparams, dcache: kv.KVCache, prev, pending, target_lengths):
@@ -130,7 +134,7 @@ class ModelDraft:
         dc = kv.set_lengths(dcache, target_lengths - 1)
         blk = jnp.stack([prev, pending], axis=1)
         pos = dc.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-        logits, dc = llama.forward(dparams, blk, pos, dc, llama.causal_mask(B, 2), cfg=self.cfg,
+        logits, dc = llama.forward(dparams, blk, pos, dc, llama.causal_mask(B, 2), cfg=self.cfg, fwd=self.fwd,
                                    logits_at=jnp.ones((B, 1), jnp.int32))
         return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.full((B,), 2, jnp.int32))
 
@@ -138,7 +142,7 @@ class ModelDraft:
         """Feed one drafted token per row: logits for the next draft."""
         B = d.shape[0]
         logits, dc = llama.forward(dparams, d[:, None], dc.lengths[:, None], dc, llama.causal_mask(B, 1),
-                                   cfg=self.cfg)
+                                   cfg=self.cfg, fwd=self.fwd)
         return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.ones((B,), jnp.int32))
 
     @staticmethod
@@ -255,15 +259,21 @@ class FeatureHeadDraft(ModelDraft):
                              lengths, n_commit)
 
 
-def layer_skip(cfg: ModelConfig, params, num_layers: int) -> tuple[ModelDraft, dict]:
+def layer_skip(cfg: ModelConfig, params, num_layers: int,
+               fwd: ForwardOptions = ForwardOptions()) -> tuple[ModelDraft, dict]:
     """Self-drafting with the target's first ``num_layers`` layers: the draft and its own params
-    tree (the target's arrays, shared, not copied)."""
+    tree (the target's arrays, shared, not copied). ``fwd`` with the rows kernel: the draft runs
+    on it, reading the first layers of the target's packed stacks in place (``params`` from
+    llama.pack_for_rows), as the target's own decode step does."""
     require(1 <= num_layers <= cfg.num_layers,
             f"a layer-skip draft needs 1..{cfg.num_layers} layers of {cfg.name}, got {num_layers}")
+    require(not fwd.rows_kernel or llama.LAYER_PACKS in params, "a layer-skip draft on the rows kernel needs the "
+            "target's packed params (llama.pack_for_rows)")
     dcfg = cfg.replace(name=f"{cfg.name}[:{num_layers}]", num_layers=num_layers)
-    dparams = {k: v for k, v in params.items() if k != "layers" and not k.endswith(llama.ROWS_SUFFIX)}
-    dparams["layers"] = params["layers"][:num_layers]  # (the rows kernel's stacks are left out above)
-    return ModelDraft(dcfg, label=f"layer_skip{num_layers}"), dparams
+    dparams = {k: v for k, v in params.items()
+               if k != "layers" and (fwd.rows_kernel or not k.endswith(llama.ROWS_SUFFIX))}
+    dparams["layers"] = params["layers"][:num_layers]
+    return ModelDraft(dcfg, label=f"layer_skip{num_layers}", fwd=fwd), dparams
 
 
 def frequent_tokens(sequences, vocab_size: int, n: int, keep=()) -> np.ndarray:
@@ -298,8 +308,12 @@ def reduced_vocab(draft: ModelDraft, dparams, vocab_ids) -> tuple[ModelDraft, di
     head = dparams["embed"].T if draft.cfg.tie_embeddings else dparams["lm_head"]
     out = dict(dparams, lm_head=jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1),
                vocab_ids=jnp.asarray(ids, jnp.int32))
+    if "head" + llama.ROWS_SUFFIX in out:  # (the rows kernel's head: the reduced one, packed)
+        from specjax.models.cpu import rows_dot
+
+        out["head" + llama.ROWS_SUFFIX] = rows_dot.pack(out["lm_head"])
     cfg = draft.cfg.replace(name=f"{draft.cfg.name}|v{ids.size}", tie_embeddings=False)
-    return ModelDraft(cfg, label=f"{draft.label}_v{ids.size}", vocab=int(ids.size)), out
+    return ModelDraft(cfg, label=f"{draft.label}_v{ids.size}", vocab=int(ids.size), fwd=draft.fwd), out
 
 
 def check_pair(target: ModelConfig, draft: ModelDraft | None, draft_params) -> None:

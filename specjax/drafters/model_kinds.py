@@ -8,6 +8,14 @@ import jax.numpy as jnp
 
 from specjax.drafters.device import DeviceDrafter, ModelDraft, layer_skip
 from specjax.errors import require
+from specjax.models.options import ForwardOptions
+
+
+def draft_forward(fwd: ForwardOptions | None) -> ForwardOptions:
+    """The forward a draft model runs (ModelDraft.fwd) in an engine running ``fwd``: the engine's
+    when it runs the rows kernel (the draft then reads the quantized packs, a fraction of the
+    float32 bytes, as the target's steps do), else the plain one."""
+    return fwd if fwd is not None and fwd.rows_kernel else ForwardOptions()
 
 
 def build_layer_skip(model, spec, draft=None) -> DeviceDrafter:
@@ -21,7 +29,8 @@ def build_layer_skip(model, spec, draft=None) -> DeviceDrafter:
         return DeviceDrafter(td.draft, td.params(trainable))
     require(1 <= spec.draft_layers <= cfg.num_layers - 1, f"--draft_layers must be in 1..{cfg.num_layers - 1} for "
             f"{cfg.name} ({cfg.num_layers} layers), got {spec.draft_layers}")
-    return DeviceDrafter(*layer_skip(cfg, model.params, spec.draft_layers))
+    fwd = draft_forward(spec.fwd)
+    return DeviceDrafter(*layer_skip(cfg, model.params_for(fwd), spec.draft_layers, fwd))
 
 
 def build_draft_model(model, spec, draft=None) -> DeviceDrafter:
@@ -42,4 +51,5 @@ def build_draft_model(model, spec, draft=None) -> DeviceDrafter:
 
         td, trainable = load_draft(spec.draft_checkpoint, cfg, model.params, draft_model=draft)
         return DeviceDrafter(td.draft, td.params(trainable))
-    return DeviceDrafter(ModelDraft(draft.cfg), draft.params)
+    fwd = draft_forward(spec.fwd)
+    return DeviceDrafter(ModelDraft(draft.cfg, fwd=fwd), draft.params_for(fwd))

@@ -44,13 +44,16 @@ class DrafterSpec:
     suffix_cache_requests: int = 100000
     suffix_cache_mb: float = 1024.0
     suffix_history_jsonl: str | None = None
+    # not a flag: the engine's forward options, which the registry hands to the kind (a layer-skip
+    # or draft model then runs its own forward on the engine's rows kernel)
+    fwd: ForwardOptions | None = None
 
     def __post_init__(self):
         require(self.k >= 0, f"the draft budget k must be >= 0, got {self.k}")
 
     def knobs(self) -> dict:
         """Every knob (the fields but ``name`` and ``k``) as keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "k")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "k", "fwd")}
 
     def check(self) -> None:
         """The drafter's own knobs, checked before any model is loaded (SpecjaxError on the

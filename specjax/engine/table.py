@@ -467,7 +467,7 @@ class StepTable:
             dx = self._sds((B, C, key.draft.cfg.hidden_size), self.dparams["embed"].dtype)
 
             def dget(g):
-                k = dataclasses.replace(key, cfg=key.draft.cfg, fwd=ForwardOptions(), part=f"draft layer {g}")
+                k = dataclasses.replace(key, cfg=key.draft.cfg, fwd=key.draft.fwd, part=f"draft layer {g}")
                 return self._get(k, lambda: (prefill_layer_jit, (llama.layer_params(self.dparams, g), dx, state.dcache,
                                                                  index)), k.describe(),
                                  compile_if_missing)
