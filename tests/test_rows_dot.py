@@ -106,16 +106,12 @@ def test_portable_build_matches_the_vectorized_build():
         np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)), err_msg=fmt)
 
 
-def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monkeypatch):
-    """A GGUF with Q4_1 projections (q/k rows permuted, as llama.cpp writes them) and a Q8_0 tied
-    embedding: the packs the engine reads stand for exactly the float32 weights the loader gives,
-    and greedy decoding through them (plain and with prompt-lookup verify blocks) gives the
-    float32 path's tokens."""
+def _q4_1_gguf_model(tmp_path):
+    """The tiny Llama (tied embedding) written as a GGUF with Q4_1 projections and a Q8_0
+    embedding, loaded as the launch scripts load a model."""
     from gguf import GGMLQuantizationType as Q
     from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
 
-    from specjax import registry
-    from specjax.generate import Generator
     from specjax.models import llama
     from specjax.models.loader import load_model
 
@@ -124,7 +120,20 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     path = tmp_path / "q.gguf"
     write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=3), tokens, merges, types, proj_type=Q.Q4_1,
                     embed_type=Q.Q8_0)
-    m = load_model(str(path))
+    return load_model(str(path))
+
+
+def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monkeypatch):
+    """A GGUF with Q4_1 projections (q/k rows permuted, as llama.cpp writes them) and a Q8_0 tied
+    embedding: the packs the engine reads stand for exactly the float32 weights the loader gives,
+    and greedy decoding through them (plain and with prompt-lookup verify blocks) gives the
+    float32 path's tokens."""
+    from specjax import registry
+    from specjax.generate import Generator
+    from specjax.models import llama
+    from specjax.models.loader import load_model
+
+    m = _q4_1_gguf_model(tmp_path)
     # what launch scripts run unless --rows_kernel says (the portable loops are not a speed-up)
     assert m.auto_rows_kernel() == (32 if rd.vectorized() else 0)
     assert load_model("tiny-random").auto_rows_kernel() == 0  # float32 weights: copies would double them
@@ -137,7 +146,7 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
             assert rd.packed_format(packed) == "q4_1"
             np.testing.assert_array_equal(rd.dequantize_packed(packed, lp[name].shape[1]), np.asarray(lp[name]))
     assert rd.packed_format(p["head" + llama.ROWS_SUFFIX]) == "q8_0"
-    np.testing.assert_array_equal(rd.dequantize_packed(p["head" + llama.ROWS_SUFFIX], cfg.vocab_size),
+    np.testing.assert_array_equal(rd.dequantize_packed(p["head" + llama.ROWS_SUFFIX], m.cfg.vocab_size),
                                   np.asarray(m.params["embed"]).T)
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
     want = [r.tokens for r in Generator(m.cfg, m.params, batch_buckets=(2,)).generate(prompts, max_new_tokens=10)]
@@ -218,21 +227,12 @@ def test_a_layer_skip_draft_runs_on_the_engines_rows_kernel(tmp_path):
     """On a rows-kernel engine the layer-skip draft's forward reads the target's quantized packs
     in place (the kernel's Q4_1 calls, no float32 weight in its draft steps) and speculation
     stays lossless; on a plain engine it keeps XLA's dot and no packs."""
-    from gguf import GGMLQuantizationType as Q
-    from tiny_gguf import _gguf_cfg, tiny_bpe_vocab, write_tiny_gguf
-
     from specjax import registry
     from specjax.generate import Generator
     from specjax.models import llama
-    from specjax.models.loader import load_model
     from specjax.spec_generate import SpecStats
 
-    tokens, merges, types = tiny_bpe_vocab()
-    cfg = _gguf_cfg("llama_tied", len(tokens))
-    path = tmp_path / "q.gguf"
-    write_tiny_gguf(path, cfg, llama.init_random_params(cfg, seed=3), tokens, merges, types, proj_type=Q.Q4_1,
-                    embed_type=Q.Q8_0)
-    m = load_model(str(path))
+    m = _q4_1_gguf_model(tmp_path)
     fwd = ForwardOptions(rows_kernel=32)
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
     want = [r.tokens for r in Generator(m.cfg, m.params, batch_buckets=(2,)).generate(prompts, max_new_tokens=10)]
