@@ -225,8 +225,9 @@ def test_rows_kernel_in_the_engine_is_lossless(tiny):
 
 def test_a_layer_skip_draft_runs_on_the_engines_rows_kernel(tmp_path):
     """On a rows-kernel engine the layer-skip draft's forward reads the target's quantized packs
-    in place (the kernel's Q4_1 calls, no float32 weight in its draft steps) and speculation
-    stays lossless; on a plain engine it keeps XLA's dot and no packs."""
+    in place (the kernel's Q4_1 calls, no float32 weight in its draft steps), a quantized draft
+    model its own packs, and speculation stays lossless; on a plain engine the draft keeps XLA's
+    dot and no packs."""
     from specjax import registry
     from specjax.generate import Generator
     from specjax.models import llama
@@ -245,6 +246,10 @@ def test_a_layer_skip_draft_runs_on_the_engines_rows_kernel(tmp_path):
     stats = SpecStats()
     got = gen.generate(prompts, max_new_tokens=10, num_spec_tokens=4, stats=stats)
     assert [r.tokens for r in got] == want and stats.drafted > 0
+    # a draft model whose own file keeps quantized blocks (here the target drafting for itself) too
+    gen = registry.build_spec_generator(m, "draft_model", k=4, k_buckets=(0, 4), fwd=fwd, draft=m)
+    assert gen.drafter.draft.fwd == fwd and gen.drafter.params is m.params_for(fwd)
+    assert [r.tokens for r in gen.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == want
     plain = registry.build_spec_generator(m, "layer_skip", k=4, k_buckets=(0, 4), draft_layers=1).drafter
     assert plain.draft.fwd == ForwardOptions() and llama.LAYER_PACKS not in plain.params
     with pytest.raises(SpecjaxError, match="packed params"):

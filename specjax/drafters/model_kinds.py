@@ -51,5 +51,7 @@ def build_draft_model(model, spec, draft=None) -> DeviceDrafter:
 
         td, trainable = load_draft(spec.draft_checkpoint, cfg, model.params, draft_model=draft)
         return DeviceDrafter(td.draft, td.params(trainable))
-    fwd = draft_forward(spec.fwd)
+    # (the kernel where the draft's own file keeps quantized blocks: packing float32 weights
+    # would copy them, LoadedModel.auto_rows_kernel)
+    fwd = draft_forward(spec.fwd) if draft.auto_rows_kernel() else ForwardOptions()
     return DeviceDrafter(ModelDraft(draft.cfg, fwd=fwd), draft.params_for(fwd))
