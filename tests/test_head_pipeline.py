@@ -428,9 +428,15 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     pipe = json.loads(open(os.path.join(rc.checkpoint_dir, hp.PIPELINE_FILE)).read())
     assert pipe["vocab_ids"] == heads.read_spec(eagle.KIND, rc0.checkpoint_dir, model.cfg)["vocab_ids"].tolist()
     assert pipe["run"]["init_head"] == os.path.abspath(rc0.checkpoint_dir)
-    with pytest.raises(SpecjaxError, match="not --draft_vocab 32"):
-        hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "v", init_head=rc0.checkpoint_dir, draft_vocab=32),
-                 TC, log=quiet)
+    # a shared head (its vocabulary rows the target's) takes a vocabulary counted again on the
+    # run's data: the same trained arrays, new ids, and their rows rebuilt from the target's
+    rc32 = run_config(tmp_path / "v", init_head=rc0.checkpoint_dir, draft_vocab=32)
+    got = hp.train(eagle.KIND, model, data[2], rc32, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=1)
+    ids32 = json.loads(open(os.path.join(rc32.checkpoint_dir, hp.PIPELINE_FILE)).read())["vocab_ids"]
+    assert len(set(ids32)) == 32 and got["step"] == 1
+    for k in saved:
+        for a, b in zip(_leaves(saved[k]), _leaves(got["trainable"][k])):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a, np.float32), atol=1e-6, err_msg=k)
     with pytest.raises(SpecjaxError, match="head of other settings"):
         hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "other", init_head=rc0.checkpoint_dir,
                                                         shared_head=False), TC, log=quiet)

@@ -280,6 +280,16 @@ def head_cost(kind, cfg, params, settings: dict, shared_head: bool) -> Callable[
     return lambda n: (row * n * item / 1e6, (base + row * (n - 1)) * item / 1e6)
 
 
+def _counted_vocab(kind, model, ds: DataSet, settings: dict, rc: "RunConfig", log) -> np.ndarray:
+    """The ``rc.draft_vocab`` tokens the target ranks highest most often on the training shards
+    (the EOS tokens always kept), and the coverage table of that size against others."""
+    from specjax.drafters.device import frequent_tokens
+
+    ids = frequent_tokens([s.ids for s in ds.train], model.cfg.vocab_size, rc.draft_vocab, keep=model.tokenizer.eos_ids)
+    print_vocab_table(kind, model, ds, settings, rc.shared_head, rc.draft_vocab, log)
+    return ids
+
+
 def print_vocab_table(kind, model, ds: DataSet, settings: dict, shared_head: bool, chosen: int | None = None,
                       log: Callable[[str], None] = say) -> list[dict]:
     rows = vocab_table(ds, model.cfg.vocab_size, model.tokenizer.eos_ids,
@@ -359,16 +369,16 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                 f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
                 f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
         ids, shared = start["vocab_ids"], rc.shared_head
-        require(not rc.draft_vocab or rc.draft_vocab == len(ids), f"--init_head {rc.init_head} drafts from "
-                f"{len(ids):,} tokens, not --draft_vocab {rc.draft_vocab:,}: leave --draft_vocab out to keep its own")
+        if rc.draft_vocab and rc.draft_vocab != len(ids):
+            # a shared head's vocabulary rows are the target's own (rebuilt from the ids, never
+            # trained), so it can draft from a vocabulary counted again on this run's data
+            require(shared, f"--init_head {rc.init_head} drafts from {len(ids):,} tokens, not --draft_vocab "
+                    f"{rc.draft_vocab:,}, and its vocabulary rows are trained: leave --draft_vocab out to keep its own")
+            ids = _counted_vocab(kind, model, ds, settings, rc, log)
         _write_pipeline(ck, kind, ids, settings, shared, run)
     else:
         if rc.draft_vocab and rc.draft_vocab < cfg.vocab_size:
-            from specjax.drafters.device import frequent_tokens
-
-            ids = frequent_tokens([s.ids for s in ds.train], cfg.vocab_size, rc.draft_vocab,
-                                  keep=model.tokenizer.eos_ids)
-            print_vocab_table(kind, model, ds, settings, rc.shared_head, rc.draft_vocab, log)
+            ids = _counted_vocab(kind, model, ds, settings, rc, log)
         elif rc.draft_vocab:
             require(rc.draft_vocab == cfg.vocab_size, f"--draft_vocab {rc.draft_vocab} exceeds {cfg.name}'s "
                     f"{cfg.vocab_size} tokens")
