@@ -243,6 +243,13 @@ def test_the_pipelines_heads_serve_losslessly(model, data, trained, tmp_path):
     assert saved["heads"] == 3 and saved["tree"]  # (with the tree their held-out accuracy makes best)
     gen = registry.build_spec_generator(model, "medusa", k=3, k_buckets=(0, 3), medusa_head=mrc.checkpoint_dir)
     assert [r.tokens for r in gen.generate(prompts, max_new_tokens=16, num_spec_tokens=3)] == ar
+    # fine-tuning them (--init_head): their saved tree is not a training setting; other heads are refused
+    tuned = hp.train(medusa.KIND, model, mds, run_config(tmp_path / "mtuned", settings=(("heads", 3),),
+                                                         init_head=mrc.checkpoint_dir), TC, log=quiet, kill_after=1)
+    assert tuned["step"] == 1
+    with pytest.raises(SpecjaxError, match="head of other settings"):
+        hp.train(medusa.KIND, model, mds, run_config(tmp_path / "m4", settings=(("heads", 4),),
+                                                     init_head=mrc.checkpoint_dir), TC, log=quiet)
 
 
 _MESH = textwrap.dedent("""

@@ -364,7 +364,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                                "new --checkpoint_dir")
     elif rc.init_head:
         start = heads.read_spec(kind, rc.init_head, cfg)
-        head_settings = {k: start[k] for k in kind.settings}
+        # (the settings a run trains with; what a head derives after training, Medusa's tree, is not one)
+        head_settings = {k: start[k] for k in settings}
         require(head_settings == settings and bool(start.get("shared_head")) == rc.shared_head,
                 f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
                 f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
