@@ -387,10 +387,10 @@ def test_self_prompts_start_from_the_given_openings(model, tmp_path):
     for bad, msg in ((tmp_path / "empty.txt", "holds no opening"), (tmp_path / "missing.txt", "No such file")):
         with pytest.raises(SpecjaxError, match=msg):
             hd.read_starters(str(bad))
-    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "data",
-                           "chat_starters.txt")
-    got = hd.read_starters(shipped)
-    assert len(got) >= 50 and len(set(got)) == len(got) and not any(s.startswith("#") for s in got)
+    for name, least in (("chat_starters.txt", 50), ("task_starters.txt", 25)):  # (the shipped openings)
+        got = hd.read_starters(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                            "data", name))
+        assert len(got) >= least and len(set(got)) == len(got) and not any(s.startswith("#") for s in got), name
 
 
 def test_a_run_trains_on_several_data_sets_as_one(model, data, tmp_path):
