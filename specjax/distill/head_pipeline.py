@@ -280,12 +280,17 @@ def head_cost(kind, cfg, params, settings: dict, shared_head: bool) -> Callable[
     return lambda n: (row * n * item / 1e6, (base + row * (n - 1)) * item / 1e6)
 
 
-def _counted_vocab(kind, model, ds: DataSet, settings: dict, rc: "RunConfig", log) -> np.ndarray:
-    """The ``rc.draft_vocab`` tokens the target ranks highest most often on the training shards
-    (the EOS tokens always kept), and the coverage table of that size against others."""
+def _given_vocab(kind, model, ds: DataSet, settings: dict, rc: "RunConfig", log) -> np.ndarray:
+    """The vocabulary of ``rc.draft_vocab`` tokens: the whole one at the model's size, else the
+    tokens the target ranks highest most often on the training shards (the EOS tokens always
+    kept), with the coverage table of that size against others."""
+    V = model.cfg.vocab_size
+    require(rc.draft_vocab <= V, f"--draft_vocab {rc.draft_vocab} exceeds {model.cfg.name}'s {V} tokens")
+    if rc.draft_vocab == V:
+        return np.arange(V, dtype=np.int32)
     from specjax.drafters.device import frequent_tokens
 
-    ids = frequent_tokens([s.ids for s in ds.train], model.cfg.vocab_size, rc.draft_vocab, keep=model.tokenizer.eos_ids)
+    ids = frequent_tokens([s.ids for s in ds.train], V, rc.draft_vocab, keep=model.tokenizer.eos_ids)
     print_vocab_table(kind, model, ds, settings, rc.shared_head, rc.draft_vocab, log)
     return ids
 
@@ -375,15 +380,11 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
             # trained), so it can draft from a vocabulary counted again on this run's data
             require(shared, f"--init_head {rc.init_head} drafts from {len(ids):,} tokens, not --draft_vocab "
                     f"{rc.draft_vocab:,}, and its vocabulary rows are trained: leave --draft_vocab out to keep its own")
-            ids = _counted_vocab(kind, model, ds, settings, rc, log)
+            ids = _given_vocab(kind, model, ds, settings, rc, log)
         _write_pipeline(ck, kind, ids, settings, shared, run)
     else:
-        if rc.draft_vocab and rc.draft_vocab < cfg.vocab_size:
-            ids = _counted_vocab(kind, model, ds, settings, rc, log)
-        elif rc.draft_vocab:
-            require(rc.draft_vocab == cfg.vocab_size, f"--draft_vocab {rc.draft_vocab} exceeds {cfg.name}'s "
-                    f"{cfg.vocab_size} tokens")
-            ids = np.arange(cfg.vocab_size, dtype=np.int32)
+        if rc.draft_vocab:
+            ids = _given_vocab(kind, model, ds, settings, rc, log)
         else:
             table = print_vocab_table(kind, model, ds, settings, rc.shared_head, log=log)
             ids = choose_vocab(table)["ids"]
