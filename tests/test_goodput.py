@@ -315,6 +315,25 @@ def test_least_squares_nonneg_drops_negative_column():
     assert c[0] == pytest.approx(expected_c0, rel=1e-9)
 
 
+def test_least_squares_relative_error():
+    # A cost the line cannot hold exactly: a per-step charge that grows slower than the rows. By
+    # absolute error the large (batch 8) steps set the line and the small ones are far off; by
+    # relative error every step counts alike (what goodput, comparing steps of one batch, needs).
+    rows = np.array([b * (k + 1) for b in (1, 2, 4, 8) for k in range(6)], float)
+    X = np.stack([rows, np.ones_like(rows)], axis=1)
+    y = 0.004 + 0.002 * rows ** 0.8
+    absolute, relative = least_squares(X, y), least_squares(X, y, relative=True)
+    rel_err = lambda c: (X @ c - y) / y  # noqa: E731
+    assert np.sum(rel_err(relative) ** 2) < np.sum(rel_err(absolute) ** 2)
+    assert np.sum((X @ absolute - y) ** 2) < np.sum((X @ relative - y) ** 2)
+    small = rows <= 4
+    assert np.abs(rel_err(relative))[small].max() < 0.5 * np.abs(rel_err(absolute))[small].max()
+    exact = np.array([3e-3, 1e-3])  # a line is recovered either way
+    np.testing.assert_allclose(least_squares(X, X @ exact, relative=True), exact, rtol=1e-9)
+    with pytest.raises(SpecjaxError):
+        least_squares(X, np.zeros_like(y), relative=True)
+
+
 def test_context_tokens_modes():
     assert context_tokens([100, 300, 5], 4, "sum") == 405.0
     assert context_tokens([100, 300, 5], 4, "padded", chunk=256) == 4 * 256 * 2

@@ -201,11 +201,17 @@ class CostCalibration:
         return {k: float(np.median(v)) for k, v in sorted(self._ratios.items())}
 
 
-def least_squares(X: np.ndarray, y: np.ndarray, nonneg: bool = True) -> np.ndarray:
+def least_squares(X: np.ndarray, y: np.ndarray, nonneg: bool = True, relative: bool = False) -> np.ndarray:
     """Coefficients minimising ||X c - y||^2; with ``nonneg`` a column whose coefficient comes out
-    negative is dropped and the fit redone (active-set NNLS: times never shrink with more work)."""
+    negative is dropped and the fit redone (active-set NNLS: times never shrink with more work).
+    ``relative``: minimise the squared *relative* error, sum ((X c - y) / y)^2, instead (every
+    row scaled by 1 / y; ``y`` must be positive), so large samples do not set the line alone."""
     X = np.asarray(X, np.float64)
     y = np.asarray(y, np.float64)
+    if relative:
+        if not (y > 0).all():
+            raise SpecjaxError("a relative-error fit needs positive times")
+        X, y = X / y[:, None], np.ones_like(y)
     active = np.ones(X.shape[1], bool)
     active &= np.abs(X).sum(axis=0) > 0  # a feature that is always 0 cannot be identified
     while True:
@@ -233,8 +239,11 @@ def fit_linear(n_context: Sequence[float], n_batched: Sequence[float], times: Se
 
 def fit_step_model(features: np.ndarray, times: np.ndarray, base: StepCostModel) -> StepCostModel:
     """Fit target and (if any row has draft features) draft coefficients jointly from whole-step
-    timings: T_step = target(f0, f1) + sum of draft forwards (f3, f4, f5)."""
-    c = least_squares(features, times)
+    timings: T_step = target(f0, f1) + sum of draft forwards (f3, f4, f5). By relative error: a
+    profile's batch-8 steps take 4-8x a batch-1 step, and an absolute-error fit let them set the
+    line alone (the AVX2 EAGLE model priced a batch-1 K = 3 step at 3.8x K = 0 where its own cells
+    say 2.3x); goodput compares steps of one batch, so each step's relative error is what counts."""
+    c = least_squares(features, times, relative=True)
     draft = LinearCost(*map(float, c[3:6])) if np.abs(features[:, 3:]).sum() > 0 else base.draft
     return dataclasses.replace(base, target=LinearCost(*map(float, c[:3])), draft=draft)
 
