@@ -426,7 +426,7 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
 
     rc0, _ = trained
     saved = heads.trainable_of(*heads.load_head(eagle.KIND, rc0.checkpoint_dir, model.cfg, model.params))
-    rc = run_config(tmp_path / "tuned", init_head=rc0.checkpoint_dir)
+    rc = run_config(tmp_path / "tuned", init_head=rc0.checkpoint_dir, draft_vocab=0)
     got = hp.train(eagle.KIND, model, data[2], rc, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=1)
     assert got["stopped"] == "killed" and got["step"] == 1
     for k in saved:

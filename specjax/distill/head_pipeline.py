@@ -375,11 +375,12 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                 f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
                 f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
         ids, shared = start["vocab_ids"], rc.shared_head
-        if rc.draft_vocab and rc.draft_vocab != len(ids):
+        if rc.draft_vocab:
             # a shared head's vocabulary rows are the target's own (rebuilt from the ids, never
-            # trained), so it can draft from a vocabulary counted again on this run's data
-            require(shared, f"--init_head {rc.init_head} drafts from {len(ids):,} tokens, not --draft_vocab "
-                    f"{rc.draft_vocab:,}, and its vocabulary rows are trained: leave --draft_vocab out to keep its own")
+            # trained), so it can draft from a vocabulary counted again on this run's data, of its
+            # own size too (new data, new frequent tokens)
+            require(shared, f"--init_head {rc.init_head} has trained vocabulary rows, so it keeps its "
+                    f"{len(ids):,} tokens: leave --draft_vocab out")
             ids = _given_vocab(kind, model, ds, settings, rc, log)
         _write_pipeline(ck, kind, ids, settings, shared, run)
     else:

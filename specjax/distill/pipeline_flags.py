@@ -66,7 +66,8 @@ def define_flags() -> None:
                          "read by the head's attention, not trained on again.")
     flags.DEFINE_string("init_head", None, "--pipeline train: a new run starts from this saved head (its weights "
                         "and draft vocabulary; say an earlier run's --checkpoint_dir) instead of a new one: fine-tuning "
-                        "on more data.")
+                        "on more data. With --draft_vocab a shared head's vocabulary is counted again on this "
+                        "run's data.")
     flags.DEFINE_float("warmup_fraction", 0.02, "--pipeline: linear learning-rate warm-up, as a fraction of the "
                        "planned steps.")
 
