@@ -44,6 +44,11 @@ client does: record (c, t) is conversation c's first t - 1 exchanges (GSM8K trai
 and their worked answers as the assistant's turns) and its t-th question; every turn repeats the
 previous turn's prompt as its prefix.
 
+``--spec_bench_train N``: training prompts for the head pipeline (``launch/distill.py --pipeline
+data --prompt_files OUT``): every Spec-Bench first turn but the first N of each category (the ones
+the benchmarks measure: ``--per_category`` takes the first), less any GSM8K test question of
+``test_shared_200.jsonl``, as ``{"prompt", "category", "question_id"}`` records.
+
 ``--mix_specbench N``: the mixed stream instead: the repetitive prompts interleaved one for one
 with open-ended Spec-Bench questions (the first N of each category, as many as there are
 repetitive prompts), half repetitive, half not.
@@ -192,6 +197,21 @@ def multi_turn_job(data_dir: str, conversations: int, turns: int) -> list[dict]:
     return rows
 
 
+def spec_bench_train(data_dir: str, held_out: int) -> list[dict]:
+    """Spec-Bench first turns less the first ``held_out`` of each category and GSM8K's shared test
+    questions (see the module docstring), category by category, in file order within each."""
+    from specjax.specbench import load_questions
+
+    qs, _ = load_questions(os.path.join(data_dir, "spec_bench", "question.jsonl"), None, 0)
+    tests = {q["question"].strip() for q in _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))}
+    seen, rows = {}, []
+    for q in qs:
+        seen[q["category"]] = seen.get(q["category"], 0) + 1
+        if seen[q["category"]] > held_out and q["text"].strip() not in tests:
+            rows.append({"prompt": q["text"], "category": q["category"], "question_id": q["question_id"]})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -208,7 +228,14 @@ def main():
                     help="--shared_prefix: begin each record with a line of its own (nothing shared: the control)")
     ap.add_argument("--conversations", type=int, default=0, help="write a batch job of conversations resent turn by turn")
     ap.add_argument("--turns", type=int, default=8, help="turns per conversation (--conversations)")
+    ap.add_argument("--spec_bench_train", type=int, default=-1,
+                    help="write head-training prompts: Spec-Bench less the first N of each category")
     a = ap.parse_args()
+    if a.spec_bench_train >= 0:
+        rows = spec_bench_train(a.data_dir, a.spec_bench_train)
+        _write(a.out, rows)
+        print(f"wrote {len(rows)} training prompts (the first {a.spec_bench_train} of each category held out) to {a.out}")
+        return
     if a.conversations:
         rows = multi_turn_job(a.data_dir, a.conversations, a.turns)
         _write(a.out, rows)

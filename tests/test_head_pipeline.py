@@ -447,3 +447,24 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     with pytest.raises(SpecjaxError, match="head of other settings"):
         hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "other", init_head=rc0.checkpoint_dir,
                                                         shared_head=False), TC, log=quiet)
+
+
+def test_spec_bench_training_prompts_leave_the_measured_ones_out(tmp_path):
+    """benchmarks/make_workload.py --spec_bench_train N: every first turn but the first N of each
+    category (the ones the benchmarks and head_curve measure) and GSM8K's shared test questions."""
+    from benchmarks import make_workload
+    from specjax.specbench import load_questions
+
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "gsm8k").mkdir()
+    lines = [{"question_id": i, "category": c, "turns": [f"{c} question {i}", "a second turn"]}
+             for i, c in enumerate(["writing", "math_reasoning"] * 5)]
+    (tmp_path / "spec_bench" / "question.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "gsm8k" / "test_shared_200.jsonl").write_text(json.dumps({"question": "math_reasoning question 9 "}) + "\n")
+    rows = make_workload.spec_bench_train(str(tmp_path), 2)
+    measured, _ = load_questions(str(tmp_path / "spec_bench" / "question.jsonl"), None, 2)
+    assert [r["question_id"] for r in rows] == [4, 6, 8, 5, 7]  # (by category; 9 is a GSM8K test question)
+    assert not {r["prompt"] for r in rows} & {q["text"] for q in measured}
+    assert all(r["prompt"] == f"{r['category']} question {r['question_id']}" for r in rows)
+    assert len(make_workload.spec_bench_train(str(tmp_path), 0)) == 9
+
