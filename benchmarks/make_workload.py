@@ -202,14 +202,12 @@ def spec_bench_train(data_dir: str, held_out: int) -> list[dict]:
     questions (see the module docstring), category by category, in file order within each."""
     from specjax.specbench import load_questions
 
-    qs, _ = load_questions(os.path.join(data_dir, "spec_bench", "question.jsonl"), None, 0)
+    path = os.path.join(data_dir, "spec_bench", "question.jsonl")
+    qs, _ = load_questions(path, None, 0)
+    measured = {q["question_id"] for q in load_questions(path, None, held_out)[0]} if held_out else set()
     tests = {q["question"].strip() for q in _jsonl(os.path.join(data_dir, "gsm8k", "test_shared_200.jsonl"))}
-    seen, rows = {}, []
-    for q in qs:
-        seen[q["category"]] = seen.get(q["category"], 0) + 1
-        if seen[q["category"]] > held_out and q["text"].strip() not in tests:
-            rows.append({"prompt": q["text"], "category": q["category"], "question_id": q["question_id"]})
-    return rows
+    return [{"prompt": q["text"], "category": q["category"], "question_id": q["question_id"]} for q in qs
+            if q["question_id"] not in measured and q["text"].strip() not in tests]
 
 
 def main():
