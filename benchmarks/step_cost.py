@@ -49,6 +49,10 @@ flags.DEFINE_bool("trees", False, "Also time tree steps: the host's, Medusa's st
 flags.DEFINE_string("eagle_tree", "3x3", "--trees: the EAGLE dynamic tree's width x depth.")
 flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
                   "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
+flags.DEFINE_list("rows_activations", ["float32"], "With --launch_fwd: the rows kernel's activation modes to time "
+                  "(float32, int8), the host steps and AR of every mode in the same rotated rounds; each mode's "
+                  "extra verified row (the least-squares slope of step ms over K >= 1) is printed after the table. "
+                  "The draft tables use the first mode.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
 flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
 
@@ -72,7 +76,12 @@ def main(argv):
     m = load_model(FLAGS.model)
     cfg = m.cfg
     auto = dict(rows_kernel_auto=True, attention_auto=True, scan_auto=True)  # (the launch flags' defaults)
-    fwd = EngineSpec(model=FLAGS.model, **auto).resolved(m).fwd if FLAGS.launch_fwd else ForwardOptions()
+    modes = FLAGS.rows_activations
+    if not set(modes) <= {"float32", "int8"} or len(set(modes)) != len(modes) or (modes != ["float32"] and not FLAGS.launch_fwd):
+        raise app.UsageError("--rows_activations: distinct float32 / int8, int8 with --launch_fwd (the rows kernel)")
+    fwds = {mode: EngineSpec(model=FLAGS.model, **auto, rows_int8_auto=mode == "int8").resolved(m).fwd
+            if FLAGS.launch_fwd else ForwardOptions() for mode in modes}
+    fwd = fwds[modes[0]]
     params = m.params_for(fwd)
     S = FLAGS.slots
     rng = np.random.default_rng(0)
@@ -87,8 +96,11 @@ def main(argv):
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)
         drafts.append((dataclasses.replace(h.draft, label="medusa"), h.params))
-    # (name, table, tree step?)
-    tables = [("host", StepTable(cfg, params, params, fwd=fwd), False)] + [
+    # (name, table, tree step?); the host of each activation mode: "host", or "host int8" after the first
+    hosts = {mode: (p := params if mode == modes[0] else m.params_for(fwds[mode]),
+                    StepTable(cfg, p, p, fwd=fwds[mode])) for mode in modes}
+    host_name = {mode: "host" if mode == modes[0] else f"host {mode}" for mode in modes}
+    tables = [(host_name[mode], hosts[mode][1], False) for mode in modes] + [
         (d.label, StepTable(cfg, params, dp, d, fwd=fwd), False) for d, dp in drafts]
     if FLAGS.trees:
         w, depth = (int(x) for x in FLAGS.eagle_tree.lower().split("x"))
@@ -98,38 +110,54 @@ def main(argv):
     samp = SamplingArrays.build([SamplingParams()], 1)
     ks = [int(k) for k in FLAGS.ks]
 
-    def ar_step(table, ctx):
-        """The AR decode step held at ``ctx`` tokens (the lengths set back after each call)."""
+    def ar_step(mode, ctx):
+        """The AR decode step of activation mode ``mode`` held at ``ctx`` tokens (the lengths set
+        back after each call)."""
+        p, table = hosts[mode]
         holder = [prefill_fn(table, 1, ctx, S, rng)().cache]
         tok, act = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.ones(1, bool))
 
         def run():
-            c, t = decode_step(params, holder[0], tok, act, samp, cfg=cfg, greedy_only=True, fwd=fwd)
+            c, t = decode_step(p, holder[0], tok, act, samp, cfg=cfg, greedy_only=True, fwd=fwds[mode])
             jax.block_until_ready(t)
             holder[0] = kv.set_lengths(c, jax.device_put(np.array([ctx], np.int32)))  # (a new buffer: donated)
         return run
 
-    print(f"{cfg.name}, batch 1, greedy, {S} slots, {fwd}; ms per call (median of {FLAGS.reps} rotated rounds)")
+    for mode in modes:
+        print(f"{mode}: {fwds[mode]}")
+    print(f"{cfg.name}, batch 1, greedy, {S} slots; ms per call (median of {FLAGS.reps} rotated rounds)")
     print("| context | drafter | K | step ms | AR decode ms | step / AR | draft ms |")
     print("|---|---|---|---|---|---|---|")
-    rows = []
+    rows, slopes = [], []
     for ctx in map(int, FLAGS.context):
         base = {}  # the host's chain and tree steps: each drafter's own cost is its step minus these
+        # the hosts of every activation mode, with their AR steps, in one set of rounds
+        variants = {(mode, K): steady_step(hosts[mode][1], 1, K, ctx, S, rng) for mode in modes for K in ks}
+        variants.update({(mode, "AR"): ar_step(mode, ctx) for mode in modes})
+        timed = {host_name[mode]: {} for mode in modes}
+        for (mode, k), t in interleaved_medians(variants, FLAGS.reps).items():
+            timed[host_name[mode]][k] = 1e3 * t
         for name, table, tree in tables:
             kk = [K for K in ks if K > 0] if tree else ks
-            variants = {K: steady_step(table, 1, K, ctx, S, rng, tree=tree) for K in kk}
-            if name == "host":
-                variants["AR"] = ar_step(table, ctx)
-            ms = {k: 1e3 * t for k, t in interleaved_medians(variants, FLAGS.reps).items()}
+            ms = timed.get(name) if not tree else None
+            if ms is None:
+                ms = {k: 1e3 * t for k, t in interleaved_medians(
+                    {K: steady_step(table, 1, K, ctx, S, rng, tree=tree) for K in kk}, FLAGS.reps).items()}
             base.setdefault(tree, ms)
-            host_ms = base[False]
+            # a host's ratios are to its own mode's AR step; a draft's to the first mode's
+            ar = ms["AR"] if "AR" in ms else base[False]["AR"]
             for K in kk:
-                r = {"context": ctx, "drafter": name, "K": K, "tree": tree, "step_ms": ms[K], "ar_ms": host_ms["AR"],
+                r = {"context": ctx, "drafter": name, "K": K, "tree": tree, "step_ms": ms[K], "ar_ms": ar,
                      "draft_ms": None if name.startswith("host") else ms[K] - base[tree][K]}
                 rows.append(r)
-                cells = [ctx, name, K, f"{ms[K]:.1f}", f"{host_ms['AR']:.1f}", f"{ms[K] / host_ms['AR']:.2f}",
+                cells = [ctx, name, K, f"{ms[K]:.1f}", f"{ar:.1f}", f"{ms[K] / ar:.2f}",
                          "" if r["draft_ms"] is None else f"{r['draft_ms']:.1f}"]
                 print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+            if name.startswith("host") and not tree and len([K for K in kk if K >= 1]) >= 2:
+                kx = np.array([K for K in kk if K >= 1], float)
+                slope = float(np.polyfit(kx, np.array([ms[int(K)] for K in kx]), 1)[0])
+                slopes.append(f"{name}, context {ctx}: an extra verified row {slope:.2f} ms (AR {ar:.2f} ms)")
+    print("\n".join(slopes))
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -50,11 +50,12 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
         assert rd.packed_format(wp) == fmt.split()[0] and rd.paired(wp) == fmt.endswith("pairs")
         np.testing.assert_array_equal(rd.dequantize_packed(wp, N), w)
         if rd.paired(wp):  # int8 activations: the reference's model, rows as independent
-            for M in (1, 4, 40):
+            for M in (1, 4, 9, 40):  # AVX-512 VNNI: tiles of 8 rows, then 1; several tiles
                 g8 = np.asarray(f8(x[:M], wp))
                 np.testing.assert_allclose(g8, rd.rows_dot_int8_reference(np.asarray(x[:M]), wp, N), rtol=1e-5,
                                            atol=1e-5, err_msg=fmt)
-                np.testing.assert_array_equal(g8[M - 1:M], np.asarray(f8(x[M - 1:M], wp)))
+                for i in range(M) if M == 9 else (M - 1,):
+                    np.testing.assert_array_equal(g8[i:i + 1], np.asarray(f8(x[i:i + 1], wp)), err_msg=f"{fmt} row {i}")
             with pytest.raises(SpecjaxError, match="paired layout"):
                 rd.rows_dot(x, wp, N)
             continue
@@ -88,22 +89,31 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
     assert q[0, :4].tolist() == [0, 2, -2, 127] and dx[0].tolist() == [1.0, 0.0] and not q[0, 32:].any()
 
 
-def test_portable_build_matches_the_vectorized_build():
-    """The kernel without -march=native (the loops every other CPU runs) gives the vectorized
-    build's results (AVX-512, or AVX2 + FMA + F16C) bit for bit, in every format: all sum each
-    output in the same order."""
+@pytest.mark.parametrize("march", [None, "haswell"], ids=["portable", "avx2"])
+def test_other_builds_match_the_native_build(march):
+    """The kernel without -march=native (the loops every other CPU runs) and, on an AVX-512 CPU,
+    its AVX2 + FMA + F16C build give the native build's results (AVX-512 with VNNI where the CPU
+    has it, or AVX2) bit for bit, in every format: all sum each output in the same order (int8
+    activations: exact integer sums, then the same float steps)."""
     if not rd.vectorized():
         pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA + F16C: the default build is already the portable one")
-    rd.register(rd._build(rd._compiler(), march=None), "_portable")
+    if march is not None and rd.simd_class() != "avx512":
+        pytest.skip("the native build is the AVX2 one on this CPU: the portable case compares it")
+    suffix = "_portable" if march is None else "_avx2"
+    rd.register(rd._build(rd._compiler(), march=march), suffix)
     rng = np.random.default_rng(1)
     K, N = 64, 40
-    x = jnp.asarray(rng.standard_normal((13, K)), jnp.float32)
+    xs = rng.standard_normal((13, K)).astype(np.float32)
+    xs[2, 3], xs[3, 40], xs[1, :32] = np.inf, np.nan, 0.0  # int8 rounding: groups with an inf, a NaN, all zeros
+    x = jnp.asarray(xs)
     for fmt, (wp, _) in _random_packs(rng, K, N).items():
         operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
         int8 = rd.paired(wp)
         target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt.split()[0]}" + ("_i8" if int8 else "")
-        portable = jax.ffi.ffi_call(target + "_portable", jax.ShapeDtypeStruct((13, N), jnp.float32))(x, *operands)
-        np.testing.assert_array_equal(np.asarray(portable), np.asarray(rd.rows_dot(x, wp, N, int8=int8)), err_msg=fmt)
+        for M in (1, 4, 13):
+            other = jax.ffi.ffi_call(target + suffix, jax.ShapeDtypeStruct((M, N), jnp.float32))(x[:M], *operands)
+            np.testing.assert_array_equal(np.asarray(other), np.asarray(rd.rows_dot(x[:M], wp, N, int8=int8)),
+                                          err_msg=f"{fmt} {M} rows")
 
 
 def _q4_1_gguf_model(tmp_path):
@@ -367,20 +377,23 @@ def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_dec
     L, B, Hkv, S, hd, H, T = 2, 2, 3, 32, 64, 9, 4
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
     q, kb, vb, ka, va = r(B, T, H, hd), r(B, T, Hkv, hd), r(B, T, Hkv, hd), r(L, B, Hkv, S, hd), r(L, B, Hkv, S, hd)
-    lens = jnp.array([5, 20], jnp.int32)
     tree = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)  # node 3's path: 0, 2, 3
-    for mask in (jnp.tril(jnp.ones((T, T), bool)), tree):
-        mask = jnp.broadcast_to(mask, (B, T, T))
-        got = rd.block_attention(q, kb, vb, ka, va, 1, lens, mask)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(at.block_attention_xla(q, kb, vb, ka[1], va[1], lens, mask)),
-                                   rtol=1e-5, atol=1e-5)
-    blk = rd.block_attention(q, kb, vb, ka, va, 0, lens, jnp.broadcast_to(tree, (B, T, T)))
-    for b in range(B):  # node 3 decoded alone after nodes 0 and 2 were committed
-        for i, j in enumerate((0, 2)):
-            ka = ka.at[0, b, :, int(lens[b]) + i].set(kb[b, j])
-            va = va.at[0, b, :, int(lens[b]) + i].set(vb[b, j])
-    one = rd.block_attention(q[:, 3:], kb[:, 3:], vb[:, 3:], ka, va, 0, lens + 2, jnp.ones((B, 1, 1), bool))
-    np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(blk[:, 3]))
+    # (prefix keys are scored 8 at a time for all of a block's rows, the rest one at a time: at
+    # 14 + 2 the decode step scores keys 8-15 in the 8-key loop, the block one at a time)
+    for lens in (jnp.array([5, 20], jnp.int32), jnp.array([6, 14], jnp.int32)):
+        for mask in (jnp.tril(jnp.ones((T, T), bool)), tree):
+            mask = jnp.broadcast_to(mask, (B, T, T))
+            got = rd.block_attention(q, kb, vb, ka, va, 1, lens, mask)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(at.block_attention_xla(q, kb, vb, ka[1], va[1], lens, mask)),
+                                       rtol=1e-5, atol=1e-5)
+        blk = rd.block_attention(q, kb, vb, ka, va, 0, lens, jnp.broadcast_to(tree, (B, T, T)))
+        kc, vc = ka, va
+        for b in range(B):  # node 3 decoded alone after nodes 0 and 2 were committed
+            for i, j in enumerate((0, 2)):
+                kc = kc.at[0, b, :, int(lens[b]) + i].set(kb[b, j])
+                vc = vc.at[0, b, :, int(lens[b]) + i].set(vb[b, j])
+        one = rd.block_attention(q[:, 3:], kb[:, 3:], vb[:, 3:], kc, vc, 0, lens + 2, jnp.ones((B, 1, 1), bool))
+        np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(blk[:, 3]))
 
 
 def _wide_heads_gguf(tmp_path):

@@ -629,17 +629,49 @@ struct QuantRows {  // the int8 rounding of x [M, K]
   std::unique_ptr<int8_t[]> q;     // [M, K] codes
   std::unique_ptr<int16_t[]> q16;  // [M, K] the same codes widened (q8_0 weights multiply int16 pairs)
   std::unique_ptr<float[]> d, s;   // [M, K / 32]: dx, and dx * (sum of the group's codes)
+  std::unique_ptr<int32_t[]> n;    // [M, K / 32]: the sum of the group's codes
 };
 
-// Rounds the rows of x (scalar code in every build: its bits must not depend on the build). A
+// Rounds the rows of x (its bits must not depend on the build: the scalar steps, which AVX-512
+// does in lanes with the same exact roundings). A
 // group holding a NaN or an infinity gets dx = NaN, so its rows' outputs are NaN as with floats.
 QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wide) {
   const int64_t ng = K / 32;
   QuantRows r{std::make_unique<int8_t[]>(M * K), wide ? std::make_unique<int16_t[]>(M * K) : nullptr,
-              std::make_unique<float[]>(M * ng), std::make_unique<float[]>(M * ng)};
+              std::make_unique<float[]>(M * ng), std::make_unique<float[]>(M * ng),
+              std::make_unique<int32_t[]>(M * ng)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
       const float* __restrict xs = x + m * K + g * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // the scalar steps below in 16 lanes, each exactly rounded (|x|, max, one multiply, round to
+      // nearest even, clamp), so the same bits; a group with a NaN or an infinity goes on below
+      const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+      const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+      const __m512 big = _mm512_set1_ps(3.4028234663852886e38f);
+      if ((_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) == 0) {
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        auto codes = [&](__m512 v) {
+          const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          return _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+        };
+        const __m512i c0 = codes(x0), c1 = codes(x1);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.get() + m * K + g * 32), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.get() + m * K + g * 32 + 16), _mm512_cvtepi32_epi8(c1));
+        if (wide) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q16.get() + m * K + g * 32), _mm512_cvtepi32_epi16(c0));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q16.get() + m * K + g * 32 + 16), _mm512_cvtepi32_epi16(c1));
+        }
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        const float d = amax / 127.0f;
+        r.d[m * ng + g] = d;
+        r.s[m * ng + g] = d * static_cast<float>(sum);
+        r.n[m * ng + g] = sum;
+        continue;
+      }
+#endif
       float amax = 0.0f;
       bool finite = true;
       for (int k = 0; k < 32; ++k) {
@@ -659,6 +691,7 @@ QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wi
       }
       r.d[m * ng + g] = d;
       r.s[m * ng + g] = d * static_cast<float>(sum);
+      r.n[m * ng + g] = sum;
     }
   return r;
 }
@@ -751,6 +784,89 @@ void tile_i8(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define SPECJAX_VNNI 1
+// AVX-512 VNNI: vpdpbusd adds four byte products (unsigned x signed) into each 32-bit lane, 64
+// multiply-adds an instruction against vpmaddubsw's 32 and a widening add. A group's codes are
+// made ready once per column block (two pairs of rows to one quad of rows per column by one
+// vpermb, nibbles split, q8_0 made unsigned) and every row of the tile then costs 8 vpdpbusd per
+// 32 k x 16 columns. The integer sums S are exact, so they are the other builds' S, and the float
+// steps after them are theirs too: the same bits.
+constexpr int kRowTileVnni = 8;
+
+struct QuadIndex {
+  alignas(64) uint8_t b[64];
+};
+// byte 4c + j of a quad = byte j of column c in rows 2p, 2p + 1 (pair p: bytes 2c, 2c + 1 of the
+// first 32) then 2p + 2, 2p + 3 (pair p + 1: the next 32)
+constexpr QuadIndex make_quad_index() {
+  QuadIndex q{};
+  for (int c = 0; c < 16; ++c)
+    for (int j = 0; j < 4; ++j) q.b[4 * c + j] = static_cast<uint8_t>((j < 2 ? 0 : 32) + 2 * c + (j & 1));
+  return q;
+}
+constexpr QuadIndex kQuadIndex = make_quad_index();
+
+// Rows [r0, r0 + R) of one column block. Quad q of a group is k = 4q .. 4q + 3 in both formats
+// (q4_1: quads 0-3 the low nibbles of code rows 0-15, k = 0-15; quads 4-7 the high, k = 16-31).
+// q8_0's signed codes go in as w + 128 (vpdpbusd's unsigned side), and S = S' - 128 * sum(xq).
+template <bool Q8, int R>
+void tile_vnni(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb, float* __restrict y,
+               int64_t r0, int64_t K, int64_t N, int64_t col) {
+  const int64_t ng = K / 32;
+  const __m512i idx = _mm512_load_si512(kQuadIndex.b);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i w[8];
+    if constexpr (Q8) {
+      const uint8_t* __restrict c = qb + g * 32 * kLanes;
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int q = 0; q < 8; ++q)
+        w[q] = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c + 64 * q)), flip);
+    } else {
+      const uint8_t* __restrict c = qb + g * 16 * kLanes;
+      const __m512i low = _mm512_set1_epi8(15);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i b = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c + 64 * q));
+        w[q] = _mm512_and_si512(b, low);
+        w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+      }
+    }
+    const uint16_t* __restrict e = sb + g * (Q8 ? kLanes : 2 * kLanes);
+    const __m512 d = half16(e);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      const int8_t* __restrict xq = xr.q.get() + (r0 + i) * K + g * 32;
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains of four
+      _Pragma("GCC unroll 8") for (int q = 0; q < 8; q += 2) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + 4 * q, 4);
+        std::memcpy(&x1, xq + 4 * q + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, w[q], _mm512_set1_epi32(x0));
+        s1 = _mm512_dpbusd_epi32(s1, w[q + 1], _mm512_set1_epi32(x1));
+      }
+      __m512i S = _mm512_add_epi32(s0, s1);
+      if constexpr (Q8) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * xr.n[(r0 + i) * ng + g]));
+      const __m512 dx = _mm512_set1_ps(xr.d[(r0 + i) * ng + g]);
+      f[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(S), f[i]);
+      if constexpr (!Q8) f[i] = _mm512_fmadd_ps(half16(e + kLanes), _mm512_set1_ps(xr.s[(r0 + i) * ng + g]), f[i]);
+    }
+  }
+  const int64_t width = std::min(kLanes, N - col);
+  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N + col, keep, f[i]);
+}
+
+template <bool Q8, int R = kRowTileVnni>
+inline void tile_vnni_rows(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb,
+                           float* __restrict y, int64_t r0, int64_t rr, int64_t K, int64_t N, int64_t col) {
+  if constexpr (R > 1) {
+    if (rr < R) return tile_vnni_rows<Q8, R - 1>(xr, qb, sb, y, r0, rr, K, N, col);
+  }
+  tile_vnni<Q8, R>(xr, qb, sb, y, r0, K, N, col);
+}
+#endif
+
 // Column blocks [b0, b1) of a q4_1 / q8_0 weight against the rounded rows.
 template <bool Q8>
 void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uint16_t* __restrict sc,
@@ -762,7 +878,10 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
     const uint8_t* __restrict qb = qs + b * ng * kCodes;
     const uint16_t* __restrict sb = sc + b * ng * kScales;
     const int64_t col = b * kLanes;
-#if defined(SPECJAX_I8_VEC)
+#if defined(SPECJAX_VNNI)
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTileVnni)
+      tile_vnni_rows<Q8>(xr, qb, sb, y, r0, std::min<int64_t>(kRowTileVnni, M - r0), K, N, col);
+#elif defined(SPECJAX_I8_VEC)
     for (int64_t r0 = 0; r0 < M; r0 += kRowTileI8) {
       const int64_t rr = std::min<int64_t>(kRowTileI8, M - r0);
       if (rr == 1) tile_i8<Q8, 1>(xr, qb, sb, y, r0, K, N, col);
@@ -863,7 +982,11 @@ ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
                       ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
   if (ffi::Error e = check_gguf<Q8, true>(x, codes, scales, y); e.failure()) return e;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], nb = codes.dimensions()[0];
+#if defined(SPECJAX_VNNI)
+  const QuantRows xr = quantize_rows(x.typed_data(), M, K, false);  // (the int16 codes: the AVX2 q8_0 tile's)
+#else
   const QuantRows xr = quantize_rows(x.typed_data(), M, K, Q8);
+#endif
   const QuantRows* xrp = &xr;
   const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
   const uint16_t* sp = scales.typed_data();
@@ -913,6 +1036,22 @@ inline float hsum8(__m256 v) {  // lanes added in one fixed order
 
 inline float exp_scalar(float x) { return x < -87.0f ? 0.0f : std::exp(x); }
 
+#if defined(SPECJAX_I8_VEC)
+// The scores of 8 keys from their 8-lane partial sums a[0..7]: lane j of the result is
+// hsum8(a[j]), the same adds in the same order ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)),
+// as two rounds of pairwise adds and one add of the 128-bit halves.
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+// One task per (request b, query head h): the T query rows of the block for that head. The
+// committed prefix's keys and values are read once for all T rows, 8 keys at a time (a verify
+// block's rows share them), then each row adds its visible block tokens. A row's score for a key
+// is the same bits in any of these loops (one fixed order of FMAs over hd, then hsum8), so the
+// result does not depend on T or on which loop scored the key.
 ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kb,
                           ffi::Buffer<ffi::F32> vb, ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
@@ -934,113 +1073,111 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int32_t* lens = lengths.typed_data();
   const bool* mk = mask.typed_data();
   float* o = out->typed_data();
-  parallel_chunks(pool, B * T * H, [=](int64_t row) {  // one query row: (b, t, h)
-    const int64_t b = row / (T * H), t = (row / H) % T, h = row % H, kh = h / G;
+  parallel_chunks(pool, B * H, [=](int64_t task) {
+    const int64_t b = task / H, h = task % H, kh = h / G;
     const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), S);
-    // the row's keys in position order: prefix slots, then the visible block tokens
-    std::unique_ptr<const float*[]> keys(new const float*[len + T]), vals(new const float*[len + T]);
-    int64_t n = 0;
-    for (int64_t j = 0; j < len; ++j, ++n) {
-      keys[n] = kc + ((b * Hkv + kh) * S + j) * hd;
-      vals[n] = vc + ((b * Hkv + kh) * S + j) * hd;
+    const float* kpre = kc + (b * Hkv + kh) * S * hd;  // prefix slot j: kpre + j * hd
+    const float* vpre = vc + (b * Hkv + kh) * S * hd;
+    const int64_t stride = (len + T + 7) / 8 * 8;      // a row's scores (padded to whole 8s)
+    std::unique_ptr<float[]> scores(new float[T * stride]);
+    std::unique_ptr<int64_t[]> blk(new int64_t[T * T]), nblk(new int64_t[T]);  // each row's visible block tokens
+    for (int64_t t = 0; t < T; ++t) {
+      nblk[t] = 0;
+      for (int64_t j = 0; j < T; ++j)
+        if (mk[(b * T + t) * T + j]) blk[t * T + nblk[t]++] = j;
     }
-    for (int64_t j = 0; j < T; ++j)
-      if (mk[(b * T + t) * T + j]) {
-        keys[n] = kbp + ((b * T + j) * Hkv + kh) * hd;
-        vals[n] = vbp + ((b * T + j) * Hkv + kh) * hd;
-        ++n;
-      }
-    const float* qr = qp + ((b * T + t) * H + h) * hd;
-    float* orow = o + ((b * T + t) * H + h) * hd;
-    const int64_t n8 = (n + 7) / 8 * 8;
-    std::unique_ptr<float[]> sc(new float[std::max<int64_t>(n8, 8)]);
-    float m = -3.0e38f;
-    int64_t i0 = 0;
+    // key i of row t's list: the prefix, then its visible block tokens in position order
+    auto key = [&](int64_t t, int64_t i) { return i < len ? kpre + i * hd : kbp + ((b * T + blk[t * T + i - len]) * Hkv + kh) * hd; };
+    auto val = [&](int64_t t, int64_t i) { return i < len ? vpre + i * hd : vbp + ((b * T + blk[t * T + i - len]) * Hkv + kh) * hd; };
+    auto qrow = [&](int64_t t) { return qp + ((b * T + t) * H + h) * hd; };
+    int64_t shared = 0;  // prefix keys scored for every row at once
 #if defined(SPECJAX_I8_VEC)
-    if (hd % 8 == 0) {
-      // four keys at a time: four independent sums (one key's dot product is a chain of
-      // dependent FMAs, latency-bound alone), each in the order of the one-key loop below and
-      // with explicit FMAs in both (a contraction left to the compiler could differ between
-      // them, and a key's score would then depend on where it falls in the list)
-      for (; i0 + 4 <= n; i0 += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < hd; c += 8) {
-          const __m256 qv = _mm256_loadu_ps(qr + c);
-          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0] + c), a0);
-          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 1] + c), a1);
-          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 2] + c), a2);
-          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i0 + 3] + c), a3);
+    const bool vec = hd % 8 == 0;
+    if (vec) {
+      // every key's dot product is one chain of dependent FMAs over hd in 8 lanes; eight keys at
+      // a time keep eight chains in flight, and their 2 KB stay in L1 while each row reads them
+      for (; shared + 8 <= len; shared += 8)
+        for (int64_t t = 0; t < T; ++t) {
+          const float* qr = qrow(t);
+          __m256 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < hd; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(qr + c);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kpre + (shared + j) * hd + c), a[j]);
+          }
+          _mm256_storeu_ps(scores.get() + t * stride + shared, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
         }
-        sc[i0] = hsum8(a0) * scale;
-        sc[i0 + 1] = hsum8(a1) * scale;
-        sc[i0 + 2] = hsum8(a2) * scale;
-        sc[i0 + 3] = hsum8(a3) * scale;
-        m = std::max(std::max(std::max(m, sc[i0]), std::max(sc[i0 + 1], sc[i0 + 2])), sc[i0 + 3]);
-      }
     }
 #endif
-    for (int64_t i = i0; i < n; ++i) {
-      float d;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* qr = qrow(t);
+      float* sc = scores.get() + t * stride;
+      const int64_t n = len + nblk[t], n8 = (n + 7) / 8 * 8;
+      for (int64_t i = shared; i < n; ++i) {
+        const float* kr = key(t, i);
+        float d;
 #if defined(SPECJAX_I8_VEC)
-      if (hd % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < hd; c += 8)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(keys[i] + c), acc);
-        d = hsum8(acc);
-      } else
+        if (vec) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t c = 0; c < hd; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(kr + c), acc);
+          d = hsum8(acc);
+        } else
 #endif
+        {
+          d = 0.0f;
+          for (int64_t c = 0; c < hd; ++c) d += qr[c] * kr[c];
+        }
+        sc[i] = d * scale;
+      }
+      float m = -3.0e38f;
+      for (int64_t i = 0; i < n; ++i) m = std::max(m, sc[i]);
+      for (int64_t i = n; i < n8; ++i) sc[i] = -1.0e30f;  // exp -> exactly 0
+      float l;
+#if defined(SPECJAX_I8_VEC)
       {
-        d = 0.0f;
-        for (int64_t c = 0; c < hd; ++c) d += qr[c] * keys[i][c];
+        __m256 lv = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(m);
+        for (int64_t i = 0; i < n8; i += 8) {
+          const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mv));
+          _mm256_storeu_ps(sc + i, p);
+          lv = _mm256_add_ps(lv, p);
+        }
+        l = hsum8(lv);
       }
-      sc[i] = d * scale;
-      m = std::max(m, sc[i]);
-    }
-    for (int64_t i = n; i < n8; ++i) sc[i] = -1.0e30f;  // exp -> exactly 0
-    float l;
-#if defined(SPECJAX_I8_VEC)
-    {
-      __m256 lv = _mm256_setzero_ps();
-      const __m256 mv = _mm256_set1_ps(m);
-      for (int64_t i = 0; i < n8; i += 8) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.get() + i), mv));
-        _mm256_storeu_ps(sc.get() + i, p);
-        lv = _mm256_add_ps(lv, p);
-      }
-      l = hsum8(lv);
-    }
 #else
-    {
-      float lanes[8] = {};
-      for (int64_t i = 0; i < n8; ++i) {
-        sc[i] = exp_scalar(sc[i] - m);
-        lanes[i % 8] += sc[i];
+      {
+        float lanes[8] = {};
+        for (int64_t i = 0; i < n8; ++i) {
+          sc[i] = exp_scalar(sc[i] - m);
+          lanes[i % 8] += sc[i];
+        }
+        l = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
       }
-      l = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    }
 #endif
-    const float inv = 1.0f / l;
+      const float inv = 1.0f / l;
+      float* orow = o + ((b * T + t) * H + h) * hd;
 #if defined(SPECJAX_I8_VEC)
-    if (hd == 64) {  // the sums in registers (the loop below keeps orow in memory: it may alias v)
-      __m256 o[8];
-      for (int j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(sc[i]);
-        const float* v = vals[i];
-        for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
+      if (hd == 64) {  // the sums in registers (the loop below keeps orow in memory: it may alias v)
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 p = _mm256_set1_ps(sc[i]);
+          const float* v = val(t, i);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(orow + 8 * j, _mm256_mul_ps(acc[j], iv));
+        continue;
       }
-      const __m256 iv = _mm256_set1_ps(inv);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(orow + 8 * j, _mm256_mul_ps(o[j], iv));
-      return;
-    }
 #endif
-    for (int64_t c = 0; c < hd; ++c) orow[c] = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float p = sc[i];
-      const float* v = vals[i];
-      for (int64_t c = 0; c < hd; ++c) orow[c] += p * v[c];
+      for (int64_t c = 0; c < hd; ++c) orow[c] = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = sc[i];
+        const float* v = val(t, i);
+        for (int64_t c = 0; c < hd; ++c) orow[c] += p * v[c];
+      }
+      for (int64_t c = 0; c < hd; ++c) orow[c] *= inv;
     }
-    for (int64_t c = 0; c < hd; ++c) orow[c] *= inv;
   });
   return ffi::Error::Success();
 }
