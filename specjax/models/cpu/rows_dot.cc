@@ -1081,6 +1081,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     const int64_t stride = (len + T + 7) / 8 * 8;      // a row's scores (padded to whole 8s)
     std::unique_ptr<float[]> scores(new float[T * stride]);
     std::unique_ptr<int64_t[]> blk(new int64_t[T * T]), nblk(new int64_t[T]);  // each row's visible block tokens
+    std::unique_ptr<float[]> invs(new float[T]);  // 1 / each row's sum of weights
     for (int64_t t = 0; t < T; ++t) {
       nblk[t] = 0;
       for (int64_t j = 0; j < T; ++j)
@@ -1099,12 +1100,30 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       for (; shared + 8 <= len; shared += 8)
         for (int64_t t = 0; t < T; ++t) {
           const float* qr = qrow(t);
+          const float* k0 = kpre + shared * hd;
           __m256 a[8];
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+          // two keys a register (key 2j in lanes 0-7, 2j + 1 in 8-15): each lane's chain of FMAs
+          // is the one the 8-lane loop runs, at half the instructions
+          __m512 z[4];
+          for (int j = 0; j < 4; ++j) z[j] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < hd; c += 8) {
+            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qr + c));
+            for (int j = 0; j < 4; ++j)
+              z[j] = _mm512_fmadd_ps(qv, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + 2 * j * hd + c)),
+                                                            _mm256_loadu_ps(k0 + (2 * j + 1) * hd + c), 1), z[j]);
+          }
+          for (int j = 0; j < 4; ++j) {
+            a[2 * j] = _mm512_castps512_ps256(z[j]);
+            a[2 * j + 1] = _mm512_extractf32x8_ps(z[j], 1);
+          }
+#else
           for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
           for (int64_t c = 0; c < hd; c += 8) {
             const __m256 qv = _mm256_loadu_ps(qr + c);
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kpre + (shared + j) * hd + c), a[j]);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * hd + c), a[j]);
           }
+#endif
           _mm256_storeu_ps(scores.get() + t * stride + shared, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
         }
     }
@@ -1158,6 +1177,9 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       float* orow = o + ((b * T + t) * H + h) * hd;
 #if defined(SPECJAX_I8_VEC)
       if (hd == 64) {  // the sums in registers (the loop below keeps orow in memory: it may alias v)
+#if defined(__AVX512F__)
+        invs[t] = inv;  // (the values after every row's weights: below)
+#else
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n; ++i) {
@@ -1167,6 +1189,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         }
         const __m256 iv = _mm256_set1_ps(inv);
         for (int j = 0; j < 8; ++j) _mm256_storeu_ps(orow + 8 * j, _mm256_mul_ps(acc[j], iv));
+#endif
         continue;
       }
 #endif
@@ -1178,6 +1201,45 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       }
       for (int64_t c = 0; c < hd; ++c) orow[c] *= inv;
     }
+#if defined(SPECJAX_I8_VEC) && defined(__AVX512F__)
+    if (hd == 64) {
+      // the weighted values, 4 rows at a time: each prefix value is read once for the 4 rows, and
+      // every output lane is its own chain over the row's list in order (as in 8 lanes: the same bits)
+      constexpr int kRows = 4;
+      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+        const int64_t tt = std::min<int64_t>(kRows, T - t0);
+        __m512 acc[kRows][4];
+        for (int r = 0; r < kRows; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < len; ++i) {
+          const float* v = vpre + i * hd;
+          const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                       v3 = _mm512_loadu_ps(v + 48);
+          _Pragma("GCC unroll 4") for (int r = 0; r < kRows; ++r) {
+            if (r < tt) {
+              const __m512 p = _mm512_set1_ps(scores[(t0 + r) * stride + i]);
+              acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+              acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+              acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+              acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+            }
+          }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < kRows; ++r) {
+          if (r >= tt) continue;
+          const int64_t t = t0 + r;
+          for (int64_t i = len; i < len + nblk[t]; ++i) {  // the row's own block tokens
+            const __m512 p = _mm512_set1_ps(scores[t * stride + i]);
+            const float* v = val(t, i);
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[r][j]);
+          }
+          const __m512 iv = _mm512_set1_ps(invs[t]);
+          float* orow = o + ((b * T + t) * H + h) * hd;
+          for (int j = 0; j < 4; ++j) _mm512_storeu_ps(orow + 16 * j, _mm512_mul_ps(acc[r][j], iv));
+        }
+      }
+    }
+#endif
   });
   return ffi::Error::Success();
 }
