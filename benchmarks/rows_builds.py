@@ -11,6 +11,7 @@ kernel's source at git revision REV (say HEAD, before a kernel change is committ
 with the others, and the working tree's time over it.
 
   python benchmarks/rows_builds.py [--rows 1,5,9] [--against HEAD]
+  python benchmarks/rows_builds.py --per_weight --rows 1,9,128,512
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "5", "9"], "Activation rows (1: decode, K + 1: a K-draft verify).")
 flags.DEFINE_integer("reps", 11, "Timed calls per point (median).")
 flags.DEFINE_string("against", None, "A git revision whose rows_dot.cc is built and timed beside the working tree's.")
+flags.DEFINE_bool("per_weight", False, "Time each of layer 0's projections and the head alone (x [rows, K] @ w), "
+                  "with its multiply-adds per second, instead of the whole chain.")
 
 
 def build_at(rev: str) -> str:
@@ -86,6 +89,23 @@ def main(argv):
             return kernel(a, lp[n], N, suffix)
         return dot
 
+    if FLAGS.per_weight:
+        print("| weight (K x N) | rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | "
+              "kernel, int8 activations |\n|---|---|---|---|---|---|")
+        weights = {n: (p[llama.LAYER_PACKS][n], p8[llama.LAYER_PACKS][n], m.params["layers"][0][n]) for n in width}
+        weights["head"] = (p["head" + llama.ROWS_SUFFIX], p8["head" + llama.ROWS_SUFFIX], m.params["embed"].T)
+        for n, (wp, wp8, w) in weights.items():
+            K, N = w.shape
+            for M in (int(r) for r in FLAGS.rows):
+                x = jnp.ones((M, K), jnp.float32) * 0.1
+                pk, pk8 = (rd.layer_of(wp, 0), rd.layer_of(wp8, 0)) if n != "head" else (wp, wp8)
+                variants = {"xla": call(lambda x, w: x @ w, x, w)}
+                for suffix, pack in (("", pk), ("_avx2", pk), ("_i8", pk8)):
+                    variants[suffix] = call(lambda x, w, s=suffix: kernel(x, w, N, s), x, pack)
+                t = interleaved_medians(variants, FLAGS.reps)
+                cells = [f"{1e6 * t[k]:.0f} us ({M * K * N / t[k] / 1e9:.0f} GMAC/s)" for k in ("xla", "", "_avx2", "_i8")]
+                print(f"| {n} ({K} x {N}) | {M} | " + " | ".join(cells) + " |", flush=True)
+        return
     against = f" | kernel, {FLAGS.against}'s source" if FLAGS.against else ""
     print(f"| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations"
           f"{against} |\n|---|---|---|---|---|{'---|' if against else ''}")

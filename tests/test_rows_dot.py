@@ -186,12 +186,13 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     twins = [k for k in table._exe if getattr(k, "fwd", None) == dataclasses.replace(fwd, scan_layers=STAND_IN_UNROLL)]
     assert twins and all(table.stand_in(dataclasses.replace(k, fwd=fwd)) == k for k in twins)
     assert all(dataclasses.replace(k, fwd=fwd) in table._exe for k in twins)
-    # int8 activations: another model (its own reference), every decode / verify block on the kernel
-    # whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too), prefill in float32
+    # int8 activations: another model (its own reference), every decode / verify block and prefill
+    # chunk on the kernel whatever its rows (rows_kernel 2 here: the 2 x 5-row verify blocks too),
+    # prefill with XLA's attention
     from specjax.reference_ar import reference_generate
 
     i8 = ForwardOptions(rows_kernel=2, rows_int8=True, attention="cpu")
-    assert i8.kernel_rows(10_000) and not i8.for_prefill().rows_int8 and i8.for_prefill().attention == "xla"
+    assert i8.kernel_rows(10_000) and i8.for_prefill().rows_int8 and i8.for_prefill().attention == "xla"
     p8 = m.params_for(i8)  # the codes in pairs
     assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8[llama.LAYER_PACKS]["wq"])
     ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
@@ -205,6 +206,14 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
         ForwardOptions(rows_int8=True, attention="cpu")
     with pytest.raises(SpecjaxError, match="rows_int8 needs attention 'cpu'"):
         ForwardOptions(rows_kernel=32, rows_int8=True)
+    # a prefill chunk's int8 forward: the float32 model's logits within int8 rounding (a prompt
+    # of 12 tokens in one chunk against XLA's float32 forward; relative error of the logits)
+    toks = jnp.asarray(np.arange(3, 15)[None] % m.cfg.vocab_size, jnp.int32)
+    pos = jnp.arange(12, dtype=jnp.int32)[None]
+    got = [llama.forward(pp, toks, pos, llama.init_cache_for(m.cfg, 1, 16), llama.causal_mask(1, 12), cfg=m.cfg,
+                         use_prefix=False, fwd=f)[0] for pp, f in ((p8, i8.for_prefill()), (m.params, ForwardOptions()))]
+    a, b = np.asarray(got[0]), np.asarray(got[1])
+    assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.05  # (the int8 model, not the float32 one)
 
 
 def test_rows_kernel_in_the_engine_is_lossless(tiny):

@@ -41,8 +41,9 @@ class ForwardOptions:
     each row's result still does not depend on the rows beside it, so speculation stays lossless
     against AR with the same options. Every decode and verify block then runs on the kernel
     whatever its row count (a block on XLA's float32 dot would compute the other model), and
-    prefill chunks (``for_prefill``) run on XLA's float32 dot: a prompt token is computed the
-    same way whichever chunk or batch it is prefilled in. Float32 packs (weights not stored as
+    so do prefill chunks (``for_prefill``: the int8 model from the first token, at the integer
+    dot products' speed; a prompt token is computed the same way whichever chunk or batch it is
+    prefilled in, each row's projections being independent of the rows beside it). Float32 packs (weights not stored as
     Q4_1/Q8_0) keep float32 activations. The GGUF packs are then in another layout
     (rows_dot.pack_q4_1's ``pairs``; LoadedModel.params_for builds them). It needs attention
     "cpu": rounding to int8 turns a last-bit difference in an activation into a different code,
@@ -70,7 +71,10 @@ class ForwardOptions:
     kernel (CPU attention) compiled in 0.8 s at 1 (steps 30% slower than the list's, which took
     5.5-6.6 s), 1.3-1.4 s at 5 (0-11% slower) and 2.0 s at 10 (the list's speed), BENCHMARKS.md.
     The launch scripts' defaults (EngineSpec's automatic settings) run the CPU attention and
-    ``DEFAULT_SCAN_UNROLL`` layers per iteration wherever the rows kernel runs."""
+    ``DEFAULT_SCAN_UNROLL`` layers per iteration wherever the rows kernel runs.
+    prefill: these options run a prefill chunk (``for_prefill``): XLA's attention, which is
+    allowed beside rows_int8 here (a prompt is prefilled the same way for plain decoding and for
+    speculation, so only decode and verify blocks need the CPU attention's equal bits)."""
 
     attention: str = "xla"
     attn_chunk: int = 256
@@ -79,6 +83,7 @@ class ForwardOptions:
     rows_int8: bool = False
     rope_once: bool | None = None
     scan_layers: int = 0
+    prefill: bool = False
 
     def __post_init__(self):
         require(self.attention in ("xla", "pallas", "cpu"),
@@ -88,19 +93,18 @@ class ForwardOptions:
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
         require(self.scan_layers >= 0, f"scan_layers must be >= 0 (0: the per-layer list), got {self.scan_layers}")
         require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
-        require(not self.rows_int8 or self.attention == "cpu",
+        require(not self.rows_int8 or self.attention == "cpu" or self.prefill,
                 "rows_int8 needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
                 "cache and block; XLA's do, by rounding, and int8 rounding turns that into other tokens)")
         require(not (self.scan_layers and self.attention == "pallas"),
                 "scan_layers needs attention 'xla' (the Pallas kernel takes its cache layer as a static index)")
 
     def for_prefill(self) -> "ForwardOptions":
-        """The options a prefill chunk runs with: under ``rows_int8``, XLA's float32 dot (the
-        packs are in the int8 path's layout, which the float32 kernel does not read); XLA's
-        attention for "cpu" (the kernel is for decode and verify blocks); without the kernel, the
-        per-layer list the params keep for it (a scan over its stacks is for the blocks it takes)."""
-        out = dataclasses.replace(self, rows_int8=False, rows_kernel=0, scan_layers=0) if self.rows_int8 else self
-        return dataclasses.replace(out, attention="xla") if self.attention == "cpu" else out
+        """The options a prefill chunk runs with: XLA's attention for "cpu" (the kernel is for
+        decode and verify blocks); under ``rows_int8`` the int8 kernel for every chunk, as for
+        every decode block (its integer dot products prefill 2.5-3x faster than XLA's float32 dot
+        on an AVX-512 VNNI CPU: benchmarks/rows_builds.py --rows 128,512)."""
+        return dataclasses.replace(self, attention="xla", prefill=True) if self.attention == "cpu" else self
 
     @property
     def exact_blocks(self) -> bool:
