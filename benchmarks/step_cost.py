@@ -4,6 +4,7 @@
   python benchmarks/step_cost.py --context 256 --ks 1,3,5 --draft_layers 8 --draft_vocab 4096,8192
   python benchmarks/step_cost.py --context 256 --ks 0,1,3,5 --eagle_vocab 4096,49152 --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,1,3,6 --medusa --trees --launch_fwd
+  python benchmarks/step_cost.py --context 256,1024 --ks 0,1,2,4,8 --launch_fwd --rows_activations float32,int8
 
 For each committed context length and each K, times the engine's compiled chain step (host
 drafter, greedy, batch 1; the drafts are random tokens, acceptance does not change the cost) and
