@@ -176,10 +176,11 @@ def define_forward_flags() -> None:
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
     flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"],
-                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with in decode blocks: float32 "
-                      "(default: the float32 model exactly) or int8 (each activation row rounded per group of 32, as "
-                      "llama.cpp does, with the CPU attention kernel: faster, not the float32 model's numbers; "
-                      "speculation under it, chains and token trees, gives its plain decoding's tokens).")
+                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with: float32 (default: the float32 "
+                      "model exactly) or int8 (each activation row rounded per group of 32, as llama.cpp does, in "
+                      "decode, verify and prefill blocks, integer dot products (AVX-512 VNNI where present), the CPU "
+                      "attention kernel in decode: faster, not the float32 model's numbers; speculation under it, "
+                      "chains and token trees, gives its plain decoding's tokens).")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "
