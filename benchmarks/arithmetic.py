@@ -4,7 +4,7 @@ quantisation against its full-precision model.
 
 The text: the first turns of Spec-Bench questions, GSM8K test questions with their worked answers
 and HumanEval prompts with their solutions (``--data_dir``), each cut to ``--seq_len`` tokens.
-Each sequence's first ``--prefix`` tokens are prefilled (float32, as serving prefills), the rest
+Each sequence's first ``--prefix`` tokens are prefilled as serving prefills in that mode, the rest
 run in blocks of ``--block`` tokens through the mode's decode/verify forward (what a decode step
 or a verify block computes), and the next-token distribution at every block position is compared
 with the reference's there:
@@ -72,7 +72,8 @@ def bf16_dense(x, w, fwd=None, packed=None, layer=None, n=None):
 
 def block_logits(params, cfg, fwd, seqs, prefix: int, block: int):
     """Next-token logits [positions, V] at every position after ``prefix`` of each sequence: the
-    prefix prefilled (float32), the rest in ``block``-token forwards on the cache (decode/verify)."""
+    prefix prefilled as serving prefills (``for_prefill``: int8 under int8, else float32), the rest in
+    ``block``-token forwards on the cache (decode/verify)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -167,7 +168,7 @@ def run() -> int:
               for k, v in results.items()]
     table = "\n".join(lines)
     print(f"{specbench.cpu_description()}; {cfg.name}; {len(seqs)} sequences of public text, blocks of "
-          f"{FLAGS.block} after a {FLAGS.prefix}-token float32 prefill; reference: XLA float32\n\n{table}")
+          f"{FLAGS.block} after a {FLAGS.prefix}-token prefill in the mode; reference: XLA float32\n\n{table}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"command": "python benchmarks/arithmetic.py " + " ".join(sys.argv[1:]), "results": results,
