@@ -102,8 +102,8 @@ class ForwardOptions:
     def for_prefill(self) -> "ForwardOptions":
         """The options a prefill chunk runs with: XLA's attention for "cpu" (the kernel is for
         decode and verify blocks); under ``rows_int8`` the int8 kernel for every chunk, as for
-        every decode block (its integer dot products prefill 2.5-3x faster than XLA's float32 dot
-        on an AVX-512 VNNI CPU: benchmarks/rows_builds.py --rows 128,512)."""
+        every decode block (its integer dot products multiply 2-4x faster than XLA's float32 dot
+        on an AVX-512 VNNI CPU: benchmarks/rows_builds.py --per_weight --rows 128,512)."""
         return dataclasses.replace(self, attention="xla", prefill=True) if self.attention == "cpu" else self
 
     @property
