@@ -98,8 +98,10 @@ def main(argv):
         h = medusa.build(m, tree=False)
         drafts.append((dataclasses.replace(h.draft, label="medusa"), h.params))
     # (name, table, tree step?); the host of each activation mode: "host", or "host int8" after the first
-    hosts = {mode: (p := params if mode == modes[0] else m.params_for(fwds[mode]),
-                    StepTable(cfg, p, p, fwd=fwds[mode])) for mode in modes}
+    hosts = {}  # mode -> (params, its host table)
+    for mode in modes:
+        p = params if mode == modes[0] else m.params_for(fwds[mode])
+        hosts[mode] = (p, StepTable(cfg, p, p, fwd=fwds[mode]))
     host_name = {mode: "host" if mode == modes[0] else f"host {mode}" for mode in modes}
     tables = [(host_name[mode], hosts[mode][1], False) for mode in modes] + [
         (d.label, StepTable(cfg, params, dp, d, fwd=fwd), False) for d, dp in drafts]

@@ -643,6 +643,11 @@ QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wi
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
       const float* __restrict xs = x + m * K + g * 32;
+      auto scales = [&](float d, int32_t sum) {
+        r.d[m * ng + g] = d;
+        r.s[m * ng + g] = d * static_cast<float>(sum);
+        r.n[m * ng + g] = sum;
+      };
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       // the scalar steps below in 16 lanes, each exactly rounded (|x|, max, one multiply, round to
       // nearest even, clamp), so the same bits; a group with a NaN or an infinity goes on below
@@ -664,11 +669,7 @@ QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wi
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q16.get() + m * K + g * 32), _mm512_cvtepi32_epi16(c0));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q16.get() + m * K + g * 32 + 16), _mm512_cvtepi32_epi16(c1));
         }
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
-        const float d = amax / 127.0f;
-        r.d[m * ng + g] = d;
-        r.s[m * ng + g] = d * static_cast<float>(sum);
-        r.n[m * ng + g] = sum;
+        scales(amax / 127.0f, _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
         continue;
       }
 #endif
@@ -689,9 +690,7 @@ QuantRows quantize_rows(const float* __restrict x, int64_t M, int64_t K, bool wi
         if (wide) r.q16[m * K + g * 32 + k] = q;
         sum += q;
       }
-      r.d[m * ng + g] = d;
-      r.s[m * ng + g] = d * static_cast<float>(sum);
-      r.n[m * ng + g] = sum;
+      scales(d, sum);
     }
   return r;
 }
@@ -834,7 +833,7 @@ void tile_vnni(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t
       }
     }
     const uint16_t* __restrict e = sb + g * (Q8 ? kLanes : 2 * kLanes);
-    const __m512 d = half16(e);
+    const __m512 d = half16(e), mn = Q8 ? _mm512_setzero_ps() : half16(e + kLanes);
     _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
       const int8_t* __restrict xq = xr.q.get() + (r0 + i) * K + g * 32;
       __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains of four
@@ -849,7 +848,7 @@ void tile_vnni(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t
       if constexpr (Q8) S = _mm512_sub_epi32(S, _mm512_set1_epi32(128 * xr.n[(r0 + i) * ng + g]));
       const __m512 dx = _mm512_set1_ps(xr.d[(r0 + i) * ng + g]);
       f[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(S), f[i]);
-      if constexpr (!Q8) f[i] = _mm512_fmadd_ps(half16(e + kLanes), _mm512_set1_ps(xr.s[(r0 + i) * ng + g]), f[i]);
+      if constexpr (!Q8) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.s[(r0 + i) * ng + g]), f[i]);
     }
   }
   const int64_t width = std::min(kLanes, N - col);
@@ -1048,8 +1047,9 @@ inline __m256 hsum8x8(const __m256* a) {
 #endif
 
 // One task per (request b, query head h): the T query rows of the block for that head. The
-// committed prefix's keys and values are read once for all T rows, 8 keys at a time (a verify
-// block's rows share them), then each row adds its visible block tokens. A row's score for a key
+// committed prefix's keys are scored 8 at a time for all T rows (a verify block's rows share
+// them; with AVX-512 its values are read once per 4 rows too), then each row adds its visible
+// block tokens. A row's score for a key
 // is the same bits in any of these loops (one fixed order of FMAs over hd, then hsum8), so the
 // result does not depend on T or on which loop scored the key.
 ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kb,
