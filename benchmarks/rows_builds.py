@@ -6,7 +6,9 @@ layers of projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a depe
 XLA's dot on the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
 (LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()). The int8 column is the
 default build with int8 activations (ForwardOptions.rows_int8, `--rows_activations int8`:
-the codes in pairs, integer multiply-adds). ``--against REV``: also the default build of the
+the codes in pairs, integer multiply-adds); the bfloat16 column reads the same packs with each
+activation rounded to bfloat16 (``rows_dot(..., activations="bfloat16")``, vdpbf16ps where the CPU
+has AVX512_BF16). ``--against REV``: also the default build of the
 kernel's source at git revision REV (say HEAD, before a kernel change is committed), timed in turn
 with the others, and the working tree's time over it.
 
@@ -91,7 +93,7 @@ def main(argv):
 
     if FLAGS.per_weight:
         print("| weight (K x N) | rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | "
-              "kernel, int8 activations |\n|---|---|---|---|---|---|")
+              "kernel, int8 activations | kernel, bfloat16 activations |\n|---|---|---|---|---|---|---|")
         weights = {n: (p[llama.LAYER_PACKS][n], p8[llama.LAYER_PACKS][n], m.params["layers"][0][n]) for n in width}
         weights["head"] = (p["head" + llama.ROWS_SUFFIX], p8["head" + llama.ROWS_SUFFIX], m.params["embed"].T)
         for n, (wp, wp8, w) in weights.items():
@@ -100,26 +102,26 @@ def main(argv):
                 x = jnp.ones((M, K), jnp.float32) * 0.1
                 pk, pk8 = (rd.layer_of(wp, 0), rd.layer_of(wp8, 0)) if n != "head" else (wp, wp8)
                 variants = {"xla": call(lambda x, w: x @ w, x, w)}
-                for suffix, pack in (("", pk), ("_avx2", pk), ("_i8", pk8)):
+                for suffix, pack in (("", pk), ("_avx2", pk), ("_i8", pk8), ("_bf16", pk8)):
                     variants[suffix] = call(lambda x, w, s=suffix: kernel(x, w, N, s), x, pack)
                 t = interleaved_medians(variants, FLAGS.reps)
-                cells = [f"{1e6 * t[k]:.0f} us ({M * K * N / t[k] / 1e9:.0f} GMAC/s)" for k in ("xla", "", "_avx2", "_i8")]
+                cells = [f"{1e6 * t[k]:.0f} us ({M * K * N / t[k] / 1e9:.0f} GMAC/s)" for k in ("xla", "", "_avx2", "_i8", "_bf16")]
                 print(f"| {n} ({K} x {N}) | {M} | " + " | ".join(cells) + " |", flush=True)
         return
     against = f" | kernel, {FLAGS.against}'s source" if FLAGS.against else ""
     print(f"| rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | kernel, int8 activations"
-          f"{against} |\n|---|---|---|---|---|{'---|' if against else ''}")
+          f" | kernel, bfloat16 activations{against} |\n|---|---|---|---|---|---|{'---|' if against else ''}")
     for M in (int(r) for r in FLAGS.rows):
         x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
         variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
                                 m.params["embed"].T)}
-        for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8)) + ((("_against", p),) if against else ()):
+        for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8), ("_bf16", p8)) + ((("_against", p),) if against else ()):
             variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x,
                                     [llama.layer_packs(packs, i) for i in range(len(packs["layers"]))],
                                     packs["head" + llama.ROWS_SUFFIX])
         t = {k: 1e3 * v for k, v in interleaved_medians(variants, FLAGS.reps).items()}
         print(f"| {M} | {t['xla']:.1f} ms | {t['']:.1f} ms | {t['_avx2']:.1f} ms | {t['_i8']:.1f} ms "
-              f"({t[''] / t['_i8']:.2f}x the default build) |" +
+              f"({t[''] / t['_i8']:.2f}x the default build) | {t['_bf16']:.1f} ms ({t[''] / t['_bf16']:.2f}x) |" +
               (f" {t['_against']:.1f} ms (the default build {t[''] / t['_against']:.2f}x it) |" if against else ""),
               flush=True)
 

@@ -56,6 +56,16 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
                                            atol=1e-5, err_msg=fmt)
                 for i in range(M) if M == 9 else (M - 1,):
                     np.testing.assert_array_equal(g8[i:i + 1], np.asarray(f8(x[i:i + 1], wp)), err_msg=f"{fmt} row {i}")
+            # bfloat16 activations: its reference's bits (the same float32 steps), rows as independent
+            fb = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N, activations="bfloat16"))
+            for M in (1, 5, 9, 40):  # AVX-512 BF16: tiles of 8 rows, then 1; several tiles
+                gb = np.asarray(fb(x[:M], wp))
+                np.testing.assert_array_equal(gb, rd.rows_dot_bf16_reference(np.asarray(x[:M]), wp, N), err_msg=fmt)
+                for i in range(M) if M == 9 else (M - 1,):
+                    np.testing.assert_array_equal(gb[i:i + 1], np.asarray(fb(x[i:i + 1], wp)), err_msg=f"{fmt} row {i}")
+            # (the bfloat16 model, not the float32 one: within bfloat16's rounding of it)
+            exact = np.asarray(x[:M]) @ w.astype(np.float64)
+            assert 0 < np.linalg.norm(gb - exact) / np.linalg.norm(exact) < 0.01, fmt
             with pytest.raises(SpecjaxError, match="paired layout"):
                 rd.rows_dot(x, wp, N)
             continue
@@ -84,6 +94,11 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
     np.testing.assert_array_equal(np.asarray(y3).reshape(6, N), np.asarray(f(x[:6], wp)))
     with pytest.raises(SpecjaxError, match="float32 only"):
         rd.rows_dot(x.astype(jnp.bfloat16), wp, N)
+    with pytest.raises(SpecjaxError, match="unknown rows activations"):
+        rd.rows_dot(x, wp, N, activations="fp8")
+    # bfloat16 rounding: to nearest, ties to even; subnormals to zero (sign kept); NaN stays NaN
+    b = rd.round_bf16(np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -1e-39, np.nan, np.inf, 3.4e38], np.float32))
+    assert b.tolist() == [0x3F80, 0x3F82, 0x8000, 0x7FC0, 0x7F80, 0x7F80]
     # int8 rounding: ties to even, an all-zero group has scale 0, codes within +-127
     q, dx = rd.quantize_rows(np.array([[0.5, 1.5, -2.5, 127.0] + [0.0] * 28 + [0.0] * 32], np.float32))
     assert q[0, :4].tolist() == [0, 2, -2, 127] and dx[0].tolist() == [1.0, 0.0] and not q[0, 32:].any()
@@ -94,7 +109,8 @@ def test_other_builds_match_the_native_build(march):
     """The kernel without -march=native (the loops every other CPU runs) and, on an AVX-512 CPU,
     its AVX2 + FMA + F16C build give the native build's results (AVX-512 with VNNI where the CPU
     has it, or AVX2) bit for bit, in every format: all sum each output in the same order (int8
-    activations: exact integer sums, then the same float steps)."""
+    activations: exact integer sums, then the same float steps; bfloat16: vdpbf16ps's order, which
+    the other builds follow in scalar code)."""
     if not rd.vectorized():
         pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA + F16C: the default build is already the portable one")
     if march is not None and rd.simd_class() != "avx512":
@@ -106,14 +122,16 @@ def test_other_builds_match_the_native_build(march):
     xs = rng.standard_normal((13, K)).astype(np.float32)
     xs[2, 3], xs[3, 40], xs[1, :32] = np.inf, np.nan, 0.0  # int8 rounding: groups with an inf, a NaN, all zeros
     x = jnp.asarray(xs)
+    xs[4, 5], xs[4, 6] = 1e-39, -3.4e38  # bfloat16 rounding: a subnormal, a value that rounds to -inf
+    x = jnp.asarray(xs)
     for fmt, (wp, _) in _random_packs(rng, K, N).items():
         operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
-        int8 = rd.paired(wp)
-        target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt.split()[0]}" + ("_i8" if int8 else "")
-        for M in (1, 4, 13):
-            other = jax.ffi.ffi_call(target + suffix, jax.ShapeDtypeStruct((M, N), jnp.float32))(x[:M], *operands)
-            np.testing.assert_array_equal(np.asarray(other), np.asarray(rd.rows_dot(x[:M], wp, N, int8=int8)),
-                                          err_msg=f"{fmt} {M} rows")
+        for act, tail in (("int8", "_i8"), ("bfloat16", "_bf16")) if rd.paired(wp) else (("float32", ""),):
+            target = "specjax_rows_packed" if fmt == "f32" else f"specjax_rows_{fmt.split()[0]}" + tail
+            for M in (1, 4, 13):
+                other = jax.ffi.ffi_call(target + suffix, jax.ShapeDtypeStruct((M, N), jnp.float32))(x[:M], *operands)
+                np.testing.assert_array_equal(np.asarray(other), np.asarray(rd.rows_dot(x[:M], wp, N, activations=act)),
+                                              err_msg=f"{fmt} {act} {M} rows")
 
 
 def _q4_1_gguf_model(tmp_path):

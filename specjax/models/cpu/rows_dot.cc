@@ -914,6 +914,213 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
   }
 }
 
+// ---------------------------------------------------------------- bfloat16 activations (rows_bf16)
+// Each activation rounded to bfloat16 (to nearest, ties to even; below float32's smallest normal
+// to zero), multiplied in pairs by the GGUF weights' integer codes (exact in bfloat16): per group
+// g in increasing order, y[m, c] = fma(d_c, S, .) then (q4_1) fma(m_c, sx, .), with S = A + B,
+// A (B) the sum over k = 0..15 (16..31) of x~_k q_kc as AVX512_BF16's vdpbf16ps adds it: per
+// pair (2p, 2p + 1), acc + x~_{2p+1} q_{2p+1}, rounded, then + x~_{2p} q_{2p}, rounded (such a
+// product is exact in float32), each result below the smallest normal flushed to zero (the
+// instruction's order, checked on the AVX-512 EPYC); sx is the group's sum of x~ in one fixed
+// tree. The other builds compute the same sequence in scalar code, so every build gives the same
+// bits, and a row's result does not depend on the rows beside it. Half the float32 path's
+// multiply instructions per row (two multiply-adds per lane and instruction), and the rounding
+// error of bfloat16 (8 significant bits), not of int8 per group.
+
+struct Bf16Rows {                      // the bfloat16 rounding of x [M, K]
+  std::unique_ptr<uint16_t[]> b;       // [M, K]
+  std::unique_ptr<float[]> sx;         // [M, K / 32]: each group's sum of the rounded values
+};
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  if ((u & 0x7F800000u) == 0) return static_cast<uint16_t>(sign);                     // zero, subnormal
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7FC0u);  // NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The group's sum of its 32 rounded values: lanes j and j + 16 added, then halves (j + 8, j + 4,
+// j + 2, j + 1) in turn, as the AVX-512 reduction below does it.
+inline float group_sum_bf16(const uint16_t* __restrict xb) {
+  float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = from_bf16(xb[j]) + from_bf16(xb[j + 16]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) t[j] = t[j] + t[j + w];
+  return t[0];
+}
+
+Bf16Rows round_rows_bf16(const float* __restrict x, int64_t M, int64_t K) {
+  const int64_t ng = K / 32;
+  Bf16Rows r{std::make_unique<uint16_t[]>(M * K), std::make_unique<float[]>(M * ng)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* __restrict xs = x + m * K + g * 32;
+      uint16_t* __restrict xb = r.b.get() + m * K + g * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // to_bf16 in 16 lanes (integer steps, the same bits), then group_sum_bf16's tree
+      auto round16 = [](__m512 v) {
+        const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+        const __m512i sign = _mm512_and_si512(hi, _mm512_set1_epi32(0x8000));
+        __m512i b = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
+        b = _mm512_mask_mov_epi32(b, _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7F800000)), sign);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                      _mm512_set1_epi32(0x7F800000));
+        b = _mm512_mask_mov_epi32(b, nan, _mm512_or_si512(sign, _mm512_set1_epi32(0x7FC0)));
+        return b;
+      };
+      const __m512i b0 = round16(_mm512_loadu_ps(xs)), b1 = round16(_mm512_loadu_ps(xs + 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb), _mm512_cvtepi32_epi16(b0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + 16), _mm512_cvtepi32_epi16(b1));
+      const __m512 t = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)),
+                                     _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16)));
+      const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+      r.sx[m * ng + g] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+#else
+      for (int k = 0; k < 32; ++k) xb[k] = to_bf16(xs[k]);
+      r.sx[m * ng + g] = group_sum_bf16(xb);
+#endif
+    }
+  return r;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPECJAX_BF16 1
+constexpr int kRowTileBf16 = 8;
+
+struct Bf16Codes {
+  alignas(64) uint16_t w[32];
+};
+constexpr Bf16Codes make_bf16_codes() {  // word i = bfloat16(i) for a 4-bit code i (exact)
+  Bf16Codes t{};
+  for (int i = 1; i < 16; ++i) {
+    int e = 0;
+    while ((i >> (e + 1)) != 0) ++e;  // 2^e <= i
+    t.w[i] = static_cast<uint16_t>(((127 + e) << 7) | (((i << 7) >> e) & 0x7F));
+  }
+  return t;
+}
+constexpr Bf16Codes kBf16Codes = make_bf16_codes();
+
+// Rows [r0, r0 + R) of one column block (the paired layout, as the int8 path reads it). A group's
+// codes become 16 vectors of bfloat16 pairs once per column block; a row then costs 16 vdpbf16ps
+// per 32 k x 16 columns. Word 2c + j of pair row p is row 2p + j of column c (q4_1: its low
+// nibble k = 2p + j, its high nibble k = 2p + 16 + j; q8_0 pair rows 0-15: k = 2p + j).
+template <bool Q8, int R>
+void tile_bf16(const Bf16Rows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb, float* __restrict y,
+               int64_t r0, int64_t K, int64_t N, int64_t col) {
+  const int64_t ng = K / 32;
+  const __m512i table = _mm512_load_si512(kBf16Codes.w);
+  __m512 f[R];
+  for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i w[16];
+    if constexpr (Q8) {
+      const uint8_t* __restrict c = qb + g * 32 * kLanes;
+      for (int p = 0; p < 16; ++p) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * p))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * p + 16))));
+        w[p] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // words 0-15: lo (exact integers)
+      }
+    } else {
+      const uint8_t* __restrict c = qb + g * 16 * kLanes;
+      const __m512i low = _mm512_set1_epi16(15);
+      for (int p = 0; p < 8; ++p) {
+        const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)));
+        w[p] = _mm512_permutexvar_epi16(_mm512_and_si512(u, low), table);
+        w[p + 8] = _mm512_permutexvar_epi16(_mm512_srli_epi16(u, 4), table);
+      }
+    }
+    const uint16_t* __restrict e = sb + g * (Q8 ? kLanes : 2 * kLanes);
+    const __m512 d = half16(e), mn = Q8 ? _mm512_setzero_ps() : half16(e + kLanes);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      const uint16_t* __restrict xb = xr.b.get() + (r0 + i) * K + g * 32;
+      __m512 a = _mm512_setzero_ps(), b = a;  // k = 0-15, 16-31
+      _Pragma("GCC unroll 8") for (int p = 0; p < 8; ++p) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + 2 * p, 4);
+        std::memcpy(&x1, xb + 16 + 2 * p, 4);
+        a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(w[p]), reinterpret_cast<__m512bh>(_mm512_set1_epi32(x0)));
+        b = _mm512_dpbf16_ps(b, reinterpret_cast<__m512bh>(w[p + 8]), reinterpret_cast<__m512bh>(_mm512_set1_epi32(x1)));
+      }
+      f[i] = _mm512_fmadd_ps(d, _mm512_add_ps(a, b), f[i]);
+      if constexpr (!Q8) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.sx[(r0 + i) * ng + g]), f[i]);
+    }
+  }
+  const int64_t width = std::min(kLanes, N - col);
+  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N + col, keep, f[i]);
+}
+
+template <bool Q8, int R = kRowTileBf16>
+inline void tile_bf16_rows(const Bf16Rows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb,
+                           float* __restrict y, int64_t r0, int64_t rr, int64_t K, int64_t N, int64_t col) {
+  if constexpr (R > 1) {
+    if (rr < R) return tile_bf16_rows<Q8, R - 1>(xr, qb, sb, y, r0, rr, K, N, col);
+  }
+  tile_bf16<Q8, R>(xr, qb, sb, y, r0, K, N, col);
+}
+#endif
+
+inline float ftz(float a) { return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a; }  // (vdpbf16ps keeps the sign)
+
+// Column blocks [b0, b1) of a q4_1 / q8_0 weight (paired layout) against the rounded rows.
+template <bool Q8>
+void blocks_gguf_bf16(const Bf16Rows& xr, const uint8_t* __restrict qs, const uint16_t* __restrict sc,
+                      float* __restrict y, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t ng = K / 32;
+  constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;
+  constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* __restrict qb = qs + b * ng * kCodes;
+    const uint16_t* __restrict sb = sc + b * ng * kScales;
+    const int64_t col = b * kLanes;
+#if defined(SPECJAX_BF16)
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTileBf16)
+      tile_bf16_rows<Q8>(xr, qb, sb, y, r0, std::min<int64_t>(kRowTileBf16, M - r0), K, N, col);
+#else
+    const int64_t width = std::min(kLanes, N - col);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t l = 0; l < width; ++l) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < ng; ++g) {
+          const uint8_t* __restrict c = qb + g * kCodes;
+          const uint16_t* __restrict xb = xr.b.get() + m * K + g * 32;
+          auto code = [&](int64_t k) -> float {  // q of row k, column l
+            if constexpr (Q8) return static_cast<float>(static_cast<int8_t>(c[(k >> 1) * 2 * kLanes + 2 * l + (k & 1)]));
+            const uint8_t byte = c[((k & 15) >> 1) * 2 * kLanes + 2 * l + (k & 1)];
+            return static_cast<float>(k < 16 ? byte & 15 : byte >> 4);
+          };
+          float half[2];
+          for (int h = 0; h < 2; ++h) {
+            float a = 0.0f;
+            for (int64_t p = 0; p < 8; ++p) {
+              const int64_t k = 16 * h + 2 * p;
+              a = ftz(a + from_bf16(xb[k + 1]) * code(k + 1));
+              a = ftz(a + from_bf16(xb[k]) * code(k));
+            }
+            half[h] = a;
+          }
+          acc = __builtin_fmaf(half_to_float(sb[g * kScales + l]), half[0] + half[1], acc);
+          if constexpr (!Q8) acc = __builtin_fmaf(half_to_float(sb[g * kScales + kLanes + l]), xr.sx[m * ng + g], acc);
+        }
+        y[m * N + col + l] = acc;
+      }
+#endif
+  }
+}
+
 ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -947,9 +1154,9 @@ ffi::Error check_gguf(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& code
                       : sd.size() == 4 && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == 2 && sd[3] == kLanes);
   if (!ok)
     return ffi::Error::InvalidArgument(
-        Paired ? (Q8 ? "rows_q8_0_i8: expected x [M, K], codes int8 [ceil(N/16), K/32, 16, 32], "
+        Paired ? (Q8 ? "rows_q8_0_i8 / _bf16: expected x [M, K], codes int8 [ceil(N/16), K/32, 16, 32], "
                        "scales [ceil(N/16), K/32, 16], y [M, N]"
-                     : "rows_q4_1_i8: expected x [M, K], codes uint8 [ceil(N/16), K/32, 8, 32], "
+                     : "rows_q4_1_i8 / _bf16: expected x [M, K], codes uint8 [ceil(N/16), K/32, 8, 32], "
                        "scales [ceil(N/16), K/32, 2, 16], y [M, N]")
                : (Q8 ? "rows_q8_0: expected x [M, K], codes int8 [ceil(N/16), K/32, 32, 16], "
                        "scales [ceil(N/16), K/32, 16], y [M, N]"
@@ -992,6 +1199,22 @@ ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf_i8<Q8>(*xrp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
+  });
+  return ffi::Error::Success();
+}
+
+template <bool Q8>
+ffi::Error RowsGgufBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                        ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (ffi::Error e = check_gguf<Q8, true>(x, codes, scales, y); e.failure()) return e;
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1], nb = codes.dimensions()[0];
+  const Bf16Rows xr = round_rows_bf16(x.typed_data(), M, K);
+  const Bf16Rows* xrp = &xr;
+  const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
+  const uint16_t* sp = scales.typed_data();
+  float* out = y->typed_data();
+  parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
+    blocks_gguf_bf16<Q8>(*xrp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
   });
   return ffi::Error::Success();
 }
@@ -1260,6 +1483,8 @@ SPECJAX_GGUF_HANDLER(SpecjaxRowsQ4_1, RowsGguf<false>)
 SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0, RowsGguf<true>)
 SPECJAX_GGUF_HANDLER(SpecjaxRowsQ4_1I8, RowsGgufI8<false>)
 SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0I8, RowsGgufI8<true>)
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ4_1Bf16, RowsGgufBf16<false>)
+SPECJAX_GGUF_HANDLER(SpecjaxRowsQ8_0Bf16, RowsGgufBf16<true>)
 
 SPECJAX_HANDLER(SpecjaxRowsPacked) {
   ffi::Call c(frame);

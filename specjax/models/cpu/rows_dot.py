@@ -49,7 +49,9 @@ _HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot_ffi
 _TARGET = "specjax_rows_packed"
 _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1", "specjax_rows_q8_0": "SpecjaxRowsQ8_0",
             "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8",
-            "specjax_block_attention": "SpecjaxBlockAttention"}
+            "specjax_block_attention": "SpecjaxBlockAttention",
+            "specjax_rows_q4_1_bf16": "SpecjaxRowsQ4_1Bf16", "specjax_rows_q8_0_bf16": "SpecjaxRowsQ8_0Bf16"}
+ACTIVATIONS = ("float32", "int8", "bfloat16")  # what a GGUF pack's rows are multiplied as (rows_dot)
 GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
@@ -315,24 +317,29 @@ def layer_of(wp, layer: int):
     return {k: v[layer] for k, v in wp.items()} if isinstance(wp, dict) else wp[layer]
 
 
-def rows_dot(x: jax.Array, wp, n: int, int8: bool = False, layer=None) -> jax.Array:
+def rows_dot(x: jax.Array, wp, n: int, int8: bool = False, layer=None, activations: str | None = None) -> jax.Array:
     """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
-    ``pack_q8_0``), through the kernel. ``int8``: a GGUF weight (q4_1 / q8_0, packed with
-    ``pairs``) multiplies each row of x rounded to int8 per group of 32 (``quantize_rows``; the
-    model ``rows_dot_int8_reference`` defines); a float32 pack ignores it. ``layer``: ``wp`` is a
+    ``pack_q8_0``), through the kernel. ``activations`` (``int8=True``: "int8"): how a GGUF
+    weight (q4_1 / q8_0) multiplies the rows of x: "float32" as they are; "int8" each row rounded
+    to int8 per group of 32 (``quantize_rows``; the model ``rows_dot_int8_reference`` defines);
+    "bfloat16" each value rounded to bfloat16 (``rows_dot_bf16_reference``); the last two read packs
+    made with ``pairs``. A float32 pack ignores it. ``layer``: ``wp`` is a
     stack of one pack per layer (``stack_packs``) and this (an int or a traced int32 scalar)
     picks one; the kernel reads it in place, so a scan over layers slices no weights."""
     _traced()
+    act = activations or ("int8" if int8 else "float32")
+    if act not in ACTIVATIONS:
+        raise SpecjaxError(f"unknown rows activations {act!r} (expected one of {', '.join(ACTIVATIONS)})")
     fmt = packed_format(wp)
-    if fmt != "f32" and paired(wp) != int8:
+    if fmt != "f32" and paired(wp) != (act != "float32"):
         raise SpecjaxError(f"a {fmt} pack {'in' if paired(wp) else 'not in'} the paired layout with "
-                           f"int8={int8}: int8 activations read packs made with pairs=True, float32 ones without")
+                           f"{act} activations: int8 and bfloat16 read packs made with pairs=True, float32 without")
     operands = (wp,) if fmt == "f32" else (wp["codes"], wp["scales"])
     if x.dtype != jnp.float32 or (fmt == "f32" and wp.dtype != jnp.float32):
         raise SpecjaxError(f"the rows kernel is float32 only, got {x.dtype} x {operands[0].dtype}")
     lead, K = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, K)
-    target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}" + ("_i8" if int8 else "")
+    target = _TARGET if fmt == "f32" else f"specjax_rows_{fmt}" + {"float32": "", "int8": "_i8", "bfloat16": "_bf16"}[act]
     index = () if layer is None else (jnp.asarray(layer, jnp.int32).reshape(()),)
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(flat, *operands, *index)
     return y.reshape(*lead, n)
@@ -372,6 +379,66 @@ def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
         terms = terms + scales[:, :, 1, :].transpose(1, 0, 2)[None].astype(np.float64) * sx[:, :, None, None]
     y = terms.sum(axis=1).reshape(M, -1)[:, :n]
     return y.astype(np.float32)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16; numpy): to nearest, ties to even, magnitudes below float32's
+    smallest normal to zero (sign kept), NaN to a quiet NaN (the kernel's rounding, to_bf16)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    sign = (u >> 16) & 0x8000
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    b = np.where((u & 0x7F800000) == 0, sign, b)
+    b = np.where((u & 0x7FFFFFFF) > 0x7F800000, sign | 0x7FC0, b)
+    return b.astype(np.uint16)
+
+
+def _from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def rows_dot_bf16_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
+    """What ``rows_dot(x, wp, n, activations="bfloat16")`` computes for a q4_1 / q8_0 pack (numpy,
+    float32 steps in the kernel's order, so the same bits): per group, A and B (k = 0-15, 16-31)
+    summed pair by pair, the odd k of a pair added before the even one (vdpbf16ps's order), results
+    below the smallest normal flushed to zero; y += d * (A + B), then (q4_1) y += m * sx, each a
+    fused multiply-add (here the exact float64 product plus y, rounded to float64 and then to float32:
+    the fused result but for a double rounding, about once in 2^29)."""
+    fmt = packed_format(wp)
+    xb = _from_bf16(round_bf16(x))  # [M, K]
+    M, K = xb.shape
+    G = K // GROUP
+    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    codes = _unpair_rows(codes) if paired(wp) else codes
+    if fmt == "q8_0":
+        q = codes.astype(np.float32)  # [nb, G, 32, 16]
+    else:
+        q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float32)
+    xg = xb.reshape(M, G, GROUP)
+    tiny = np.float32(1.17549435e-38)
+
+    def ftz(a):
+        return np.where(np.abs(a) < tiny, np.copysign(np.float32(0), a), a).astype(np.float32)
+
+    halves = []
+    for h in range(2):
+        a = np.zeros((M, G) + q.shape[:1] + q.shape[3:], np.float32)  # [M, G, nb, 16]
+        for p in range(8):
+            for k in (16 * h + 2 * p + 1, 16 * h + 2 * p):
+                a = ftz(a + xg[:, :, k, None, None] * q[:, :, k, :].transpose(1, 0, 2)[None])
+        halves.append(a)
+    S = (halves[0] + halves[1]).astype(np.float32)
+    d = (scales[:, :, 0, :] if fmt == "q4_1" else scales).transpose(1, 0, 2)[None]  # [1, G, nb, 16]
+    t = xg.copy()  # the group sums' tree: lanes j and j + 16, then halves
+    s16 = (t[:, :, :16] + t[:, :, 16:]).astype(np.float32)
+    for w in (8, 4, 2, 1):
+        s16 = (s16[:, :, :w] + s16[:, :, w:2 * w]).astype(np.float32)
+    sx = s16[:, :, 0]  # [M, G]
+    y = np.zeros((M,) + S.shape[2:], np.float32)
+    for g in range(G):
+        y = (d[:, g].astype(np.float64) * S[:, g] + y).astype(np.float32)
+        if fmt == "q4_1":
+            y = (scales[:, g, 1, :][None].astype(np.float64) * sx[:, g, None, None] + y).astype(np.float32)
+    return y.reshape(M, -1)[:, :n]
 
 
 def block_attention(q, k_blk, v_blk, k_all, v_all, layer, lengths, block_mask) -> jax.Array:
