@@ -45,7 +45,7 @@ flags.DEFINE_list("decode_steps", ["1"], "The engine side once per value: K = 0 
 flags.DEFINE_integer("rows_kernel", 0, "ForwardOptions.rows_kernel of every side (-1: the launch scripts' default, "
                      "LoadedModel.auto_rows_kernel).")
 flags.DEFINE_list("variants", [], "Also, per variant, an engine side (decode calls of the last --decode_steps value) "
-                  "and a reference loop with other forward options: 'int8' (rows_int8: activations rounded to int8, "
+                  "and a reference loop with other forward options: 'int8' / 'bfloat16' (rows_activations: activations rounded to int8, "
                   "another model, so its tokens are compared with its own reference loop, and the CPU attention "
                   "kernel), 'cpu_attention' (float32, the CPU attention kernel), 'scan' (scan_layers: the layers as one loop, "
                   "with the rows kernel over its packed stacks in place; scan5 / scan10: 5 / 10 layers per loop iteration); "
@@ -116,7 +116,7 @@ def main(argv):
             backends[f"engine, layer_skip{FLAGS.draft_layers} backend"] = registry.make_backend(
                 m, "layer_skip", k_buckets=(0, 2), batch_buckets=(B,), slots=slots, draft_layers=FLAGS.draft_layers,
                 fwd=fwd)
-        known = {"int8": dict(rows_int8=True, attention="cpu"), "cpu_attention": dict(attention="cpu"),
+        known = {"int8": dict(rows_activations="int8", attention="cpu"), "bfloat16": dict(rows_activations="bfloat16", attention="cpu"), "cpu_attention": dict(attention="cpu"),
                  "scan": dict(scan_layers=1), "scan5": dict(scan_layers=5), "scan10": dict(scan_layers=10)}
         parts = {v: v.split("+") for v in FLAGS.variants}  # ("scan+cpu_attention": both)
         if {p for ps in parts.values() for p in ps} - set(known):

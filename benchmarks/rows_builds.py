@@ -5,7 +5,7 @@
 layers of projections and its head on the GGUF's own Q4_1/Q8_0 blocks, as a dependent chain;
 XLA's dot on the float32 weights. Tells whether the kernel pays on a CPU without AVX-512
 (LoadedModel.auto_rows_kernel turns it on where rows_dot.vectorized()). The int8 column is the
-default build with int8 activations (ForwardOptions.rows_int8, `--rows_activations int8`:
+default build with int8 activations (ForwardOptions.rows_activations "int8", `--rows_activations int8`:
 the codes in pairs, integer multiply-adds); the bfloat16 column reads the same packs with each
 activation rounded to bfloat16 (``rows_dot(..., activations="bfloat16")``, vdpbf16ps where the CPU
 has AVX512_BF16). ``--against REV``: also the default build of the
@@ -66,7 +66,7 @@ def main(argv):
         rd.register(build_at(FLAGS.against), "_against")
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
-    p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu"))
+    p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_activations="int8", attention="cpu"))
     width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}
 
     def kernel(x, w, n, suffix):

@@ -44,7 +44,7 @@ def define_flags() -> None:
     flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
     flags.DEFINE_integer("new_tokens", 96, "Tokens decoded under the profiler (after a warm-up run).")
     flags.DEFINE_integer("batch", 1, "Rows decoding together (each the same prompt).")
-    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"], "The rows kernel's activations "
+    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8", "bfloat16"], "The rows kernel's activations "
                       "(--rows_activations of the launch scripts).")
     flags.DEFINE_string("prompt", "Write a long story about a dragon and a knight.", "The chat prompt.")
     flags.DEFINE_string("keep_hlo", None, "Copy the decode program's optimized HLO text here (to read what each op "
@@ -141,7 +141,7 @@ def main(argv):
 
     m = load_model(FLAGS.model)
     fwd = EngineSpec(model=FLAGS.model, rows_kernel_auto=True, attention_auto=True, scan_auto=True,
-                     rows_int8_auto=FLAGS.rows_activations == "int8").resolved(m).fwd
+                     rows_activations_auto="" if FLAGS.rows_activations == "float32" else FLAGS.rows_activations).resolved(m).fwd
     g = Generator(m.cfg, m.params_for(fwd), eos_ids=(), batch_buckets=(FLAGS.batch,), fwd=fwd, prefix_cache_mb=0)
     tok = m.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": FLAGS.prompt}]), add_bos=False)

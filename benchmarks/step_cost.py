@@ -51,7 +51,7 @@ flags.DEFINE_string("eagle_tree", "3x3", "--trees: the EAGLE dynamic tree's widt
 flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
                   "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
 flags.DEFINE_list("rows_activations", ["float32"], "With --launch_fwd: the rows kernel's activation modes to time "
-                  "(float32, int8), the host steps and AR of every mode in the same rotated rounds; each mode's "
+                  "(float32, int8, bfloat16), the host steps and AR of every mode in the same rotated rounds; each mode's "
                   "extra verified row (the least-squares slope of step ms over K >= 1) is printed after the table. "
                   "The draft tables use the first mode.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
@@ -78,9 +78,9 @@ def main(argv):
     cfg = m.cfg
     auto = dict(rows_kernel_auto=True, attention_auto=True, scan_auto=True)  # (the launch flags' defaults)
     modes = FLAGS.rows_activations
-    if not set(modes) <= {"float32", "int8"} or len(set(modes)) != len(modes) or (modes != ["float32"] and not FLAGS.launch_fwd):
-        raise app.UsageError("--rows_activations: distinct float32 / int8, int8 with --launch_fwd (the rows kernel)")
-    fwds = {mode: EngineSpec(model=FLAGS.model, **auto, rows_int8_auto=mode == "int8").resolved(m).fwd
+    if not set(modes) <= {"float32", "int8", "bfloat16"} or len(set(modes)) != len(modes) or (modes != ["float32"] and not FLAGS.launch_fwd):
+        raise app.UsageError("--rows_activations: distinct float32 / int8 / bfloat16, the last two with --launch_fwd (the rows kernel)")
+    fwds = {mode: EngineSpec(model=FLAGS.model, **auto, rows_activations_auto="" if mode == "float32" else mode).resolved(m).fwd
             if FLAGS.launch_fwd else ForwardOptions() for mode in modes}
     fwd = fwds[modes[0]]
     params = m.params_for(fwd)

@@ -382,7 +382,7 @@ def bench() -> int:
                           "greedy": greedy, "sampling": dataclasses.asdict(samp), "batch_size": 1, "command": COMMAND},
                "env": {"jax": jax.__version__, "device": str(jax.devices()[0]), "python": platform.python_version(),
                        "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": specbench.cpu_description(),
-                       "rows_kernel": fwd.rows_kernel, "rows_int8": fwd.rows_int8, "peer_versions": specbench.peer_versions(peer_res),
+                       "rows_kernel": fwd.rows_kernel, "rows_activations": fwd.rows_activations, "peer_versions": specbench.peer_versions(peer_res),
                        "date": datetime.datetime.now().isoformat(timespec="seconds")},
                "timing": {"wall_includes_prefill": True, "compilation_excluded": True, "warmup": warm,
                           "compile_events_during_timing": counter.count},

@@ -135,17 +135,19 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         if FLAGS.mesh and not mesh_ok:
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
-        int8, att = FLAGS.rows_activations == "int8", FLAGS.attention_impl
-        if int8 and (FLAGS.rows_kernel == 0 or att == "pallas"):
-            raise SpecjaxError("--rows_activations int8 needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
+        act, att = FLAGS.rows_activations, FLAGS.attention_impl
+        low = act != "float32"
+        if low and (FLAGS.rows_kernel == 0 or att == "pallas"):
+            raise SpecjaxError(f"--rows_activations {act} needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
                                "attention (--attention_impl auto, xla or cpu)")
         if FLAGS.scan_layers < -1:
             raise SpecjaxError(f"--scan_layers must be -1 (automatic), 0 (the per-layer list) or layers per loop "
                                f"iteration, got {FLAGS.scan_layers}")
-        kw.update(fwd=ForwardOptions(attention="cpu" if int8 and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
+        kw.update(fwd=ForwardOptions(attention="cpu" if low and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
                                      small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
-                                     scan_layers=max(FLAGS.scan_layers, 0), rows_int8=int8 and FLAGS.rows_kernel > 0),
-                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_int8_auto=int8 and FLAGS.rows_kernel < 0,
+                                     scan_layers=max(FLAGS.scan_layers, 0),
+                                     rows_activations=act if low and FLAGS.rows_kernel > 0 else "float32"),
+                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_activations_auto=act if low and FLAGS.rows_kernel < 0 else "",
                   attention_auto=att == "auto", scan_auto=FLAGS.scan_layers < 0, mesh=FLAGS.mesh,
                   shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
@@ -175,12 +177,13 @@ def define_forward_flags() -> None:
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
-    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8"],
+    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8", "bfloat16"],
                       "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with: float32 (default: the float32 "
-                      "model exactly) or int8 (each activation row rounded per group of 32, as llama.cpp does, in "
-                      "decode, verify and prefill blocks, integer dot products (AVX-512 VNNI where present), the CPU "
-                      "attention kernel in decode: faster, not the float32 model's numbers; speculation under it, "
-                      "chains and token trees, gives its plain decoding's tokens).")
+                      "model exactly), int8 (each activation row rounded per group of 32, as llama.cpp does; integer "
+                      "dot products, AVX-512 VNNI where present) or bfloat16 (each activation rounded to bfloat16; "
+                      "pairwise dot products, AVX512_BF16 where present). The last two run in decode, verify and "
+                      "prefill blocks, with the CPU attention kernel in decode: faster, not the float32 model's "
+                      "numbers; speculation under either, chains and token trees, gives its plain decoding's tokens.")
     flags.DEFINE_string("mesh", "", "Shard the engine over a DATAxMODEL mesh of this process's devices (e.g. 1x8: "
                         "tensor parallel over 8 devices; 2x4: two data-parallel halves of 4); empty = one device.")
     flags.DEFINE_bool("shard_draft", False, "With --mesh: shard an independent draft model like the target "

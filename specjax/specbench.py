@@ -365,13 +365,15 @@ def peers_headline(fwd, envs: dict) -> str:
     ({summary key: the peer's env}): which bytes each reads per step, its arithmetic, its threads,
     the machine."""
     cpu = cpu_description()
-    arith = ("activations rounded to int8 per group of 32, as llama.cpp does, integer products; attention through "
-             "specjax's CPU kernel" if fwd.rows_int8
-             else "float32 arithmetic on them")
-    span = "every decode and verify block" if fwd.rows_int8 else f"decode and verify blocks of up to {fwd.rows_kernel} rows"
-    rest = "prefill reads" if fwd.rows_int8 else "longer blocks, prefill, read"
+    arith = {"int8": "activations rounded to int8 per group of 32, as llama.cpp does, integer products; attention "
+                     "through specjax's CPU kernel",
+             "bfloat16": "activations rounded to bfloat16, products summed in float32; attention through specjax's "
+                         "CPU kernel"}.get(fwd.rows_activations, "float32 arithmetic on them")
+    span = "every decode and verify block" if fwd.rows_low else f"decode and verify blocks of up to {fwd.rows_kernel} rows"
+    rest = ("prefill chunks run the same kernel, with XLA's attention" if fwd.rows_low
+            else "longer blocks, prefill, read float32 copies through XLA's dot")
     reads = [(f"specjax reads the GGUF's quantized blocks (Q4_1/Q8_0) through its CPU rows kernel in {span} ({arith}; "
-              f"{rest} float32 copies through XLA's dot)") if fwd.rows_kernel else
+              f"{rest})") if fwd.rows_kernel else
              "specjax reads float32 copies of the weights through XLA's dot (rows kernel off)"]
     threads = [f"specjax: XLA:CPU's thread pool on all {os.cpu_count()} cores"]
     if "llamacpp" in envs:

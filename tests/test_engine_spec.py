@@ -55,11 +55,11 @@ def test_the_code_key_follows_what_is_compiled():
     run = spec.resolved(Model())
     assert run.fwd.rows_kernel == 32 and "rows_kernel=32" in run.code_key() and "int8" not in run.code_key()
     # --rows_activations int8 with --rows_kernel -1: int8 activations (and the CPU attention) if the kernel resolves on
-    run8 = dataclasses.replace(spec, rows_int8_auto=True).resolved(Model())  # (with a drafter: speculation is lossless)
-    assert run8.fwd.rows_int8 and "rows_int8=1" in run8.code_key() and "attention=cpu" in run8.code_key()
-    trees8 = dataclasses.replace(spec, drafter=DrafterSpec("suffix", k=8), rows_int8_auto=True)  # token trees too
-    assert trees8.resolved(Model()).fwd.rows_int8
-    assert not EngineSpec(rows_int8_auto=True).resolved(Model()).fwd.rows_int8  # rows kernel 0: float32
+    run8 = dataclasses.replace(spec, rows_activations_auto="int8").resolved(Model())  # (with a drafter: speculation is lossless)
+    assert run8.fwd.rows_activations == "int8" and "rows_activations=int8" in run8.code_key() and "attention=cpu" in run8.code_key()
+    trees8 = dataclasses.replace(spec, drafter=DrafterSpec("suffix", k=8), rows_activations_auto="bfloat16")  # token trees too
+    assert trees8.resolved(Model()).fwd.rows_activations == "bfloat16"
+    assert EngineSpec(rows_activations_auto="int8").resolved(Model()).fwd.rows_activations == "float32"  # rows kernel 0: float32
     assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
     # the launch defaults (--attention_impl auto, --scan_layers -1): the CPU attention and the layers as a loop of
     # DEFAULT_SCAN_UNROLL where the rows kernel runs; XLA's attention and the per-layer list where it does not

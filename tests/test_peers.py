@@ -113,5 +113,5 @@ def test_fake_peers_through_run_peer_into_tables(tmp_path, monkeypatch):
                   "n_threads = n_threads_batch = 2", "torch.set_num_threads(2)", "Machine: "):
         assert words in head
     assert "rows kernel off" in specbench.peers_headline(ForwardOptions(), {})
-    int8 = specbench.peers_headline(ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu"), {})
+    int8 = specbench.peers_headline(ForwardOptions(rows_kernel=32, rows_activations="int8", attention="cpu"), {})
     assert "every decode and verify block" in int8 and "rounded to int8" in int8

@@ -3,7 +3,7 @@ ragged shapes, a row's result independent of how many rows share the call, and, 
 engine, the same greedy tokens from speculation as from plain decoding through it. GGUF Q4_1 /
 Q8_0 weights kept in their blocks stand for exactly the loader's float32 weights, and the
 portable build computes bit for bit what the vectorized (AVX-512 or AVX2) one does. With int8
-activations (rows_int8) the kernel computes its numpy reference's model, rows still independent,
+activations (rows_activations int8 / bfloat16) the kernel computes its numpy reference's model, rows still independent,
 and speculation through it gives plain decoding's tokens."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
     assert packs["f32"][0].shape == (10, K, 16)
     x = jnp.asarray(rng.standard_normal((40, K)), jnp.float32)
     f = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N))
-    f8 = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N, int8=True))
+    f8 = jax.jit(lambda x, wp: rd.rows_dot(x, wp, N, activations="int8"))
     for fmt, (wp, w) in packs.items():
         assert rd.packed_format(wp) == fmt.split()[0] and rd.paired(wp) == fmt.endswith("pairs")
         np.testing.assert_array_equal(rd.dequantize_packed(wp, N), w)
@@ -80,13 +80,13 @@ def test_rows_kernel_matches_xla_and_rows_are_independent():
                     np.testing.assert_array_equal(got[i:i + 1], np.asarray(f(x[i:i + 1], wp)), err_msg=f"{fmt} row {i}")
     # a stack of one pack per layer, read at a run-time layer index (a scan's counter), in place
     other = _random_packs(rng, K, N)
-    fl = jax.jit(lambda x, wp, i, int8: rd.rows_dot(x, wp, N, int8=int8, layer=i), static_argnums=3)
+    fl = jax.jit(lambda x, wp, i, act: rd.rows_dot(x, wp, N, activations=act, layer=i), static_argnums=3)
     for fmt in packs:
-        int8 = fmt.endswith("pairs")
+        int8 = "int8" if fmt.endswith("pairs") else "float32"
         stack = rd.stack_packs([packs[fmt][0], other[fmt][0]])
         for i, wp in enumerate((packs[fmt][0], other[fmt][0])):
             np.testing.assert_array_equal(np.asarray(fl(x[:5], stack, jnp.int32(i), int8)),
-                                          np.asarray(rd.rows_dot(x[:5], wp, N, int8=int8)), err_msg=fmt)
+                                          np.asarray(rd.rows_dot(x[:5], wp, N, activations=int8)), err_msg=fmt)
         with pytest.raises(Exception, match="layer index outside"):
             np.asarray(fl(x[:5], stack, jnp.int32(2), int8))
     wp = packs["f32"][0]
@@ -209,8 +209,8 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     # prefill with XLA's attention
     from specjax.reference_ar import reference_generate
 
-    i8 = ForwardOptions(rows_kernel=2, rows_int8=True, attention="cpu")
-    assert i8.kernel_rows(10_000) and i8.for_prefill().rows_int8 and i8.for_prefill().attention == "xla"
+    i8 = ForwardOptions(rows_kernel=2, rows_activations="int8", attention="cpu")
+    assert i8.kernel_rows(10_000) and i8.for_prefill().rows_activations == "int8" and i8.for_prefill().attention == "xla"
     p8 = m.params_for(i8)  # the codes in pairs
     assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8[llama.LAYER_PACKS]["wq"])
     ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
@@ -220,10 +220,12 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4),
                                           fwd=dataclasses.replace(i8, scan_layers=True))
     assert [r.tokens for r in spec8.generate(prompts, max_new_tokens=10, num_spec_tokens=4)] == ar8
-    with pytest.raises(SpecjaxError, match="rows_int8 needs the CPU rows kernel"):
-        ForwardOptions(rows_int8=True, attention="cpu")
-    with pytest.raises(SpecjaxError, match="rows_int8 needs attention 'cpu'"):
-        ForwardOptions(rows_kernel=32, rows_int8=True)
+    with pytest.raises(SpecjaxError, match="rows_activations int8 needs the CPU rows kernel"):
+        ForwardOptions(rows_activations="int8", attention="cpu")
+    with pytest.raises(SpecjaxError, match="rows_activations bfloat16 needs attention 'cpu'"):
+        ForwardOptions(rows_kernel=32, rows_activations="bfloat16")
+    with pytest.raises(SpecjaxError, match="rows_activations must be one of"):
+        ForwardOptions(rows_kernel=32, rows_activations="fp8", attention="cpu")
     # a prefill chunk's int8 forward: the float32 model's logits within int8 rounding (a prompt
     # of 12 tokens in one chunk against XLA's float32 forward; relative error of the logits)
     toks = jnp.asarray(np.arange(3, 15)[None] % m.cfg.vocab_size, jnp.int32)
@@ -470,7 +472,8 @@ def test_a_token_gets_the_same_logits_bits_in_one_token_steps_as_in_a_verify_blo
 
     run = jax.jit(run, static_argnames=("fwd", "use_prefix"))
     for fwd in (ForwardOptions(rows_kernel=32, attention="cpu"),
-                ForwardOptions(rows_kernel=32, attention="cpu", rows_int8=True), ForwardOptions(rows_kernel=32)):
+                ForwardOptions(rows_kernel=32, attention="cpu", rows_activations="int8"),
+                ForwardOptions(rows_kernel=32, attention="cpu", rows_activations="bfloat16"), ForwardOptions(rows_kernel=32)):
         p = m.params_for(fwd)
         _, cache = run(p, prompt, jnp.arange(P)[None], llama.causal_mask(1, P), llama.init_cache_for(m.cfg, 1, 64),
                        fwd.for_prefill(), use_prefix=False)
@@ -540,7 +543,7 @@ def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decod
             return 8 if self.i % 2 else 0
 
     m = _wide_heads_gguf(tmp_path)
-    i8 = ForwardOptions(rows_kernel=32, rows_int8=True, attention="cpu")
+    i8 = ForwardOptions(rows_kernel=32, rows_activations="int8", attention="cpu")
     p8 = m.params_for(i8)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, m.cfg.vocab_size, 9).tolist() * 4 for _ in range(3)]

@@ -162,8 +162,8 @@ class EngineSpec:
     records, serve_job's slot classes); prefill_chunk: prompt chunks;
     prefix_cache_mb: the prefix store's budget (engine.prefix_store; 0: off).
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
-    where the model's weights suit it", ``rows_int8_auto`` "int8 activations (rows_int8, with
-    the CPU attention they need) if the rows kernel runs", ``attention_auto`` "the CPU attention
+    where the model's weights suit it", ``rows_activations_auto`` "these activations (int8 or
+    bfloat16: fwd.rows_activations, with the CPU attention they need) if the rows kernel runs", ``attention_auto`` "the CPU attention
     if the rows kernel runs, else XLA's" and ``scan_auto`` "the layers as a loop of
     ``DEFAULT_SCAN_UNROLL`` per iteration if the rows kernel runs with the CPU attention, else
     the per-layer list", resolved once the model is loaded (``resolved``).
@@ -180,7 +180,7 @@ class EngineSpec:
     prefix_cache_mb: float = 1024  # (buckets.DEFAULT_PREFIX_CACHE_MB)
     fwd: ForwardOptions = ForwardOptions()
     rows_kernel_auto: bool = False
-    rows_int8_auto: bool = False
+    rows_activations_auto: str = ""
     attention_auto: bool = False
     scan_auto: bool = False
     policy: PolicySpec = PolicySpec()
@@ -255,25 +255,25 @@ class EngineSpec:
         return entry(self.drafter.name).draft_ahead
 
     def resolved(self, model) -> "EngineSpec":
-        """This spec with its automatic settings (``--rows_kernel -1``, ``--rows_activations int8``,
+        """This spec with its automatic settings (``--rows_kernel -1``, ``--rows_activations int8|bfloat16``,
         ``--attention_impl auto``, ``--scan_layers -1``) resolved for ``model`` (a LoadedModel): what runs."""
         if not self.auto:
             return self
         f = self.fwd
         rows = model.auto_rows_kernel() if self.rows_kernel_auto else f.rows_kernel
-        int8 = f.rows_int8 or bool(self.rows_int8_auto and rows)
+        act = self.rows_activations_auto if self.rows_activations_auto and rows else f.rows_activations
         # On the rows kernel the CPU attention decodes faster than XLA's (which, in a loop over the
         # layers, copies the cache), and the loop compiles in a fifth of the list's time (BENCHMARKS.md)
-        attention = "cpu" if int8 or (self.attention_auto and rows) else f.attention
+        attention = "cpu" if act != "float32" or (self.attention_auto and rows) else f.attention
         scan = (DEFAULT_SCAN_UNROLL if rows and attention == "cpu" else 0) if self.scan_auto else f.scan_layers
-        fwd = dataclasses.replace(f, rows_kernel=rows, rows_int8=int8, attention=attention, scan_layers=scan)
-        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_int8_auto=False, attention_auto=False,
+        fwd = dataclasses.replace(f, rows_kernel=rows, rows_activations=act, attention=attention, scan_layers=scan)
+        return dataclasses.replace(self, fwd=fwd, rows_kernel_auto=False, rows_activations_auto="", attention_auto=False,
                                    scan_auto=False)
 
     @property
     def auto(self) -> bool:
         """Whether a setting waits for the model (``resolved``)."""
-        return self.rows_kernel_auto or self.rows_int8_auto or self.attention_auto or self.scan_auto
+        return self.rows_kernel_auto or bool(self.rows_activations_auto) or self.attention_auto or self.scan_auto
 
     def code_key(self) -> str:
         """What of this spec changes the compiled code a step runs (the performance model of
@@ -282,7 +282,7 @@ class EngineSpec:
         require(not self.auto, "code_key needs a resolved spec (EngineSpec.resolved(model))")
         f = self.fwd
         fields = dict(dtype=self.dtype, attention=f.attention, attn_chunk=f.attn_chunk, small_rows=f.small_rows,
-                      rows_kernel=f.rows_kernel, **({"rows_int8": 1} if f.rows_int8 else {}), scan_layers=int(f.scan_layers), rope_once=int(f.rope_barrier()),
+                      rows_kernel=f.rows_kernel, **({"rows_activations": f.rows_activations} if f.rows_low else {}), scan_layers=int(f.scan_layers), rope_once=int(f.rope_barrier()),
                       mesh=self.mesh or "1x1")
         if self.mesh and self.shard_draft and self.device_draft:
             fields["shard_draft"] = 1

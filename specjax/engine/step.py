@@ -251,7 +251,7 @@ def spec_prefill(params, dparams, tokens, n_valid, samp: SamplingArrays, state: 
         state = fresh_state(params, dparams, tokens.shape[0], key)
     B, C = tokens.shape
     pos = state.cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    # (float32 activations under rows_int8: a prompt token's values do not depend on its chunk)
+    # (float32 activations under int8 / bfloat16 rows: a prompt token's values do not depend on its chunk)
     logits, cache, *feats = llama.forward(params, tokens, pos, state.cache, llama.causal_mask(B, C), cfg=key.cfg,
                                           use_prefix=not first, logits_at=_last(n_valid), fwd=key.fwd.for_prefill(),
                                           layout=key.layout, features=key.features)

@@ -220,7 +220,7 @@ def dense(x: jax.Array, w: jax.Array | None, fwd: ForwardOptions = ForwardOption
     """``x @ w`` for x [..., K], w [K, N], in the form ``fwd`` picks for the row count: the CPU
     rows kernel on ``packed`` (pack_for_rows; with ``layer``, layer ``layer`` of a stack; ``n``
     the output columns, and then ``w`` may be None) up to ``fwd.rows_kernel`` rows (every row
-    count with ``fwd.rows_int8``), per-row matvecs from 2 to ``fwd.small_rows``, else XLA's dot."""
+    count with a low-precision ``fwd.rows_activations``), per-row matvecs from 2 to ``fwd.small_rows``, else XLA's dot."""
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     if fwd.kernel_rows(rows):
@@ -228,7 +228,7 @@ def dense(x: jax.Array, w: jax.Array | None, fwd: ForwardOptions = ForwardOption
             raise ValueError("ForwardOptions.rows_kernel needs params from llama.pack_for_rows")
         from specjax.models.cpu import rows_dot
 
-        return rows_dot.rows_dot(x, packed, w.shape[-1] if n is None else n, int8=fwd.rows_int8, layer=layer)
+        return rows_dot.rows_dot(x, packed, w.shape[-1] if n is None else n, activations=fwd.rows_activations, layer=layer)
     if 1 < rows <= fwd.small_rows:
         return _rowwise_matvec(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[-1])
     return x @ w

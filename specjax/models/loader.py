@@ -33,7 +33,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     load_seconds: float = 0.0
     native_packs: Callable[[bool], dict] | None = None
-    _packed: dict = field(default_factory=dict, repr=False)  # rows_int8 -> packed params
+    _packed: dict = field(default_factory=dict, repr=False)  # paired layout (fwd.rows_low) -> packed params
     _stacked: dict | None = field(default=None, repr=False)
 
     def auto_rows_kernel(self) -> int:
@@ -63,10 +63,10 @@ class LoadedModel:
             return self._stacked
         if not fwd.rows_kernel:
             return self.params
-        if fwd.rows_int8 not in self._packed:  # (int8 activations read the GGUF codes in pairs: another layout)
-            native = self.native_packs(fwd.rows_int8) if self.native_packs else None
-            self._packed[fwd.rows_int8] = llama.pack_for_rows(self.params, self.cfg, native)
-        return self._packed[fwd.rows_int8]
+        if fwd.rows_low not in self._packed:  # (int8 / bfloat16 activations read the GGUF codes in pairs)
+            native = self.native_packs(fwd.rows_low) if self.native_packs else None
+            self._packed[fwd.rows_low] = llama.pack_for_rows(self.params, self.cfg, native)
+        return self._packed[fwd.rows_low]
 
 
 def parse_dtype(name: str):

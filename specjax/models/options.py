@@ -16,6 +16,9 @@ from specjax.errors import require
 DEFAULT_SCAN_UNROLL = 5
 
 
+ROWS_ACTIVATIONS = ("float32", "int8", "bfloat16")  # ForwardOptions.rows_activations (rows_dot.ACTIVATIONS)
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
     """attention: "xla" (plain XLA; the library default), "pallas" (the tree-attention kernel for
@@ -34,14 +37,17 @@ class ForwardOptions:
     llama.pack_for_rows, which LoadedModel.params_for applies with a GGUF's Q4_1/Q8_0 weights
     kept in their blocks); 0 = XLA's dot. Launch scripts pick it with
     LoadedModel.auto_rows_kernel unless --rows_kernel says.
-    rows_int8: with the rows kernel, decode and verify blocks round each activation row to int8
+    rows_activations: what the rows kernel multiplies the GGUF weights with. "float32": the
+    float32 model exactly. "int8": decode and verify blocks round each activation row to int8
     per group of 32 before the GGUF weights multiply it (as llama.cpp does; rows_dot.quantize_rows),
-    so the weights meet integer codes (1.15-1.5x less time a step on an AVX2 CPU, BENCHMARKS.md)
-    and the model is no longer the float32 one: outputs may differ from rows_int8=False, while
+    so the weights meet integer codes (1.15-1.5x less time a step on an AVX2 CPU, BENCHMARKS.md).
+    "bfloat16": each activation rounded to bfloat16, the weights' codes multiplied in pairs
+    (vdpbf16ps on AVX512_BF16; rows_dot.rows_dot_bf16_reference). Under either the model is no
+    longer the float32 one (the "low precision" modes): outputs may differ from float32, while
     each row's result still does not depend on the rows beside it, so speculation stays lossless
     against AR with the same options. Every decode and verify block then runs on the kernel
     whatever its row count (a block on XLA's float32 dot would compute the other model), and
-    so do prefill chunks (``for_prefill``: the int8 model from the first token, at the integer
+    so do prefill chunks (``for_prefill``: the same model from the first token, at the low-precision
     dot products' speed; a prompt token is computed the same way whichever chunk or batch it is
     prefilled in, each row's projections being independent of the rows beside it). Float32 packs (weights not stored as
     Q4_1/Q8_0) keep float32 activations. The GGUF packs are then in another layout
@@ -51,8 +57,8 @@ class ForwardOptions:
     which XLA's attention (prefix and block summed apart) does not (9 of 26 Spec-Bench outputs
     differed from AR with it). With the CPU attention, the shape-independent RoPE tables
     (llama.rope_tables) and the RMS norms' fixed-order sums (``exact_blocks``) it does for any
-    chain or token-tree block, float32 or int8 (tests/test_rows_dot.py), so speculation under
-    int8 gives int8 plain decoding's tokens.
+    chain or token-tree block, in every mode (tests/test_rows_dot.py), so speculation under
+    int8 or bfloat16 gives that mode's plain decoding's tokens.
     rope_once: compute the RoPE cos/sin tables once per forward behind a conditional, which
     XLA:CPU cannot fuse into (so re-evaluate in) every layer's rotation (llama.rope_tables;
     1 ms of a 9-row verify step on SmolLM2 at 1k context); None (default): on where jax's
@@ -73,14 +79,14 @@ class ForwardOptions:
     The launch scripts' defaults (EngineSpec's automatic settings) run the CPU attention and
     ``DEFAULT_SCAN_UNROLL`` layers per iteration wherever the rows kernel runs.
     prefill: these options run a prefill chunk (``for_prefill``): XLA's attention, which is
-    allowed beside rows_int8 here (a prompt is prefilled the same way for plain decoding and for
+    allowed beside a low-precision mode here (a prompt is prefilled the same way for plain decoding and for
     speculation, so only decode and verify blocks need the CPU attention's equal bits)."""
 
     attention: str = "xla"
     attn_chunk: int = 256
     small_rows: int = 0
     rows_kernel: int = 0
-    rows_int8: bool = False
+    rows_activations: str = "float32"
     rope_once: bool | None = None
     scan_layers: int = 0
     prefill: bool = False
@@ -92,16 +98,19 @@ class ForwardOptions:
         require(self.small_rows >= 0, f"small_rows must be >= 0, got {self.small_rows}")
         require(self.rows_kernel >= 0, f"rows_kernel must be >= 0, got {self.rows_kernel}")
         require(self.scan_layers >= 0, f"scan_layers must be >= 0 (0: the per-layer list), got {self.scan_layers}")
-        require(not self.rows_int8 or self.rows_kernel, "rows_int8 needs the CPU rows kernel (rows_kernel > 0)")
-        require(not self.rows_int8 or self.attention == "cpu" or self.prefill,
-                "rows_int8 needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
-                "cache and block; XLA's do, by rounding, and int8 rounding turns that into other tokens)")
+        require(self.rows_activations in ROWS_ACTIVATIONS, f"rows_activations must be one of "
+                f"{', '.join(ROWS_ACTIVATIONS)}, got {self.rows_activations!r}")
+        low = self.rows_activations
+        require(not self.rows_low or self.rows_kernel, f"rows_activations {low} needs the CPU rows kernel (rows_kernel > 0)")
+        require(not self.rows_low or self.attention == "cpu" or self.prefill,
+                f"rows_activations {low} needs attention 'cpu' (its outputs do not depend on how a token's keys are split between "
+                "cache and block; XLA's do, by rounding, and its rounding turns that into other tokens)")
         require(not (self.scan_layers and self.attention == "pallas"),
                 "scan_layers needs attention 'xla' (the Pallas kernel takes its cache layer as a static index)")
 
     def for_prefill(self) -> "ForwardOptions":
         """The options a prefill chunk runs with: XLA's attention for "cpu" (the kernel is for
-        decode and verify blocks); under ``rows_int8`` the int8 kernel for every chunk, as for
+        decode and verify blocks); under a low-precision ``rows_activations`` that kernel for every chunk, as for
         every decode block (its integer dot products multiply 2-4x faster than XLA's float32 dot
         on an AVX-512 VNNI CPU: benchmarks/rows_builds.py --per_weight --rows 128,512)."""
         return dataclasses.replace(self, attention="xla", prefill=True) if self.attention == "cpu" else self
@@ -120,7 +129,13 @@ class ForwardOptions:
 
     def kernel_rows(self, rows: int) -> bool:
         """Whether a block of ``rows`` activation rows runs on the rows kernel."""
-        return self.rows_int8 or rows <= self.rows_kernel
+        return self.rows_low or rows <= self.rows_kernel
+
+    @property
+    def rows_low(self) -> bool:
+        """Whether the rows kernel rounds activations (int8 or bfloat16): every block then runs on
+        it, and the GGUF packs are in the paired layout (rows_dot.pack_q4_1's ``pairs``)."""
+        return self.rows_activations != "float32"
 
     def rope_barrier(self) -> bool:
         """Whether forward computes the RoPE tables behind a conditional (``rope_once``, resolved)."""

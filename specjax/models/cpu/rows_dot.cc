@@ -6,7 +6,7 @@
 //         k = kk in its low nibble and k = kk + 16 in its high one, for 16 columns), scales
 //         [N/16, K/32, 2, 16] float16 (d, then m);
 //   q8_0: GGUF Q8_0 (w = q * d, q int8): codes [N/16, K/32, 32, 16] int8, scales [N/16, K/32, 16].
-// The int8-activation path (rows_int8, below) reads the GGUF codes in a paired layout: rows k and
+// The int8-activation path (rows_activations int8 / bfloat16, below) reads the GGUF codes in a paired layout: rows k and
 // k + 1 of a block interleaved per column, codes [N/16, K/32, 8 | 16, 32] (q4_1 | q8_0).
 //
 // A decode step and a verify step are bound by reading the weights. XLA:CPU's dot streams them
@@ -612,7 +612,7 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
   }
 }
 
-// ---------------------------------------------------------------- int8 activations (rows_int8)
+// ---------------------------------------------------------------- int8 activations (rows_activations int8)
 // The GGUF formats with each activation row rounded to int8 per group of 32 k first, as llama.cpp
 // rounds its activations: dx = amax / 127 and xq = x * 127 / amax to nearest (ties to even), so
 // the weights multiply integer codes. The model this computes is the dot product of the rounded

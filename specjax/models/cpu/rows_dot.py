@@ -317,9 +317,9 @@ def layer_of(wp, layer: int):
     return {k: v[layer] for k, v in wp.items()} if isinstance(wp, dict) else wp[layer]
 
 
-def rows_dot(x: jax.Array, wp, n: int, int8: bool = False, layer=None, activations: str | None = None) -> jax.Array:
+def rows_dot(x: jax.Array, wp, n: int, activations: str = "float32", layer=None) -> jax.Array:
     """``x @ w`` for x [..., K] float32 and ``wp`` a packed w [K, n] (``pack``, ``pack_q4_1`` or
-    ``pack_q8_0``), through the kernel. ``activations`` (``int8=True``: "int8"): how a GGUF
+    ``pack_q8_0``), through the kernel. ``activations``: how a GGUF
     weight (q4_1 / q8_0) multiplies the rows of x: "float32" as they are; "int8" each row rounded
     to int8 per group of 32 (``quantize_rows``; the model ``rows_dot_int8_reference`` defines);
     "bfloat16" each value rounded to bfloat16 (``rows_dot_bf16_reference``); the last two read packs
@@ -327,7 +327,7 @@ def rows_dot(x: jax.Array, wp, n: int, int8: bool = False, layer=None, activatio
     stack of one pack per layer (``stack_packs``) and this (an int or a traced int32 scalar)
     picks one; the kernel reads it in place, so a scan over layers slices no weights."""
     _traced()
-    act = activations or ("int8" if int8 else "float32")
+    act = activations
     if act not in ACTIVATIONS:
         raise SpecjaxError(f"unknown rows activations {act!r} (expected one of {', '.join(ACTIVATIONS)})")
     fmt = packed_format(wp)
@@ -357,7 +357,7 @@ def quantize_rows(x: np.ndarray):
 
 
 def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
-    """What ``rows_dot(x, wp, n, int8=True)`` computes for a q4_1 / q8_0 pack (numpy): the dot
+    """What ``rows_dot(x, wp, n, activations="int8")`` computes for a q4_1 / q8_0 pack (numpy): the dot
     product of the rounded rows (``quantize_rows``) with the weights, per group an exact integer
     sum S = sum xq * q, added over groups in order as (d * dx) * S (+ m * dx * sum xq for q4_1).
     float64 stands in for the kernel's fused multiply-adds, so it agrees to rounding, not bits."""
