@@ -136,18 +136,21 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
         act, att = FLAGS.rows_activations, FLAGS.attention_impl
+        if act == "auto" and att not in ("auto", "cpu"):
+            act = "float32"  # (low precision needs the CPU attention: an explicit other one keeps float32)
         low = act != "float32"
-        if low and (FLAGS.rows_kernel == 0 or att == "pallas"):
+        if low and act != "auto" and (FLAGS.rows_kernel == 0 or att == "pallas"):
             raise SpecjaxError(f"--rows_activations {act} needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
                                "attention (--attention_impl auto, xla or cpu)")
         if FLAGS.scan_layers < -1:
             raise SpecjaxError(f"--scan_layers must be -1 (automatic), 0 (the per-layer list) or layers per loop "
                                f"iteration, got {FLAGS.scan_layers}")
-        kw.update(fwd=ForwardOptions(attention="cpu" if low and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
+        kw.update(fwd=ForwardOptions(attention="cpu" if low and act != "auto" and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
                                      small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
                                      scan_layers=max(FLAGS.scan_layers, 0),
-                                     rows_activations=act if low and FLAGS.rows_kernel > 0 else "float32"),
-                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_activations_auto=act if low and FLAGS.rows_kernel < 0 else "",
+                                     rows_activations=act if low and act != "auto" and FLAGS.rows_kernel > 0 else "float32"),
+                  rows_kernel_auto=FLAGS.rows_kernel < 0,
+                  rows_activations_auto=act if low and (act == "auto" or FLAGS.rows_kernel < 0) else "",
                   attention_auto=att == "auto", scan_auto=FLAGS.scan_layers < 0, mesh=FLAGS.mesh,
                   shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
@@ -177,9 +180,9 @@ def define_forward_flags() -> None:
                          "others as float32 copies; built with g++ on first use; see benchmarks/dot_paths.py "
                          "--rows_kernels). 0 = XLA's dot; -1 (default) = 32 where the model's weights are in "
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
-    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8", "bfloat16"],
-                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with: float32 (default: the float32 "
-                      "model exactly), int8 (each activation row rounded per group of 32, as llama.cpp does; integer "
+    flags.DEFINE_enum("rows_activations", "auto", ["auto", "float32", "int8", "bfloat16"],
+                      "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with: auto (default: bfloat16 where "
+                      "the CPU has AVX512_BF16, else float32), float32 (the float32 model exactly), int8 (each activation row rounded per group of 32, as llama.cpp does; integer "
                       "dot products, AVX-512 VNNI where present) or bfloat16 (each activation rounded to bfloat16; "
                       "pairwise dot products, AVX512_BF16 where present). The last two run in decode, verify and "
                       "prefill blocks, with the CPU attention kernel in decode: faster, not the float32 model's "

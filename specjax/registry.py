@@ -224,7 +224,7 @@ def profile_command(spec) -> str:
     args = [f"--model {spec.model}", f"--drafters {d.name if dev else TARGET_ONLY}", f"--dtype {spec.dtype}",
             f"--rows_kernel {f.rows_kernel}", f"--attention_impl {f.attention}"]
     args += [f"--small_rows {f.small_rows}"] * bool(f.small_rows) + [f"--scan_layers {int(f.scan_layers)}"]
-    args += [f"--rows_activations {f.rows_activations}"] * f.rows_low
+    args += [f"--rows_activations {f.rows_activations}"]
     default = DrafterSpec(name=d.name)
     for knob in sorted(entry(d.name).reads) if dev else ():
         v = getattr(d, knob)

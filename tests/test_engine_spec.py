@@ -60,6 +60,18 @@ def test_the_code_key_follows_what_is_compiled():
     trees8 = dataclasses.replace(spec, drafter=DrafterSpec("suffix", k=8), rows_activations_auto="bfloat16")  # token trees too
     assert trees8.resolved(Model()).fwd.rows_activations == "bfloat16"
     assert EngineSpec(rows_activations_auto="int8").resolved(Model()).fwd.rows_activations == "float32"  # rows kernel 0: float32
+    # --rows_activations auto (the default): bfloat16 where the CPU multiplies it natively and the kernel reads GGUF
+    # blocks, else float32
+    from specjax.models.cpu import rows_dot
+
+    class Gguf(Model):
+        native_packs = object()
+
+    for native, model, want in ((True, Gguf(), "bfloat16"), (False, Gguf(), "float32"), (True, Model(), "float32")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rows_dot, "native_bf16", lambda native=native: native)
+            got = dataclasses.replace(spec, rows_activations_auto="auto").resolved(model).fwd
+        assert got.rows_activations == want and (want == "float32" or got.attention == "cpu"), (native, want)
     assert EngineSpec(mesh="1x2", rows_kernel_auto=True).rows_kernel_auto is False  # never the kernel on a mesh
     # the launch defaults (--attention_impl auto, --scan_layers -1): the CPU attention and the layers as a loop of
     # DEFAULT_SCAN_UNROLL where the rows kernel runs; XLA's attention and the per-layer list where it does not

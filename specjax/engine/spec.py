@@ -163,7 +163,9 @@ class EngineSpec:
     prefix_cache_mb: the prefix store's budget (engine.prefix_store; 0: off).
     fwd: the compiled forward's settings, with ``rows_kernel_auto`` meaning "the rows kernel
     where the model's weights suit it", ``rows_activations_auto`` "these activations (int8 or
-    bfloat16: fwd.rows_activations, with the CPU attention they need) if the rows kernel runs", ``attention_auto`` "the CPU attention
+    bfloat16: fwd.rows_activations, with the CPU attention they need) if the rows kernel runs",
+    "auto" meaning bfloat16 where the CPU multiplies it natively and the kernel reads the model's
+    GGUF blocks (rows_dot.native_bf16), else float32, ``attention_auto`` "the CPU attention
     if the rows kernel runs, else XLA's" and ``scan_auto`` "the layers as a loop of
     ``DEFAULT_SCAN_UNROLL`` per iteration if the rows kernel runs with the CPU attention, else
     the per-layer list", resolved once the model is loaded (``resolved``).
@@ -261,7 +263,13 @@ class EngineSpec:
             return self
         f = self.fwd
         rows = model.auto_rows_kernel() if self.rows_kernel_auto else f.rows_kernel
-        act = self.rows_activations_auto if self.rows_activations_auto and rows else f.rows_activations
+        act = self.rows_activations_auto if rows else ""
+        if act == "auto":  # (the launch scripts' default: BENCHMARKS.md, "Arithmetic")
+            from specjax.models.cpu import rows_dot
+
+            native = getattr(model, "native_packs", None) is not None
+            act = "bfloat16" if native and rows_dot.native_bf16() else "float32"
+        act = act or f.rows_activations
         # On the rows kernel the CPU attention decodes faster than XLA's (which, in a loop over the
         # layers, copies the cache), and the loop compiles in a fifth of the list's time (BENCHMARKS.md)
         attention = "cpu" if act != "float32" or (self.attention_auto and rows) else f.attention

@@ -176,6 +176,14 @@ def simd_class() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs natively (AVX512_BF16 with AVX512BW): the rows
+    kernel's bfloat16 activations run ``vdpbf16ps`` here; elsewhere they are scalar code (the
+    same bits, slowly), so the launch scripts' ``--rows_activations auto`` picks them only here."""
+    flags = set(_cpu_flags().split())
+    return {"avx512_bf16", "avx512bw"} <= flags
+
+
 def vectorized() -> bool:
     """Whether this CPU runs one of the kernel's vector paths: AVX-512, or AVX2 with FMA and F16C
     (each 16-column block as two 8-lane halves). Elsewhere it runs portable loops, which give the
