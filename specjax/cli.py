@@ -107,6 +107,26 @@ def drafter_spec_from_flags(name: str, k: int):
     return DrafterSpec(name=name, k=k, **{f: FLAGS[f].value for f in registry.DRAFTERS[name].reads})
 
 
+def rows_activation_settings(act: str, attention: str, rows_kernel: int) -> tuple[str, str, str]:
+    """(ForwardOptions.rows_activations, EngineSpec.rows_activations_auto, ForwardOptions.attention)
+    for ``--rows_activations`` / ``--attention_impl`` / ``--rows_kernel``. A rounding mode (int8,
+    bfloat16) needs the rows kernel and the CPU attention: set now where the kernel is (> 0), left
+    to EngineSpec.resolved where it is automatic (-1); ``auto`` is always left to it, and an
+    explicit XLA or Pallas attention turns it into float32. SpecjaxError for a rounding mode named
+    without the kernel or beside the Pallas attention."""
+    from specjax.errors import SpecjaxError
+
+    if act == "auto" and attention not in ("auto", "cpu"):
+        act = "float32"
+    rounding = act in ("int8", "bfloat16")
+    if rounding and (rows_kernel == 0 or attention == "pallas"):
+        raise SpecjaxError(f"--rows_activations {act} needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
+                           "attention (--attention_impl auto, xla or cpu)")
+    now = rounding and rows_kernel > 0
+    auto = act if act == "auto" or (rounding and rows_kernel < 0) else ""
+    return (act if now else "float32", auto, "cpu" if now else "xla" if attention == "auto" else attention)
+
+
 def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None, mesh_ok: bool = False):
     """The EngineSpec the flags describe (unresolved: ``--rows_kernel -1`` is resolved with the
     loaded model, EngineSpec.resolved). ``drafter`` / ``policy``: one entry of a script's lists
@@ -135,23 +155,14 @@ def engine_spec_from_flags(drafter: str | None = None, policy: str | None = None
         if FLAGS.mesh and not mesh_ok:
             raise SpecjaxError("--mesh is served by launch/batch.py (the sharded engine); this script runs on one "
                                "device")
-        act, att = FLAGS.rows_activations, FLAGS.attention_impl
-        if act == "auto" and att not in ("auto", "cpu"):
-            act = "float32"  # (low precision needs the CPU attention: an explicit other one keeps float32)
-        low = act != "float32"
-        if low and act != "auto" and (FLAGS.rows_kernel == 0 or att == "pallas"):
-            raise SpecjaxError(f"--rows_activations {act} needs the rows kernel (--rows_kernel -1 or > 0) and the CPU "
-                               "attention (--attention_impl auto, xla or cpu)")
+        act, auto_act, att = rows_activation_settings(FLAGS.rows_activations, FLAGS.attention_impl, FLAGS.rows_kernel)
         if FLAGS.scan_layers < -1:
             raise SpecjaxError(f"--scan_layers must be -1 (automatic), 0 (the per-layer list) or layers per loop "
                                f"iteration, got {FLAGS.scan_layers}")
-        kw.update(fwd=ForwardOptions(attention="cpu" if low and act != "auto" and FLAGS.rows_kernel > 0 else "xla" if att == "auto" else att,
-                                     small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
-                                     scan_layers=max(FLAGS.scan_layers, 0),
-                                     rows_activations=act if low and act != "auto" and FLAGS.rows_kernel > 0 else "float32"),
-                  rows_kernel_auto=FLAGS.rows_kernel < 0,
-                  rows_activations_auto=act if low and (act == "auto" or FLAGS.rows_kernel < 0) else "",
-                  attention_auto=att == "auto", scan_auto=FLAGS.scan_layers < 0, mesh=FLAGS.mesh,
+        kw.update(fwd=ForwardOptions(attention=att, small_rows=FLAGS.small_rows, rows_kernel=max(FLAGS.rows_kernel, 0),
+                                     scan_layers=max(FLAGS.scan_layers, 0), rows_activations=act),
+                  rows_kernel_auto=FLAGS.rows_kernel < 0, rows_activations_auto=auto_act,
+                  attention_auto=FLAGS.attention_impl == "auto", scan_auto=FLAGS.scan_layers < 0, mesh=FLAGS.mesh,
                   shard_draft=FLAGS.shard_draft)
     return EngineSpec(model=FLAGS.model, dtype=FLAGS.dtype if has("dtype") else "float32",
                       drafter=drafter_spec_from_flags(name, pol.fixed_k or max(ks)), k_buckets=tuple(ks), policy=pol,

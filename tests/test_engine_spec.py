@@ -88,3 +88,26 @@ def test_the_code_key_follows_what_is_compiled():
     assert dataclasses.replace(run, dtype="bfloat16").code_key() != run.code_key()
     # a host drafter and a device drafter of the same forward options run the same target code
     assert dataclasses.replace(run, drafter=DrafterSpec("suffix", k=8)).code_key() == run.code_key()
+
+
+@pytest.mark.parametrize("flags_in,want", [
+    (("auto", "auto", -1), ("float32", "auto", "xla")),  # the defaults: decided with the model (EngineSpec.resolved)
+    (("auto", "cpu", 32), ("float32", "auto", "cpu")),
+    (("auto", "xla", -1), ("float32", "", "xla")),  # an explicit XLA attention keeps float32
+    (("float32", "auto", -1), ("float32", "", "xla")),
+    (("int8", "auto", 32), ("int8", "", "cpu")),  # the kernel named: set now, with the CPU attention
+    (("bfloat16", "auto", -1), ("float32", "bfloat16", "xla")),  # the kernel automatic: if it resolves on
+])
+def test_rows_activation_flags(flags_in, want):
+    from specjax.cli import rows_activation_settings
+
+    assert rows_activation_settings(*flags_in) == want
+
+
+@pytest.mark.parametrize("flags_in", [("int8", "auto", 0), ("bfloat16", "pallas", -1)])
+def test_a_rounding_mode_without_the_kernel_or_beside_pallas_is_a_one_line_error(flags_in):
+    from specjax.cli import rows_activation_settings
+
+    with pytest.raises(SpecjaxError, match=f"--rows_activations {flags_in[0]} needs the rows kernel") as e:
+        rows_activation_settings(*flags_in)
+    assert "\n" not in str(e.value)
