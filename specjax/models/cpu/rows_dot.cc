@@ -311,6 +311,16 @@ inline void store_tile(float* __restrict y, const __m512* a0, const __m512* a1, 
   }
 }
 
+// tile(std::integral_constant<int, R>{}) for R = rr, 1 <= rr <= Max: a register tile's row count as
+// a compile-time constant (its accumulators an array the compiler keeps in registers).
+template <int Max, typename T>
+inline void with_rows(int64_t rr, T tile) {
+  if constexpr (Max > 1) {
+    if (rr < Max) return with_rows<Max - 1>(rr, tile);
+  }
+  tile(std::integral_constant<int, Max>{});
+}
+
 inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -856,19 +866,9 @@ void tile_vnni(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t
       if constexpr (!Q8) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.s[(r0 + i) * ng + g]), f[i]);
     }
   }
-  const int64_t width = std::min(kLanes, N - col);
-  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
-  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N + col, keep, f[i]);
+  store_tile(y, f, f, r0, R, N, col / kLanes, false);
 }
 
-template <bool Q8, int R = kRowTileVnni>
-inline void tile_vnni_rows(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb,
-                           float* __restrict y, int64_t r0, int64_t rr, int64_t K, int64_t N, int64_t col) {
-  if constexpr (R > 1) {
-    if (rr < R) return tile_vnni_rows<Q8, R - 1>(xr, qb, sb, y, r0, rr, K, N, col);
-  }
-  tile_vnni<Q8, R>(xr, qb, sb, y, r0, K, N, col);
-}
 #endif
 
 // Column blocks [b0, b1) of a q4_1 / q8_0 weight against the rounded rows.
@@ -884,7 +884,8 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
     const int64_t col = b * kLanes;
 #if defined(SPECJAX_VNNI)
     for (int64_t r0 = 0; r0 < M; r0 += kRowTileVnni)
-      tile_vnni_rows<Q8>(xr, qb, sb, y, r0, std::min<int64_t>(kRowTileVnni, M - r0), K, N, col);
+      with_rows<kRowTileVnni>(std::min<int64_t>(kRowTileVnni, M - r0),
+                              [&](auto R) { tile_vnni<Q8, decltype(R)::value>(xr, qb, sb, y, r0, K, N, col); });
 #elif defined(SPECJAX_I8_VEC)
     for (int64_t r0 = 0; r0 < M; r0 += kRowTileI8) {
       const int64_t rr = std::min<int64_t>(kRowTileI8, M - r0);
@@ -1067,19 +1068,9 @@ void tile_bf16(const Bf16Rows& xr, const uint8_t* __restrict qb, const uint16_t*
       if constexpr (!Q8) f[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.sx[(r0 + i) * ng + g]), f[i]);
     }
   }
-  const int64_t width = std::min(kLanes, N - col);
-  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
-  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(y + (r0 + i) * N + col, keep, f[i]);
+  store_tile(y, f, f, r0, R, N, col / kLanes, false);
 }
 
-template <bool Q8, int R = kRowTileBf16>
-inline void tile_bf16_rows(const Bf16Rows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb,
-                           float* __restrict y, int64_t r0, int64_t rr, int64_t K, int64_t N, int64_t col) {
-  if constexpr (R > 1) {
-    if (rr < R) return tile_bf16_rows<Q8, R - 1>(xr, qb, sb, y, r0, rr, K, N, col);
-  }
-  tile_bf16<Q8, R>(xr, qb, sb, y, r0, K, N, col);
-}
 #endif
 
 inline float ftz(float a) { return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a; }  // (vdpbf16ps keeps the sign)
@@ -1097,7 +1088,8 @@ void blocks_gguf_bf16(const Bf16Rows& xr, const uint8_t* __restrict qs, const ui
     const int64_t col = b * kLanes;
 #if defined(SPECJAX_BF16)
     for (int64_t r0 = 0; r0 < M; r0 += kRowTileBf16)
-      tile_bf16_rows<Q8>(xr, qb, sb, y, r0, std::min<int64_t>(kRowTileBf16, M - r0), K, N, col);
+      with_rows<kRowTileBf16>(std::min<int64_t>(kRowTileBf16, M - r0),
+                              [&](auto R) { tile_bf16<Q8, decltype(R)::value>(xr, qb, sb, y, r0, K, N, col); });
 #else
     const int64_t width = std::min(kLanes, N - col);
     for (int64_t m = 0; m < M; ++m)

@@ -364,6 +364,16 @@ def quantize_rows(x: np.ndarray):
     return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
 
 
+def _group_codes(wp) -> tuple[np.ndarray, np.ndarray]:
+    """A q4_1 / q8_0 pack's integer codes [nb, G, 32, 16] (k in order within each group; int64) and
+    its scales as float32, whichever layout it is in (the references' common first step)."""
+    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
+    codes = _unpair_rows(codes) if paired(wp) else codes
+    if packed_format(wp) == "q8_0":
+        return codes.astype(np.int64), scales
+    return np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.int64), scales
+
+
 def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
     """What ``rows_dot(x, wp, n, activations="int8")`` computes for a q4_1 / q8_0 pack (numpy): the dot
     product of the rounded rows (``quantize_rows``) with the weights, per group an exact integer
@@ -372,12 +382,7 @@ def rows_dot_int8_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
     fmt = packed_format(wp)
     q, dx = quantize_rows(np.asarray(x, np.float32))
     M, G = dx.shape
-    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
-    codes = _unpair_rows(codes) if paired(wp) else codes
-    if fmt == "q8_0":
-        wq = codes.astype(np.int64)  # [nb, G, 32, 16]
-    else:
-        wq = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.int64)
+    wq, scales = _group_codes(wp)
     S = np.einsum("mgk,bgkl->mgbl", q.reshape(M, G, GROUP).astype(np.int64), wq)  # [M, G, nb, 16]
     d = scales[:, :, 0, :] if fmt == "q4_1" else scales  # [nb, G, 16]
     dd = (d.transpose(1, 0, 2)[None] * dx[:, :, None, None]).astype(np.float32)  # rounded as the kernel
@@ -415,12 +420,8 @@ def rows_dot_bf16_reference(x: np.ndarray, wp, n: int) -> np.ndarray:
     xb = _from_bf16(round_bf16(x))  # [M, K]
     M, K = xb.shape
     G = K // GROUP
-    codes, scales = np.asarray(wp["codes"]), np.asarray(wp["scales"]).astype(np.float32)
-    codes = _unpair_rows(codes) if paired(wp) else codes
-    if fmt == "q8_0":
-        q = codes.astype(np.float32)  # [nb, G, 32, 16]
-    else:
-        q = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.float32)
+    q, scales = _group_codes(wp)
+    q = q.astype(np.float32)
     xg = xb.reshape(M, G, GROUP)
     tiny = np.float32(1.17549435e-38)
 
