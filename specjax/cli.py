@@ -193,8 +193,9 @@ def define_forward_flags() -> None:
                          "such blocks and the kernel builds for this CPU's AVX-512 or AVX2 + FMA, else 0.")
     flags.DEFINE_enum("rows_activations", "auto", ["auto", "float32", "int8", "bfloat16"],
                       "What the rows kernel multiplies a GGUF's Q4_1/Q8_0 weights with: auto (default: bfloat16 where "
-                      "the CPU has AVX512_BF16, else float32), float32 (the float32 model exactly), int8 (each activation row rounded per group of 32, as llama.cpp does; integer "
-                      "dot products, AVX-512 VNNI where present) or bfloat16 (each activation rounded to bfloat16; "
+                      "the CPU has AVX512_BF16, else float32), float32 (the float32 model exactly), int8 (each "
+                      "activation row rounded per group of 32, as llama.cpp does; integer dot products, AVX-512 VNNI "
+                      "where present) or bfloat16 (each activation rounded to bfloat16; "
                       "pairwise dot products, AVX512_BF16 where present). The last two run in decode, verify and "
                       "prefill blocks, with the CPU attention kernel in decode: faster, not the float32 model's "
                       "numbers; speculation under either, chains and token trees, gives its plain decoding's tokens.")

@@ -16,7 +16,7 @@ from specjax.errors import require
 DEFAULT_SCAN_UNROLL = 5
 
 
-ROWS_ACTIVATIONS = ("float32", "int8", "bfloat16")  # ForwardOptions.rows_activations (rows_dot.ACTIVATIONS)
+ROWS_ACTIVATIONS = ("float32", "int8", "bfloat16")  # ForwardOptions.rows_activations, rows_dot's activations
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ import numpy as np
 from specjax import ondisk
 from specjax.device_arrays import to_device
 from specjax.errors import SpecjaxError
+from specjax.models.options import ROWS_ACTIVATIONS
 
 LANES = 16  # output columns per packed block
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows_dot.cc")
@@ -51,7 +52,6 @@ _TARGETS = {_TARGET: "SpecjaxRowsPacked", "specjax_rows_q4_1": "SpecjaxRowsQ4_1"
             "specjax_rows_q4_1_i8": "SpecjaxRowsQ4_1I8", "specjax_rows_q8_0_i8": "SpecjaxRowsQ8_0I8",
             "specjax_block_attention": "SpecjaxBlockAttention",
             "specjax_rows_q4_1_bf16": "SpecjaxRowsQ4_1Bf16", "specjax_rows_q8_0_bf16": "SpecjaxRowsQ8_0Bf16"}
-ACTIVATIONS = ("float32", "int8", "bfloat16")  # what a GGUF pack's rows are multiplied as (rows_dot)
 GROUP = 32  # k values per GGUF quantization group
 _lock = threading.Lock()
 _loaded: dict = {}  # "ok": True, or "error": why it cannot be built
@@ -336,8 +336,8 @@ def rows_dot(x: jax.Array, wp, n: int, activations: str = "float32", layer=None)
     picks one; the kernel reads it in place, so a scan over layers slices no weights."""
     _traced()
     act = activations
-    if act not in ACTIVATIONS:
-        raise SpecjaxError(f"unknown rows activations {act!r} (expected one of {', '.join(ACTIVATIONS)})")
+    if act not in ROWS_ACTIVATIONS:
+        raise SpecjaxError(f"unknown rows activations {act!r} (expected one of {', '.join(ROWS_ACTIVATIONS)})")
     fmt = packed_format(wp)
     if fmt != "f32" and paired(wp) != (act != "float32"):
         raise SpecjaxError(f"a {fmt} pack {'in' if paired(wp) else 'not in'} the paired layout with "
