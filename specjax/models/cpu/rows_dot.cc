@@ -6,7 +6,7 @@
 //         k = kk in its low nibble and k = kk + 16 in its high one, for 16 columns), scales
 //         [N/16, K/32, 2, 16] float16 (d, then m);
 //   q8_0: GGUF Q8_0 (w = q * d, q int8): codes [N/16, K/32, 32, 16] int8, scales [N/16, K/32, 16].
-// The int8-activation path (rows_activations int8 / bfloat16, below) reads the GGUF codes in a paired layout: rows k and
+// The int8 and bfloat16 activation paths (below) read the GGUF codes in a paired layout: rows k and
 // k + 1 of a block interleaved per column, codes [N/16, K/32, 8 | 16, 32] (q4_1 | q8_0).
 //
 // A decode step and a verify step are bound by reading the weights. XLA:CPU's dot streams them
@@ -920,7 +920,7 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
   }
 }
 
-// ---------------------------------------------------------------- bfloat16 activations (rows_bf16)
+// ---------------------------------------------------------------- bfloat16 activations (rows_activations bfloat16)
 // Each activation rounded to bfloat16 (to nearest, ties to even; below float32's smallest normal
 // to zero), multiplied in pairs by the GGUF weights' integer codes (exact in bfloat16): per group
 // g in increasing order, y[m, c] = fma(d_c, S, .) then (q4_1) fma(m_c, sx, .), with S = A + B,
@@ -930,8 +930,9 @@ void blocks_gguf_i8(const QuantRows& xr, const uint8_t* __restrict qs, const uin
 // instruction's order, checked on the AVX-512 EPYC); sx is the group's sum of x~ in one fixed
 // tree. The other builds compute the same sequence in scalar code, so every build gives the same
 // bits, and a row's result does not depend on the rows beside it. Half the float32 path's
-// multiply instructions per row (two multiply-adds per lane and instruction), and the rounding
-// error of bfloat16 (8 significant bits), not of int8 per group.
+// multiply instructions per row (two multiply-adds per lane and instruction) and a cheaper decode
+// of the codes (the AR step 0.77x float32's on the AVX-512 EPYC; a verified row costs the same
+// there: BENCHMARKS.md), with the rounding error of bfloat16 (8 significant bits), not of int8.
 
 struct Bf16Rows {                      // the bfloat16 rounding of x [M, K]
   std::unique_ptr<uint16_t[]> b;       // [M, K]
