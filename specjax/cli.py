@@ -333,9 +333,12 @@ def load_target(spec, layout=None):
         prebuild_rows_kernel()
     prewarm_drafter(spec.drafter.name)
     model = load_model(spec.model, spec.dtype, layout=layout)  # (an HF directory: straight into the shards)
-    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {spec.dtype}) in "
+    run = spec.resolved(model)
+    # (the arithmetic a step runs: --rows_activations auto decides it by this CPU)
+    arith = f"; rows kernel, {run.fwd.rows_activations} activations" if run.fwd.rows_kernel else ""
+    print(f"[loaded {model.cfg.name} ({model.cfg.num_params() / 1e6:.0f}M params, {spec.dtype}{arith}) in "
           f"{model.load_seconds:.1f} s]", file=sys.stderr)
-    return model, spec.resolved(model)
+    return model, run
 
 
 def define_distill_flags(online: bool = True) -> None:
