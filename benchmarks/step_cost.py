@@ -93,6 +93,7 @@ def main(argv):
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
     for n in map(int, FLAGS.eagle_vocab):
         d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n))
+        dp = eagle.for_rows_kernel(dp) if fwd.rows_kernel else dp  # (as eagle.build serves it)
         drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens"), dp))
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)

@@ -221,6 +221,28 @@ def test_chains_and_dynamic_trees_at_batch_1_and_8(tiny, head):
                                                     dparams), 4)
 
 
+def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
+    """eagle.for_rows_kernel (what eagle.build serves where the target runs the rows kernel): the
+    layer's projections and the vocabulary head rounded to Q8_0, the float32 arrays replaced by
+    the values the kernel decodes, so a feed on the kernel and a block on XLA's dot compute the
+    same head (to float32 summation order), and speculation with it, chains and trees at batch 1
+    and 8, gives plain decoding's tokens."""
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    draft, dparams = head
+    served = eagle.for_rows_kernel(dparams)
+    for name in ("wq", "w_down"):
+        w, wq = np.asarray(dparams["layer"][name]), np.asarray(served["layer"][name])
+        step = np.abs(w).reshape(-1, 32, w.shape[1]).max(axis=1, keepdims=True) / 127  # per 32 inputs and column
+        assert 0 < np.abs(wq - w).max() and (np.abs(wq - w).reshape(step.shape[0], 32, -1) <= 0.51 * step + 1e-7).all()
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((3, tiny[0].hidden_size)), jnp.float32)
+    xla_only = {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)}
+    np.testing.assert_allclose(np.asarray(draft._reduced(served, h)), np.asarray(draft._reduced(xla_only, h)),
+                               rtol=1e-5, atol=1e-5)
+    serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(draft, served), 2)
+    serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2), served), 4)
+
+
 class Alternating(FixedK):
     """K = 2, then a decode call of up to 4 plain steps, and so on."""
 

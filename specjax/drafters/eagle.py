@@ -91,16 +91,22 @@ class EagleDraft(FeatureHeadDraft):
     def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True,
                  kv_before=None):
         """The head's layer on a block: (output hidden [B, T, D], dc with the block's K/V written
-        at its lengths). ``kv_before``: llama._layer's (training: earlier unroll steps)."""
+        at its lengths). ``kv_before``: llama._layer's (training: earlier unroll steps). Serving
+        params from ``for_rows_kernel`` run blocks of up to 32 rows on the rows kernel."""
         rope = llama.rope_tables(positions, self.cfg)
-        x, k, v = llama._layer(self.cfg, rope, ForwardOptions(), use_prefix, feat, dparams["layer"], dc.k, dc.v, 0,
-                               dc.lengths, positions, mask, embed_in=dparams["embed"][tokens], kv_before=kv_before)
+        packs = dparams.get(LAYER_ROWS)
+        x, k, v = llama._layer(self.cfg, rope, ForwardOptions() if packs is None else ROWS_FWD, use_prefix, feat,
+                               dparams["layer"], dc.k, dc.v, 0, dc.lengths, positions, mask,
+                               embed_in=dparams["embed"][tokens], kv_before=kv_before, packs=packs)
         return x, dataclasses.replace(dc, k=k, v=v)
 
     def _reduced(self, dparams, h):
         """Output hidden [..., D] -> logits over the head's N tokens [..., N] (what training fits)."""
         x = llama.rms_norm(h, dparams["final_norm"], self.cfg.rms_eps)
-        return jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)
+        pack = dparams.get(HEAD_ROWS)
+        if pack is None:
+            return jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)
+        return llama.dense(x, dparams["lm_head"], ROWS_FWD, pack, n=dparams["lm_head"].shape[-1])
 
     def _logits(self, dparams, h):
         return self._full(dparams, self._reduced(dparams, h))
@@ -224,6 +230,43 @@ class EagleDraft(FeatureHeadDraft):
                                    lag=dcache.lag + active.astype(jnp.int32))
 
 
+# Serving copies for the CPU rows kernel (for_rows_kernel): the layer's projections as one-layer
+# stacks (read at the head's layer index 0) and the vocabulary head, each Q8_0.
+LAYER_ROWS, HEAD_ROWS = "layer" + llama.ROWS_SUFFIX, "lm_head" + llama.ROWS_SUFFIX
+ROWS_FWD = ForwardOptions(rows_kernel=32)  # (float32 activations, XLA's attention: the head's own forward)
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _q8_0(w: np.ndarray):
+    """A float32 weight [K, N] rounded to Q8_0 as a GGUF stores it (per column and 32 inputs:
+    d = amax / 127 in float16, q = x / d to nearest, within +-127): (d [N, G] float16, q [N, G, 32]
+    int8, the [K, N] float32 values q * d, which the rows kernel decodes exactly)."""
+    K, N = w.shape
+    g = np.asarray(w, np.float32).T.reshape(N, K // 32, 32)
+    d16 = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float16)
+    d = d16.astype(np.float32)[:, :, None]
+    q = np.clip(np.rint(np.divide(g, d, out=np.zeros_like(g), where=d > 0)), -127, 127).astype(np.int8)
+    return d16, q, (q.astype(np.float32) * d).reshape(N, K).T.copy()
+
+
+def for_rows_kernel(dparams) -> dict:
+    """Serving params of a head for the CPU rows kernel: its layer's projections and vocabulary
+    head rounded to Q8_0 (``_q8_0``), the float32 arrays replaced by the values the kernel decodes,
+    so blocks on XLA's dot (over 32 rows: prefill, catch-up) and on the kernel (draft feeds)
+    compute the same head. Each feed read the float32 weights, about 35 MB on SmolLM2 (a K = 3
+    chain about 3 ms at this CPU's 30-35 GB/s: the log, 2026-12-07 afternoon); Q8_0 reads 9."""
+    from specjax.models.cpu import rows_dot
+
+    out, layer, packs = dict(dparams), dict(dparams["layer"]), {}
+    for name in _PROJECTIONS:
+        d, q, layer[name] = _q8_0(layer[name])
+        packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q)])
+    d, q, lm_head = _q8_0(dparams["lm_head"])
+    out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head),
+               **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q)})
+    return out
+
+
 def head_config(cfg: ModelConfig) -> ModelConfig:
     """The target's config as the head's one-layer model (its own head, not tied)."""
     return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False)
@@ -301,6 +344,9 @@ def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int =
             f"EAGLE trees: width >= 0 and depth 1..16, got width {tree_width}, depth {tree_depth}")
     head = head or heads.shipped_head(KIND, model.cfg)
     draft, dparams = load_head(head, model.cfg, model.params) if head else init_params(model.cfg, model.params)
+    rows = getattr(model, "auto_rows_kernel", lambda: 0)()  # (the launch scripts' choice for the target)
+    if rows and dparams["lm_head"].dtype == jnp.float32 and dparams["lm_head"].shape[0] % 32 == 0:
+        dparams = for_rows_kernel(dparams)
     if tree_width:
         return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=tree_width, tree_depth=tree_depth), dparams)
     return FeatureHeadDrafter(draft, dparams)
