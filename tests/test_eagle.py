@@ -239,6 +239,19 @@ def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
     xla_only = {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)}
     np.testing.assert_allclose(np.asarray(draft._reduced(served, h)), np.asarray(draft._reduced(xla_only, h)),
                                rtol=1e-5, atol=1e-5)
+    # training and saving see the head's own arrays only (online refinement makes the copies again)
+    assert heads.trainable_of(draft, served).keys() == heads.trainable_of(draft, dparams).keys()
+    from specjax.distill.head_online import HeadRefiner
+    from specjax.models.cpu import rows_dot
+
+    own = heads.trainable_of(draft, served)
+    moved = {**own, "layer": {**own["layer"], "wq": own["layer"]["wq"] * 2}}  # (as if trained)
+    refined = HeadRefiner.serving_params(types.SimpleNamespace(
+        trainable=moved, dtype=jnp.float32, rows_copies=True,
+        frozen={k: v for k, v in served.items() if k not in own and not k.endswith(llama.ROWS_SUFFIX)}))
+    wq = np.asarray(refined["layer"]["wq"])
+    np.testing.assert_array_equal(rows_dot.dequantize_packed(rows_dot.layer_of(refined[eagle.LAYER_ROWS]["wq"], 0),
+                                                             wq.shape[1]), wq)  # the copies follow the weights
     serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(draft, served), 2)
     serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2), served), 4)
 

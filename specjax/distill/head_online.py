@@ -74,7 +74,9 @@ class HeadRefiner:
         self.draft = drafter.draft
         self.trainer = HeadTrainer(self.draft, tc, tr.make_optimizer(tc), unroll)
         own = heads.trainable_of(self.draft, drafter.params)
-        self.frozen = {k: v for k, v in drafter.params.items() if k not in own}
+        # (copies made for serving are made again from the trained arrays: serving_params)
+        self.rows_copies = any(k.endswith(heads.SERVING_COPIES) for k in drafter.params)
+        self.frozen = {k: v for k, v in drafter.params.items() if k not in own and not k.endswith(heads.SERVING_COPIES)}
         self.dtype = jax.tree_util.tree_leaves(own)[0].dtype  # (the serving dtype; trained in float32)
         self.trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), own)
         self.opt_state = self.trainer.optimizer.init(self.trainable)
@@ -144,4 +146,8 @@ class HeadRefiner:
     def serving_params(self) -> dict:
         """The head's params as the backend runs them (its serving dtype, the target's arrays)."""
         own = jax.tree_util.tree_map(lambda a: jnp.asarray(a, self.dtype), self.trainable)
+        if self.rows_copies:  # (the served EAGLE head's Q8_0 copies, of the new weights)
+            from specjax.drafters import eagle
+
+            return eagle.for_rows_kernel({**self.frozen, **own})
         return {**self.frozen, **own}

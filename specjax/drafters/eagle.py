@@ -257,6 +257,8 @@ def for_rows_kernel(dparams) -> dict:
     chain about 3 ms at this CPU's 30-35 GB/s: the log, 2026-12-07 afternoon); Q8_0 reads 9."""
     from specjax.models.cpu import rows_dot
 
+    if any(np.shape(dparams["layer"][n])[0] % 32 for n in _PROJECTIONS) or np.shape(dparams["lm_head"])[0] % 32:
+        return dparams  # (Q8_0 groups 32 inputs)
     out, layer, packs = dict(dparams), dict(dparams["layer"]), {}
     for name in _PROJECTIONS:
         d, q, layer[name] = _q8_0(layer[name])
@@ -345,7 +347,7 @@ def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int =
     head = head or heads.shipped_head(KIND, model.cfg)
     draft, dparams = load_head(head, model.cfg, model.params) if head else init_params(model.cfg, model.params)
     rows = getattr(model, "auto_rows_kernel", lambda: 0)()  # (the launch scripts' choice for the target)
-    if rows and dparams["lm_head"].dtype == jnp.float32 and dparams["lm_head"].shape[0] % 32 == 0:
+    if rows and dparams["lm_head"].dtype == jnp.float32:
         dparams = for_rows_kernel(dparams)
     if tree_width:
         return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=tree_width, tree_depth=tree_depth), dparams)

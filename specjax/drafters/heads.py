@@ -25,7 +25,7 @@ from specjax.config import ModelConfig
 from specjax.device_arrays import to_device
 from specjax.drafters.table import resolve
 from specjax.errors import SpecjaxError, require
-from specjax.models import prepared
+from specjax.models import llama, prepared
 
 SHARED = ("embed", "final_norm")  # the target's arrays a head runs with
 
@@ -114,10 +114,15 @@ def with_target(draft, trainable, vocab_ids, cfg: ModelConfig, params) -> dict:
     return out
 
 
+SERVING_COPIES = llama.ROWS_SUFFIX  # keys of the copies serving makes of a head (eagle.for_rows_kernel)
+
+
 def trainable_of(draft, dparams) -> dict:
-    """The head's own arrays (what is trained and saved): not the target's, not the id map."""
+    """The head's own arrays (what is trained and saved): not the target's, not the id map, not
+    the copies serving makes of them (``SERVING_COPIES``)."""
     shared = SHARED + (("lm_head",) if draft.shared_head else ())
-    return {k: v for k, v in dparams.items() if k not in shared and k != "vocab_ids"}
+    return {k: v for k, v in dparams.items()
+            if k not in shared and k != "vocab_ids" and not k.endswith(SERVING_COPIES)}
 
 
 def _checkpoints(directory: str, cfg: ModelConfig, draft, trainable, ids):
