@@ -247,7 +247,7 @@ def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
     own = heads.trainable_of(draft, served)
     moved = {**own, "layer": {**own["layer"], "wq": own["layer"]["wq"] * 2}}  # (as if trained)
     refined = HeadRefiner.serving_params(types.SimpleNamespace(
-        trainable=moved, dtype=jnp.float32, rows_copies=True,
+        trainable=moved, dtype=jnp.float32, rows_copies=True, trainer=types.SimpleNamespace(kind=eagle.KIND),
         frozen={k: v for k, v in served.items() if k not in own and not k.endswith(llama.ROWS_SUFFIX)}))
     wq = np.asarray(refined["layer"]["wq"])
     np.testing.assert_array_equal(rows_dot.dequantize_packed(rows_dot.layer_of(refined[eagle.LAYER_ROWS]["wq"], 0),

@@ -146,8 +146,6 @@ class HeadRefiner:
     def serving_params(self) -> dict:
         """The head's params as the backend runs them (its serving dtype, the target's arrays)."""
         own = jax.tree_util.tree_map(lambda a: jnp.asarray(a, self.dtype), self.trainable)
-        if self.rows_copies:  # (the served EAGLE head's Q8_0 copies, of the new weights)
-            from specjax.drafters import eagle
-
-            return eagle.for_rows_kernel({**self.frozen, **own})
+        if self.rows_copies:  # (the copies serving made, of the new weights: HeadKind.serving_copies)
+            return self.trainer.kind.serving_copies({**self.frozen, **own})
         return {**self.frozen, **own}

@@ -309,7 +309,8 @@ def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> Eagl
 
 
 KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, train_step="specjax.distill.eagle_train:batch_step",
-                      unrolls=True, chain_hits="specjax.distill.eagle_train:chain_hits", attends=True)
+                      unrolls=True, chain_hits="specjax.distill.eagle_train:chain_hits", attends=True,
+                      serving_copies=for_rows_kernel)
 HEAD_FILE = KIND.file
 
 

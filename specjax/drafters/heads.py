@@ -55,7 +55,10 @@ class HeadKind:
     [B, T, k] bools, whether draft j of the greedy chain whose pending token is at window entry p
     is the target's top-1 (the held-out acceptance estimate of distill.head_pipeline).
     ``attends``: the head's layer attends over earlier positions, so a training window that
-    starts inside a sequence carries context positions before its trained ones."""
+    starts inside a sequence carries context positions before its trained ones.
+    ``serving_copies``: ``params -> params`` with the copies serving makes of the head's arrays
+    (keys ending in ``SERVING_COPIES``; eagle: Q8_0 copies for the rows kernel), made again from
+    trained arrays by distill.head_online."""
 
     name: str
     title: str
@@ -69,6 +72,7 @@ class HeadKind:
     check: Callable | None = None
     chain_hits: str | None = None
     attends: bool = False
+    serving_copies: Callable | None = None
 
     @property
     def file(self) -> str:
