@@ -108,16 +108,17 @@ def rows_chains(ms):
     for label, p in packs.items():
         ws = [llama.layer_packs(p, i) for i in range(len(p["layers"]))]
         head = p["head" + llama.ROWS_SUFFIX]
-        shapes = {n: m.params["layers"][0][n].shape[1] for n in llama._PROJECTIONS}
+        shapes = {n: llama.out_width(m.cfg, n) for n in ws[0]}  # (q/k/v and gate/up fused: llama.FUSED)
         nbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves((ws, head)))
 
         def chain(x, ws, head):
             def mm(a, name, w):
                 return rows_dot.rows_dot(a, w, shapes[name])
             for w in ws:
-                q, k, v = mm(x, "wq", w["wq"]), mm(x, "wk", w["wk"]), mm(x, "wv", w["wv"])
+                q, k, v = jnp.split(mm(x, "wqkv", w["wqkv"]), [d, d + d // 3], axis=-1)
                 x = x + mm(q + jnp.tile(k, (1, 3)) * 0.1 + jnp.tile(v, (1, 3)) * 0.1, "wo", w["wo"])
-                x = x + mm(jax.nn.silu(mm(x, "w_gate", w["w_gate"])) * mm(x, "w_up", w["w_up"]), "w_down", w["w_down"])
+                g, u = jnp.split(mm(x, "w_gate_up", w["w_gate_up"]), 2, axis=-1)
+                x = x + mm(jax.nn.silu(g) * u, "w_down", w["w_down"])
                 x = x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
             return rows_dot.rows_dot(x, head, V)
 

@@ -67,7 +67,10 @@ def main(argv):
     m = load_model("smollm2-135m")
     p = m.params_for(ForwardOptions(rows_kernel=32))
     p8 = m.params_for(ForwardOptions(rows_kernel=32, rows_activations="int8", attention="cpu"))
-    width = {n: m.params["layers"][0][n].shape for n in llama._PROJECTIONS}
+    # each weight the kernel reads, per layer: a projection, or a group read as one (llama.FUSED)
+    dense = [{n: jnp.concatenate([lp[x] for x in llama.FUSED.get(n, (n,))], axis=1) for n in p[llama.LAYER_PACKS]}
+             for lp in m.params["layers"]]
+    width = {n: w.shape for n, w in dense[0].items()}
 
     def kernel(x, w, n, suffix):
         ops = (w["codes"], w["scales"])
@@ -76,7 +79,7 @@ def main(argv):
 
     def chain(x, layers, head, dot):
         for lp in layers:
-            for n in llama._PROJECTIONS:
+            for n in width:
                 K, N = width[n]
                 xin = jnp.tile(x, (1, K // x.shape[1] + 1))[:, :K]
                 x = x + 0.01 * dot(xin, lp, n, N).sum(-1, keepdims=True)
@@ -94,7 +97,7 @@ def main(argv):
     if FLAGS.per_weight:
         print("| weight (K x N) | rows | XLA's dot (float32) | kernel, default build | kernel, AVX2-only build | "
               "kernel, int8 activations | kernel, bfloat16 activations |\n|---|---|---|---|---|---|---|")
-        weights = {n: (p[llama.LAYER_PACKS][n], p8[llama.LAYER_PACKS][n], m.params["layers"][0][n]) for n in width}
+        weights = {n: (p[llama.LAYER_PACKS][n], p8[llama.LAYER_PACKS][n], dense[0][n]) for n in width}
         weights["head"] = (p["head" + llama.ROWS_SUFFIX], p8["head" + llama.ROWS_SUFFIX], m.params["embed"].T)
         for n, (wp, wp8, w) in weights.items():
             K, N = w.shape
@@ -113,8 +116,8 @@ def main(argv):
           f" | kernel, bfloat16 activations{against} |\n|---|---|---|---|---|---|{'---|' if against else ''}")
     for M in (int(r) for r in FLAGS.rows):
         x = jnp.ones((M, m.cfg.hidden_size), jnp.float32) * 0.1
-        variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x, m.params["layers"],
-                                m.params["embed"].T)}
+        variants = {"xla": call(lambda x, ls, h: chain(x, ls, h, lambda a, lp, n, N: a @ lp[n]), x,
+                                dense, m.params["embed"].T)}
         for suffix, packs in (("", p), ("_avx2", p), ("_i8", p8), ("_bf16", p8)) + ((("_against", p),) if against else ()):
             variants[suffix] = call(lambda x, ls, h, dot=kernel_dot(suffix): chain(x, ls, h, dot), x,
                                     [llama.layer_packs(packs, i) for i in range(len(packs["layers"]))],

@@ -250,8 +250,8 @@ def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
         trainable=moved, dtype=jnp.float32, rows_copies=True, trainer=types.SimpleNamespace(kind=eagle.KIND),
         frozen={k: v for k, v in served.items() if k not in own and not k.endswith(llama.ROWS_SUFFIX)}))
     wq = np.asarray(refined["layer"]["wq"])
-    np.testing.assert_array_equal(rows_dot.dequantize_packed(rows_dot.layer_of(refined[eagle.LAYER_ROWS]["wq"], 0),
-                                                             wq.shape[1]), wq)  # the copies follow the weights
+    qkv = rows_dot.layer_of(refined[eagle.LAYER_ROWS]["wqkv"], 0)  # (q, k, v one pack: llama.FUSED)
+    np.testing.assert_array_equal(rows_dot.dequantize_packed(qkv, wq.shape[1]), wq)  # the copies follow the weights
     serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(draft, served), 2)
     serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2), served), 4)
 

@@ -38,6 +38,32 @@ def _random_packs(rng, K, N):
             "q8_0 pairs": (rd.pack_q8_0(d, c8, pairs=True), rd.dequantize_packed(q8, N))}
 
 
+def test_fused_projections_give_each_projections_bits():
+    """llama.FUSED: q/k/v (gate/up) as one stack of their column blocks, one call; every output
+    column the same bits as its own projection's call, in every format and activation mode."""
+    from specjax.models import llama
+
+    rng = np.random.default_rng(5)
+    K, widths = 64, {"wq": 48, "wk": 16, "wv": 16, "w_gate": 32, "w_up": 32, "wo": 40}  # (wo: not fused)
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.float32)
+    for fmt, act in (("f32", "float32"), ("q4_1", "float32"), ("q8_0", "float32"), ("q4_1 pairs", "int8"),
+                     ("q8_0 pairs", "bfloat16"), ("q4_1 pairs", "bfloat16")):
+        stacks = {n: rd.stack_packs([_random_packs(rng, K, N)[fmt][0] for _ in range(2)]) for n, N in widths.items()}
+        fused = llama.fuse_packs(stacks, widths)
+        assert set(fused) == {"wqkv", "w_gate_up", "wo"}, fmt
+        for name, names in llama.FUSED.items():
+            got = np.asarray(rd.rows_dot(x, fused[name], sum(widths[n] for n in names), activations=act, layer=1))
+            want = np.concatenate([np.asarray(rd.rows_dot(x, stacks[n], widths[n], activations=act, layer=1))
+                                   for n in names], axis=1)
+            np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {act} {name}")
+    # a member whose width leaves padding in its last block, or another format, stays apart
+    w = {**widths, "wk": 8}
+    mixed = {n: rd.stack_packs([_random_packs(rng, K, 16 if n == "wk" else N)["q4_1"][0]]) for n, N in widths.items()}
+    assert set(llama.fuse_packs(mixed, w)) == {"wq", "wk", "wv", "w_gate_up", "wo"}
+    mixed["w_up"] = rd.stack_packs([_random_packs(rng, K, 32)["q8_0"][0]])
+    assert "w_gate_up" not in llama.fuse_packs(mixed, widths) and "w_up" in llama.fuse_packs(mixed, widths)
+
+
 def test_rows_kernel_matches_xla_and_rows_are_independent():
     rng = np.random.default_rng(0)
     K, N = 96, 150  # N not a whole number of 16-column blocks
@@ -169,10 +195,12 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     p = m.params_for(fwd)
     assert m.params_for(fwd) is p  # packed once
     for i, lp in enumerate(m.params["layers"]):
-        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-            packed = llama.layer_packs(p, i)[name]
+        packs = llama.layer_packs(p, i)
+        assert set(packs) == {"wqkv", "wo", "w_gate_up", "w_down"}  # (q/k/v and gate/up one call each: llama.FUSED)
+        for name, packed in packs.items():
+            w = np.concatenate([np.asarray(lp[n]) for n in llama.FUSED.get(name, (name,))], axis=1)
             assert rd.packed_format(packed) == "q4_1"
-            np.testing.assert_array_equal(rd.dequantize_packed(packed, lp[name].shape[1]), np.asarray(lp[name]))
+            np.testing.assert_array_equal(rd.dequantize_packed(packed, w.shape[1]), w)
     assert rd.packed_format(p["head" + llama.ROWS_SUFFIX]) == "q8_0"
     np.testing.assert_array_equal(rd.dequantize_packed(p["head" + llama.ROWS_SUFFIX], m.cfg.vocab_size),
                                   np.asarray(m.params["embed"]).T)
@@ -212,7 +240,7 @@ def test_gguf_blocks_stay_quantized_and_decode_greedily_the_same(tmp_path, monke
     i8 = ForwardOptions(rows_kernel=2, rows_activations="int8", attention="cpu")
     assert i8.kernel_rows(10_000) and i8.for_prefill().rows_activations == "int8" and i8.for_prefill().attention == "xla"
     p8 = m.params_for(i8)  # the codes in pairs
-    assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8[llama.LAYER_PACKS]["wq"])
+    assert rd.paired(p8["head" + llama.ROWS_SUFFIX]) and rd.paired(p8[llama.LAYER_PACKS]["wqkv"])
     ar8 = [r.tokens for r in Generator(m.cfg, p8, batch_buckets=(2,), fwd=i8).generate(prompts, max_new_tokens=10)]
     assert ar8 == [r.tokens for r in reference_generate(m.cfg, p8, prompts, max_new_tokens=10, fwd=i8)]
     spec8 = registry.build_spec_generator(m, "prompt_lookup", k=4, k_buckets=(0, 4), fwd=i8)

@@ -264,6 +264,7 @@ def for_rows_kernel(dparams) -> dict:
         d, q, layer[name] = _q8_0(layer[name])
         packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q)])
     d, q, lm_head = _q8_0(dparams["lm_head"])
+    packs = llama.fuse_packs(packs, {n: np.shape(layer[n])[1] for n in _PROJECTIONS})
     out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head),
                **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q)})
     return out

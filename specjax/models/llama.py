@@ -165,11 +165,38 @@ LAYER_PACKS = "layers" + ROWS_SUFFIX  # {projection: its packs of every layer as
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def _out_width(cfg: ModelConfig, name: str) -> int:
+# Projections of one input that the rows kernel runs as one call: their stacks' column blocks
+# concatenated (fuse_packs). A decode step made 7 kernel calls a layer, the smaller ones bound by
+# the call's fixed cost (q/o/k/v read at 12-19 GB/s, gate/up at 28: step_breakdown.py); fused, 4.
+# Each output column is summed as in its own call, so the bits are the same.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def out_width(cfg: ModelConfig, name: str) -> int:
     """A projection's output columns (what its packed blocks, padded to 16, no longer say)."""
+    if name in FUSED:
+        return sum(out_width(cfg, n) for n in FUSED[name])
     q, kv_ = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"wq": q, "wk": kv_, "wv": kv_, "wo": cfg.hidden_size, "w_gate": cfg.intermediate_size,
             "w_up": cfg.intermediate_size, "w_down": cfg.hidden_size}[name]
+
+
+def fuse_packs(packs: dict, widths: dict) -> dict:
+    """``packs`` ({projection: stack}) with each ``FUSED`` group whose stacks concatenate
+    (rows_dot.concat_stacks: one format and layout, the same inputs, ``widths`` [name] columns
+    filling whole blocks) replaced by its one stack."""
+    from specjax.models.cpu import rows_dot
+
+    out = dict(packs)
+    for fused, names in FUSED.items():
+        if not all(n in packs and rows_dot.stack_width(packs[n]) == widths[n] for n in names):
+            continue
+        stack = rows_dot.concat_stacks([packs[n] for n in names])
+        if stack is not None:
+            out[fused] = stack
+            for n in names:
+                del out[n]
+    return out
 
 
 def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
@@ -190,8 +217,9 @@ def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
         return params
     native = native or {"layers": {}}
     out = dict(params)
-    out[LAYER_PACKS] = {n: native["layers"][n] if n in native["layers"] else
-                        rows_dot.stack_packs([rows_dot.pack(lp[n]) for lp in params["layers"]]) for n in _PROJECTIONS}
+    out[LAYER_PACKS] = fuse_packs({n: native["layers"][n] if n in native["layers"] else
+                                   rows_dot.stack_packs([rows_dot.pack(lp[n]) for lp in params["layers"]])
+                                   for n in _PROJECTIONS}, {n: out_width(cfg, n) for n in _PROJECTIONS})
     out["head" + ROWS_SUFFIX] = native.get("head")
     if out["head" + ROWS_SUFFIX] is None:
         out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
@@ -264,7 +292,15 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
 
     def proj(a, name):
-        return dense(a, lp.get(name), fwd, None if packs is None else packs[name], layer, _out_width(cfg, name))
+        return dense(a, lp.get(name), fwd, None if packs is None else packs.get(name), layer, out_width(cfg, name))
+
+    def projs(a, fused):  # FUSED[fused]'s projections of a: one kernel call where their stacks are one
+        names = FUSED[fused]
+        if packs is None or fused not in packs or not fwd.kernel_rows(int(np.prod(a.shape[:-1]))):
+            return tuple(proj(a, n) for n in names)
+        widths = [out_width(cfg, n) for n in names]
+        y = dense(a, None, fwd, packs[fused], layer, sum(widths))
+        return tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
 
     def norm(a, name):
         return rms_norm(a, lp[name], cfg.rms_eps, fwd.exact_blocks)
@@ -272,9 +308,7 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     h = norm(x, "attn_norm")
     if embed_in is not None:
         h = jnp.concatenate([norm(embed_in, "embed_norm"), h], axis=-1)
-    q = proj(h, "wq")
-    k = proj(h, "wk")
-    v = proj(h, "wv")
+    q, k, v = projs(h, "wqkv")
     if cfg.qkv_bias:
         q = q + lp["bq"]
         k = k + lp["bk"]
@@ -291,8 +325,7 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     o = o.reshape(B, T, H * hd)
     x = x + proj(o if pack is None else pack_rows(o, pack), "wo")
     h = norm(x, "mlp_norm")
-    g = proj(h, "w_gate")
-    u = proj(h, "w_up")
+    g, u = projs(h, "w_gate_up")
     x = x + proj(jax.nn.silu(g) * u, "w_down")
     return x, k_all, v_all
 

@@ -320,6 +320,28 @@ def stack_packs(packs: list):
     return to_device(np.stack([np.asarray(p) for p in packs]))
 
 
+def concat_stacks(stacks: list):
+    """Stacked packs (``stack_packs``) of the same format, layout, layers and inputs -> one stack
+    whose column blocks are theirs in turn: the kernel then computes every member's outputs in
+    one call, each output column summed as in its own (the same bits). Members must fill whole
+    blocks (no padded columns between them); ``None`` where they do not match."""
+    fmts = {packed_format(p) for p in stacks}
+    if len(fmts) != 1:
+        return None
+    parts = [p if isinstance(p, dict) else {"w": p} for p in stacks]
+    keys = parts[0].keys()
+    if any(p.keys() != keys or any(p[k].shape[:1] + p[k].shape[2:] != parts[0][k].shape[:1] + parts[0][k].shape[2:]
+                                   or p[k].dtype != parts[0][k].dtype for k in keys) for p in parts):
+        return None
+    out = {k: jnp.concatenate([p[k] for p in parts], axis=1) for k in keys}
+    return out if isinstance(stacks[0], dict) else out["w"]
+
+
+def stack_width(wp) -> int:
+    """The output columns a stacked pack holds, padding included (its blocks x 16)."""
+    return (wp["codes"] if isinstance(wp, dict) else wp).shape[1] * LANES
+
+
 def layer_of(wp, layer: int):
     """Layer ``layer`` of a stacked pack (``stack_packs``) as a pack of its own (a copy)."""
     return {k: v[layer] for k, v in wp.items()} if isinstance(wp, dict) else wp[layer]
