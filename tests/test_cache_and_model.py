@@ -564,3 +564,28 @@ def test_validate_request_errors():
         validate_request([1] * CFG.max_position, 4, CFG)
     with pytest.raises(SpecjaxError, match="one SamplingParams per prompt"):
         Generator(CFG, PARAMS).generate([[1], [2]], [SamplingParams()], max_new_tokens=2)
+
+
+def test_sum_fixed_order_is_its_definition_in_any_block():
+    """llama.sum_fixed_order: pieces of 64 (zero-padded) added in turn, then 8 pieces of 8, then
+    the 8 in turn; a row's sum the same bits alone or in a block of rows."""
+    from specjax.models import llama
+
+    def numpy_order(row):
+        a = row.astype(np.float32)
+        for w in (64, 8, 1):
+            a = np.concatenate([a, np.zeros((-len(a)) % w, np.float32)])
+            s = a[:w].copy()
+            for i in range(1, len(a) // w):
+                s = s + a[i * w:(i + 1) * w]
+            a = s
+        return a
+
+    rng = np.random.default_rng(3)
+    for n in (576, 100, 2048):
+        x = (rng.standard_normal((9, n)) * np.exp(rng.standard_normal((9, n)) * 3)).astype(np.float32)
+        block = np.asarray(jax.jit(llama.sum_fixed_order)(jnp.asarray(x)))
+        assert block.shape == (9, 1)
+        for i in range(9):
+            np.testing.assert_array_equal(block[i], numpy_order(x[i]))
+            np.testing.assert_array_equal(block[i], np.asarray(jax.jit(llama.sum_fixed_order)(jnp.asarray(x[i:i + 1])))[0])

@@ -108,14 +108,21 @@ def apply_rope(x: jax.Array, tables) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def sum_fixed_order(a: jax.Array) -> jax.Array:
-    """Sum over the last axis (kept, size 1) in one order whatever the array's shape: its halves
-    added elementwise until one element is left (an odd length gets a zero first)."""
-    while a.shape[-1] > 1:
-        if a.shape[-1] % 2:
-            a = jnp.concatenate([a, jnp.zeros_like(a[..., :1])], axis=-1)
-        h = a.shape[-1] // 2
-        a = a[..., :h] + a[..., h:]
+def sum_fixed_order(a: jax.Array, widths: tuple[int, ...] = (64, 8, 1)) -> jax.Array:
+    """Sum over the last axis (kept, size 1) in one order whatever the array's shape: the row cut
+    into pieces of 64 (zero-padded to whole pieces) added in turn, then the 64 lanes as 8 pieces
+    of 8 in turn, then the 8 in turn. Every intermediate is read once, so XLA:CPU fuses the whole
+    sum into one or two loops (a halving tree, each half read twice, took 6 fusions per norm:
+    12 of a SmolLM2 layer's 29 element-wise calls, step_breakdown.py)."""
+    for w in widths:
+        n = a.shape[-1]
+        if n % w:
+            a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, w - n % w)])
+            n = a.shape[-1]
+        s = a[..., :w]
+        for i in range(1, n // w):
+            s = s + a[..., i * w:(i + 1) * w]
+        a = s
     return a
 
 
