@@ -366,6 +366,9 @@ def define_distill_flags(online: bool = True) -> None:
                       "need the full teacher: offline only).")
     flags.DEFINE_float("distill_temperature", 1.0, "Distillation: softmax temperature of both distributions.")
     flags.DEFINE_float("distill_lr", 6e-4, "Distillation: peak AdamW learning rate (linear warm-up, cosine decay).")
+    flags.DEFINE_enum("distill_compute_dtype", "auto", ["auto", "float32", "bfloat16"],
+                      "Distillation: what the loss multiplies in, the params and optimizer staying float32 (auto: "
+                      "bfloat16 on accelerators and AVX512_BF16 CPUs, float32 elsewhere).")
     flags.DEFINE_integer("distill_batch", 8, "Distillation: sequences per optimizer step.")
     flags.DEFINE_integer("distill_length", 64, "Distillation: tokens per training sequence (each record's last).")
 
@@ -374,14 +377,16 @@ def distill_configs_from_flags(total_steps: int = 100_000, full_teacher: bool = 
     """(TrainConfig, OnlineConfig or None) from the distill flags; SpecjaxError on a bad value, or
     on a divergence that needs the target's whole distribution without ``full_teacher``."""
     from specjax.distill.online import OnlineConfig
-    from specjax.distill.train import TrainConfig
+    from specjax.distill.train import TrainConfig, default_compute_dtype
     from specjax.errors import SpecjaxError
 
     if not full_teacher and FLAGS.distill_divergence not in ("fkl", "tvd"):
         raise SpecjaxError(f"--distill_divergence {FLAGS.distill_divergence} needs the target's whole distribution; "
                            "a teacher that keeps its top k: use fkl or tvd")
+    compute = FLAGS.distill_compute_dtype
     tc = TrainConfig(divergence=FLAGS.distill_divergence, temperature=FLAGS.distill_temperature, lr=FLAGS.distill_lr,
-                     warmup_steps=min(10, total_steps - 1), total_steps=total_steps)
+                     warmup_steps=min(10, total_steps - 1), total_steps=total_steps,
+                     compute_dtype=default_compute_dtype() if compute == "auto" else compute)
     if "online_distill" not in FLAGS or not FLAGS.online_distill:
         return tc, None
     oc = OnlineConfig(every=FLAGS.distill_every, steps=FLAGS.distill_steps, batch=FLAGS.distill_batch,

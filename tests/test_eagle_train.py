@@ -4,6 +4,8 @@ and a few optimizer steps on target-written data lower the loss."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,13 +82,21 @@ def test_train_steps_lower_the_loss(tiny):
     # windows of the last 16 positions; the loss on the positions whose next token the target wrote
     # (lengths 16, 15, 17, prompts of 4, 3, 5: 13 such positions in every window)
     assert np.asarray(mask).sum(1).tolist() == [13, 13, 13] and not np.asarray(mask)[:, :2].any()
-    losses = []
-    for _ in range(6):
-        trainable, state, loss, ok = et.train_step(trainable, state, frozen, tokens, prev, pos, teacher, mask,
-                                                   draft=draft, tc=tc, optimizer=opt, steps=1)
-        assert bool(ok)
-        losses.append(float(loss))
-    assert losses[-1] < 0.8 * losses[0], losses
+    start = trainable
+    for compute in ("float32", "bfloat16"):  # (bfloat16: mixed precision, the params float32)
+        tc_c = dataclasses.replace(tc, compute_dtype=compute)
+        opt = make_optimizer(tc_c)
+        trainable, state, losses = start, opt.init(start), []
+        for _ in range(6):
+            trainable, state, loss, ok = et.train_step(trainable, state, frozen, tokens, prev, pos, teacher, mask,
+                                                       draft=draft, tc=tc_c, optimizer=opt, steps=1)
+            assert bool(ok)
+            losses.append(float(loss))
+        assert losses[-1] < 0.8 * losses[0], (compute, losses)
+        assert {a.dtype for a in jax.tree_util.tree_leaves(trainable)} == {jnp.dtype(jnp.float32)}
+        if compute == "float32":
+            first = losses
+    assert losses != first and abs(losses[0] - first[0]) < 0.02 * first[0]  # (the same loss, rounded otherwise)
 
 
 def test_shared_bf16_head_saves_small_and_loads(tiny, tmp_path):
@@ -170,3 +180,14 @@ def test_the_shipped_head_is_the_embedded_models_and_small():
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
     assert size < 12e6, size
     assert eagle.shipped_head(cfg.replace(name="smollm2-360m")) is None
+
+
+def test_compute_dtype_is_checked_and_float32_runs_keep_their_record():
+    from specjax.distill import train as tr
+    from specjax.errors import SpecjaxError
+
+    with pytest.raises(SpecjaxError, match="compute dtype"):
+        tr.TrainConfig(compute_dtype="float16")
+    assert "compute_dtype" not in tr.run_record(tr.TrainConfig())  # (runs recorded before the field resume)
+    assert tr.run_record(tr.TrainConfig(compute_dtype="bfloat16"))["compute_dtype"] == "bfloat16"
+    assert tr.default_compute_dtype() in tr.COMPUTE_DTYPES

@@ -33,7 +33,7 @@ import optax
 
 from specjax.config import ModelConfig
 from specjax.distill import divergences as dv
-from specjax.distill.train import TrainConfig, apply_if_finite
+from specjax.distill.train import TrainConfig, apply_if_finite, compute_view
 from specjax.drafters.eagle import EagleDraft
 from specjax.models import llama
 
@@ -77,12 +77,12 @@ def loss_fn(trainable, frozen, tokens, prev_feats, positions, teacher, mask, *, 
     """Mean over unroll steps (weights STEP_DECAY^j) of the divergence between the teacher
     (TopK at every position, restricted to the head's tokens) and step j's logits, over the
     positions where ``mask`` [B, T] holds and step j's chain starts inside the window."""
-    dparams = {**frozen, **trainable}
+    dparams, prev_feats = compute_view(({**frozen, **trainable}, prev_feats), tc)
     teacher, covered = dv.restrict(jax.lax.stop_gradient(teacher), frozen["vocab_ids"], draft.cfg.vocab_size)
     T = tokens.shape[1]
     total, weight = 0.0, 0.0
     for j, lg in enumerate(unrolled_logits(draft, dparams, tokens, prev_feats, positions, steps)):
-        per = dv.divergence(tc.divergence, teacher, lg, temperature=tc.temperature, beta=tc.beta)
+        per = dv.divergence(tc.divergence, teacher, lg.astype(jnp.float32), temperature=tc.temperature, beta=tc.beta)
         total += STEP_DECAY ** j * dv.mean_over(per, mask & covered & (jnp.arange(T) >= j)[None, :])
         weight += STEP_DECAY ** j
     return total / weight

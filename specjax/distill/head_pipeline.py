@@ -348,7 +348,7 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
     opt = tr.make_optimizer(tc)
     run = {"kind": kind.name, "data": ds.digest(), "batch": rc.batch, "window": rc.window, "context": C,
            "planned_steps": planned, "seed": rc.seed, "unroll": rc.unroll if kind.unrolls else None,
-           "prompt_loss": rc.prompt_loss, "train": dataclasses.asdict(tc)}
+           "prompt_loss": rc.prompt_loss, "train": tr.run_record(tc)}
     if rc.init_head:  # (only then: the runs before it resume with the record they wrote)
         run["init_head"] = os.path.abspath(rc.init_head)
 

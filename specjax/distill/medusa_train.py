@@ -20,7 +20,7 @@ import optax
 
 from specjax.distill import divergences as dv
 from specjax.distill.eagle_train import STEP_DECAY
-from specjax.distill.train import TrainConfig, apply_if_finite
+from specjax.distill.train import TrainConfig, apply_if_finite, compute_view
 from specjax.drafters.medusa import TREE_NODES, MedusaDraft, best_tree
 
 
@@ -29,10 +29,10 @@ def loss_fn(trainable, frozen, prev_feats, teacher, mask, *, draft: MedusaDraft,
     heads' tokens) at entry u + i and head i's logits from the hidden state of entry u - 1,
     over the entries where ``mask`` [B, T] holds at u + i (and u > 0: entry 0 of a window that
     starts a sequence has no hidden state before it)."""
-    dparams = {**frozen, **trainable}
+    dparams, prev_feats = compute_view(({**frozen, **trainable}, prev_feats), tc)
     teacher, covered = dv.restrict(jax.lax.stop_gradient(teacher), frozen["vocab_ids"], draft.cfg.vocab_size)
     T = prev_feats.shape[1]
-    lg = draft.reduced(dparams, prev_feats)  # [B, T, H, N]
+    lg = draft.reduced(dparams, prev_feats).astype(jnp.float32)  # [B, T, H, N]
     ok = mask & covered
     total, weight = 0.0, 0.0
     for i in range(min(draft.heads, T - 1)):
