@@ -64,6 +64,33 @@ def test_fused_projections_give_each_projections_bits():
     assert "w_gate_up" not in llama.fuse_packs(mixed, widths) and "w_up" in llama.fuse_packs(mixed, widths)
 
 
+def test_a_call_on_the_calling_thread_alone_gives_the_same_bits():
+    """rows_dot.set_solo_rows: small blocks skip XLA's helper threads (a machine setting); every
+    mode's outputs are the same bits split over threads or not."""
+    rng = np.random.default_rng(6)
+    K, N = 64, 400  # 25 column blocks: several chunks to split
+    packs = _random_packs(rng, K, N)
+    x = jnp.asarray(rng.standard_normal((5, K)), jnp.float32)
+    calls = [(packs[f][0], act) for f, act in (("f32", "float32"), ("q4_1", "float32"), ("q8_0 pairs", "int8"),
+                                                ("q4_1 pairs", "bfloat16"), ("q8_0 pairs", "bfloat16"))]
+    fs = [jax.jit(lambda x, wp, a=act: rd.rows_dot(x, wp, N, activations=a)) for _, act in calls]
+    # the attention of a 3-token block over 40 cached slots of a [2, 1, 2, 64, 16] cache, 4 heads
+    q, kb, vb = (jnp.asarray(rng.standard_normal((1, 3, h, 16)), jnp.float32) for h in (4, 2, 2))
+    kc, vc = (jnp.asarray(rng.standard_normal((2, 1, 2, 64, 16)), jnp.float32) for _ in range(2))
+    attend = jax.jit(lambda *a: rd.block_attention(*a, 1, jnp.array([40], jnp.int32), jnp.tril(jnp.ones((1, 3, 3), bool))))
+    try:
+        outs = {}
+        for solo in (0, 64):
+            rd.set_solo_rows(solo)
+            outs[solo] = [np.asarray(f(x[:m], wp)) for f, (wp, _) in zip(fs, calls) for m in (1, 3, 5)]
+            outs[solo].append(np.asarray(attend(q, kb, vb, kc, vc)))
+        for a, b in zip(outs[0], outs[64]):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        rd.set_solo_rows()
+    assert rd.default_solo_rows() in (0, 3)
+
+
 def test_rows_kernel_matches_xla_and_rows_are_independent():
     rng = np.random.default_rng(0)
     K, N = 96, 150  # N not a whole number of 16-column blocks

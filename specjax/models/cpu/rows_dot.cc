@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -251,11 +252,20 @@ constexpr int64_t kChunk = 4;      // column blocks per task
 constexpr int kRowTile2 = 3;       // AVX2: rows per register sub-tile (at most 3 x 4 of the 16 ymm)
 #endif
 
-// Runs f(c) for c in [0, n) on the calling thread and XLA's intra-op pool. Chunks are claimed
-// from a shared counter, so the caller never waits for a task no thread has started (the pool
-// may be busy, or the caller may be its only thread); the state outlives late helpers.
+// A call of at most this many activation rows (a projection's rows, the attention's block
+// tokens) runs on the calling thread alone (specjax_set_solo_rows; rows_dot.set_solo_rows). On
+// the 2-vCPU AVX-512 EPYC, whose vCPUs share one core's units, waking XLA's helper for each of a
+// decode step's ~150 calls cost more than it bought: plain decoding 1.05-1.09x faster with both
+// alone (the projections alone: no faster), blocks of 4 and more rows slower (BENCHMARKS.md). The
+// outputs are the same bits either way.
+std::atomic<int64_t> g_solo_rows{0};
+
+// Runs f(c) for c in [0, n) on the calling thread and XLA's intra-op pool (the caller alone for
+// `rows` <= g_solo_rows). Chunks are claimed from a shared counter, so the caller never waits for
+// a task no thread has started (the pool may be busy, or the caller may be its only thread); the
+// state outlives late helpers.
 template <typename F>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t n, F f) {
+void parallel_chunks(ffi::ThreadPool& pool, int64_t n, F f, int64_t rows = INT64_MAX) {
   struct State {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -266,7 +276,7 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t n, F f) {
       st->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  int64_t helpers = rows <= g_solo_rows.load(std::memory_order_relaxed) ? 0 : std::min<int64_t>(pool.num_threads(), n - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(run)(run));  // a copy each (Schedule takes F&&)
   run();
   while (st->done.load(std::memory_order_acquire) < n) SPECJAX_RELAX();
@@ -1136,7 +1146,7 @@ ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks(xp, w, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  });
+  }, M);
   return ffi::Error::Success();
 }
 
@@ -1181,7 +1191,7 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf<Q8>(xp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  });
+  }, M);
   return ffi::Error::Success();
 }
 
@@ -1201,7 +1211,7 @@ ffi::Error RowsGgufI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf_i8<Q8>(*xrp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  });
+  }, M);
   return ffi::Error::Success();
 }
 
@@ -1217,7 +1227,7 @@ ffi::Error RowsGgufBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf_bf16<Q8>(*xrp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  });
+  }, M);
   return ffi::Error::Success();
 }
 
@@ -1465,7 +1475,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       }
     }
 #endif
-  });
+  }, B * T);
   return ffi::Error::Success();
 }
 
@@ -1473,6 +1483,8 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 // The exported handlers (rows_dot.py registers them, through its forwarders, under the
 // specjax_* target names).
+extern "C" void specjax_set_solo_rows(int64_t rows) { g_solo_rows.store(rows, std::memory_order_relaxed); }
+
 #define SPECJAX_HANDLER(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame* frame)
 #define SPECJAX_GGUF_HANDLER(name, fn)                                                                   \
   SPECJAX_HANDLER(name) {                                                                                \

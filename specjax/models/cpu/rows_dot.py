@@ -108,10 +108,37 @@ def _build(cxx: str, march: str | None = "native", src_path: str = _SRC) -> str:
     return tmp  # (no usable cache: loaded from the private build directory, left for the process)
 
 
+def default_solo_rows() -> int:
+    """Activation rows up to which a kernel call (projection or attention) runs on the calling
+    thread alone, its outputs the same bits: 3 on a machine of at most 2 CPUs, whose second is
+    likely a sibling of the first (the 2-vCPU AVX-512 EPYC's share one core's vector units: waking
+    XLA's helper thread for each of a decode step's ~150 calls cost more than it bought; plain
+    decoding 1.05-1.09x faster, blocks of 4 rows and more slower alone, BENCHMARKS.md); 0 (always
+    split over XLA's threads) elsewhere."""
+    return 3 if (os.cpu_count() or 1) <= 2 else 0
+
+
+_solo = {"rows": None, "libs": []}
+
+
+def set_solo_rows(rows: int | None = None) -> None:
+    """Run calls of at most ``rows`` activation rows on the calling thread alone, in this process
+    (None: ``default_solo_rows``). A machine's setting, not a model's: it changes no output bit."""
+    _solo["rows"] = default_solo_rows() if rows is None else int(rows)
+    for lib in _solo["libs"]:
+        lib.specjax_set_solo_rows(ctypes.c_int64(_solo["rows"]))
+
+
+def _solo_for(lib) -> None:
+    _solo["libs"].append(lib)
+    lib.specjax_set_solo_rows(ctypes.c_int64(default_solo_rows() if _solo["rows"] is None else _solo["rows"]))
+
+
 def register(path: str, suffix: str = "") -> None:
     """Load a built library and register its FFI targets, each name followed by ``suffix`` (the
     default build has none; another build beside it, for comparison, takes its own)."""
     lib = ctypes.cdll.LoadLibrary(path)
+    _solo_for(lib)
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
@@ -154,6 +181,7 @@ def ensure() -> None:
         if "error" not in _loaded:
             try:
                 lib = ctypes.cdll.LoadLibrary(_build(_compiler_or_error()))
+                _solo_for(lib)
                 ensure_targets()
                 set_real = _stub["lib"].specjax_rows_stub_set
                 set_real.argtypes = (ctypes.c_int, ctypes.c_void_p)
