@@ -252,8 +252,8 @@ constexpr int64_t kChunk = 4;      // column blocks per task
 constexpr int kRowTile2 = 3;       // AVX2: rows per register sub-tile (at most 3 x 4 of the 16 ymm)
 #endif
 
-// A call of at most this many activation rows (a projection's rows, the attention's block
-// tokens) runs on the calling thread alone (specjax_set_solo_rows; rows_dot.set_solo_rows). On
+// A call of at most this many activation rows (an int8 or bfloat16 projection's rows, the
+// attention's block tokens) runs on the calling thread alone (specjax_set_solo_rows; rows_dot.set_solo_rows). On
 // the 2-vCPU AVX-512 EPYC, whose vCPUs share one core's units, waking XLA's helper for each of a
 // decode step's ~150 calls cost more than it bought: plain decoding 1.05-1.09x faster with both
 // alone (the projections alone: no faster), blocks of 4 and more rows slower (BENCHMARKS.md). The
@@ -1146,7 +1146,7 @@ ffi::Error RowsPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* out = y->typed_data();
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks(xp, w, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  }, M);
+  });
   return ffi::Error::Success();
 }
 
@@ -1189,9 +1189,11 @@ ffi::Error RowsGguf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   const uint8_t* qp = static_cast<const uint8_t*>(codes.untyped_data());
   const uint16_t* sp = scales.typed_data();
   float* out = y->typed_data();
+  // (float32 activations never alone: their decode of the codes to floats keeps both vCPUs busy,
+  // a decode step 1.4x slower on one)
   parallel_chunks(pool, (nb + kChunk - 1) / kChunk, [=](int64_t c) {
     blocks_gguf<Q8>(xp, qp, sp, out, M, K, N, c * kChunk, std::min(nb, (c + 1) * kChunk));
-  }, M);
+  });
   return ffi::Error::Success();
 }
 

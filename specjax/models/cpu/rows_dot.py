@@ -109,8 +109,8 @@ def _build(cxx: str, march: str | None = "native", src_path: str = _SRC) -> str:
 
 
 def default_solo_rows() -> int:
-    """Activation rows up to which a kernel call (projection or attention) runs on the calling
-    thread alone, its outputs the same bits: 3 on a machine of at most 2 CPUs, whose second is
+    """Activation rows up to which a kernel call (an int8 or bfloat16 projection, the attention)
+    runs on the calling thread alone, its outputs the same bits: 3 on a machine of at most 2 CPUs, whose second is
     likely a sibling of the first (the 2-vCPU AVX-512 EPYC's share one core's vector units: waking
     XLA's helper thread for each of a decode step's ~150 calls cost more than it bought; plain
     decoding 1.05-1.09x faster, blocks of 4 rows and more slower alone, BENCHMARKS.md); 0 (always
