@@ -133,8 +133,8 @@ def run() -> int:
             return 0  # (the ids for the llama.cpp run only)
     rows = m.auto_rows_kernel()
     kernel = ForwardOptions(rows_kernel=rows, attention="cpu")
-    modes = {"f32_kernel": ("float32 (rows kernel, the default)", kernel, m.params_for(kernel)),
-             "bf16": ("bfloat16 (rows kernel, --rows_activations bfloat16)",
+    modes = {"f32_kernel": ("float32 (rows kernel; the default without AVX512_BF16)", kernel, m.params_for(kernel)),
+             "bf16": ("bfloat16 (rows kernel; the default with AVX512_BF16)",
                       dataclasses.replace(kernel, rows_activations="bfloat16"),
                       m.params_for(dataclasses.replace(kernel, rows_activations="bfloat16"))),
              "int8": ("int8 (rows kernel, --rows_activations int8)", dataclasses.replace(kernel, rows_activations="int8"),
