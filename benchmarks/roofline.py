@@ -109,13 +109,14 @@ def rows_chains(ms):
         ws = [llama.layer_packs(p, i) for i in range(len(p["layers"]))]
         head = p["head" + llama.ROWS_SUFFIX]
         shapes = {n: llama.out_width(m.cfg, n) for n in ws[0]}  # (q/k/v and gate/up fused: llama.FUSED)
+        wq, wk = llama.out_width(m.cfg, "wq"), llama.out_width(m.cfg, "wk")
         nbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves((ws, head)))
 
         def chain(x, ws, head):
             def mm(a, name, w):
                 return rows_dot.rows_dot(a, w, shapes[name])
             for w in ws:
-                q, k, v = jnp.split(mm(x, "wqkv", w["wqkv"]), [d, d + d // 3], axis=-1)
+                q, k, v = jnp.split(mm(x, "wqkv", w["wqkv"]), [wq, wq + wk], axis=-1)
                 x = x + mm(q + jnp.tile(k, (1, 3)) * 0.1 + jnp.tile(v, (1, 3)) * 0.1, "wo", w["wo"])
                 g, u = jnp.split(mm(x, "w_gate_up", w["w_gate_up"]), 2, axis=-1)
                 x = x + mm(jax.nn.silu(g) * u, "w_down", w["w_down"])

@@ -234,7 +234,6 @@ class EagleDraft(FeatureHeadDraft):
 # stacks (read at the head's layer index 0) and the vocabulary head, each Q8_0.
 LAYER_ROWS, HEAD_ROWS = "layer" + llama.ROWS_SUFFIX, "lm_head" + llama.ROWS_SUFFIX
 ROWS_FWD = ForwardOptions(rows_kernel=32)  # (float32 activations, XLA's attention: the head's own forward)
-_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def _q8_0(w: np.ndarray):
@@ -257,14 +256,14 @@ def for_rows_kernel(dparams) -> dict:
     chain about 3 ms at this CPU's 30-35 GB/s: the log, 2026-12-07 afternoon); Q8_0 reads 9."""
     from specjax.models.cpu import rows_dot
 
-    if any(np.shape(dparams["layer"][n])[0] % 32 for n in _PROJECTIONS) or np.shape(dparams["lm_head"])[0] % 32:
+    if any(np.shape(dparams["layer"][n])[0] % 32 for n in llama.PROJECTIONS) or np.shape(dparams["lm_head"])[0] % 32:
         return dparams  # (Q8_0 groups 32 inputs)
     out, layer, packs = dict(dparams), dict(dparams["layer"]), {}
-    for name in _PROJECTIONS:
+    for name in llama.PROJECTIONS:
         d, q, layer[name] = _q8_0(layer[name])
         packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q)])
     d, q, lm_head = _q8_0(dparams["lm_head"])
-    packs = llama.fuse_packs(packs, {n: np.shape(layer[n])[1] for n in _PROJECTIONS})
+    packs = llama.fuse_packs(packs, {n: np.shape(layer[n])[1] for n in llama.PROJECTIONS})
     out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head),
                **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q)})
     return out

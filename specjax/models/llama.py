@@ -169,7 +169,7 @@ def _rowwise_matvec(flat: jax.Array, w: jax.Array) -> jax.Array:
 
 ROWS_SUFFIX = ":rows"  # weights packed for the CPU rows kernel (pack_for_rows)
 LAYER_PACKS = "layers" + ROWS_SUFFIX  # {projection: its packs of every layer as one stack}
-_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 # Projections of one input that the rows kernel runs as one call: their stacks' column blocks
@@ -226,7 +226,7 @@ def pack_for_rows(params, cfg: ModelConfig, native: dict | None = None):
     out = dict(params)
     out[LAYER_PACKS] = fuse_packs({n: native["layers"][n] if n in native["layers"] else
                                    rows_dot.stack_packs([rows_dot.pack(lp[n]) for lp in params["layers"]])
-                                   for n in _PROJECTIONS}, {n: out_width(cfg, n) for n in _PROJECTIONS})
+                                   for n in PROJECTIONS}, {n: out_width(cfg, n) for n in PROJECTIONS})
     out["head" + ROWS_SUFFIX] = native.get("head")
     if out["head" + ROWS_SUFFIX] is None:
         out["head" + ROWS_SUFFIX] = rows_dot.pack(params["embed"].T if cfg.tie_embeddings else params["lm_head"])
@@ -423,7 +423,7 @@ def forward(
         # Only the small per-layer vectors (norms, biases) are stacked, in the program; the
         # projections are the packs' stacks, read in place at the counter. Feature layers' inputs
         # ride in the carry.
-        small = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0] if k not in _PROJECTIONS}
+        small = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0] if k not in PROJECTIONS}
 
         def body(carry, xs):
             x, k_all, v_all, taken = carry
