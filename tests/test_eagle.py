@@ -706,3 +706,39 @@ def test_trained_heads_sampled_tree_emits_the_targets_distribution(kind):
     print(f"trained {kind} head, T = {T}: a first-depth node accepted in {accepted}/{R * B} draws; chi-square over "
           f"{len(obs_cells)} cells p = {res.pvalue:.3f}")
     assert res.pvalue > 0.01
+
+
+def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny, head, tmp_path):
+    """``--eagle_mlp_width``: ``eagle.widen`` puts a trained head in a head of a wider MLP that
+    computes the same function (the new down rows zero); a head of any width saves and loads
+    with its width; a file of before the setting is a head of the target's width; and a wide head
+    whose new columns are trained (here: drawn) drafts chains whose output is plain decoding's."""
+    cfg, params = tiny
+    draft, dparams = head
+    wide_draft, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, mlp_width=256)
+    assert wide_draft.cfg.intermediate_size == 256 and fresh["layer"]["w_down"].shape == (256, cfg.hidden_size)
+    grown = {**fresh, **eagle.widen(heads.trainable_of(wide_draft, fresh), heads.trainable_of(draft, dparams))}
+    np.testing.assert_array_equal(grown["layer"]["w_gate"][:, :128], dparams["layer"]["w_gate"])
+    assert not np.any(np.asarray(grown["layer"]["w_down"][128:]))
+
+    n = 6
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, 255, (1, n)), jnp.int32)
+    feat = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, cfg.hidden_size)), jnp.float32)
+    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], llama.causal_mask(1, n)
+
+    def logits(d, p):
+        h, _ = d._forward(p, d.init_cache(1, 16, jnp.float32), toks, feat, pos, mask)
+        return np.asarray(d._reduced(p, h))
+
+    np.testing.assert_allclose(logits(wide_draft, grown), logits(draft, dparams), rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecjaxError, match="cannot grow"):
+        eagle.widen(heads.trainable_of(draft, dparams), heads.trainable_of(wide_draft, fresh))
+    with pytest.raises(SpecjaxError, match="multiple of 32"):
+        eagle.init_params(cfg, params, VOCAB_IDS, mlp_width=100)
+
+    eagle.save_head(str(tmp_path / "wide"), cfg, fresh, wide_draft)
+    d, p = eagle.load_head(str(tmp_path / "wide"), cfg, params)
+    assert d == wide_draft and eagle.read_spec(str(tmp_path / "wide"), cfg)["mlp_width"] == 256
+    np.testing.assert_array_equal(p["layer"]["w_down"], fresh["layer"]["w_down"])
+    assert heads.settings_of(eagle.KIND, {}, cfg) == {"mlp_width": 0}
+    serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(d, p), 2)

@@ -330,7 +330,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
 
     rc.check()
     cfg, ck = model.cfg, rc.checkpoint_dir
-    settings = dict(rc.settings)
+    trained_settings = tuple(s for s, _ in kind.options)  # (not what a head derives after training: Medusa's tree)
+    settings = heads.settings_of(kind, dict(rc.settings), cfg, trained_settings)  # (those not given: defaults)
     if kind.check is not None:
         kind.check(rc.k, settings)
     feats = kind.features(cfg, **settings)
@@ -357,10 +358,11 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
     blob = ondisk.read(os.path.join(ck, PIPELINE_FILE))
     if blob is not None:
         saved = json.loads(blob)
-        ids, settings, shared = np.asarray(saved["vocab_ids"], np.int32), saved["settings"], saved["shared_head"]
-        had = dict(saved["run"], **{f"settings.{k}": v for k, v in settings.items()}, shared_head=shared,
+        ids, shared = np.asarray(saved["vocab_ids"], np.int32), saved["shared_head"]
+        was = heads.settings_of(kind, saved["settings"], cfg, trained_settings)  # (a run of before a setting: its default)
+        had = dict(saved["run"], **{f"settings.{k}": v for k, v in was.items()}, shared_head=shared,
                    draft_vocab=rc.draft_vocab and len(ids))
-        now = dict(run, **{f"settings.{k}": v for k, v in rc.settings}, shared_head=rc.shared_head,
+        now = dict(run, **{f"settings.{k}": v for k, v in settings.items()}, shared_head=rc.shared_head,
                    draft_vocab=rc.draft_vocab)
         bad = differ(had, now)
         if bad:
@@ -371,9 +373,12 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
         start = heads.read_spec(kind, rc.init_head, cfg)
         # (the settings a run trains with; what a head derives after training, Medusa's tree, is not one)
         head_settings = {k: start[k] for k in settings}
-        require(head_settings == settings and bool(start.get("shared_head")) == rc.shared_head,
+        grows = head_settings != settings and kind.grow is not None
+        require((head_settings == settings or grows) and bool(start.get("shared_head")) == rc.shared_head,
                 f"--init_head {rc.init_head} is a head of other settings ({head_settings}, shared_head "
                 f"{bool(start.get('shared_head'))}) than this run's ({settings}, shared_head {rc.shared_head})")
+        if grows:
+            log(f"[--init_head {rc.init_head}: its head ({head_settings}) grown to this run's settings ({settings})]")
         ids, shared = start["vocab_ids"], rc.shared_head
         if rc.draft_vocab:
             # a shared head's vocabulary rows are the target's own (rebuilt from the ids, never
@@ -393,7 +398,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
         _write_pipeline(ck, kind, ids, settings, shared, run)
     draft, dparams = kind.init(cfg, model.params, ids, seed=rc.seed, shared_head=shared, **settings)
     if rc.init_head:  # (fine-tuning: the saved head's own arrays in place of a new head's)
-        dparams = {**dparams, **heads.trainable_of(draft, heads.load_head(kind, rc.init_head, cfg, model.params)[1])}
+        saved = heads.trainable_of(draft, heads.load_head(kind, rc.init_head, cfg, model.params)[1])
+        dparams = {**dparams, **(kind.grow(heads.trainable_of(draft, dparams), saved) if kind.grow else saved)}
     trainer = head_online.HeadTrainer(draft, tc, opt, rc.unroll)
     trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dparams))
     frozen = {k: v for k, v in dparams.items() if k not in trainable}

@@ -72,6 +72,7 @@ class WarmUp:
     distill_length: int
     # feature heads only (distill.heads_offline)
     medusa_heads: int
+    eagle_mlp_width: int
     unroll: int
     round_prompts: int
     self_prompts: int

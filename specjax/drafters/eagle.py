@@ -68,6 +68,9 @@ class EagleDraft(FeatureHeadDraft):
     # step's node budget takes the best nodes of all depths. 0: chains.
     tree_width: int = 0
     tree_depth: int = 4
+    # The head's MLP width (``cfg.intermediate_size``): 0 is the target's. A setting its file
+    # records (``KIND.settings``); ``widen`` grows a trained head to a wider one.
+    mlp_width: int = 0
 
     @property
     def drafts_trees(self) -> bool:
@@ -269,19 +272,24 @@ def for_rows_kernel(dparams) -> dict:
     return out
 
 
-def head_config(cfg: ModelConfig) -> ModelConfig:
-    """The target's config as the head's one-layer model (its own head, not tied)."""
-    return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False)
+def head_config(cfg: ModelConfig, mlp_width: int = 0) -> ModelConfig:
+    """The target's config as the head's one-layer model (its own head, not tied; its MLP
+    ``mlp_width`` wide, 0: the target's width)."""
+    require(mlp_width >= 0 and mlp_width % 32 == 0, f"an EAGLE head's MLP width is a multiple of 32 (0: the "
+            f"target's {cfg.intermediate_size}), got {mlp_width}")
+    return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False,
+                       intermediate_size=mlp_width or cfg.intermediate_size)
 
 
-def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_head: bool = False
-                ) -> tuple[EagleDraft, dict]:
+def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_head: bool = False,
+                mlp_width: int = 0) -> tuple[EagleDraft, dict]:
     """A random-initialised head for the target (``cfg``, ``params``): (EagleDraft, its params).
     ``vocab_ids``: the reduced head's target ids (default: ``frequent_tokens`` with no counts, the
     ``DEFAULT_VOCAB`` lowest ids, BPE's earliest merges); its rows start as the target head's
     rows for those ids (copied; with ``shared_head`` they stay those rows, not trained, not
-    saved), the rest is drawn with ``seed``."""
-    D, H, Hkv, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    saved), the rest is drawn with ``seed``; its MLP ``mlp_width`` wide (0: the target's)."""
+    D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    F = head_config(cfg, mlp_width).intermediate_size
     if vocab_ids is None:
         vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
     ids = heads.check_ids(vocab_ids, cfg.vocab_size)
@@ -299,18 +307,39 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
     trainable = {"fc": w(3 * D, D), "layer": layer}
     if not shared_head:
         trainable["lm_head"] = heads.target_rows(cfg, params, ids)
-    draft = _draft(cfg, ids, shared_head)
+    draft = _draft(cfg, ids, shared_head, mlp_width)
     return draft, heads.with_target(draft, trainable, ids, cfg, params)
 
 
-def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False) -> EagleDraft:
-    return EagleDraft(head_config(cfg), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers),
-                      shared_head=shared_head)
+def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False, mlp_width: int = 0) -> EagleDraft:
+    return EagleDraft(head_config(cfg, mlp_width), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers),
+                      shared_head=shared_head, mlp_width=mlp_width)
 
 
-KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, train_step="specjax.distill.eagle_train:batch_step",
+def widen(new: dict, saved: dict) -> dict:
+    """A trained head's arrays (``saved``) in a head of a wider MLP (``new``: a fresh head's
+    trainable arrays), computing the same function: the saved MLP in the first columns of
+    gate/up and the first rows of down, the new rows of down zero (so the new columns add
+    nothing until trained), the new gate/up columns as drawn (so they get gradients). Every
+    other array must match in shape."""
+    def put(path, a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape == b.shape:
+            return b.astype(a.dtype)
+        name = jax.tree_util.keystr(path)
+        require(name.endswith(("'w_gate']", "'w_up']", "'w_down']")) and a.ndim == 2 and b.shape[0] <= a.shape[0]
+                and b.shape[1] <= a.shape[1], f"a head of shape {b.shape} at {name} cannot grow into {a.shape}")
+        out = np.zeros_like(a) if name.endswith("'w_down']") else a.copy()
+        out[:b.shape[0], :b.shape[1]] = b
+        return out
+
+    return jax.tree_util.tree_map_with_path(lambda p, a, b: jnp.asarray(put(p, a, b)), new, saved)
+
+
+KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, settings=("mlp_width",),
+                      options=(("mlp_width", "eagle_mlp_width"),), train_step="specjax.distill.eagle_train:batch_step",
                       unrolls=True, chain_hits="specjax.distill.eagle_train:chain_hits", attends=True,
-                      serving_copies=for_rows_kernel)
+                      serving_copies=for_rows_kernel, grow=widen)
 HEAD_FILE = KIND.file
 
 

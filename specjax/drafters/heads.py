@@ -58,7 +58,10 @@ class HeadKind:
     starts inside a sequence carries context positions before its trained ones.
     ``serving_copies``: ``params -> params`` with the copies serving makes of the head's arrays
     (keys ending in ``SERVING_COPIES``; eagle: Q8_0 copies for the rows kernel), made again from
-    trained arrays by distill.head_online."""
+    trained arrays by distill.head_online. ``grow``: ``(new trainable, saved trainable) -> new
+    trainable``, a trained head's arrays in a head of larger settings computing the same function
+    (``--init_head`` with other settings; eagle: a wider MLP). A file written before a setting
+    existed takes the draft's default for it (``settings_of``)."""
 
     name: str
     title: str
@@ -73,6 +76,7 @@ class HeadKind:
     chain_hits: str | None = None
     attends: bool = False
     serving_copies: Callable | None = None
+    grow: Callable | None = None
 
     @property
     def file(self) -> str:
@@ -86,6 +90,14 @@ class HeadKind:
         """The function a ``"module:function"`` field (``train_step``, ``after_round``,
         ``chain_hits``) names."""
         return resolve(getattr(self, what))
+
+
+def settings_of(kind: HeadKind, spec: dict, cfg: ModelConfig, names: tuple[str, ...] | None = None) -> dict:
+    """A head file's (or a run's) settings ``names`` (default: all the kind's): those it records;
+    one written before a setting existed is a head of that setting's default (the draft's)."""
+    names = kind.settings if names is None else names
+    draft = kind.draft_of(cfg, np.arange(1), False, **{k: spec[k] for k in kind.settings if k in spec})
+    return {k: getattr(draft, k) for k in names}
 
 
 def check_ids(vocab_ids, V: int) -> np.ndarray:
@@ -168,7 +180,8 @@ def read_spec(kind: HeadKind, directory: str, cfg: ModelConfig) -> dict:
         spec = json.loads(blob)
         target, V, layers = spec["target"], spec["vocab_size"], tuple(spec["features"])
         spec["vocab_ids"] = np.asarray(spec["vocab_ids"])
-        settings = {k: spec[k] for k in kind.settings}
+        settings = settings_of(kind, spec, cfg)
+        spec.update(settings)
     except (ValueError, KeyError, TypeError) as e:
         raise SpecjaxError(f"{directory}/{kind.file} cannot be read: {type(e).__name__}: {e}".splitlines()[0][:300]) \
             from None
@@ -183,7 +196,7 @@ def load_head(kind: HeadKind, directory: str, cfg: ModelConfig, params):
     """(draft, params) of the head saved in ``directory`` for this target, in the target's dtype;
     a directory without one, or a head of another target: a one-line SpecjaxError."""
     spec = read_spec(kind, directory, cfg)
-    ids, settings = spec["vocab_ids"], {k: spec[k] for k in kind.settings}
+    ids, settings = spec["vocab_ids"], settings_of(kind, spec, cfg)
     shared_head = bool(spec.get("shared_head", False))
     draft = kind.draft_of(cfg, ids, shared_head, **settings)
     dtype = params["embed"].dtype
