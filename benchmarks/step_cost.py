@@ -3,6 +3,7 @@
   python benchmarks/step_cost.py --context 64,512,1024 --ks 0,1,2,4,8 [--draft_layers 8]
   python benchmarks/step_cost.py --context 256 --ks 1,3,5 --draft_layers 8 --draft_vocab 4096,8192
   python benchmarks/step_cost.py --context 256 --ks 0,1,3,5 --eagle_vocab 4096,49152 --launch_fwd
+  python benchmarks/step_cost.py --context 256,1024 --ks 0,3 --eagle_vocab 8192 --eagle_mlp_width 0,6144 --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,1,3,6 --medusa --trees --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,1,2,4,8 --launch_fwd --rows_activations float32,int8
 
@@ -44,14 +45,15 @@ flags.DEFINE_integer("slots", 2048, "Cache slots.")
 flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this many layers (0 = off).")
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
 flags.DEFINE_list("eagle_vocab", [], "Also time an EAGLE head with a vocabulary head of each of these sizes.")
+flags.DEFINE_list("eagle_mlp_width", ["0"], "--eagle_vocab: each head at each of these MLP widths (0: the target's).")
 flags.DEFINE_bool("medusa", False, "Also time the shipped Medusa heads' chain steps.")
 flags.DEFINE_bool("trees", False, "Also time tree steps: the host's, Medusa's static tree and the shipped EAGLE "
                   "head's dynamic tree (--eagle_tree).")
 flags.DEFINE_string("eagle_tree", "3x3", "--trees: the EAGLE dynamic tree's width x depth.")
 flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
                   "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
-flags.DEFINE_list("rows_activations", ["float32"], "With --launch_fwd: the rows kernel's activation modes to time "
-                  "(float32, int8, bfloat16), the host steps and AR of every mode in the same rotated rounds; each mode's "
+flags.DEFINE_list("rows_activations", ["auto"], "With --launch_fwd: the rows kernel's activation modes to time "
+                  "(auto: the launch scripts' default for this machine; float32, int8, bfloat16), the host steps and AR of every mode in the same rotated rounds; each mode's "
                   "extra verified row (the least-squares slope of step ms over K >= 1) is printed after the table. "
                   "The draft tables use the first mode.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")
@@ -78,8 +80,10 @@ def main(argv):
     cfg = m.cfg
     auto = dict(rows_kernel_auto=True, attention_auto=True, scan_auto=True)  # (the launch flags' defaults)
     modes = FLAGS.rows_activations
-    if not set(modes) <= {"float32", "int8", "bfloat16"} or len(set(modes)) != len(modes) or (modes != ["float32"] and not FLAGS.launch_fwd):
-        raise app.UsageError("--rows_activations: distinct float32 / int8 / bfloat16, the last two with --launch_fwd (the rows kernel)")
+    if not set(modes) <= {"auto", "float32", "int8", "bfloat16"} or len(set(modes)) != len(modes) or (
+            not FLAGS.launch_fwd and modes not in (["auto"], ["float32"])):
+        raise app.UsageError("--rows_activations: distinct auto / float32 / int8 / bfloat16, all but auto and float32 "
+                             "with --launch_fwd (the rows kernel)")
     fwds = {mode: EngineSpec(model=FLAGS.model, **auto, rows_activations_auto="" if mode == "float32" else mode).resolved(m).fwd
             if FLAGS.launch_fwd else ForwardOptions() for mode in modes}
     fwd = fwds[modes[0]]
@@ -91,10 +95,10 @@ def main(argv):
     for n in map(int, FLAGS.draft_vocab):
         # which N tokens does not change the cost: the first N ids stand for the N most frequent
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
-    for n in map(int, FLAGS.eagle_vocab):
-        d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n))
+    for n, width in ((n, w) for n in map(int, FLAGS.eagle_vocab) for w in map(int, FLAGS.eagle_mlp_width)):
+        d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n), mlp_width=width)
         dp = eagle.for_rows_kernel(dp) if fwd.rows_kernel else dp  # (as eagle.build serves it)
-        drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens"), dp))
+        drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens" + (f", MLP {width}" if width else "")), dp))
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)
         drafts.append((dataclasses.replace(h.draft, label="medusa"), h.params))

@@ -326,17 +326,23 @@ def test_sampled_reproducible_and_verified_with_the_heads_q(backend):
 
 
 def test_reduced_head_drafts_only_its_tokens(tiny, head):
-    """The head's q is a distribution over the target's vocabulary with zeros outside its N ids."""
-    from specjax.sampling import probs_from_logits
-
+    """The head's q is a distribution over the target's vocabulary with zeros outside its N ids;
+    a greedy draft, picked from the N logits alone, is the full vocabulary's argmax and its
+    confidence the full distribution's top probability."""
     cfg, _ = tiny
     draft, dparams = head
     samp = SamplingArrays.build([SamplingParams(temperature=1.0, seed=1)] * 2, 2)
     h = jnp.asarray(np.random.default_rng(0).standard_normal((2, cfg.hidden_size)), jnp.float32)
-    q = np.asarray(jax.jit(lambda dp, h: probs_from_logits(draft._logits(dp, h), samp))(dparams, h))
+    lengths = jnp.zeros((2,), jnp.int32)
+    q = np.asarray(jax.jit(lambda dp, h: draft._pick(dp, draft._reduced(dp, h), 0, lengths, samp, False)[1]
+                           )(dparams, h))
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
     outside = np.setdiff1d(np.arange(cfg.vocab_size), VOCAB_IDS)
     assert (q[..., outside] == 0).all() and (q[..., VOCAB_IDS] > 0).all()
+    d, _, conf = jax.jit(lambda dp, h: draft._pick(dp, draft._reduced(dp, h), 0, lengths, samp, True))(dparams, h)
+    full = np.asarray(draft._full(dparams, draft._reduced(dparams, h)))
+    np.testing.assert_array_equal(np.asarray(d), full.argmax(-1))
+    np.testing.assert_allclose(np.asarray(conf), np.asarray(jax.nn.softmax(full, -1)).max(-1), rtol=1e-6)
 
 
 def test_save_load_and_registry(tiny, head, tmp_path, monkeypatch):
@@ -483,7 +489,11 @@ def test_dynamic_tree_nodes_are_the_heads_best_children(tiny, head):
     pending, lengths = jnp.asarray([7, 99], jnp.int32), jnp.full((B1,), L, jnp.int32)
     toks, parents = jax.jit(draft.draft_tree, static_argnums=4)(dparams, dc, pending, lengths, 6)
     toks, parents = np.asarray(toks), np.asarray(parents)
-    feed = jax.jit(draft._feed)
+    def feed(dp, c, tok, feat):  # (the head's N logits on the target's vocabulary)
+        lg, c = draft._feed(dp, c, tok, feat)
+        return draft._full(dp, lg), c
+
+    feed = jax.jit(feed)
     for b in range(B1):
         assert parents[b, 0] == -1 and all(0 <= parents[b, i] < i for i in range(1, 7))
         logp = {}

@@ -120,6 +120,10 @@ class ModelDraft:
         full = jnp.full(lg.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, lg.dtype)
         return full.at[..., dparams["vocab_ids"]].set(lg)
 
+    def _ids(self, dparams, i):
+        """Indices into the draft's own logits (a reduced head's N) -> target token ids."""
+        return dparams["vocab_ids"][i] if self.vocab else i
+
     def prefill(self, dparams, dcache, tokens, positions, mask, n_valid, first: bool) -> kv.KVCache:
         """One prefill chunk into the draft cache (``first``: ``dcache`` is fresh, nothing to
         attend to before the chunk); the step's own prefill chunk, for the draft."""
@@ -136,23 +140,28 @@ class ModelDraft:
         pos = dc.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, dc = llama.forward(dparams, blk, pos, dc, llama.causal_mask(B, 2), cfg=self.cfg, fwd=self.fwd,
                                    logits_at=jnp.ones((B, 1), jnp.int32))
-        return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.full((B,), 2, jnp.int32))
+        return logits[:, 0], kv.advance(dc, jnp.full((B,), 2, jnp.int32))
 
     def _next(self, dparams, dc: kv.KVCache, d):
         """Feed one drafted token per row: logits for the next draft."""
         B = d.shape[0]
         logits, dc = llama.forward(dparams, d[:, None], dc.lengths[:, None], dc, llama.causal_mask(B, 1),
                                    cfg=self.cfg, fwd=self.fwd)
-        return self._full(dparams, logits[:, 0]), kv.advance(dc, jnp.ones((B,), jnp.int32))
+        return logits[:, 0], kv.advance(dc, jnp.ones((B,), jnp.int32))
 
-    @staticmethod
-    def _pick(lg, j, target_lengths, samp: SamplingArrays, greedy_only: bool):
-        """Draft j of every row from the draft logits: (token, its warped distribution or None,
-        confidence = the draft's probability of the token it proposes, Algorithm 3)."""
+    def _pick(self, dparams, lg, j, target_lengths, samp: SamplingArrays, greedy_only: bool):
+        """Draft j of every row from the draft's own logits (a reduced head's N): (token, its
+        warped distribution over the target's vocabulary or None, confidence = the draft's
+        probability of the token it proposes, Algorithm 3). Greedy drafting reads the N logits
+        alone: the tokens outside a reduced head have probability 0, so its argmax and top
+        probability are the full vocabulary's (a tie takes the first of the N: the same token
+        where the ids ascend, as ``frequent_tokens`` lists them) without writing and reading V of
+        them for each draft."""
         if greedy_only:
-            d = argmax(lg)
+            d = self._ids(dparams, argmax(lg))
             conf = jnp.max(jax.nn.softmax(lg.astype(jnp.float32), axis=-1), axis=-1)
             return d, None, conf
+        lg = self._full(dparams, lg)
         q = probs_from_logits(lg, samp)
         keys = stream_keys(samp.seed, (target_lengths + 1 + j)[:, None], SALT_DRAFT)[:, 0]
         d = _sample_rows(keys, q)
@@ -171,7 +180,7 @@ class ModelDraft:
         made a 12 MB step that took 27 s to compile and 6 s to load from disk (a loop: 19 s and
         2 s, the step as fast; BENCHMARKS.md)."""
         lg, dc = self._refeed(dparams, dcache, prev, pending, target_lengths)
-        d, q, _ = self._pick(lg, 0, target_lengths, samp, greedy_only)
+        d, q, _ = self._pick(dparams, lg, 0, target_lengths, samp, greedy_only)
         B = d.shape[0]
         toks = jnp.zeros((B, K), jnp.int32).at[:, 0].set(d)
         qs = None if greedy_only else jnp.zeros((B, K) + q.shape[1:], q.dtype).at[:, 0].set(q)
@@ -179,7 +188,7 @@ class ModelDraft:
         def body(j, carry):
             d, dc, toks, qs = carry
             lg, dc = self._next(dparams, dc, d)
-            d, q, _ = self._pick(lg, j, target_lengths, samp, greedy_only)
+            d, q, _ = self._pick(dparams, lg, j, target_lengths, samp, greedy_only)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, d[:, None], j, axis=1)
             if qs is not None:
                 qs = jax.lax.dynamic_update_slice_in_dim(qs, q[:, None], j, axis=1)
@@ -198,7 +207,7 @@ class ModelDraft:
         row's proposal), proposed [B], dcache)."""
         B = pending.shape[0]
         lg, dc = self._refeed(dparams, dcache, prev, pending, target_lengths)
-        d, q, c = self._pick(lg, 0, target_lengths, samp, greedy_only)
+        d, q, c = self._pick(dparams, lg, 0, target_lengths, samp, greedy_only)
         toks = jnp.zeros((B, P), jnp.int32).at[:, 0].set(d)
         conf = jnp.zeros((B, P), jnp.float32).at[:, 0].set(jnp.where(active, c, 0.0))
         qs = None if greedy_only else jnp.zeros((B, P) + q.shape[1:], q.dtype).at[:, 0].set(q)
@@ -212,7 +221,7 @@ class ModelDraft:
         def body(carry):
             j, d, dc, toks, qs, conf, n, going = carry
             lg, dc = self._next(dparams, dc, d)
-            d, q, c = self._pick(lg, j, target_lengths, samp, greedy_only)
+            d, q, c = self._pick(dparams, lg, j, target_lengths, samp, greedy_only)
             toks = jax.lax.dynamic_update_slice_in_dim(toks, jnp.where(going, d, 0)[:, None], j, axis=1)
             conf = jax.lax.dynamic_update_slice_in_dim(conf, jnp.where(going, c, 0.0)[:, None], j, axis=1)
             if qs is not None:

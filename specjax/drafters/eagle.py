@@ -111,16 +111,14 @@ class EagleDraft(FeatureHeadDraft):
             return jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)
         return llama.dense(x, dparams["lm_head"], ROWS_FWD, pack, n=dparams["lm_head"].shape[-1])
 
-    def _logits(self, dparams, h):
-        return self._full(dparams, self._reduced(dparams, h))
-
     def _feed(self, dparams, dc: kv.FeatureCache, tok, feat):
-        """One entry per row (token, feature) at the cache's lengths: (logits of the next token,
-        dc advanced by one, its ``feat`` the head's own output: the next entry's feature)."""
+        """One entry per row (token, feature) at the cache's lengths: (the head's logits of the
+        next token, over its N; dc advanced by one, its ``feat`` the head's own output: the next
+        entry's feature)."""
         B = tok.shape[0]
         h, dc = self._forward(dparams, dc, tok[:, None], feat[:, None], dc.lengths[:, None], llama.causal_mask(B, 1))
         dc = dataclasses.replace(kv.advance(dc, jnp.ones((B,), jnp.int32)), feat=h[:, 0])
-        return self._logits(dparams, h[:, 0]), dc
+        return self._reduced(dparams, h[:, 0]), dc
 
     # ModelDraft.draft / propose run their chain through these two.
     def _refeed(self, dparams, dcache, prev, pending, target_lengths):

@@ -82,8 +82,8 @@ class MedusaDraft(FeatureHeadDraft):
         """Draft j of every row from head j on the carried hidden state (greedy, or sampled from
         head j's warped distribution with the (seed, position) draft stream, as ModelDraft)."""
         require(K <= self.heads, f"the Medusa drafter has {self.heads} heads: at most K = {self.heads}")
-        lg = self._full(dparams, self.reduced(dparams, dcache.feat, K))  # [B, K, V]
-        picks = [self._pick(lg[:, j], j, target_lengths, samp, greedy_only) for j in range(K)]
+        lg = self.reduced(dparams, dcache.feat, K)  # [B, K, N]
+        picks = [self._pick(dparams, lg[:, j], j, target_lengths, samp, greedy_only) for j in range(K)]
         toks = jnp.stack([d for d, _, _ in picks], axis=1)
         qs = None if greedy_only else jnp.stack([q for _, q, _ in picks], axis=1)
         return toks, qs, dcache
