@@ -261,6 +261,25 @@ def chain_walk(hits: np.ndarray, valid: np.ndarray) -> tuple[float, float]:
 
 
 
+def shard_estimate(kind, draft, dparams, shard, rc: RunConfig, pl: Placement | None = None) -> tuple[float, float]:
+    """(top-1 agreement of draft 1, estimated tokens per verify step at K = ``rc.k``) of the head
+    on a stored shard: ``chain_walk`` of its greedy chains' hits over the answers' drafted
+    positions (from the first token the target wrote: the pending token of the first step), in
+    windows of ``rc.window``. On the held-out shard it is a run's held-out estimate; on a
+    training shard, how well the head fits what it trained on (benchmarks/head_fit.py)."""
+    pl = pl or Placement(1)
+    C = rc.context if kind.attends else 1
+    rows, _ = windows([shard], rc.window, C, prompt_loss=False, skip=1)
+    hits_fn = kind.resolve("chain_hits")
+    out = []
+    for i in range(0, len(rows), rc.batch):
+        part = [(shard.sequence(int(q)), int(a), int(f)) for _, q, a, f in rows[i:i + rc.batch]]
+        part += [(part[0][0], part[0][1], 1 << 30)] * (rc.batch - len(part))  # (padding rows: nothing valid)
+        hits, valid = hits_fn(dparams, pl.rows(et.window_batch(part, rc.window)), draft=draft, k=rc.k)
+        out.append((np.asarray(hits), np.asarray(valid)))
+    return chain_walk(np.concatenate([h for h, _ in out]), np.concatenate([v for _, v in out]))
+
+
 def _host(tree):
     return jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a)), tree)
 
@@ -429,23 +448,10 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
                             rc.window)
         return pl.rows(b), int(counts[idx].sum())
 
-    # held-out: the stored shard's windows (the answers' drafted positions: from the first token the
-    # target wrote, the pending token of the first step), its prompts for the engine
-    ev_rows, _ = windows([ds.eval], rc.window, C, prompt_loss=False, skip=1)
-    hits_fn = kind.resolve("chain_hits")
-
     def stored_eval(trainable) -> tuple[float, float]:
-        """(top-1 agreement of draft 1, estimated tokens per verify step at K = k) on the held-out
-        shard, with the head as served (its saved dtype): ``chain_walk`` of its chains' hits."""
+        """``shard_estimate`` on the held-out shard, with the head as served (its saved dtype)."""
         own = jax.tree_util.tree_map(lambda a: a.astype(rc.head_dtype).astype(a.dtype), trainable)
-        dp = {**frozen_d, **own}
-        out = []
-        for i in range(0, len(ev_rows), rc.batch):
-            part = [(ds.eval.sequence(int(q)), int(a), int(f)) for _, q, a, f in ev_rows[i:i + rc.batch]]
-            part += [(part[0][0], part[0][1], 1 << 30)] * (rc.batch - len(part))  # (padding rows: nothing valid)
-            hits, valid = hits_fn(dp, pl.rows(et.window_batch(part, rc.window)), draft=draft, k=rc.k)
-            out.append((np.asarray(hits), np.asarray(valid)))
-        return chain_walk(np.concatenate([h for h, _ in out]), np.concatenate([v for _, v in out]))
+        return shard_estimate(kind, draft, {**frozen_d, **own}, ds.eval, rc, pl)
 
     dt = model.params["embed"].dtype
 
