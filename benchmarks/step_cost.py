@@ -53,7 +53,8 @@ flags.DEFINE_string("eagle_tree", "3x3", "--trees: the EAGLE dynamic tree's widt
 flags.DEFINE_bool("launch_fwd", False, "Time with the launch scripts' forward options for this model "
                   "(EngineSpec's automatic settings resolved) instead of XLA's defaults.")
 flags.DEFINE_list("rows_activations", ["auto"], "With --launch_fwd: the rows kernel's activation modes to time "
-                  "(auto: the launch scripts' default for this machine; float32, int8, bfloat16), the host steps and AR of every mode in the same rotated rounds; each mode's "
+                  "(auto: the launch scripts' default for this machine; float32, int8, bfloat16), the host steps and "
+                  "AR of every mode in the same rotated rounds; each mode's "
                   "extra verified row (the least-squares slope of step ms over K >= 1) is printed after the table. "
                   "The draft tables use the first mode.")
 flags.DEFINE_integer("reps", 20, "Timed calls per point (median reported).")

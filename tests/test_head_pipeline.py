@@ -453,7 +453,8 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     layer, was = got["trainable"]["layer"], saved["layer"]
     np.testing.assert_allclose(np.asarray(layer["w_up"])[:, :128], np.asarray(was["w_up"], np.float32), atol=1e-6)
     np.testing.assert_allclose(np.asarray(layer["w_down"])[128:], 0.0, atol=1e-6)
-    assert json.loads(open(os.path.join(wide.checkpoint_dir, hp.PIPELINE_FILE)).read())["settings"] == {"mlp_width": 256}
+    pipe = json.loads(open(os.path.join(wide.checkpoint_dir, hp.PIPELINE_FILE)).read())
+    assert pipe["settings"] == {"mlp_width": 256}
 
 
 def test_spec_bench_training_prompts_leave_the_measured_ones_out(tmp_path):

@@ -378,7 +378,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
     if blob is not None:
         saved = json.loads(blob)
         ids, shared = np.asarray(saved["vocab_ids"], np.int32), saved["shared_head"]
-        was = heads.settings_of(kind, saved["settings"], cfg, trained_settings)  # (a run of before a setting: its default)
+        # (a run of before a setting: that setting's default)
+        was = heads.settings_of(kind, saved["settings"], cfg, trained_settings)
         had = dict(saved["run"], **{f"settings.{k}": v for k, v in was.items()}, shared_head=shared,
                    draft_vocab=rc.draft_vocab and len(ids))
         now = dict(run, **{f"settings.{k}": v for k, v in settings.items()}, shared_head=rc.shared_head,
