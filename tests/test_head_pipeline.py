@@ -476,3 +476,20 @@ def test_spec_bench_training_prompts_leave_the_measured_ones_out(tmp_path):
     assert all(r["prompt"] == f"{r['category']} question {r['question_id']}" for r in rows)
     assert len(make_workload.spec_bench_train(str(tmp_path), 0)) == 9
 
+
+
+def test_shard_estimate_of_a_saved_head_is_the_runs_held_out_estimate(model, data, trained):
+    """head_pipeline.shard_estimate (benchmarks/head_fit.py): the saved head, loaded as served, on
+    the held-out shard gives the run's last recorded held-out estimate; on a training shard, an
+    estimate of the same form (top-1 in [0, 1], tokens per step in [1, k + 1])."""
+    from specjax.drafters import heads
+
+    rc, got = trained
+    spec = eagle.read_spec(rc.checkpoint_dir, model.cfg)
+    held = spec["training"]["heldout"]
+    assert held["step"] == got["step"]
+    draft, dparams = heads.load_head(eagle.KIND, rc.checkpoint_dir, model.cfg, model.params)
+    top1, est = hp.shard_estimate(eagle.KIND, draft, dparams, data[2].eval, rc)
+    assert (top1, est) == pytest.approx((held["top1"], held["estimate"]), abs=1e-6)
+    top1, est = hp.shard_estimate(eagle.KIND, draft, dparams, data[2].train[0], rc)
+    assert 0.0 <= top1 <= 1.0 and 1.0 <= est <= rc.k + 1
