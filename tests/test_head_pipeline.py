@@ -455,6 +455,13 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     np.testing.assert_allclose(np.asarray(layer["w_down"])[128:], 0.0, atol=1e-6)
     pipe = json.loads(open(os.path.join(wide.checkpoint_dir, hp.PIPELINE_FILE)).read())
     assert pipe["settings"] == {"mlp_width": 256}
+    # killed after its first checkpoint (step 3), the grown run resumes from it
+    killed = hp.train(eagle.KIND, model, data[2], wide, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=4)
+    assert killed["step"] == 4
+    lines = []
+    again = hp.train(eagle.KIND, model, data[2], wide, tr.TrainConfig(lr=1e-12), log=lines.append, kill_after=1)
+    assert again["step"] == 4 and any("resumed" in m for m in lines), lines
+    assert np.asarray(again["trainable"]["layer"]["w_down"]).shape == (256, model.cfg.hidden_size)
 
 
 def test_spec_bench_training_prompts_leave_the_measured_ones_out(tmp_path):

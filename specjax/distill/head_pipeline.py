@@ -419,6 +419,8 @@ def train(kind, model, ds: DataSet, rc: RunConfig, tc: tr.TrainConfig, log: Call
     draft, dparams = kind.init(cfg, model.params, ids, seed=rc.seed, shared_head=shared, **settings)
     if rc.init_head:  # (fine-tuning: the saved head's own arrays in place of a new head's)
         saved = heads.trainable_of(draft, heads.load_head(kind, rc.init_head, cfg, model.params)[1])
+        # (a kind that grows heads takes the saved arrays through its grow: the same ones where the
+        # settings match, and a resumed run of a grown head needs the grown shapes to restore into)
         dparams = {**dparams, **(kind.grow(heads.trainable_of(draft, dparams), saved) if kind.grow else saved)}
     trainer = head_online.HeadTrainer(draft, tc, opt, rc.unroll)
     trainable = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), heads.trainable_of(draft, dparams))

@@ -324,10 +324,11 @@ def widen(new: dict, saved: dict) -> dict:
         a, b = np.asarray(a), np.asarray(b)
         if a.shape == b.shape:
             return b.astype(a.dtype)
-        name = jax.tree_util.keystr(path)
-        require(name.endswith(("'w_gate']", "'w_up']", "'w_down']")) and a.ndim == 2 and b.shape[0] <= a.shape[0]
-                and b.shape[1] <= a.shape[1], f"a head of shape {b.shape} at {name} cannot grow into {a.shape}")
-        out = np.zeros_like(a) if name.endswith("'w_down']") else a.copy()
+        name = getattr(path[-1], "key", None)
+        require(name in ("w_gate", "w_up", "w_down") and a.ndim == 2 and b.shape[0] <= a.shape[0]
+                and b.shape[1] <= a.shape[1],
+                f"a head of shape {b.shape} at {jax.tree_util.keystr(path)} cannot grow into {a.shape}")
+        out = np.zeros_like(a) if name == "w_down" else a.copy()
         out[:b.shape[0], :b.shape[1]] = b
         return out
 
