@@ -130,18 +130,20 @@ def last_token():
 
 def test_a_new_device_kind_that_carries_state_between_steps(last_token):
     """Greedy token-identical to autoregressive decoding through the registry's backend, with
-    plain decode calls (its upkeep) and verify steps in one run, batch 1 and 4, requests joining
-    and leaving; its drafts (the carried last token) are accepted where the text repeats it."""
+    plain decode calls (its upkeep), verify steps and calls of them in one run, batch 1 and 4,
+    requests joining and leaving; its drafts (the carried last token) are accepted where the text
+    repeats it."""
     model = load_model("tiny-random")
     prompts = [[5, 6, 7, 7, 7, 7], [9, 10, 11, 9, 10, 11, 9], [3, 3, 3], [8, 8, 8, 8, 8]]
     want = [r.tokens for r in reference_generate(model.cfg, model.params, prompts, max_new_tokens=12)]
     be = registry.make_backend(model, last_token, k_buckets=(0, 2), batch_buckets=(1, 4), slots=64)
     be.warmup(prompt_lens=[8])
 
-    class Alternate(FixedK):  # verify steps and runs of plain ones, turn about
+    class Alternate(FixedK):  # a verify step, a call of verify steps, a call of plain ones, in turn
         def choose(self, view):
             self.n = getattr(self, "n", 0) + 1
-            return 2 if self.n % 3 == 0 else 0
+            k, self.call_steps = ((2, 1), (2, 3), (0, 2))[self.n % 3]
+            return k
 
     class CheckState(Observer):  # after every iteration: the state each running row carries on the device
         checked = 0
@@ -154,7 +156,10 @@ def test_a_new_device_kind_that_carries_state_between_steps(last_token):
                     self.checked += 1
 
     check = CheckState()
+    calls, decode = [], be.decode
+    be.decode = lambda rs, n, *a: (lambda out: calls.append((a[-1], max(map(len, out[0])))) or out)(decode(rs, n, *a))
     reqs = [Request(str(i), p, 12, arrival=0.0 if i < 3 else 1e-6) for i, p in enumerate(prompts)]
     outs = ServingEngine(be, Alternate(2), observers=[check]).run(reqs)
-    assert [o.tokens for o in outs] == want and check.checked > 20
+    assert [o.tokens for o in outs] == want and check.checked > 12
+    assert {k for k, steps in calls if steps > 1} == {0, 2}, calls  # (calls of several steps, K = 2's too)
     assert sum(o.accepted for o in outs) > 0

@@ -261,7 +261,7 @@ class Alternating(FixedK):
 
     def __init__(self):
         super().__init__(2)
-        self.plain_steps, self._n = 4, 0
+        self.call_steps, self._n = 4, 0
 
     def choose(self, view):
         self._n += 1
@@ -294,7 +294,8 @@ def test_decode_calls_without_any_drafting_row_skip_the_heads_upkeep(tiny, backe
     decode = backend.table.decode
 
     def spy(*a, **kw):
-        upkeep.append(kw.get("upkeep", True))
+        if not kw.get("k"):  # (plain decoding's calls; the K = 2 steps are calls of K too)
+            upkeep.append(kw.get("upkeep", True))
         return decode(*a, **kw)
 
     monkeypatch.setattr(backend.table, "decode", spy)
@@ -305,6 +306,42 @@ def test_decode_calls_without_any_drafting_row_skip_the_heads_upkeep(tiny, backe
     assert [o.tokens for o in outs] == ref
     assert False in upkeep and (True in upkeep) == bool(first), upkeep
     assert any(getattr(k, "op", "") == "decode" and k.draft is None and not k.features for k in backend.table._exe)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 20.0])
+def test_calls_of_verify_steps_are_single_steps(backend, monkeypatch, temperature):
+    """The head drafts inside its steps, so the engine runs runs of them as one device call
+    (``fused_steps``, spec_decode at K > 0): the tokens (seed for seed when sampled), each
+    request's steps, drafts and acceptances, and the steps the observers see are those of one
+    call per step, with requests joining, leaving and stopping at an EOS inside a call (when they
+    join, the batch's steps differ: a call is one of the clock's operations)."""
+    assert backend.fused_steps
+    sizes = []
+    decode = backend.decode
+    monkeypatch.setattr(backend, "decode", lambda rs, n, *a: (lambda out: sizes.append((a[-1], max(map(len, out[0]))))
+                                                              or out)(decode(rs, n, *a)))
+    samp = SamplingParams(temperature=temperature)
+
+    def run(policy, eos=()):
+        backend.reset()
+        eng = ServingEngine(backend, policy, clock=OpClock(), eos_ids=eos)
+        reqs = [Request(f"q{i}", p, MAX_NEW if i != 1 else 5, arrival=0.0 if i < 3 else 0.004 * i,
+                        sampling=dataclasses.replace(samp, seed=10 + i)) for i, p in enumerate(PROMPTS)]
+        outs = eng.run(reqs)
+        # (the steps the observers saw add up to the requests' own counts)
+        assert [sum(x) for x in zip(*[(s.n, s.drafted, s.accepted) for s in eng.steps])] == [
+            sum(o.steps for o in outs), sum(o.drafted for o in outs), sum(o.accepted for o in outs)]
+        return [(o.tokens, o.steps, o.drafted, o.accepted, o.finish_reason) for o in outs]
+
+    one = FixedK(2)
+    one.call_steps = 1
+    eos = (run(one)[0][0][6],)  # (request 0 stops at its 7th token or before, inside a call)
+    single = run(one, eos)
+    assert not sizes
+    assert run(FixedK(2), eos) == single
+    assert max(n for k, n in sizes if k == 2) > 2, sizes  # (calls of several verify steps ran)
+    assert "eos" in {o[4] for o in single}
+    assert sum(o[3] for o in single) > 0 or not temperature  # (the random head's greedy drafts may all miss)
 
 
 def test_sampled_reproducible_and_verified_with_the_heads_q(backend):

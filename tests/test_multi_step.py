@@ -56,7 +56,7 @@ def test_decode_calls_by_default_where_nothing_is_decided():
     assert BackendOptions(k_buckets=(0,)).plain_decode_steps() == DEFAULT_DECODE_STEPS > 1  # Generator: plain AR
     assert BackendOptions(k_buckets=(0, 2)).plain_decode_steps() == DEFAULT_DECODE_STEPS  # SmartSpec's runs of K = 0
     assert BackendOptions(k_buckets=(0,), teacher_topk=4).plain_decode_steps() == 1
-    assert FixedK(0).plain_steps > N and FixedK(2).plain_steps == 1
+    assert FixedK(0).call_steps > N and FixedK(2).call_steps > N  # (K > 0: where the backend can)
 
 
 class _Calls:
@@ -107,7 +107,7 @@ def test_sampled_tokens_are_those_of_single_steps(be):
     reqs = [Request(str(i), p, 17, sampling=s) for i, (p, s) in enumerate(zip(PROMPTS, samp))]
     multi, _, calls = _serve(be, reqs)
     one = FixedK(0)
-    one.plain_steps = 1  # a decision every step: a call per token
+    one.call_steps = 1  # a decision every step: a call per token
     single, _, calls1 = _serve(be, reqs, one)
     assert calls.decode and not calls1.decode and calls1.step
     assert [o.tokens for o in multi] == [o.tokens for o in single]  # (the reference loop draws other keys)
@@ -143,7 +143,7 @@ def test_a_batch_job_with_a_queue_decodes_in_calls_that_end_where_a_row_frees(be
     reqs = [Request(f"b{i}", PROMPTS[w], b) for i, (w, b) in enumerate(zip(which, budgets))]
     outs, eng, calls = _serve(be, reqs, eos=eos)
     one = FixedK(0)
-    one.plain_steps = 1  # a decision every step: a call per token
+    one.call_steps = 1  # a decision every step: a call per token
     single, eng1, calls1 = _serve(be, reqs, one, eos=eos)
     assert [o.tokens for o in outs] == [o.tokens for o in single]
     for o, w, b in zip(outs, which, budgets):
@@ -159,7 +159,7 @@ class _Alternate(Policy):
     """K = 2 and K = 0 in turn, committing to up to 4 K = 0 steps a time (a SmartSpec that chose K = 0)."""
 
     name = "alternate"
-    plain_steps = 4
+    call_steps = 4
 
     def __init__(self):
         self.i = 0
@@ -195,7 +195,7 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
     outs, eng, calls = _serve(be, reqs, pol := GoodputPolicy(costly))
     assert [o.tokens for o in outs] == reference
-    assert pol._k0_calls == {4}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
+    assert pol._full_calls == {(4, 0)}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
     # each full call is one timing of K = 0 (not one per step: a window of them, not the last call)
     k0 = [len(v) for key, v in pol.calibration._ratios.items() if key[:2] == (4, 0)]
     assert k0 == [min(calls.decode.count(N), 16)], (k0, calls.decode)
@@ -208,11 +208,11 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
         k = cheap.choose(view)
         cheap.observe(k, [2], [accepted], ["a"])
         cheap.observe_time(view, k, 3, seconds)
-        return k, cheap.plain_steps
+        return k, cheap.call_steps
 
     t0 = cheap.step_cost(none, 0)
-    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none, none)] == [(0, 1), (0, 2), (0, 4)]
+    assert [(cheap.choose(v), cheap.call_steps) for v in (none, none, none)] == [(0, 1), (0, 2), (0, 4)]
     assert spec_step(2, 1.5 * t0) == (2, 1)  # 3 tokens in 1.5 plain steps' time: it paid
-    assert [(cheap.choose(v), cheap.plain_steps) for v in (none, none)] == [(0, 1), (0, 2)]  # a new run
+    assert [(cheap.choose(v), cheap.call_steps) for v in (none, none)] == [(0, 1), (0, 2)]  # a new run
     assert spec_step(0, 1.5 * t0) == (2, 1)  # nothing accepted: 1 token in 1.5 plain steps' time
-    assert (cheap.choose(none), cheap.plain_steps) == (0, 4)  # the run goes on
+    assert (cheap.choose(none), cheap.call_steps) == (0, 4)  # the run goes on

@@ -588,7 +588,7 @@ def test_int8_speculation_mixing_decode_calls_and_verify_steps_gives_plain_decod
     from specjax.goodput.selector import Policy
 
     class Alternate(Policy):
-        name, plain_steps = "alternate", 4
+        name, call_steps = "alternate", 4
 
         def __init__(self):
             self.i = 0

@@ -386,7 +386,8 @@ def test_no_compilation_after_warmup(tiny, draft_model):
             assert [len(r.tokens) for r in res] == [10] * len(prompts)
         assert log == [], f"compiled after warm-up: {log}"
         # Shapes that were not warmed up raise instead of compiling.
-        with pytest.raises(SpecjaxError, match="no precompiled spec step"):
+        # (a device draft's steps run as decode calls of K)
+        with pytest.raises(SpecjaxError, match="no precompiled decode call of up to 16 steps with K 4"):
             gen.generate(PROMPTS[1], max_new_tokens=10, num_spec_tokens=4)  # a K bucket left out of warm-up
         with pytest.raises(SpecjaxError, match="no precompiled prefill"):
             gen.generate([list(range(1, 21))], max_new_tokens=10, num_spec_tokens=2)  # prompt bucket 32

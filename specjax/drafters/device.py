@@ -353,6 +353,7 @@ class DeviceDrafter(Drafter):
     the backend's ``draft_first``)."""
 
     draft_prefill = True
+    fuses = True  # (its chain steps draft inside; a draft-ahead step verifies a draft call's and runs alone)
 
     def __init__(self, draft: ModelDraft, params):
         self.draft, self.params = draft, params  # (checked against the target: check_pair)
@@ -433,6 +434,7 @@ class DeviceTreeDrafter(FeatureHeadDrafter):
     each row verifies."""
 
     step = TREE
+    fuses = False
 
     def __init__(self, draft: ModelDraft, params):
         super().__init__(draft, params)

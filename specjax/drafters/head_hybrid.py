@@ -90,6 +90,8 @@ def host_rows(draft: FeatureHeadDraft) -> FeatureHeadDraft:
 class SuffixHeadDrafter(FeatureHeadDrafter):
     """``suffix``: a SuffixDrafter in path mode (chains); ``draft``, ``params``: the head."""
 
+    fuses = False  # (each step's suffix chains come from the host)
+
     def __init__(self, suffix, draft, params, tau: float = 1.0):
         require(tau >= 0, f"hybrid tau must be >= 0, got {tau}")
         require(not suffix.proposes_trees, "the head hybrid takes the suffix trees' chains (path mode)")

@@ -92,12 +92,14 @@ class VerifyStep(StepKind):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeStep(StepKind):
-    """Up to ``steps`` plain decoding steps in one call (step.spec_decode), which the backend runs
-    when no decision is due between them (never a drafter's proposal): ``inputs`` = (tokens left
-    [B], rows stopping at EOS [B], the EOS mask [vocab], the call's step limit [], whether the
-    call ends where the first row stops []). ``upkeep`` False: without a feature head's upkeep
-    (its deferred tokens and target features), for a call in which no row will ever draft (all
-    admitted with the draft disabled): then plain decoding's own program."""
+    """Up to ``steps`` chain steps of K drafts in one call (step.spec_decode), which the backend
+    runs when no decision is due between them: plain decoding at K = 0 (never a drafter's
+    proposal), or, at K > 0, a drafter whose drafts are made on the device inside each step
+    (``Drafter.fuses``). ``inputs`` = (tokens left [B], rows stopping at EOS [B], the EOS mask
+    [vocab], the call's step limit [], whether the call ends where the first row stops []).
+    ``upkeep`` False (K = 0): without a feature head's upkeep (its deferred tokens and target
+    features), for a call in which no row will ever draft (all admitted with the draft
+    disabled): then plain decoding's own program."""
 
     steps: int
     vocab: int
@@ -105,16 +107,16 @@ class DecodeStep(StepKind):
     teacher = False
 
     def exe(self, table, B, k, S, greedy, tokens=0, compile_if_missing=False):
-        return table.decode(B, self.steps, S, greedy, compile_if_missing, upkeep=self.upkeep)
+        return table.decode(B, self.steps, S, greedy, compile_if_missing, upkeep=self.upkeep, k=k)
 
     def args(self, inputs, num_draft, active, samp, pack):
         left, eos_rows, eos_mask, limit, stop_first = inputs
-        return (active, left, eos_rows, eos_mask, samp, limit, stop_first)
+        return (active, num_draft, left, eos_rows, eos_mask, samp, limit, stop_first)
 
     def empty(self, B, k):
-        inputs = (np.full(B, self.steps, np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
+        inputs = (np.full(B, self.steps * (k + 1), np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
                   np.array(self.steps, np.int32), np.array(False))
-        return inputs, np.zeros(B, np.int32)
+        return inputs, np.full(B, k, np.int32)
 
 
 CHAIN = ChainStep()
@@ -193,6 +195,9 @@ class Drafter(abc.ABC):
     step: StepKind = CHAIN  # the compiled step its proposals (K > 0) run in
     draft_prefill = False  # admission runs a prefill of its own (a draft cache) that a request may skip
     max_k: int | None = None  # the most drafts (tree nodes) one step can take (usable_k_buckets); None: any
+    # Its K > 0 chain steps need nothing from the host (drafted on the device inside the step), so
+    # the backend may run several in one call (DecodeStep at K > 0) when no decision is due between
+    fuses = False
 
     @property
     def plain_upkeep(self) -> bool:

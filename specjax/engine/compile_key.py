@@ -26,7 +26,7 @@ class CompileKey:
     # "step" (a chain of k drafts) | "tree" (a token tree of k draft nodes) |
     # "draft" (a device drafter's confidence-cut proposal of up to k drafts, Algorithm 3) |
     # "verify" (a chain step over k of the ``width`` drafts a "draft" call left on the device) |
-    # "decode" (up to ``steps`` plain decoding steps, the K = 0 "step" in an on-device loop)
+    # "decode" (up to ``steps`` "step"s of k drafts in an on-device loop; k = 0: plain decoding)
     op: str
     cfg: ModelConfig
     batch: int
@@ -40,7 +40,7 @@ class CompileKey:
     tokens: int = 0  # step / tree / verify: the block's real tokens packed into this many rows (0: not packed)
     teacher: int = 0  # step / verify: also return the target's top-k logits at the verified positions (k; 0: none)
     layout: Layout | None = None  # sharded engine: the mesh and rules (None: one device)
-    steps: int = 0  # decode: the most K = 0 steps one call runs (its token buffer's width)
+    steps: int = 0  # decode: the most steps one call runs (its token buffer's width)
     # the target layers whose inputs the target forward also returns (a feature head's signal,
     # drafters.eagle: the draft consumes them inside the executable); () = none, the program
     # is then exactly the one without feature heads
@@ -58,7 +58,7 @@ class CompileKey:
                 "chunk": f"prefill of a {self.prompt}-token later chunk", "step": f"spec step with K {self.k}",
                 "tree": f"tree step with {self.k} draft nodes", "draft": f"draft call of up to {self.k} drafts",
                 "verify": f"verify step with K {self.k} of {self.width} device drafts",
-                "decode": f"decode call of up to {self.steps} steps"}[self.op]
+                "decode": f"decode call of up to {self.steps} steps" + (f" with K {self.k}" if self.k else "")}[self.op]
         packed = f", {self.tokens} packed tokens" if self.tokens else ""
         teacher = f", teacher top-{self.teacher}" if self.teacher else ""
         feats = f", target features of layers {list(self.features)}" if self.features else ""

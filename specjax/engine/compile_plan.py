@@ -18,6 +18,7 @@ The planner decides nothing about tokens: the executables are the same in every 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 import weakref
@@ -55,6 +56,14 @@ def _keeps_upkeep(job) -> bool:
     """Whether a warm-up step job keeps the drafter's plain-step upkeep (all but the decode calls
     for rows that never draft)."""
     return getattr(getattr(job, "kind", None), "upkeep", True)
+
+
+def as_call(job, be):
+    """A warm-up job as the backend runs it: under ``fused_steps`` a K > 0 chain step is the
+    decode call of K (its single steps are calls of one step), else the job as it is."""
+    if be.fused_steps and isinstance(job, StepJob) and job.kind is CHAIN and job.k > 0 and not job.tokens:
+        return dataclasses.replace(job, kind=DecodeStep(be.decode_steps, be.cfg.vocab_size))
+    return job
 
 
 def lazy_order(plan, first_bucket: int, later_ks=(), later_chunks=None, first_chunks=(), draft_mode=None) -> list:
@@ -269,8 +278,9 @@ class CompilePlanner:
                 else:
                     steps.append(StepJob(CHAIN, B, 0, g, 0))
                 steps += [StepJob(CHAIN, B, 0, g, t) for t in be.token_options(B, 0)]
-                steps += be.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: be.token_options(B, K),
-                                                 ahead)
+                jobs = be.drafter.warm_steps(B, [K for K in kbs if K > 0], g, lambda K, B=B: be.token_options(B, K),
+                                             ahead)
+                steps += [as_call(j, be) for j in jobs]
             row_ops += [("insert", B, Bp, rd) for Bp in pbs if Bp <= B for rd in draft_modes]
             row_ops += [("take", B, B2) for B2 in bbs if B2 != B]
             row_ops.append(("clear", B))

@@ -15,7 +15,10 @@ proposes, gives each step its inputs and the compiled step that runs them, and n
 warm-up compiles for it, so nothing here depends on the drafter's kind. A K = 0 step runs as a
 decode call (``step.spec_decode``: up to ``decode_steps`` plain steps in one executable, as
 many as no decision separates) or, where a call per step is wanted, as the chain step with no
-drafts; either way plain decoding is the same executables whatever the drafter.
+drafts; either way plain decoding is the same executables whatever the drafter. A drafter
+whose chain steps need nothing from the host (``Drafter.fuses``: drafted on the device) runs
+its K > 0 steps the same way (``fused_steps``): a decode call of K, of one step when a decision
+is due after it, so one executable per K serves single steps and runs of them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from specjax import buckets as bk
 from specjax.config import ModelConfig
 from specjax.drafters.device import ModelDraft, check_pair
 from specjax.drafters.kinds import as_drafter
-from specjax.drafters.protocol import DecodeStep, StepInputs, usable_k_buckets
+from specjax.drafters.protocol import CHAIN, DecodeStep, StepInputs, usable_k_buckets
 from specjax.engine.compile_plan import CompilePlanner, zeros_like_info
 from specjax.engine.live_bucket import LiveBucket
 from specjax.engine.loop import Proposal, RowResult
@@ -85,8 +88,12 @@ class JaxBackend:
         self.table = StepTable(cfg, self.params, self.dparams, d.draft, opt.fwd, opt.teacher_topk, opt.layout,
                                layered_prefill=opt.prefill_by_layer_on(jax.default_backend()),
                                stand_ins=opt.stand_ins_on(jax.default_backend()))
-        # the most K = 0 steps one call runs (the loop's Backend field; 1: a call per step)
+        # the most steps one call runs (the loop's Backend field; 1: a call per step)
         self.decode_steps = opt.plain_decode_steps()
+        # K > 0 chain steps run as decode calls of K (the loop's Backend field: runs of them in one
+        # call): a drafter that needs nothing from the host between steps, decode calls on, no
+        # packed blocks (a packed step's rows come from the host)
+        self.fused_steps = d.fuses and self.decode_steps > 1 and not opt.packed
         self._eos_mask = (None, None)  # (EOS ids, their [vocab] mask on the device)
         # prefilled prompt chunks kept for prompts that repeat them (kept across reset: a
         # generator's later calls reuse them too)
@@ -372,12 +379,14 @@ class JaxBackend:
         cap = {r.uid: k if row_k is None else min(k, int(row_k[i])) for i, r in enumerate(rs)}
         inp = self.drafter.step_inputs(self, rs, k, cap)
         t0 -= inp.seconds  # drafting done for this step before it
-        if inp.k == 0 and self.decode_steps > 1:
-            # The one K = 0 program of a backend with decode calls: a call of one step (no
-            # second executable; the same tokens, spec_decode runs the K = 0 step inside).
-            toks = self._decode_call(rs, active, 1, [1] * len(rs), [False] * len(rs), None, False)
+        if (inp.k == 0 and self.decode_steps > 1) or (self.fused_steps and inp.kind is CHAIN):
+            # The one program of each K on a backend with decode calls: a call of one step (no
+            # second executable; spec_decode runs the same chain step inside). Its row budget
+            # leaves the block whole (the engine cuts the tokens as after any step).
+            res = self._decode_call(rs, active, 1, [inp.k + 1] * len(rs), [False] * len(rs), None, False, inp.k,
+                                    inp.num_draft)
             self.last_cold = self.table.cold_since(mark)
-            return [RowResult(t, 0, 0) for t in toks], time.perf_counter() - t0
+            return [r[0] for r in res], time.perf_counter() - t0
         if inp.k == 0:
             inp = StepInputs.plain(B)
         self.last_k_step = k_step = inp.k
@@ -408,23 +417,29 @@ class JaxBackend:
         return active
 
     def decode(self, rs: Sequence[Running], steps: int, left: Sequence[int], eos_rows: Sequence[bool],
-               eos_ids: frozenset, stop_first: bool = False) -> tuple[list[list[int]], float]:
-        """Up to ``steps`` (<= ``decode_steps``) plain decoding steps in one call and one transfer
-        (step.spec_decode). Per request (aligned with ``rs``): at most ``left`` tokens, ending at
-        the first of ``eos_ids`` where ``eos_rows``, so exactly what as many single steps would
-        emit before the engine retires it; ``stop_first``: the call ends with the step at which the
-        first request stops (a waiting request takes its row then). Returns each request's tokens
-        and the seconds."""
+               eos_ids: frozenset, stop_first: bool = False, k: int = 0) -> tuple[list[list[RowResult]], float]:
+        """Up to ``steps`` (<= ``decode_steps``) steps of K = ``k`` drafts (K > 0: ``fused_steps``)
+        in one call and one transfer (step.spec_decode). Per request (aligned with ``rs``): at
+        most ``left`` tokens, ending at the first of ``eos_ids`` where ``eos_rows``, so exactly the
+        steps as many single steps would run before the engine retires it; ``stop_first``: the
+        call ends with the step at which the first request stops (a waiting request takes its
+        row then). Returns each request's results, one per step it ran, and the seconds."""
         t0 = time.perf_counter()
         mark = self.table.cold_mark()
-        toks = self._decode_call(rs, self._begin(rs), steps, left, eos_rows, eos_ids, stop_first)
+        active = self._begin(rs)
+        num_draft = np.zeros(self.B, np.int32)
+        if k:
+            num_draft[[self.row_of[r.uid] for r in rs if r.speculate]] = k
+        res = self._decode_call(rs, active, steps, left, eos_rows, eos_ids, stop_first, k, num_draft)
         self.last_cold = self.table.cold_since(mark)
-        return toks, time.perf_counter() - t0
+        return res, time.perf_counter() - t0
 
-    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first) -> list[list[int]]:
-        """decode's call on the rows ``active`` (already begun); ``eos_ids`` None: no row stops
-        at an EOS (``eos_rows`` all False), whatever mask the device holds."""
-        B = self.B
+    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first, k=0,
+                     num_draft=None) -> list[list[RowResult]]:
+        """decode's call on the rows ``active`` (already begun), ``num_draft`` [B] drafts per row
+        (K > 0); ``eos_ids`` None: no row stops at an EOS (``eos_rows`` all False), whatever mask
+        the device holds."""
+        B, n = self.B, self.decode_steps
         shrink = self.live.steps_left(len(self.row_of))
         steps = steps if shrink is None else min(steps, shrink)
         rows = [self.row_of[r.uid] for r in rs]
@@ -435,20 +450,24 @@ class JaxBackend:
             mask = np.zeros(self.cfg.vocab_size, bool)
             mask[[e for e in eos_ids if 0 <= e < self.cfg.vocab_size]] = True
             self._eos_mask = (eos_ids, jax.device_put(mask))
-        kind = DecodeStep(self.decode_steps, self.cfg.vocab_size, upkeep=self._upkeep(rs))
-        self.last_k_step, self.last_tokens = 0, B
-        exe = kind.exe(self.table, B, 0, self.slots, self.greedy())
+        kind = DecodeStep(n, self.cfg.vocab_size, upkeep=k > 0 or self._upkeep(rs))
+        self.last_k_step, self.last_tokens = k, B * (k + 1)
+        exe = kind.exe(self.table, B, k, self.slots, self.greedy())
+        nd = np.zeros(B, np.int32) if num_draft is None else num_draft
         inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)),
                   self.to_device(np.array(bool(stop_first))))
-        host = np.asarray(self.run(exe, *kind.args(inputs, None, self.to_device(active), self.sampling(), None)))
-        ran = int(host[:, -1].max())
-        self.planner.steps_ran(ran - 1)  # (every step of the call counts: warmup's later_after_steps, compaction)
-        self.live.ran(len(self.row_of), ran - 1)
+        host = np.asarray(self.run(exe, *kind.args(inputs, self.to_device(nd), self.to_device(active),
+                                                   self.sampling(), None)))
+        toks = host[:, :n * (k + 1)].reshape(B, n, k + 1)
+        acc, ran = host[:, n * (k + 1):n * (k + 2)], host[:, -1]
+        self.planner.steps_ran(int(ran.max()) - 1)  # (every step of the call counts: warmup's later_after_steps, compaction)
+        self.live.ran(len(self.row_of), int(ran.max()) - 1)
         out = []
         for r, row in zip(rs, rows):
-            new = host[row, :host[row, -1]].tolist()
-            self.drafter.extend(r.uid, new)
-            out.append(new)
+            res = [RowResult(toks[row, j, :acc[row, j] + 1].tolist(), int(nd[row]), int(acc[row, j]))
+                   for j in range(ran[row])]
+            self.drafter.extend(r.uid, [t for x in res for t in x.tokens])
+            out.append(res)
         return out
 
     def _upkeep(self, rs: Sequence[Running]) -> bool:

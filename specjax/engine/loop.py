@@ -12,9 +12,10 @@ One iteration (Algorithm 2 around a vLLM-style scheduler):
   3. host drafters propose for every running request (free next to a forward pass);
   4. the policy picks K among the K values compiled for the bucket the live state will run the
      step at (``backend.step_bucket``: it may exceed the batch's bucket until compacted);
-  5. the backend runs the draft+verify step (or, when the policy chose K = 0 and commits to more
-     than one step, up to ``decode_steps`` K = 0 steps in one call, told to the observers step by
-     step; while requests wait for a row the call ends where the first row frees) and the accepted tokens are emitted; the step's
+  5. the backend runs the draft+verify step (or, when the policy commits to more than one step
+     of its K and the backend can run them without the host, K = 0 or a device drafter's, up to
+     ``decode_steps`` of them in one call, told to the observers step by step; while requests
+     wait for a row the call ends where the first row frees) and the accepted tokens are emitted; the step's
      ``StepEvent`` goes to the observers (``engine.observers``: the policy's feedback, the
      acceptance counts, the step log, then any given), finished requests leave and free their
      rows at once, and the observers' between-steps work runs.
@@ -113,10 +114,11 @@ class Backend(Protocol):
 
     def token_options(self, bucket: int, k: int) -> Sequence[int]: ...  # packed verify sizes (may be empty)
 
-    # Optional (a backend without it runs a call per step): ``decode_steps``, the most K = 0 steps
-    # one call runs, and ``decode(rs, steps, left, eos_rows, eos_ids, stop_first) -> (tokens per
-    # request, seconds)`` running them, each request stopping where the engine would retire it and,
-    # with ``stop_first``, the call with the first request that stops (JaxBackend.decode).
+    # Optional (a backend without it runs a call per step): ``decode_steps``, the most steps one
+    # call runs; ``fused_steps``, whether K > 0 steps run in calls too; and ``decode(rs, steps,
+    # left, eos_rows, eos_ids, stop_first, k) -> (per request its RowResult per step, seconds)``
+    # running them, each request stopping where the engine would retire it and, with
+    # ``stop_first``, the call with the first request that stops (JaxBackend.decode).
 
     def release(self, r: Running) -> None: ...
 
@@ -161,7 +163,7 @@ class ServingEngine:
         self._t0 = self.clock.now()
         self.counts = AcceptanceCounts()  # every step's, K = 0 included
         self._next_arrival: float | None = None  # of the next request not yet arrived (run)
-        self._step_s: float | None = None  # wall seconds of the last K = 0 step (one of a decode call's)
+        self._step_s: dict[int, float] = {}  # K -> wall seconds of its last step (one of a decode call's)
         self.draft_prefills = 0  # requests admitted with their device draft's prefill
         # each step's event goes to these in order; on_step: called between steps (self.load())
         self.observers: list[Observer] = [PolicyFeedback(self.gate), CountAcceptance(self.counts),
@@ -333,9 +335,9 @@ class ServingEngine:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
         if self.policy.want_k in coming:
             be.want(bucket, self.policy.want_k)
-        n = self._plain_steps(k, rs, prop)
+        n = self._call_steps(k, rs, prop)
         if n > 1:
-            return self._decode(rs, n, view, prop, t0)
+            return self._decode(rs, n, k, view, prop, t0)
         results, elapsed = be.step(rs, k, self.policy.row_drafts(view, k))
         self.clock.advance(elapsed)
         self._backend_s += elapsed
@@ -343,63 +345,65 @@ class ServingEngine:
         k_step = getattr(be, "last_k_step", k)
         tokens = getattr(be, "last_tokens", bucket * (k_step + 1))
         wall = time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed
-        if k_step == 0:
-            self._step_s = wall
+        self._step_s[k_step] = wall
         self._observe(StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted,
                                 elapsed, wall, tuple(be.take_row_ops()), cold=getattr(be, "last_cold", False)))
 
-    def _plain_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
-        """K = 0 steps to run in one backend call (``Backend.decode``): the policy's commitment
-        (``Policy.plain_steps``) up to the backend's ``decode_steps``, only while no request waits
-        for a prefill or for a row that is free (they would wait for the whole call; requests
-        waiting for a row to free, as in a batch job, get one as soon as single steps would give
-        it: ``_decode`` then ends the call with the first row that stops), no more than the running
-        rows have tokens left, and before the next arrival at the last K = 0 step's wall time."""
-        n = min(getattr(self.backend, "decode_steps", 1), self.policy.plain_steps)
-        if (k != 0 or n <= 1 or prop.drafted_ahead or (self.sched.waiting and self.sched.free_rows)
-                or len(rs) < len(self.sched.running)):
+    def _call_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
+        """Steps of K = ``k`` to run in one backend call (``Backend.decode``): the policy's
+        commitment (``Policy.call_steps``) up to the backend's ``decode_steps``, for K = 0 and,
+        where the backend's steps need nothing from the host (``fused_steps``: a device drafter),
+        K > 0; only while no request waits for a prefill or for a row that is free (they would
+        wait for the whole call; requests waiting for a row to free, as in a batch job, get one as
+        soon as single steps would give it: ``_decode`` then ends the call with the first row that
+        stops), no more than the running rows have tokens left, and before the next arrival at
+        the last call's wall time per step."""
+        n = min(getattr(self.backend, "decode_steps", 1), self.policy.call_steps)
+        if ((k != 0 and not getattr(self.backend, "fused_steps", False)) or n <= 1 or prop.drafted_ahead
+                or (self.sched.waiting and self.sched.free_rows) or len(rs) < len(self.sched.running)):
             return 1
         n = min(n, max(r.req.max_new_tokens - len(r.out.tokens) for r in rs))
         if self._next_arrival is not None:
-            if self._step_s is None:
+            if k not in self._step_s:
                 return 1  # (one single step first, to know what a step costs)
-            n = min(n, int((self._next_arrival - self._now()) / self._step_s))
+            n = min(n, int((self._next_arrival - self._now()) / self._step_s[k]))
         return max(n, 1)
 
-    def _decode(self, rs: Sequence[Running], n: int, view: BatchView, prop: Proposal, t0: float) -> None:
-        """Up to ``n`` K = 0 steps in one backend call, then told to the request outputs and the
-        observers as the single steps they are: step j's event has the rows that ran it (one token
-        each, ``_take``), 1/steps of the call's time, and (j > 0) no new proposal, so every count
-        and metric reads as for n single steps and shadow verification sees every token (the
-        observers' ``between_steps`` runs once, after the call). While requests wait for a row,
-        the call ends with the step at which the first row stops, so the next one is admitted
-        where single steps would admit it."""
+    def _decode(self, rs: Sequence[Running], n: int, k: int, view: BatchView, prop: Proposal, t0: float) -> None:
+        """Up to ``n`` steps of K = ``k`` in one backend call, then told to the request outputs and
+        the observers as the single steps they are: step j's event has the rows that ran it (its
+        tokens and counts each, ``_take``), 1/steps of the call's time, and (j > 0) no new
+        proposal, so every count and metric reads as for n single steps and shadow verification
+        sees every token (the observers' ``between_steps`` runs once, after the call). While
+        requests wait for a row, the call ends with the step at which the first row stops, so
+        the next one is admitted where single steps would admit it."""
         be = self.backend
         left = [r.req.max_new_tokens - len(r.out.tokens) for r in rs]
-        toks, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos, bool(self.sched.waiting))
+        res, elapsed = be.decode(rs, n, left, [not r.req.ignore_eos for r in rs], self.eos, bool(self.sched.waiting),
+                                 k)
         self.clock.advance(elapsed)
         self._backend_s += elapsed
-        steps = max(map(len, toks))
+        steps = max(map(len, res))
         wall = (time.perf_counter() - t0 if isinstance(self.clock, WallClock) else elapsed) / steps
         elapsed /= steps
         full = steps >= getattr(be, "decode_steps", 1)
-        self._step_s = wall
+        self._step_s[k] = wall
         ops = tuple(be.take_row_ops())
         for j in range(steps):
-            idx = [i for i, t in enumerate(toks) if len(t) > j]
+            idx = [i for i, t in enumerate(res) if len(t) > j]
             sub = [rs[i] for i in idx]
             if j:  # later steps: the rows still running, nothing newly proposed
                 view = dataclasses.replace(view, ctx_lens=[r.ctx_len for r in sub], request_ids=[r.uid for r in sub],
                                            draft_lens=None, confidences=None, true_accept=None, draft_scores=None,
                                            draft_classes=None)
                 prop = Proposal(drafts=None if prop.drafts is None else [[] for _ in sub])
-            results = [RowResult([toks[i][j]], 0, 0) for i in idx]
-            emitted = [self._take(r, res) for r, res in zip(sub, results)]
+            results = [res[i][j] for i in idx]
+            emitted = [self._take(r, x) for r, x in zip(sub, results)]
             for i in idx:  # the device's stopping rule is _emit's: a row stops where it is done
-                last = len(toks[i]) == j + 1
-                if rs[i].done != last and (rs[i].done or len(toks[i]) < steps):
+                last = len(res[i]) == j + 1
+                if rs[i].done != last and (rs[i].done or len(res[i]) < steps):
                     raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
-            self._observe(StepEvent(self._now(), sub, view, prop, self.policy, 0, 0, be.last_tokens, results, emitted,
+            self._observe(StepEvent(self._now(), sub, view, prop, self.policy, k, k, be.last_tokens, results, emitted,
                                     elapsed, wall, ops if j == 0 else (), full_call=full, first_of_call=j == 0,
                                     cold=getattr(be, "last_cold", False)))
 

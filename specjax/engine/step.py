@@ -7,7 +7,7 @@ One step, for every row of a batch bucket:
   4. commit ``n + 1`` cache entries per active row (rollback = not advancing).
 
 K = 0 is plain autoregressive decoding through the same code path; ``spec_decode`` runs several
-K = 0 steps in one call (an on-device loop over that same step). K, the batch
+steps in one call (an on-device loop over that same step: plain ones, or a device drafter's). K, the batch
 bucket, the cache slots and greedy-only are static; every variant the generator may
 use is lowered and compiled ahead of time into ``StepTable`` so that generation
 never traces or compiles.
@@ -109,38 +109,47 @@ def spec_step(params, dparams, state: StepState, draft_tokens, num_draft, active
     return new_state, StepOutput.of(tokens, n, num_draft, logits, key.teacher)
 
 
-def spec_decode(params, dparams, state: StepState, active, left, eos_rows, eos_mask, samp: SamplingArrays, limit,
-                stop_first, *, key: CompileKey):
-    """Up to ``min(key.steps, limit)`` plain decoding steps in one call: the K = 0 ``spec_step``
-    in a ``while_loop``, so the host pays one dispatch and one transfer for them. Row b runs while
-    it is ``active``, has tokens ``left[b]`` and (``eos_rows[b]``) its last token is no EOS
-    (``eos_mask`` [V]: the EOS ids), the rule the engine applies to emitted tokens; a row that stops
-    stays inactive, so its cache does not advance. ``stop_first`` (a bool scalar): the call also
-    ends after the first step at which some row stops, so that a request waiting for a row takes
-    it exactly when single steps would give it one. Sampling keys follow positions, so the tokens
-    are those of single steps. Returns (state, [B, steps + 1] int32: tokens | count per row)."""
-    B, n = state.pending.shape[0], key.steps
-    one = dataclasses.replace(key, op="step", steps=0)  # the K = 0 step, compiled key and all
-    no_drafts, zeros = jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32)
+def spec_decode(params, dparams, state: StepState, active, num_draft, left, eos_rows, eos_mask, samp: SamplingArrays,
+                limit, stop_first, *, key: CompileKey):
+    """Up to ``min(key.steps, limit)`` steps in one call: the chain ``spec_step`` of ``key.k``
+    drafts in a ``while_loop``, so the host pays one dispatch and one transfer for them. K = 0 is
+    plain decoding; K > 0 needs a device drafter (its drafts are made inside each step; row b
+    drafts ``num_draft[b]`` <= K of them, 0 for a row served without speculation). Row b runs
+    while it is ``active``, has emitted fewer than ``left[b]`` tokens and (``eos_rows[b]``) no EOS
+    (``eos_mask`` [V]: the EOS ids) among them, the rule the engine applies to emitted tokens
+    (the host cuts a step's tokens where it stops); a row that stops stays inactive, so its cache
+    does not advance. ``stop_first`` (a bool scalar): the call also ends after the first step at
+    which some row stops, so that a request waiting for a row takes it exactly when single steps
+    would give it one. Sampling keys follow positions, so the tokens are those of single steps.
+    Returns (state, [B, steps * (K + 1) + steps + 1] int32): per step its K + 1 token slots, then
+    per step the drafts it accepted (-1: the row did not run it), then the steps the row ran."""
+    B, n, K = state.pending.shape[0], key.steps, key.k
+    one = dataclasses.replace(key, op="step", steps=0)  # the chain step, compiled key and all
+    no_drafts, zeros = jnp.zeros((B, max(K, 1)), jnp.int32), jnp.zeros((B,), jnp.int32)
+    slots = jnp.arange(K + 1)[None, :]
 
     start = active & (left > 0)
 
     def go(c):
-        i, _, _, _, live = c
+        i, _, _, _, _, _, live = c
         return (i < jnp.minimum(limit, n)) & jnp.any(live) & ~(stop_first & jnp.any(start & ~live))
 
     def body(c):
-        i, st, toks, count, live = c
-        st, out = spec_step(params, dparams, st, no_drafts, zeros, live, samp, key=one)
-        tok = out.tokens[:, 0]
-        toks = jax.lax.dynamic_update_slice_in_dim(toks, jnp.where(live, tok, 0)[:, None], i, axis=1)
-        count = count + live.astype(jnp.int32)
-        live = live & (count < left) & ~(eos_rows & eos_mask[tok])
-        return i + 1, st, toks, count, live
+        i, st, toks, acc, count, ran, live = c
+        st, out = spec_step(params, dparams, st, no_drafts, jnp.where(live, num_draft, 0), live, samp, key=one)
+        toks = jax.lax.dynamic_update_slice_in_dim(toks, jnp.where(live[:, None], out.tokens, 0)[:, None], i, axis=1)
+        acc = jax.lax.dynamic_update_slice_in_dim(acc, jnp.where(live, out.n_accepted, -1)[:, None], i, axis=1)
+        emitted = slots <= out.n_accepted[:, None]
+        count = count + jnp.where(live, out.n_accepted + 1, 0)
+        ran = ran + live.astype(jnp.int32)
+        eos = jnp.any(eos_mask[out.tokens] & emitted, axis=1)
+        live = live & (count < left) & ~(eos_rows & eos)
+        return i + 1, st, toks, acc, count, ran, live
 
-    c = (jnp.int32(0), state, jnp.zeros((B, n), jnp.int32), zeros, start)
-    _, state, toks, count, _ = jax.lax.while_loop(go, body, c)
-    return state, jnp.concatenate([toks, count[:, None]], axis=1)
+    c = (jnp.int32(0), state, jnp.zeros((B, n, K + 1), jnp.int32), jnp.full((B, n), -1, jnp.int32), zeros, zeros,
+         start)
+    _, state, toks, acc, _, ran, _ = jax.lax.while_loop(go, body, c)
+    return state, jnp.concatenate([toks.reshape(B, n * (K + 1)), acc, ran[:, None]], axis=1)
 
 
 @jax.tree_util.register_dataclass

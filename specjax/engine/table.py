@@ -518,16 +518,17 @@ class StepTable:
         return self._get(key, spec, key.describe(), compile_if_missing)
 
     def decode(self, B: int, n: int, S: int, greedy_only: bool, compile_if_missing: bool = False,
-               upkeep: bool = True):
-        """Up to n plain decoding steps in one call (step.spec_decode: the K = 0 step in a loop);
-        ``upkeep`` False: without the device drafter (a feature head's K = 0 upkeep left out, the
-        draft cache passed through as it is)."""
-        key = self.key("decode", B, S, greedy_only, run_draft=upkeep, steps=n)
+               upkeep: bool = True, k: int = 0):
+        """Up to n steps of K = ``k`` drafts in one call (step.spec_decode: the chain step in a
+        loop; K > 0 drafts with the device draft); ``upkeep`` False (K = 0 only): without the
+        device drafter (a feature head's K = 0 upkeep left out, the draft cache passed through as
+        it is)."""
+        key = self.key("decode", B, S, greedy_only, run_draft=upkeep or k > 0, k=k, steps=n)
 
         def spec():
             rows = self._sds((B,), jnp.int32)
             flags = self._sds((B,), jnp.bool_)
-            return spec_decode_jit, (self.params, self.dparams, self.state_info(B, S), flags, rows,
+            return spec_decode_jit, (self.params, self.dparams, self.state_info(B, S), flags, rows, rows,
                                      flags, self._sds((self.cfg.vocab_size,), jnp.bool_, per_row=False),
                                      self._abstract_samp(B), self._sds((), jnp.int32, per_row=False),
                                      self._sds((), jnp.bool_, per_row=False))

@@ -81,9 +81,10 @@ class Policy:
     # Confidence-based proposal (Algorithm 3): device drafters draft ahead of the choice, each row
     # going on while its last draft's confidence exceeds this; None: draft inside the step.
     draft_threshold: float | None = None
-    # K = 0 steps the engine may run in one device call once this policy chose K = 0 (no choice is
-    # due before the call ends; the backend's decode_steps caps it); 1: a choice every step
-    plain_steps: int = 1
+    # steps of the chosen K the engine may run in one device call (no choice is due before the call
+    # ends; the backend's decode_steps caps it; K > 0 only where the backend's steps need nothing
+    # from the host, a device drafter's); 1: a choice every step
+    call_steps: int = 1
     # True: ``choose`` also weighs ``view.k_coming`` (drafts are proposed at their width) and sets
     # ``want_k`` to the one it would have taken had it been compiled (0: none), so a backend that
     # builds K steps on demand (JaxBackend.want) builds only those a job's choices reach
@@ -127,29 +128,23 @@ class Policy:
 
 class FixedK(Policy):
     """The baselines: K drafts every step (K = 0: no speculation). For host drafters the
-    engine still shrinks the block to the longest proposal (a bucket holding it). While K's
-    step is still being built in the background (``view.k_coming``: a lazy first answer), the
-    largest compiled K below it runs, as decode calls at K = 0: the tokens are the same."""
+    engine still shrinks the block to the longest proposal (a bucket holding it). Nothing is
+    ever decided, so the engine may run as many steps in a call as it can (``call_steps``). While
+    K's step is still being built in the background (``view.k_coming``: a lazy first answer),
+    the largest compiled K below it runs: the tokens are the same."""
 
     def __init__(self, k: int):
         self.k = int(k)
         self.name = "no-SD" if k == 0 else f"K={k}"
         self.may_speculate = self.k > 0
-        self.plain_steps = 1 if self.k else 1 << 30  # K = 0 for good: nothing is ever decided
-        self._plain = None  # plain_steps, kept while K's step is still being built
+        self.call_steps = 1 << 30
 
     def choose(self, view: BatchView) -> int:
         if self.k in view.k_options:
-            if self._plain is not None:  # (K came in: the commitment it had before)
-                self.plain_steps, self._plain = self._plain, None
             return self.k
         if self.k not in view.k_coming:
             raise ValueError(f"K={self.k} is not compiled for bucket {view.bucket}: {list(view.k_options)}")
-        k = max(o for o in view.k_options if o <= self.k)
-        if self._plain is None:
-            self._plain = self.plain_steps
-        self.plain_steps = 1 if k else 1 << 30
-        return k
+        return max(o for o in view.k_options if o <= self.k)
 
 
 class GoodputPolicy(Policy):
@@ -203,8 +198,9 @@ class GoodputPolicy(Policy):
         self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
         self.calibration = CostCalibration(window) if calibrate else None
-        self._plain_run = 0  # K = 0 choices since the last speculative step that paid (plain_steps)
-        self._k0_calls: set[int] = set()  # batch buckets whose K = 0 has run in full decode calls
+        self._plain_run = 0  # K = 0 choices since the last speculative step that paid (call_steps)
+        self._run = (0, 0)  # (K > 0, times chosen in a row) (call_steps)
+        self._full_calls: set[tuple[int, int]] = set()  # (batch bucket, K) that has run in full decode calls
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
@@ -306,15 +302,16 @@ class GoodputPolicy(Policy):
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        if k_step == 0 and full_call and view.bucket not in self._k0_calls:
-            self._k0_calls.add(view.bucket)
+        shape = (view.bucket, k_step)
+        if full_call and shape not in self._full_calls:
+            self._full_calls.add(shape)
             if self.calibration is not None:
-                self.calibration.forget(view.bucket, 0)  # the single steps before the first call
-        if self.calibration is None or (k_step == 0 and not full_call and view.bucket in self._k0_calls):
-            # Once K = 0 has run in full decode calls at this bucket, that is what choosing it keeps
-            # costing. The single steps and short calls (1, 2, 4, ...: _commit) that speculating leaves
-            # between verify steps pay a host round trip per call (22 ms a step alone, 15 in a call of 16,
-            # batch 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
+                self.calibration.forget(*shape)  # the single steps before the first call
+        if self.calibration is None or (not full_call and shape in self._full_calls):
+            # Once a K has run in full decode calls at this bucket, that is what choosing it keeps
+            # costing. The single steps and short calls (1, 2, 4, ...: _commit) that a change of K
+            # leaves pay a host round trip per call (22 ms a step alone, 15 in a call of 16, batch
+            # 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
             # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
             # cost reading 1.35x its calls' where K > 0 was chosen.
             return
@@ -375,17 +372,22 @@ class GoodputPolicy(Policy):
         return k if gps[k] > best * (1.0 + 1e-9) else 0
 
     def _commit(self, k: int) -> None:
-        """K = 0 chosen again and again (a drafter that finds nothing on this text): commit to a
-        run of K = 0 steps that doubles with every such choice (1, 2, 4, ...; the backend's
-        decode_steps caps it), so the engine runs them as one device call with no proposal,
-        choice or host round trip per token, as plain decoding does. A K > 0 step runs alone;
-        only one that paid (``observe_time``) restarts the run at one step: where speculation
-        pays, a choice is due every step. One that did not (the rare draft of open-ended text,
-        mostly rejected) leaves the run's length, else every such step would cost a ramp of
-        short calls, each paying a call's fixed cost over few tokens."""
+        """The same K chosen again and again: commit to a run of its steps that doubles with every
+        such choice (1, 2, 4, ...; the backend's decode_steps caps it), so the engine runs them as
+        one device call with no proposal, choice or host round trip per step, as plain decoding
+        does (K > 0: where the backend can, a device drafter's steps). For K = 0 (a drafter that
+        finds nothing on this text) only a K > 0 step that paid (``observe_time``) restarts the
+        run at one step: where speculation pays, a choice is due every step. One that did not
+        (the rare draft of open-ended text, mostly rejected) leaves the run's length, else every
+        such step would cost a ramp of short calls, each paying a call's fixed cost over few
+        tokens. A K > 0 run ends when another K is chosen; each call's steps are observed before
+        the next choice, so an acceptance that falls turns the choice at the call's end."""
         if k == 0:
-            self._plain_run += 1
-        self.plain_steps = 1 << min(self._plain_run - 1, 16) if k == 0 else 1
+            self._plain_run, self._run = self._plain_run + 1, (0, 0)
+            self.call_steps = 1 << min(self._plain_run - 1, 16)
+            return
+        self._run = (k, self._run[1] + 1 if self._run[0] == k else 1)
+        self.call_steps = 1 << min(self._run[1] - 1, 16)
 
     def _gate_draft_call(self, view: BatchView, best_k: int) -> None:
         """Draft ahead next step only where a moving-average choice with the drafts made inside
