@@ -111,7 +111,7 @@ def run():
         tgt = profile_steps(tgt_be, bbs, contexts, ks, FLAGS.reps, FLAGS.seed, bar.update)
     pre = profile_prefills(tgt_be, bbs, plens)
     row_ops = {host: profile_row_ops(tgt_be)}
-    fits = {host: fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed) + (tgt, [])}
+    fits = {host: _with_call(fit_profile(tgt, [], pre, base, FLAGS.holdout, FLAGS.seed), tgt_be) + (tgt, [])}
     _save(model, specs[host], fits[host], contexts)  # before the (long) rest
     dev_be, dev_pre = {}, {}
     for d in devs:
@@ -123,7 +123,7 @@ def run():
                                bar.update)
         dev_pre[d] = profile_prefills(be, bbs, plens)
         row_ops[d] = profile_row_ops(be)  # its state holds the draft's cache too
-        fits[d] = fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed) + (tgt, dr)
+        fits[d] = _with_call(fit_profile(tgt, dr, dev_pre[d], base, FLAGS.holdout, FLAGS.seed), be) + (tgt, dr)
         _save(model, specs[d], fits[d], contexts)
     print(f"[profiled in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if FLAGS.records_out:  # raw timings, to refit or inspect without profiling again
@@ -169,6 +169,7 @@ def run():
         if m.draft:
             print(f"  draft:  a={m.draft.alpha:.3e}  g={m.draft.gamma:.3e}  d={m.draft.delta * 1e3:.2f} ms per forward")
         print(f"  prefill: {m.prefill.gamma * 1e6:.1f} us/token + {m.prefill.delta * 1e3:.2f} ms")
+        print(f"  a device call: {m.call_s * 1e3:.2f} ms beyond its steps")
         print(f"  host: {m.host_step * 1e3:.2f} ms/step + {m.host_row * 1e3:.3f} ms/request (linear model); "
               f"{table.linear.host_step * 1e3:.2f} ms/step + {table.linear.host_row * 1e3:.3f} ms/request (table)")
         print("  row ops (ms): " + ", ".join(f"{op} {a}->{b} {t * 1e3:.1f}" for op, a, b, t in table.row_ops))
@@ -177,6 +178,15 @@ def run():
             plots.perf_fit(FLAGS.plot if len(drafters) == 1 else FLAGS.plot.replace(".png", f"_{label}.png"), m, tg,
                            dr, label)
     print(f"\n[saved to {FLAGS.out}]", file=sys.stderr)
+
+
+def _with_call(fit, be):
+    """A fit (model, report) with the backend's per-call cost measured (StepCostModel.call_s)."""
+    from specjax.engine.profiling import profile_call_overhead
+
+    m, rep = fit
+    call_s = profile_call_overhead(be, reps=FLAGS.reps + 2, seed=FLAGS.seed)
+    return dataclasses.replace(m, call_s=call_s), dict(rep, call_s=call_s)
 
 
 def _save(model, spec, fit, contexts) -> str:

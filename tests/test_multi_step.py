@@ -195,7 +195,9 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
     outs, eng, calls = _serve(be, reqs, pol := GoodputPolicy(costly))
     assert [o.tokens for o in outs] == reference
-    assert pol._full_calls == {(4, 0)}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
+    # the calls' steps reached the policy as such (K = 0's cost: theirs; the single K = 0 steps and
+    # short calls never calibrate it)
+    assert {key[:2] for key in pol.calibration._ratios if key[1] == 0} == {(4, 0)}
     # each full call is one timing of K = 0 (not one per step: a window of them, not the last call)
     k0 = [len(v) for key, v in pol.calibration._ratios.items() if key[:2] == (4, 0)]
     assert k0 == [min(calls.decode.count(N), 16)], (k0, calls.decode)
@@ -216,3 +218,30 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     assert [(cheap.choose(v), cheap.call_steps) for v in (none, none)] == [(0, 1), (0, 2)]  # a new run
     assert spec_step(0, 1.5 * t0) == (2, 1)  # nothing accepted: 1 token in 1.5 plain steps' time
     assert (cheap.choose(none), cheap.call_steps) == (0, 4)  # the run goes on
+
+
+def test_a_call_costs_smartspec_a_share_of_its_overhead_and_calibrates_it_from_full_calls():
+    """A K the backend runs in calls (``view.call_ks``) is costed as a step of a full call, the
+    profiled single step less (1 - 1/n) of the call's own cost (``call_s``), and only full calls
+    calibrate it: here that turns K = 2 from a loss into the choice."""
+    cost = StepCostModel(target=LinearCost(0.0, 1e-3, 4e-3), call_s=2e-3)  # 5 / 7 ms a step alone at K = 0 / 2
+    pol = GoodputPolicy(cost, prior_alpha=0.5)
+    alone = BatchView(ctx_lens=[20], bucket=1, k_options=(0, 2), request_ids=["a"], call_ks=(0,), call_steps=16)
+    fused = dataclasses.replace(alone, call_ks=(0, 2))
+    assert pol.step_cost(alone, 0) == pytest.approx(5e-3 - 2e-3 * 15 / 16)
+    assert pol.step_cost(alone, 2) == pytest.approx(7e-3) and pol.step_cost(fused, 2) == pytest.approx(7e-3 - 1.875e-3)
+    assert pol.choose(alone) == 0 and pol.choose(fused) == 2  # 1.75 tokens: 1.75 / 1.63 > 1.1 x a plain step
+    for full in (False, False, True):
+        pol.observe_time(fused, 2, 3, 6e-3, full_call=full)
+    assert [k[:2] for k in pol.calibration._ratios] == [(1, 2)] and len(pol.calibration._ratios[(1, 2, 3)]) == 1
+    pol.observe_time(alone, 2, 3, 9e-3)  # a step of K = 2 alone (a host drafter's): calibrates as ever
+    assert len(pol.calibration._ratios[(1, 2, 3)]) == 2
+
+
+def test_the_call_overhead_profile_leaves_the_backend_as_it_was(be, monkeypatch):
+    from specjax.engine.profiling import profile_call_overhead
+
+    assert profile_call_overhead(be, context=12, reps=1) >= 0.0  # (its size is a benchmark's business)
+    assert not be.row_of
+    monkeypatch.setattr(be, "decode_steps", 1)
+    assert profile_call_overhead(be) == 0.0

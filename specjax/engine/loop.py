@@ -285,7 +285,8 @@ class ServingEngine:
         be = self.backend
         together = [r.ctx_len for r in running] + joining
         for lens, bucket in ((together, be.step_bucket(len(together))), (joining[:1], be.bucket(1))):
-            view = BatchView(ctx_lens=lens, bucket=bucket, k_options=be.k_options(bucket), k_coming=be.k_coming(bucket))
+            view = BatchView(ctx_lens=lens, bucket=bucket, k_options=be.k_options(bucket), k_coming=be.k_coming(bucket),
+                             **self._calls((*be.k_options(bucket), *be.k_coming(bucket))))
             if self.policy.could_pay(view):
                 return True
         return False
@@ -329,7 +330,7 @@ class ServingEngine:
                          draft_scores=prop.draft_scores, draft_classes=prop.draft_classes,
                          drafted_ahead=prop.drafted_ahead, draft_free=prop.draft_free,
                          token_options={k: tuple(be.token_options(bucket, k)) for k in opts},
-                         k_coming=coming)
+                         k_coming=coming, **self._calls((*opts, *coming), prop.drafted_ahead))
         k = self.policy.choose(view)
         if k not in opts:
             raise RuntimeError(f"policy {self.policy.name} chose K={k}, not a compiled option {list(opts)}")
@@ -348,6 +349,14 @@ class ServingEngine:
         self._step_s[k_step] = wall
         self._observe(StepEvent(self._now(), rs, view, prop, self.policy, k, k_step, tokens, results, emitted,
                                 elapsed, wall, tuple(be.take_row_ops()), cold=getattr(be, "last_cold", False)))
+
+    def _calls(self, ks, drafted_ahead: int = 0) -> dict:
+        """BatchView's ``call_ks`` / ``call_steps``: which of ``ks`` the backend runs in calls
+        when a policy commits to them (K = 0 with decode calls; K > 0 too under ``fused_steps``,
+        unless the drafts were made ahead: such a step runs alone, _call_steps)."""
+        n = getattr(self.backend, "decode_steps", 1)
+        fused = getattr(self.backend, "fused_steps", False) and not drafted_ahead
+        return {"call_ks": tuple(k for k in ks if n > 1 and (k == 0 or fused)), "call_steps": n}
 
     def _call_steps(self, k: int, rs: Sequence[Running], prop: Proposal) -> int:
         """Steps of K = ``k`` to run in one backend call (``Backend.decode``): the policy's

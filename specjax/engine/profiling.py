@@ -4,7 +4,8 @@
 prefilled, then every compiled K runs ``reps`` steps with a drafter that always proposes
 exactly K tokens (so the block is K + 1 wide; acceptance does not change the time of a
 verify). ``profile_prefills`` times prefill + row insert per (batch, prompt bucket).
-``fit_profile`` fits Eq. 7 for the target (host-draft records) and the draft model (device-draft
+``profile_call_overhead`` times what a device call costs beyond its steps (a step of a
+decode call pays a share of it). ``fit_profile`` fits Eq. 7 for the target (host-draft records) and the draft model (device-draft
 records, jointly with the target), holding out a random share of the (B, c, K) cells to report
 R^2 on points the fit never saw. ``profile_row_ops`` times the cache allocations, resizes and
 clears of continuous batching. ``calibrate_host`` fits the loop's own per-step and per-request
@@ -85,6 +86,32 @@ def profile_steps(backend, batch_sizes: Sequence[int], contexts: Sequence[int], 
             for r in rs:
                 backend.release(r)
     return recs
+
+
+def profile_call_overhead(backend, context: int = 32, reps: int = 5, seed: int = 0) -> float:
+    """``StepCostModel.call_s`` of ``backend``: what one device call costs beyond its steps, from
+    K = 0 at batch 1, n = ``decode_steps`` steps alone against one call of n, in turn: per
+    round (alone - in call) per step x n / (n - 1), the median over ``reps`` rounds (the first
+    dropped); 0 for a backend without decode calls. Leaves the backend reset."""
+    n = getattr(backend, "decode_steps", 1)
+    if n <= 1:
+        return 0.0
+    backend.reset()
+    (r,) = _running(backend, 1, context, backend.cfg.vocab_size, np.random.default_rng(seed))
+    backend.prefill([r])
+    out = []
+    for i in range(reps + 1):
+        alone = 0.0
+        for _ in range(n):
+            backend.propose([r], 0)
+            _, t = backend.step([r], 0)
+            alone += t
+        res, t = backend.decode([r], n, [n], [False], frozenset(), False, 0)
+        if i:
+            out.append((alone / n - t / len(res[0])) * n / (n - 1))
+    backend.release(r)
+    backend.reset()
+    return max(float(np.median(out)), 0.0)
 
 
 def _record(sample: dict) -> dict:

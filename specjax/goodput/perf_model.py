@@ -64,6 +64,9 @@ class StepCostModel:
     draft_forwards: a head's token tree of any node budget costs this many draft forwards
       (EAGLE-2's dynamic tree: its depth; Medusa's: one pass of every head); 0: one per draft,
       a chain's (what launch/profile.py fits: its tree cost is in the fitted coefficients).
+    call_s: what one device call costs beyond its steps (dispatch, transfers, the program's
+      start), inside every step the profile timed alone; a step that runs in a call of n steps
+      pays call_s / n of it (``in_call``; profiling.profile_call_overhead measures it).
     """
 
     target: LinearCost
@@ -75,6 +78,11 @@ class StepCostModel:
     context_mode: str = "sum"
     chunk: int = 256
     draft_forwards: int = 0
+    call_s: float = 0.0
+
+    def in_call(self, t: float, n: int) -> float:
+        """A step predicted at ``t`` (timed alone), run in a call of ``n`` steps."""
+        return t - self.call_s * (1.0 - 1.0 / max(n, 1))
 
     def _forwards(self, k: int) -> int:
         return min(k, self.draft_forwards) if self.draft_forwards else k
@@ -398,6 +406,9 @@ class ProfiledCost:
             else:
                 t = self.linear.prefill_time(bucket, prompt_bucket)
         return t * self._speed(bucket)
+
+    def in_call(self, t: float, n: int) -> float:
+        return self.linear.in_call(t, n)
 
     def with_speed(self, factors: dict[int, float] | None) -> "ProfiledCost":
         """A copy whose steps and prefills at batch bucket b take ``factors[b]`` x the profiled time."""

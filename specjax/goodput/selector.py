@@ -54,6 +54,9 @@ class BatchView:
       block always costs bucket x (K + 1) rows); a packed step costs its real tokens.
     k_coming: K buckets not in ``k_options`` yet that a background warm-up is building for this
       bucket (each joins ``k_options`` once in).
+    call_ks: the K values whose committed runs the backend runs as device calls of up to
+      ``call_steps`` steps (K = 0's decode calls; a device drafter's K > 0): choosing one costs
+      a step in such a call, not a step alone.
     """
 
     ctx_lens: Sequence[int]
@@ -69,6 +72,8 @@ class BatchView:
     draft_free: bool = False
     token_options: dict = dataclasses.field(default_factory=dict)
     k_coming: Sequence[int] = ()
+    call_ks: Sequence[int] = ()
+    call_steps: int = 1
 
     @property
     def n(self) -> int:
@@ -200,7 +205,6 @@ class GoodputPolicy(Policy):
         self.calibration = CostCalibration(window) if calibrate else None
         self._plain_run = 0  # K = 0 choices since the last speculative step that paid (call_steps)
         self._run = (0, 0)  # (K > 0, times chosen in a row) (call_steps)
-        self._full_calls: set[tuple[int, int]] = set()  # (batch bucket, K) that has run in full decode calls
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
@@ -285,14 +289,17 @@ class GoodputPolicy(Policy):
         return shape + ("draft_free",) if view.draft_free and k_step else shape
 
     def _model_cost(self, view: BatchView, k_step: int, tokens: int) -> float:
-        """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated."""
+        """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated; a K the
+        backend runs in calls (``view.call_ks``) costs a step of a full call."""
         packed = tokens if tokens != view.bucket * (k_step + 1) else None
         if view.drafted_ahead or view.draft_free:
             # Drafts made before the choice (Algorithm 3; draft_time of 0 forwards is 0) or none
             # to make: only the verify varies with K.
-            return (self.cost.draft_time(view.bucket, view.drafted_ahead, view.ctx_lens)
-                    + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
-        return self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
+            t = (self.cost.draft_time(view.bucket, view.drafted_ahead, view.ctx_lens)
+                 + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
+        else:
+            t = self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
+        return self.cost.in_call(t, view.call_steps) if k_step in view.call_ks else t
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
                      cold: bool = False) -> None:
@@ -302,18 +309,14 @@ class GoodputPolicy(Policy):
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        shape = (view.bucket, k_step)
-        if full_call and shape not in self._full_calls:
-            self._full_calls.add(shape)
-            if self.calibration is not None:
-                self.calibration.forget(*shape)  # the single steps before the first call
-        if self.calibration is None or (not full_call and shape in self._full_calls):
-            # Once a K has run in full decode calls at this bucket, that is what choosing it keeps
-            # costing. The single steps and short calls (1, 2, 4, ...: _commit) that a change of K
-            # leaves pay a host round trip per call (22 ms a step alone, 15 in a call of 16, batch
-            # 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
-            # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
-            # cost reading 1.35x its calls' where K > 0 was chosen.
+        if self.calibration is None or (k_step in view.call_ks and not full_call):
+            # A K the backend runs in calls costs, once chosen, a step of a full call: that is
+            # what its prediction is and all its calibration reads. The single steps and short
+            # calls (1, 2, 4, ...: _commit) that a change of K leaves pay a host round trip per
+            # call (22 ms a step alone, 15 in a call of 16, batch 4 on the CPU). Counted as K = 0's
+            # cost they made every K > 0 look better, which drafted more, which ran more of them:
+            # a batch job served at 0.976x AR so, K = 0's cost reading 1.35x its calls' where K > 0
+            # was chosen.
             return
         self.calibration.observe(self._shape(view, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
 
