@@ -554,9 +554,9 @@ def test_steps_run_cold_are_no_cost_observation(tiny, reference, tmp_path, monke
     seen = []  # (cold, calibrated) per observe_time
 
     class Spy(GoodputPolicy):
-        def observe_time(self, view, k_step, tokens, seconds, full_call=False, cold=False):
+        def observe_time(self, view, k_step, tokens, seconds, full_call=False, cold=False, call_len=1):
             n = sum(map(len, self.calibration._ratios.values()))
-            super().observe_time(view, k_step, tokens, seconds, full_call, cold=cold)
+            super().observe_time(view, k_step, tokens, seconds, full_call, cold=cold, call_len=call_len)
             seen.append((cold, sum(map(len, self.calibration._ratios.values())) > n))
 
     be = JaxBackend(cfg, params, drafter=PromptLookupDrafter(), k_buckets=KS, batch_buckets=ROWS, slots=SLOTS)

@@ -905,26 +905,26 @@ def test_cost_calibration_corrects_an_underestimating_model():
     assert GoodputPolicy(cost, calibrate=False).calibration is None
 
 
-def test_k0_cost_is_its_decode_calls():
-    """Where the backend runs K = 0 in decode calls (``view.call_ks``), K = 0's cost is calibrated
-    by full calls' steps only: the single K = 0 steps and short calls speculation leaves between
-    verify steps (a host round trip each) never raise it, so they cannot make K > 0 look better.
-    Without calls (a backend that runs a call per step) every step calibrates it."""
+def test_k0_cost_is_its_decode_calls_once_they_run():
+    """Under a model without the call's own cost (call_s 0), K = 0's cost is calibrated by single
+    steps until K = 0 has run in a full decode call; from then on only by such calls' steps: the
+    single K = 0 steps and short calls speculation leaves between verify steps (a host round trip
+    each) no longer raise it, so they cannot make K > 0 look better."""
     cost = _cost(a=0.0, g=1e-3, d=1e-2)
     pol = GoodputPolicy(cost)
     view = BatchView(ctx_lens=[100, 120, 90, 80], bucket=4, k_options=(0, 2), call_ks=(0,), call_steps=16)
     m0 = pol._model_cost(view, 0, 4)
     for _ in range(3):
-        pol.observe_time(view, 0, 4, 1.5 * m0)  # single steps: left out
-    assert (4, 0, 4) not in pol.calibration.factors()
+        pol.observe_time(view, 0, 4, 1.5 * m0)  # no call yet: single steps are what K = 0 costs
+    assert pol.step_cost(view, 0) == pytest.approx(1.5 * m0)
     for _ in range(3):
-        pol.observe_time(view, 0, 4, m0, full_call=True)
+        pol.observe_time(view, 0, 4, m0, full_call=True, call_len=16)
     for _ in range(16):
         pol.observe_time(view, 0, 4, 1.5 * m0)  # between speculative steps, or a short call: left out
     assert pol.calibration.factors()[(4, 0, 4)] == pytest.approx(1.0)
-    pol.observe_time(view, 2, 12, 3.0 * pol._model_cost(view, 2, 12))  # K > 0 steps alone calibrate as before
+    pol.observe_time(view, 2, 12, 3.0 * pol._model_cost(view, 2, 12))  # K > 0 steps calibrate as before
     assert pol.calibration.factors()[(4, 2, 12)] == pytest.approx(3.0)
-    two = BatchView(ctx_lens=[100, 120], bucket=2, k_options=(0, 2))  # no calls: every step is K = 0's cost
+    two = dataclasses.replace(view, ctx_lens=[100, 120], bucket=2)  # another bucket: no full call there yet
     pol.observe_time(two, 0, 2, 1.5 * pol._model_cost(two, 0, 2))
     assert pol.calibration.factors()[(2, 0, 2)] == pytest.approx(1.5)
 

@@ -195,9 +195,7 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     reqs = [Request(str(i), p, LONGEST) for i, p in enumerate(PROMPTS)]
     outs, eng, calls = _serve(be, reqs, pol := GoodputPolicy(costly))
     assert [o.tokens for o in outs] == reference
-    # the calls' steps reached the policy as such (K = 0's cost: theirs; the single K = 0 steps and
-    # short calls never calibrate it)
-    assert {key[:2] for key in pol.calibration._ratios if key[1] == 0} == {(4, 0)}
+    assert pol._k0_calls == {4}  # the calls' steps reached the policy as such (K = 0's cost: theirs)
     # each full call is one timing of K = 0 (not one per step: a window of them, not the last call)
     k0 = [len(v) for key, v in pol.calibration._ratios.items() if key[:2] == (4, 0)]
     assert k0 == [min(calls.decode.count(N), 16)], (k0, calls.decode)
@@ -220,10 +218,12 @@ def test_smartspec_commits_to_doubling_runs_of_plain_steps(be, reference):
     assert (cheap.choose(none), cheap.call_steps) == (0, 4)  # the run goes on
 
 
-def test_a_call_costs_smartspec_a_share_of_its_overhead_and_calibrates_it_from_full_calls():
+def test_a_call_costs_smartspec_a_share_of_its_overhead():
     """A K the backend runs in calls (``view.call_ks``) is costed as a step of a full call, the
-    profiled single step less (1 - 1/n) of the call's own cost (``call_s``), and only full calls
-    calibrate it: here that turns K = 2 from a loss into the choice."""
+    profiled single step less (1 - 1/n) of the call's own cost (``call_s``): here that turns
+    K = 2 from a loss into the choice. Each of its steps calibrates it against a step of a call
+    of its own length (a step alone: the whole call's cost), so a model that is right stays
+    right, K = 0's as well."""
     cost = StepCostModel(target=LinearCost(0.0, 1e-3, 4e-3), call_s=2e-3)  # 5 / 7 ms a step alone at K = 0 / 2
     pol = GoodputPolicy(cost, prior_alpha=0.5)
     alone = BatchView(ctx_lens=[20], bucket=1, k_options=(0, 2), request_ids=["a"], call_ks=(0,), call_steps=16)
@@ -231,11 +231,14 @@ def test_a_call_costs_smartspec_a_share_of_its_overhead_and_calibrates_it_from_f
     assert pol.step_cost(alone, 0) == pytest.approx(5e-3 - 2e-3 * 15 / 16)
     assert pol.step_cost(alone, 2) == pytest.approx(7e-3) and pol.step_cost(fused, 2) == pytest.approx(7e-3 - 1.875e-3)
     assert pol.choose(alone) == 0 and pol.choose(fused) == 2  # 1.75 tokens: 1.75 / 1.63 > 1.1 x a plain step
-    for full in (False, False, True):
-        pol.observe_time(fused, 2, 3, 6e-3, full_call=full)
-    assert [k[:2] for k in pol.calibration._ratios] == [(1, 2)] and len(pol.calibration._ratios[(1, 2, 3)]) == 1
-    pol.observe_time(alone, 2, 3, 9e-3)  # a step of K = 2 alone (a host drafter's): calibrates as ever
-    assert len(pol.calibration._ratios[(1, 2, 3)]) == 2
+    pol.observe_time(fused, 2, 3, 7e-3)  # a step alone, as predicted
+    pol.observe_time(fused, 2, 3, 7e-3 - 2e-3 * 3 / 4, call_len=4)  # a step of a call of 4, as predicted
+    pol.observe_time(fused, 2, 3, 7e-3 - 1.875e-3, full_call=True, call_len=16)
+    assert pol.calibration.factors() == {(1, 2, 3): pytest.approx(1.0)}
+    pol.observe_time(fused, 0, 1, 5e-3)  # K = 0 alone between verify steps, as predicted
+    assert pol.calibration.factors()[(1, 0, 1)] == pytest.approx(1.0)
+    pol.observe_time(alone, 2, 3, 14e-3)  # a step of K = 2 where it runs alone (a host drafter's): 2x
+    assert pol.calibration.factors()[(1, 2, 3)] == pytest.approx(1.0)  # (the median of 1, 1, 1, 2)
 
 
 def test_the_call_overhead_profile_leaves_the_backend_as_it_was(be, monkeypatch):

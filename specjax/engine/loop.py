@@ -414,6 +414,7 @@ class ServingEngine:
                     raise RuntimeError(f"the decode call and the engine disagree on where request {rs[i].req.id} stops")
             self._observe(StepEvent(self._now(), sub, view, prop, self.policy, k, k, be.last_tokens, results, emitted,
                                     elapsed, wall, ops if j == 0 else (), full_call=full, first_of_call=j == 0,
+                                    call_len=steps,
                                     cold=getattr(be, "last_cold", False)))
 
     def _take(self, r: Running, res: RowResult) -> int:

@@ -43,12 +43,14 @@ class StepEvent:
     elapsed: float  # backend-reported (device or modelled) seconds
     wall: float  # the iteration up to its tokens emitted (== elapsed in the simulator)
     row_ops: tuple  # (op, bucket from, bucket to): cache resizes / clears the step also ran
-    # one of the K = 0 steps of a decode call as long as the backend runs (``wall``: the call's per
-    # step): what K = 0 costs once it runs on, without the ramp of short calls after a K > 0 step
+    # one of the steps of a decode call as long as the backend runs (``wall``: the call's per step):
+    # what a K costs once it runs on, without the ramp of short calls after a change of K
     full_call: bool = False
     # False for a decode call's steps after its first: the call is one timing (``wall`` is its
     # per step), which the policy's cost calibration takes once, not once per step
     first_of_call: bool = True
+    # steps the device call that ran this one ran (1: a step alone); a call's own cost is shared by them
+    call_len: int = 1
     # the step waited for a compilation, ran a stand-in or ran beside a background compile (a
     # lazily compiled job's first steps): its time is not what the step costs, so no policy
     # calibrates on it (its tokens and acceptance count as any step's)
@@ -135,7 +137,8 @@ class PolicyFeedback(Observer):
         ev.policy.observe(ev.k, ev.drafted, ev.accepted, ev.view.request_ids)
         self._shadow_verify(ev)
         if ev.first_of_call:
-            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call, cold=ev.cold)
+            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call, cold=ev.cold,
+                                   call_len=ev.call_len)
         for r in ev.rows:
             if r.done:
                 self._shadow.pop(r.uid, None)

@@ -106,12 +106,12 @@ class Policy:
         older proposals)."""
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
-                     cold: bool = False) -> None:
+                     cold: bool = False, call_len: int = 1) -> None:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
         and the seconds the whole iteration took, what the policy's cost estimate predicts;
-        ``full_call``: a K = 0 step of a decode call as long as the backend runs (``seconds``: the
+        ``full_call``: a step of a decode call as long as the backend runs (``seconds``: the
         call's per step); ``cold``: the step waited for or ran beside a compilation, so
-        ``seconds`` is not its cost."""
+        ``seconds`` is not its cost; ``call_len``: the steps of the call that ran it."""
 
     def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
         """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
@@ -205,6 +205,7 @@ class GoodputPolicy(Policy):
         self.calibration = CostCalibration(window) if calibrate else None
         self._plain_run = 0  # K = 0 choices since the last speculative step that paid (call_steps)
         self._run = (0, 0)  # (K > 0, times chosen in a row) (call_steps)
+        self._k0_calls: set[int] = set()  # batch buckets whose K = 0 has run in full decode calls (call_s 0)
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
 
     @property
@@ -288,9 +289,10 @@ class GoodputPolicy(Policy):
         shape = (view.bucket, k_step, tokens)
         return shape + ("draft_free",) if view.draft_free and k_step else shape
 
-    def _model_cost(self, view: BatchView, k_step: int, tokens: int) -> float:
+    def _model_cost(self, view: BatchView, k_step: int, tokens: int, call_len: int | None = None) -> float:
         """The cost model's own prediction (Eq. 7 with the step's shape), uncalibrated; a K the
-        backend runs in calls (``view.call_ks``) costs a step of a full call."""
+        backend runs in calls (``view.call_ks``) costs a step of a call of ``call_len`` steps
+        (None: a full call, what choosing it costs)."""
         packed = tokens if tokens != view.bucket * (k_step + 1) else None
         if view.drafted_ahead or view.draft_free:
             # Drafts made before the choice (Algorithm 3; draft_time of 0 forwards is 0) or none
@@ -299,26 +301,33 @@ class GoodputPolicy(Policy):
                  + self.cost.step_time(view.bucket, 0, view.ctx_lens, tokens_per_row=k_step + 1, batched=packed))
         else:
             t = self.cost.step_time(view.bucket, k_step, view.ctx_lens, batched=packed)
-        return self.cost.in_call(t, view.call_steps) if k_step in view.call_ks else t
+        return self.cost.in_call(t, call_len or view.call_steps) if k_step in view.call_ks else t
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
-                     cold: bool = False) -> None:
+                     cold: bool = False, call_len: int = 1) -> None:
         if cold:  # (a compilation's seconds: neither a cost nor a verdict on whether drafting paid)
             self._accepted = 0
             return
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        if self.calibration is None or (k_step in view.call_ks and not full_call):
-            # A K the backend runs in calls costs, once chosen, a step of a full call: that is
-            # what its prediction is and all its calibration reads. The single steps and short
-            # calls (1, 2, 4, ...: _commit) that a change of K leaves pay a host round trip per
-            # call (22 ms a step alone, 15 in a call of 16, batch 4 on the CPU). Counted as K = 0's
-            # cost they made every K > 0 look better, which drafted more, which ran more of them:
-            # a batch job served at 0.976x AR so, K = 0's cost reading 1.35x its calls' where K > 0
-            # was chosen.
+        if not getattr(self.cost, "call_s", 0.0) and k_step == 0 and full_call and view.bucket not in self._k0_calls:
+            self._k0_calls.add(view.bucket)
+            if self.calibration is not None:
+                self.calibration.forget(view.bucket, 0)  # the single steps before the first call
+        if self.calibration is None or (k_step == 0 and not full_call and view.bucket in self._k0_calls):
+            # A model without the call's own cost (call_s 0: profiled before it was) cannot tell a
+            # K = 0 step alone from one of a call, so once K = 0 has run in full decode calls at
+            # this bucket only they calibrate it: that is what choosing it keeps costing. The
+            # single steps and short calls (1, 2, 4, ...: _commit) that speculating leaves between
+            # verify steps pay a host round trip per call (22 ms a step alone, 15 in a call of 16,
+            # batch 4 on the CPU). Counted as K = 0's cost they made every K > 0 look better, which
+            # drafted more, which ran more of them: a batch job served at 0.976x AR so, K = 0's
+            # cost reading 1.35x its calls' where K > 0 was chosen. With call_s every step is
+            # compared with a step of a call of its own length.
             return
-        self.calibration.observe(self._shape(view, k_step, tokens), self._model_cost(view, k_step, tokens), seconds)
+        self.calibration.observe(self._shape(view, k_step, tokens), self._model_cost(view, k_step, tokens, call_len),
+                                 seconds)
 
     def goodput(self, view: BatchView, k: int, rows: list[np.ndarray] | None = None) -> float:
         """Algorithm 1: generated length / batch execution time (``rows``: see expected_tokens)."""
