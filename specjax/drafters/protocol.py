@@ -114,7 +114,8 @@ class DecodeStep(StepKind):
         return (active, num_draft, left, eos_rows, eos_mask, samp, limit, stop_first)
 
     def empty(self, B, k):
-        inputs = (np.full(B, self.steps * (k + 1), np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
+        # (K > 0: one step a row, so a warm-up's throwaway state stays within its slots)
+        inputs = (np.full(B, k + 1 if k else self.steps, np.int32), np.zeros(B, bool), np.zeros(self.vocab, bool),
                   np.array(self.steps, np.int32), np.array(False))
         return inputs, np.full(B, k, np.int32)
 
