@@ -434,8 +434,8 @@ class JaxBackend:
         self.last_cold = self.table.cold_since(mark)
         return res, time.perf_counter() - t0
 
-    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first, k=0,
-                     num_draft=None) -> list[list[RowResult]]:
+    def _decode_call(self, rs, active, steps, left, eos_rows, eos_ids, stop_first, k,
+                     num_draft) -> list[list[RowResult]]:
         """decode's call on the rows ``active`` (already begun), ``num_draft`` [B] drafts per row
         (K > 0); ``eos_ids`` None: no row stops at an EOS (``eos_rows`` all False), whatever mask
         the device holds."""
@@ -453,10 +453,9 @@ class JaxBackend:
         kind = DecodeStep(n, self.cfg.vocab_size, upkeep=k > 0 or self._upkeep(rs))
         self.last_k_step, self.last_tokens = k, B * (k + 1)
         exe = kind.exe(self.table, B, k, self.slots, self.greedy())
-        nd = np.zeros(B, np.int32) if num_draft is None else num_draft
         inputs = (self.to_device(lf), self.to_device(er), self._eos_mask[1], self.to_device(np.array(steps, np.int32)),
                   self.to_device(np.array(bool(stop_first))))
-        host = np.asarray(self.run(exe, *kind.args(inputs, self.to_device(nd), self.to_device(active),
+        host = np.asarray(self.run(exe, *kind.args(inputs, self.to_device(num_draft), self.to_device(active),
                                                    self.sampling(), None)))
         toks = host[:, :n * (k + 1)].reshape(B, n, k + 1)
         acc, ran = host[:, n * (k + 1):n * (k + 2)], host[:, -1]
@@ -464,7 +463,7 @@ class JaxBackend:
         self.live.ran(len(self.row_of), int(ran.max()) - 1)
         out = []
         for r, row in zip(rs, rows):
-            res = [RowResult(toks[row, j, :acc[row, j] + 1].tolist(), int(nd[row]), int(acc[row, j]))
+            res = [RowResult(toks[row, j, :acc[row, j] + 1].tolist(), int(num_draft[row]), int(acc[row, j]))
                    for j in range(ran[row])]
             self.drafter.extend(r.uid, [t for x in res for t in x.tokens])
             out.append(res)

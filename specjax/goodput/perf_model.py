@@ -407,6 +407,10 @@ class ProfiledCost:
                 t = self.linear.prefill_time(bucket, prompt_bucket)
         return t * self._speed(bucket)
 
+    @property
+    def call_s(self) -> float:
+        return self.linear.call_s
+
     def in_call(self, t: float, n: int) -> float:
         return self.linear.in_call(t, n)
 

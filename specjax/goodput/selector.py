@@ -311,7 +311,7 @@ class GoodputPolicy(Policy):
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
             self._plain_run = 0  # it paid: more tokens a second than a K = 0 step makes (_commit)
         self._accepted = 0
-        if not getattr(self.cost, "call_s", 0.0) and k_step == 0 and full_call and view.bucket not in self._k0_calls:
+        if not self.cost.call_s and k_step == 0 and full_call and view.bucket not in self._k0_calls:
             self._k0_calls.add(view.bucket)
             if self.calibration is not None:
                 self.calibration.forget(view.bucket, 0)  # the single steps before the first call
