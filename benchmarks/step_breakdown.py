@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Where a plain decoding step's time goes on this CPU: the engine's K = 0 decoding (batch 1,
-greedy, the launch scripts' forward options as resolved here) under jax's profiler, each
-operation of the compiled decode program timed by the trace (XLA:CPU's thunk executor records
-one event per operation) and grouped by what it does:
+"""Where a decoding step's time goes on this CPU: the engine's decode calls (batch 1, greedy, the
+launch scripts' defaults and flags; K = 0, or a device drafter's fixed-K steps, which run in the
+same calls) under jax's profiler, each operation of the compiled decode program timed by the
+trace (XLA:CPU's thunk executor records one event per operation) and grouped by what it does:
 
   projections, per weight (the rows kernel's custom calls, named by their output width and
   weight format), the vocab head, the CPU attention kernel, XLA's fused element-wise work
@@ -10,6 +10,8 @@ one event per operation) and grouped by what it does:
   and what lies outside the compiled program (host work between calls, dispatch).
 
   python benchmarks/step_breakdown.py [--new_tokens 96] [--batch 1]
+  python benchmarks/step_breakdown.py --drafter eagle --k 1     # a K = 1 EAGLE step: the head's ops
+                                                                # are its Q8_0 weights, fc's dot, ...
 
 Times are exclusive (an event's duration less its children's), summed over the run and divided
 by the decode steps; shares are of the decode steps' wall time (the run's, less the prompt's
@@ -41,11 +43,16 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_string("model", "smollm2-135m", "Model name, .gguf or HF dir.")
+    from specjax import cli
+
+    cli.define_model_flags()
+    cli.define_drafter_flags("none")
+    cli.define_forward_flags()
+    cli.define_engine_flags()
+    cli.define_policy_flags()
+    flags.DEFINE_integer("k", 0, "Drafts a step verifies (a fixed K; > 0 needs a device --drafter).")
     flags.DEFINE_integer("new_tokens", 96, "Tokens decoded under the profiler (after a warm-up run).")
     flags.DEFINE_integer("batch", 1, "Rows decoding together (each the same prompt).")
-    flags.DEFINE_enum("rows_activations", "float32", ["float32", "int8", "bfloat16"], "The rows kernel's activations "
-                      "(--rows_activations of the launch scripts).")
     flags.DEFINE_string("prompt", "Write a long story about a dragon and a knight.", "The chat prompt.")
     flags.DEFINE_string("keep_hlo", None, "Copy the decode program's optimized HLO text here (to read what each op "
                         "is).")
@@ -134,24 +141,28 @@ def main(argv):
                                " --xla_dump_hlo_module_re=.*spec_decode.*").strip()
     import jax
 
-    from specjax.engine.spec import EngineSpec
-    from specjax.generate import Generator
-    from specjax.models.loader import load_model
+    from specjax import cli, registry
+    from specjax.goodput import FixedK
     from specjax.sampling import SamplingParams
 
-    m = load_model(FLAGS.model)
-    fwd = EngineSpec(model=FLAGS.model, rows_kernel_auto=True, attention_auto=True, scan_auto=True,
-                     rows_activations_auto="" if FLAGS.rows_activations == "float32" else FLAGS.rows_activations).resolved(m).fwd
-    g = Generator(m.cfg, m.params_for(fwd), eos_ids=(), batch_buckets=(FLAGS.batch,), fwd=fwd, prefix_cache_mb=0)
+    spec = cli.engine_spec_from_flags(policy="auto")
+    m, spec = cli.load_target(spec)
+    g = registry.build_generator(spec, m)
+    fwd = spec.fwd
     tok = m.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": FLAGS.prompt}]), add_bos=False)
     prompts, samp = [prompt] * FLAGS.batch, [SamplingParams()] * FLAGS.batch
-    g.generate(prompts, samp, max_new_tokens=FLAGS.new_tokens)  # (compiles; the dump is written)
+    kw = {} if spec.drafter.name == "none" else {"num_spec_tokens": FLAGS.k, "policy": FixedK(FLAGS.k)}
+
+    def generate():
+        return g.generate(prompts, samp, max_new_tokens=FLAGS.new_tokens, ignore_eos=True, **kw)
+
+    generate()  # (compiles; the dump is written)
     labels = custom_calls(dump)
     trace = os.path.join(cache, "trace")
     jax.profiler.start_trace(trace)
     t0 = time.perf_counter()
-    out = g.generate(prompts, samp, max_new_tokens=FLAGS.new_tokens)
+    out = generate()
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
     tokens = sum(len(r.tokens) for r in out)
@@ -166,18 +177,20 @@ def main(argv):
     for name, us in exclusive_times(decode).items():
         groups[group_of(name, labels)] += us
         calls[group_of(name, labels)] += exclusive_times.calls[name]
-    steps = tokens / FLAGS.batch - 1  # (decode steps: the prefill gives each row its first token)
+    # decode steps: the engine's record of them, else (K = 0) one a token after the prefill's first
+    steps = len(g.last_engine.steps) if getattr(g, "last_engine", None) else tokens / FLAGS.batch - 1
     in_program = sum(groups.values())
     wall -= prefill / 1e6  # (the decode steps' wall time: the prompt's prefill ran alone, before them)
-    print(f"{m.cfg.name}, batch {FLAGS.batch}, {fwd}; {steps:.0f} decode steps in {wall:.2f} s (the prompt's "
-          f"prefill, {prefill / 1e6:.2f} s, left out): {wall / steps * 1e3:.2f} ms a step")
+    print(f"{m.cfg.name}, {spec.drafter.name} at K = {FLAGS.k}, batch {FLAGS.batch}, {fwd}; {steps:.0f} decode steps "
+          f"({tokens / FLAGS.batch / steps:.2f} tokens a step) in {wall:.2f} s (the prompt's prefill, "
+          f"{prefill / 1e6:.2f} s, left out): {wall / steps * 1e3:.2f} ms a step")
     print("| what | calls a step | ms a step | share of the wall time | weight GB/s | GMAC/s |\n"
           "|---|---|---|---|---|---|")
     for name, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         rate = ""
         w = _WEIGHT.match(name)
         if w:
-            fmt, k, n = w.group(1), int(w.group(2)), int(w.group(3))
+            fmt, k, n = w.group(1).split("_bf16")[0].split("_int8")[0], int(w.group(2)), int(w.group(3))
             macs = k * n * calls[name]
             gbs = macs * _BYTES.get(fmt, 4.0) / (us * 1e-6) / 1e9
             rate = f" {gbs:.1f} | {macs * FLAGS.batch / (us * 1e-6) / 1e9:.1f} |"

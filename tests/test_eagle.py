@@ -221,24 +221,34 @@ def test_chains_and_dynamic_trees_at_batch_1_and_8(tiny, head):
                                                     dparams), 4)
 
 
-def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head, activations):
     """eagle.for_rows_kernel (what eagle.build serves where the target runs the rows kernel): the
-    layer's projections and the vocabulary head rounded to Q8_0, the float32 arrays replaced by
-    the values the kernel decodes, so a feed on the kernel and a block on XLA's dot compute the
-    same head (to float32 summation order), and speculation with it, chains and trees at batch 1
-    and 8, gives plain decoding's tokens."""
+    layer's projections, the vocabulary head and fc rounded to Q8_0, the float32 arrays replaced
+    by the values the kernel decodes, so a feed on the kernel and a block on XLA's dot compute the
+    same head (float32: to summation order; bfloat16 activations, the engine's mode on an
+    AVX512_BF16 CPU: to their rounding), online refinement makes the copies again in the draft's
+    layout, and speculation with it, chains (and float32 trees) at batch 1 and 8, gives plain
+    decoding's tokens."""
     from specjax.drafters.device import DeviceTreeDrafter
 
     draft, dparams = head
-    served = eagle.for_rows_kernel(dparams)
-    for name in ("wq", "w_down"):
-        w, wq = np.asarray(dparams["layer"][name]), np.asarray(served["layer"][name])
+    draft = dataclasses.replace(draft, fwd=eagle.copies_forward(activations))
+    served = eagle.for_rows_kernel(dparams, activations)
+    for name, w, wq in [(n, dparams["layer"][n], served["layer"][n]) for n in ("wq", "w_down")] + [
+            ("fc", dparams["fc"], served["fc"])]:
+        w, wq = np.asarray(w), np.asarray(wq)
         step = np.abs(w).reshape(-1, 32, w.shape[1]).max(axis=1, keepdims=True) / 127  # per 32 inputs and column
         assert 0 < np.abs(wq - w).max() and (np.abs(wq - w).reshape(step.shape[0], 32, -1) <= 0.51 * step + 1e-7).all()
-    h = jnp.asarray(np.random.default_rng(2).standard_normal((3, tiny[0].hidden_size)), jnp.float32)
+    rng = np.random.default_rng(2)
+    h = jnp.asarray(rng.standard_normal((3, tiny[0].hidden_size)), jnp.float32)
+    feats = jnp.asarray(rng.standard_normal((1, 3, np.shape(dparams["fc"])[0])), jnp.float32)
     xla_only = {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)}
-    np.testing.assert_allclose(np.asarray(draft._reduced(served, h)), np.asarray(draft._reduced(xla_only, h)),
-                               rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if activations == "float32" else 2e-2
+    for f, x in ((draft._reduced, h), (draft._fuse, feats)):
+        assert "specjax_rows_q8_0" in str(jax.make_jaxpr(f)(served, x))  # (the kernel runs it)
+        ref = np.asarray(f(xla_only, x))
+        np.testing.assert_allclose(np.asarray(f(served, x)), ref, rtol=tol, atol=tol * np.abs(ref).max())
     # training and saving see the head's own arrays only (online refinement makes the copies again)
     assert heads.trainable_of(draft, served).keys() == heads.trainable_of(draft, dparams).keys()
     from specjax.distill.head_online import HeadRefiner
@@ -248,12 +258,15 @@ def test_a_served_head_reads_q8_0_copies_through_the_rows_kernel(tiny, head):
     moved = {**own, "layer": {**own["layer"], "wq": own["layer"]["wq"] * 2}}  # (as if trained)
     refined = HeadRefiner.serving_params(types.SimpleNamespace(
         trainable=moved, dtype=jnp.float32, rows_copies=True, trainer=types.SimpleNamespace(kind=eagle.KIND),
-        frozen={k: v for k, v in served.items() if k not in own and not k.endswith(llama.ROWS_SUFFIX)}))
+        draft=draft, frozen={k: v for k, v in served.items() if k not in own and not k.endswith(llama.ROWS_SUFFIX)}))
     wq = np.asarray(refined["layer"]["wq"])
     qkv = rows_dot.layer_of(refined[eagle.LAYER_ROWS]["wqkv"], 0)  # (q, k, v one pack: llama.FUSED)
+    assert rows_dot.paired(qkv) == (activations != "float32")
     np.testing.assert_array_equal(rows_dot.dequantize_packed(qkv, wq.shape[1]), wq)  # the copies follow the weights
     serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(draft, served), 2)
-    serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2), served), 4)
+    if activations == "float32":
+        serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(draft, tree_width=2, tree_depth=2),
+                                                        served), 4)
 
 
 class Alternating(FixedK):

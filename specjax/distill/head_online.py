@@ -147,5 +147,5 @@ class HeadRefiner:
         """The head's params as the backend runs them (its serving dtype, the target's arrays)."""
         own = jax.tree_util.tree_map(lambda a: jnp.asarray(a, self.dtype), self.trainable)
         if self.rows_copies:  # (the copies serving made, of the new weights: HeadKind.serving_copies)
-            return self.trainer.kind.serving_copies({**self.frozen, **own})
+            return self.trainer.kind.serving_copies({**self.frozen, **own}, self.draft.fwd.rows_activations)
         return {**self.frozen, **own}

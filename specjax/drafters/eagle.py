@@ -89,7 +89,11 @@ class EagleDraft(FeatureHeadDraft):
 
     def _fuse(self, dparams, feats):
         """Target features [B, T, 3D] -> the head's feature space [B, T, D]."""
-        return jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32).astype(feats.dtype)
+        pack = dparams.get(FC_ROWS)
+        if pack is None:
+            return jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32).astype(feats.dtype)
+        fwd = self._copies_fwd(feats.shape[0] * feats.shape[1])
+        return llama.dense(feats, dparams["fc"], fwd, pack, n=dparams["fc"].shape[-1]).astype(feats.dtype)
 
     def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True,
                  kv_before=None):
@@ -98,7 +102,8 @@ class EagleDraft(FeatureHeadDraft):
         params from ``for_rows_kernel`` run blocks of up to 32 rows on the rows kernel."""
         rope = llama.rope_tables(positions, self.cfg)
         packs = dparams.get(LAYER_ROWS)
-        x, k, v = llama._layer(self.cfg, rope, ForwardOptions() if packs is None else ROWS_FWD, use_prefix, feat,
+        fwd = ForwardOptions() if packs is None else self._copies_fwd(tokens.shape[0] * tokens.shape[1])
+        x, k, v = llama._layer(self.cfg, rope, fwd, use_prefix, feat,
                                dparams["layer"], dc.k, dc.v, 0, dc.lengths, positions, mask,
                                embed_in=dparams["embed"][tokens], kv_before=kv_before, packs=packs)
         return x, dataclasses.replace(dc, k=k, v=v)
@@ -109,7 +114,15 @@ class EagleDraft(FeatureHeadDraft):
         pack = dparams.get(HEAD_ROWS)
         if pack is None:
             return jnp.dot(x, dparams["lm_head"], preferred_element_type=jnp.float32)
-        return llama.dense(x, dparams["lm_head"], ROWS_FWD, pack, n=dparams["lm_head"].shape[-1])
+        rows = math.prod(x.shape[:-1])
+        return llama.dense(x, dparams["lm_head"], self._copies_fwd(rows), pack, n=dparams["lm_head"].shape[-1])
+
+    def _copies_fwd(self, rows: int) -> ForwardOptions:
+        """The forward the serving copies (``for_rows_kernel``) run a block of ``rows`` activation
+        rows with: ``fwd`` (``copies_forward``: the engine's activations), a block past the rows
+        kernel's size under a low-precision mode with XLA's attention, as the target's prefill."""
+        f = self.fwd
+        return f.for_prefill() if f.rows_low and rows > f.rows_kernel else f
 
     def _feed(self, dparams, dc: kv.FeatureCache, tok, feat):
         """One entry per row (token, feature) at the cache's lengths: (the head's logits of the
@@ -232,9 +245,19 @@ class EagleDraft(FeatureHeadDraft):
 
 
 # Serving copies for the CPU rows kernel (for_rows_kernel): the layer's projections as one-layer
-# stacks (read at the head's layer index 0) and the vocabulary head, each Q8_0.
-LAYER_ROWS, HEAD_ROWS = "layer" + llama.ROWS_SUFFIX, "lm_head" + llama.ROWS_SUFFIX
-ROWS_FWD = ForwardOptions(rows_kernel=32)  # (float32 activations, XLA's attention: the head's own forward)
+# stacks (read at the head's layer index 0), the vocabulary head and fc, each Q8_0.
+LAYER_ROWS, HEAD_ROWS, FC_ROWS = ("layer" + llama.ROWS_SUFFIX, "lm_head" + llama.ROWS_SUFFIX,
+                                  "fc" + llama.ROWS_SUFFIX)
+
+
+def copies_forward(activations: str = "float32") -> ForwardOptions:
+    """The head's own forward (``EagleDraft.fwd``) on its serving copies in an engine whose rows
+    kernel multiplies ``activations``: blocks of up to 32 rows on the kernel in that mode (under
+    bfloat16 or int8 the CPU attention, which those need; in float32 XLA's). In float32 the
+    head's Q8_0 projections ran at 21-27 GMAC/s, about 0.45 ms of a K = 1 step that costs 0.93 ms
+    more than a plain one (benchmarks/step_breakdown.py --drafter eagle --k 1, AVX-512 EPYC)."""
+    low = activations != "float32"
+    return ForwardOptions(rows_kernel=32, rows_activations=activations, attention="cpu" if low else "xla")
 
 
 def _q8_0(w: np.ndarray):
@@ -249,24 +272,28 @@ def _q8_0(w: np.ndarray):
     return d16, q, (q.astype(np.float32) * d).reshape(N, K).T.copy()
 
 
-def for_rows_kernel(dparams) -> dict:
+def for_rows_kernel(dparams, activations: str = "float32") -> dict:
     """Serving params of a head for the CPU rows kernel: its layer's projections and vocabulary
     head rounded to Q8_0 (``_q8_0``), the float32 arrays replaced by the values the kernel decodes,
     so blocks on XLA's dot (over 32 rows: prefill, catch-up) and on the kernel (draft feeds)
     compute the same head. Each feed read the float32 weights, about 35 MB on SmolLM2 (a K = 3
-    chain about 3 ms at this CPU's 30-35 GB/s: the log, 2026-12-07 afternoon); Q8_0 reads 9."""
+    chain about 3 ms at this CPU's 30-35 GB/s: the log, 2026-12-07 afternoon); Q8_0 reads 9.
+    ``activations``: what the kernel multiplies them with (``copies_forward``); bfloat16 and int8
+    read packs in their paired layout."""
     from specjax.models.cpu import rows_dot
 
-    if any(np.shape(dparams["layer"][n])[0] % 32 for n in llama.PROJECTIONS) or np.shape(dparams["lm_head"])[0] % 32:
+    if (any(np.shape(dparams["layer"][n])[0] % 32 for n in llama.PROJECTIONS)
+            or np.shape(dparams["lm_head"])[0] % 32 or np.shape(dparams["fc"])[0] % 32):
         return dparams  # (Q8_0 groups 32 inputs)
-    out, layer, packs = dict(dparams), dict(dparams["layer"]), {}
+    out, layer, packs, pairs = dict(dparams), dict(dparams["layer"]), {}, activations != "float32"
     for name in llama.PROJECTIONS:
         d, q, layer[name] = _q8_0(layer[name])
-        packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q)])
+        packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q, pairs)])
     d, q, lm_head = _q8_0(dparams["lm_head"])
+    fd, fq, fc = _q8_0(dparams["fc"])  # (the fused features: 4 MB a step in float32, 1 in Q8_0)
     packs = llama.fuse_packs(packs, {n: np.shape(layer[n])[1] for n in llama.PROJECTIONS})
-    out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head),
-               **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q)})
+    out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head), fc=jnp.asarray(fc),
+               **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q, pairs), FC_ROWS: rows_dot.pack_q8_0(fd, fq, pairs)})
     return out
 
 
@@ -366,18 +393,21 @@ def shipped_head(cfg: ModelConfig) -> str | None:
 EagleDrafter = FeatureHeadDrafter  # (the engine's drafter of a feature head, drafters.device)
 
 
-def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int = 4) -> FeatureHeadDrafter:
+def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int = 4,
+          activations: str = "float32") -> FeatureHeadDrafter:
     """The eagle drafter on ``model`` (a LoadedModel): the head saved in ``head`` (a directory,
     ``save_head``), else the one shipped for this target (``heads.SHIPPED``), else a
     random-initialised one (``init_params``' defaults); drafting chains, or with ``tree_width``
-    > 0 dynamic trees of that width and ``tree_depth``."""
+    > 0 dynamic trees of that width and ``tree_depth``. ``activations``: the engine's rows kernel
+    mode, which the head's serving copies run in too."""
     require(tree_width >= 0 and 1 <= tree_depth <= 16,
             f"EAGLE trees: width >= 0 and depth 1..16, got width {tree_width}, depth {tree_depth}")
     head = head or heads.shipped_head(KIND, model.cfg)
     draft, dparams = load_head(head, model.cfg, model.params) if head else init_params(model.cfg, model.params)
     rows = getattr(model, "auto_rows_kernel", lambda: 0)()  # (the launch scripts' choice for the target)
     if rows and dparams["lm_head"].dtype == jnp.float32:
-        dparams = for_rows_kernel(dparams)
+        dparams = for_rows_kernel(dparams, activations)
+        draft = dataclasses.replace(draft, fwd=copies_forward(activations))
     if tree_width:
         return DeviceTreeDrafter(dataclasses.replace(draft, tree_width=tree_width, tree_depth=tree_depth), dparams)
     return FeatureHeadDrafter(draft, dparams)
@@ -385,4 +415,6 @@ def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int =
 
 def build_kind(model, spec, draft=None) -> FeatureHeadDrafter:
     """The ``eagle`` kind from its DrafterSpec (drafters.table)."""
-    return build(model, spec.eagle_head, spec.eagle_tree_width, spec.eagle_tree_depth)
+    fwd = spec.fwd or ForwardOptions()
+    return build(model, spec.eagle_head, spec.eagle_tree_width, spec.eagle_tree_depth,
+                 fwd.rows_activations if fwd.rows_kernel else "float32")

@@ -56,8 +56,9 @@ class HeadKind:
     is the target's top-1 (the held-out acceptance estimate of distill.head_pipeline).
     ``attends``: the head's layer attends over earlier positions, so a training window that
     starts inside a sequence carries context positions before its trained ones.
-    ``serving_copies``: ``params -> params`` with the copies serving makes of the head's arrays
-    (keys ending in ``SERVING_COPIES``; eagle: Q8_0 copies for the rows kernel), made again from
+    ``serving_copies``: ``(params, activations) -> params`` with the copies serving makes of the
+    head's arrays for a rows kernel multiplying ``activations`` (its draft's ``fwd``; keys ending in
+    ``SERVING_COPIES``; eagle: Q8_0 copies for the rows kernel), made again from
     trained arrays by distill.head_online. ``grow``: ``(new trainable, saved trainable) -> new
     trainable``, a trained head's arrays in a head of larger settings computing the same function
     (``--init_head`` with other settings; eagle: a wider MLP). A file written before a setting
