@@ -180,6 +180,11 @@ def default_perf_models() -> str:
 # served 0.95x AR; K = 0's cost moves by 10-30% from call to call (its calibration is the median
 # of the last 16 calls').
 MIN_GAIN = 0.1
+# Observations the prior alpha counts as until real ones replace it (MovingAverage.prior_weight):
+# a batch-1 verify step reads an alpha of 0 or 1, and EAGLE's first drafts of a chat answer are
+# accepted less often (0.17 over its first 3 steps, 0.36-0.40 later): as the whole estimate, the
+# first rejections turned the drafter off for the request (and its prefill gate for the next ones).
+PRIOR_WEIGHT = 8
 
 
 def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold: float = 0.5):
@@ -203,7 +208,8 @@ def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold
     # one average over every request follows a batch-1 stream's prompt-to-prompt swings too
     # slowly. smartspec-req also sets draft counts per request.
     return GoodputPolicy(cost, estimator, window=window, threshold=pol.threshold, per_request=pol.name != "oracle",
-                         per_request_k=pol.packed, min_gain=0.0 if pol.name == "oracle" else MIN_GAIN)
+                         per_request_k=pol.packed, min_gain=0.0 if pol.name == "oracle" else MIN_GAIN,
+                         prior_weight=0 if pol.name == "oracle" else PRIOR_WEIGHT)
 
 
 def perf_key(spec, target_name: str) -> str:

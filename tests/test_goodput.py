@@ -148,6 +148,18 @@ def test_moving_average_window_and_prior():
     assert m.value == pytest.approx(3.0)  # mean of the last three
     with pytest.raises(ValueError):
         MovingAverage(window=0)
+    # the prior as pseudo-observations: as 3 before any real one, fading out as they come in
+    p = MovingAverage(window=8, prior=0.5, prior_weight=3)
+    assert p.value == 0.5
+    p.add(0.0)
+    assert p.value == pytest.approx(1.0 / 3)  # (0 + 2 x 0.5) / 3, where the mean alone says 0
+    p.add(1.0)
+    assert p.value == pytest.approx(1.5 / 3)
+    for x in (0.0, 0.0):
+        p.add(x)
+    assert p.value == pytest.approx(0.25)  # real observations only from prior_weight on
+    with pytest.raises(ValueError):
+        MovingAverage(prior_weight=-1)
 
 
 def test_acceptance_counts_add_merge_and_metrics():
@@ -212,6 +224,32 @@ def test_acceptance_estimator_per_request():
     assert est.request_alpha("c") == est.alpha.value  # proposed nothing: no own estimate
     est.forget("a")
     assert est.request_alpha("a") == est.alpha.value
+
+
+def test_reprobe_and_the_prior_weight_reach_the_per_request_estimates():
+    """With a prior weight, a request's own estimate starts from the global one as that many
+    observations (its first rejections do not read 0), and a re-probe takes every estimate back
+    to the prior: the per-request ones outrank the global one, so a request whose first drafts
+    were rejected never drafted again when only the global one was reset."""
+    est = AcceptanceEstimator(window=8, prior_alpha=0.5, per_request=True, min_request_obs=2, prior_weight=4)
+    for _ in range(2):
+        est.observe([1], [0], offered=1, request_ids=["a"], classes=[3])
+    glob = 0.5 * 2 / 4  # two rejections and two of the prior's four observations
+    assert est.alpha.value == pytest.approx(glob)
+    # its own: from the global estimate after its first step (0.375) as 4 observations, two rejections
+    assert est.request_alpha("a") == pytest.approx(0.375 * 2 / 4)
+    assert est.request_alpha("a", 3) == pytest.approx(est.request_alpha("a"))
+    est.reprobe()
+    assert est.alpha.value == est.request_alpha("a") == est.request_alpha("a", 3) == 0.5
+    pol = GoodputPolicy(_cost(a=0.0, g=1e-6, d=1e-2), window=4, prior_alpha=0.6, reprobe_after=3, per_request=True,
+                        prior_weight=2)
+    view = BatchView(ctx_lens=[10], bucket=1, k_options=(0, 4), request_ids=["r"])
+    for _ in range(3):
+        pol.observe(4, [4], [0], request_ids=["r"])
+    assert pol.acc.request_alpha("r") == 0.0 and pol.choose(view) == 0
+    for _ in range(3):
+        pol.observe(0, [0], [0], request_ids=["r"])
+    assert pol.acc.request_alpha("r") == pytest.approx(0.6) and pol.choose(view) == 4
 
 
 def test_acceptance_per_draft_class_outranks_the_request():
@@ -1033,3 +1071,26 @@ def test_a_draft_free_step_costs_the_verify_alone():
     pol.observe_time(head, 2, 3, 0.024)  # the head's step as predicted: its own shape's factor
     assert pol.step_cost(head, 2) == pytest.approx(0.024) and pol.step_cost(free, 2) == pytest.approx(0.032)
     assert pol.choose(free) == 0  # 1.9 tokens in 32 ms
+
+
+def test_a_step_that_ran_row_ops_does_not_calibrate_its_k():
+    """PolicyFeedback hands the policy a step that also ran row ops (a new request's state cleared
+    or allocated, milliseconds at batch 1) as cold: its seconds are not its K's cost."""
+    import types
+
+    from specjax.engine.observers import PolicyFeedback
+
+    seen = []
+
+    class Recorder(FixedK):
+        def observe_time(self, view, k_step, tokens, seconds, full_call=False, cold=False, call_len=1):
+            seen.append(cold)
+
+    pol = Recorder(1)
+    for ops in ((("clear", 1, 1),), ()):
+        ev = types.SimpleNamespace(proposal=types.SimpleNamespace(draft_lens=None, drafts=None), k=1, k_step=1,
+                                   drafted=[1], accepted=[0], view=BatchView(ctx_lens=[9], bucket=1, k_options=(0, 1)),
+                                   policy=pol, first_of_call=True, tokens=2, wall=0.01, full_call=False, cold=False,
+                                   call_len=1, row_ops=ops, rows=[])
+        PolicyFeedback(None).on_step(ev)
+    assert seen == [True, False]

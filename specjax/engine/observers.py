@@ -137,7 +137,10 @@ class PolicyFeedback(Observer):
         ev.policy.observe(ev.k, ev.drafted, ev.accepted, ev.view.request_ids)
         self._shadow_verify(ev)
         if ev.first_of_call:
-            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call, cold=ev.cold,
+            # A step that also ran row ops (a new request's state cleared or allocated: 1.4-17 ms at
+            # batch 1 here) is no measure of its K's cost either: counted, it set a K = 1 EAGLE
+            # step's calibration to 1.23x, as the first step of a request, and SmartSpec's choice with it.
+            ev.policy.observe_time(ev.view, ev.k_step, ev.tokens, ev.wall, ev.full_call, cold=ev.cold or bool(ev.row_ops),
                                    call_len=ev.call_len)
         for r in ev.rows:
             if r.done:

@@ -22,7 +22,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from specjax.buckets import proposal_bucket
-from specjax.goodput.acceptance import (AcceptanceEstimator, MovingAverage, ScoreCalibration, confidence_lengths,
+from specjax.goodput.acceptance import (AcceptanceEstimator, ScoreCalibration, confidence_lengths,
                                         expected_len)
 from specjax.goodput.perf_model import CostCalibration, StepCostModel
 
@@ -110,8 +110,8 @@ class Policy:
         """Feedback after the step: the compiled block it ran (``k_step``, ``tokens`` verified rows)
         and the seconds the whole iteration took, what the policy's cost estimate predicts;
         ``full_call``: a step of a decode call as long as the backend runs (``seconds``: the
-        call's per step); ``cold``: the step waited for or ran beside a compilation, so
-        ``seconds`` is not its cost; ``call_len``: the steps of the call that ran it."""
+        call's per step); ``cold``: the step waited for or ran beside a compilation, or also ran
+        row ops, so ``seconds`` is not its cost; ``call_len``: the steps of the call that ran it."""
 
     def row_drafts(self, view: BatchView, k: int) -> list[int] | None:
         """Per-request draft counts (<= k, aligned with ``view.request_ids``) for the step just
@@ -166,7 +166,7 @@ class GoodputPolicy(Policy):
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
                  name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False,
-                 calibrate: bool = True, min_gain: float = 0.0):
+                 calibrate: bool = True, min_gain: float = 0.0, prior_weight: int = 0):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
         if min_gain < 0:
@@ -177,7 +177,7 @@ class GoodputPolicy(Policy):
         # both estimates carry errors of several percent (alpha from a moving average, the step
         # cost from calibrated measurements), and a marginal K > 0 also ends a K = 0 decode call.
         self.min_gain = float(min_gain)
-        self.acc = AcceptanceEstimator(window, prior_alpha, per_request)
+        self.acc = AcceptanceEstimator(window, prior_alpha, per_request, prior_weight=prior_weight)
         self.threshold = threshold
         # Confidence policy: whether the next step drafts ahead (see draft_threshold); draft
         # calls in a row that ended in K = 0 (their first forward wasted), and the step count
@@ -305,7 +305,7 @@ class GoodputPolicy(Policy):
 
     def observe_time(self, view: BatchView, k_step: int, tokens: int, seconds: float, full_call: bool = False,
                      cold: bool = False, call_len: int = 1) -> None:
-        if cold:  # (a compilation's seconds: neither a cost nor a verdict on whether drafting paid)
+        if cold:  # (a compilation's or row ops' seconds: neither a cost nor a verdict on whether drafting paid)
             self._accepted = 0
             return
         if k_step > 0 and view.n and (view.n + self._accepted) / max(seconds, 1e-12) > self.goodput(view, 0):
@@ -346,7 +346,7 @@ class GoodputPolicy(Policy):
                          if view.draft_classes is not None and len(view.request_ids) else {})
         rows = self.row_expected(view, max(view.k_options)) if view.n else None
         self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
-        bar = self._bar(self.last_goodputs)
+        bar = self._bar(view, self.last_goodputs)
         best_k = max(view.k_options, key=lambda k: (bar[k], -k))  # ties: the smaller K
         self.want_k = self._wanted(view, bar[best_k]) if view.k_coming and view.n else 0
         self._row_k = None
@@ -370,9 +370,13 @@ class GoodputPolicy(Policy):
         plain = view.n / max(self.step_cost(full, 0), 1e-12) * (1.0 + self.min_gain)
         return any(view.n * (k + 1) / max(self.step_cost(full, k, view.n * (k + 1)), 1e-12) > plain for k in ks)
 
-    def _bar(self, goodputs: dict) -> dict:
-        """The goodputs the choice compares: K = 0's raised by ``min_gain``, the others as estimated."""
-        return {k: g * (1.0 + self.min_gain) if k == 0 else g for k, g in goodputs.items()}
+    def _bar(self, view: BatchView, goodputs: dict) -> dict:
+        """The goodputs the choice compares: K = 0's raised by ``min_gain``; a K > 0 the backend runs
+        in calls (``view.call_ks``) raised by half of it, as choosing it ends no K = 0 decode call
+        (the margin's other reason, the estimates' own errors, stays); the others as estimated."""
+        m = self.min_gain
+        return {k: g * (1.0 + m) if k == 0 else g * (1.0 + m / 2) if k in view.call_ks else g
+                for k, g in goodputs.items()}
 
     def _wanted(self, view: BatchView, best: float) -> int:
         """The K of ``view.k_coming`` whose estimated goodput beats ``best`` (the compiled
@@ -416,7 +420,7 @@ class GoodputPolicy(Policy):
         else:
             ma = dataclasses.replace(view, confidences=None, drafted_ahead=0)
             gps = {k: self.goodput(ma, k) for k in view.k_options}
-        bar = self._bar(gps)
+        bar = self._bar(view, gps)
         ma_best = max(bar, key=lambda k: (bar[k], -k))
         self._draft_ahead = self._steps >= self._closed_until and ma_best > 0
 
@@ -467,7 +471,7 @@ class GoodputPolicy(Policy):
         self._stale += 1
         if self._stale >= self.reprobe_after:
             self._stale = 0
-            self.acc.alpha = MovingAverage(self.acc.window, self.acc.alpha.prior)
+            self.acc.reprobe()
 
     def finish(self, rid):
         self.acc.forget(rid)
