@@ -1094,3 +1094,12 @@ def test_a_step_that_ran_row_ops_does_not_calibrate_its_k():
                                    call_len=1, row_ops=ops, rows=[])
         PolicyFeedback(None).on_step(ev)
     assert seen == [True, False]
+
+
+def test_a_k_run_in_calls_needs_half_the_margin():
+    """A K the backend runs in calls (``call_ks``) ends no K = 0 decode call when chosen, so it
+    needs only half of ``min_gain`` over K = 0; elsewhere the whole margin."""
+    pol = GoodputPolicy(_cost(g=1e-3, d=4e-3), prior_alpha=0.3, min_gain=0.1)  # K = 1: 1.3 tokens for 1.2x
+    alone = BatchView(ctx_lens=[10], bucket=1, k_options=(0, 1))
+    assert pol.choose(alone) == 0  # 1.083x < 1.1x
+    assert pol.choose(dataclasses.replace(alone, call_ks=(0, 1), call_steps=16)) == 1  # 1.083 x 1.05 > 1.1
