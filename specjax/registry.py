@@ -180,10 +180,11 @@ def default_perf_models() -> str:
 # served 0.95x AR; K = 0's cost moves by 10-30% from call to call (its calibration is the median
 # of the last 16 calls').
 MIN_GAIN = 0.1
-# Observations the prior alpha counts as until real ones replace it (MovingAverage.prior_weight):
-# a batch-1 verify step reads an alpha of 0 or 1, and EAGLE's first drafts of a chat answer are
-# accepted less often (0.17 over its first 3 steps, 0.36-0.40 later): as the whole estimate, the
-# first rejections turned the drafter off for the request (and its prefill gate for the next ones).
+# Observations the priors count as until real ones replace them: alpha's (MovingAverage.prior_weight)
+# and the cost model's own prediction (CostCalibration.prior_weight). A batch-1 verify step reads an
+# alpha of 0 or 1, and EAGLE's first drafts of a chat answer are accepted less often (0.17 over its
+# first 3 steps, 0.36-0.40 later); one K = 1 step's time read 1.24x the model. As the whole
+# estimate, either turned the drafter off, and nothing was measured again to correct it.
 PRIOR_WEIGHT = 8
 
 

@@ -163,8 +163,8 @@ def serve_job(job, model, backend, policy, policy_label: str, *, drafter: str, c
         reqs = [dataclasses.replace(r, id=str(i)) for i, r in enumerate(items)]
         if drafts is not None:
             drafts.expect(reqs)
-        engine = ServingEngine(be, policy, eos_ids=tok.eos_ids, prefill_gate=gate, on_finish=on_finish,
-                               prefill_budget=prefill_budget, should_stop=job.should_stop,
+        engine = ServingEngine(be, policy, eos_ids=tok.eos_ids, on_finish=on_finish,
+                               prefill_gate=gate if be.drafter.gates_prefill else None, prefill_budget=prefill_budget, should_stop=job.should_stop,
                                on_step=None if drafts is None else drafts.on_step, drafts=drafts)
         # (serving CPU: this process's, less what compilations took meanwhile, in the background or
         # waited for: a lazily compiled job's serving costs what an ahead-compiled one's does)

@@ -191,7 +191,7 @@ class SpecGenerator:
             return None
         if prefill_gate is not None:
             return prefill_gate
-        if not isinstance(policy, GoodputPolicy):
+        if not isinstance(policy, GoodputPolicy) or not self.drafter.gates_prefill:
             return None  # a fixed K has nothing to learn; K = 0 skips the draft prefill anyway
         gate = self._gates.get(policy)
         if gate is None:
@@ -208,7 +208,8 @@ class SpecGenerator:
         and then never draft, when the gate has seen mostly K = 0 steps. None: a GoodputPolicy
         gets a gate of its own that persists across calls with that policy object (once the
         policy has learnt that drafts do not pay, later prompts skip the draft prefill, as a
-        server's would); False: never skip it; or a given DraftPrefillGate.
+        server's would), unless the drafter's prefill is not worth gating (``gates_prefill``: a
+        feature head's); False: never skip it; or a given DraftPrefillGate.
         Whatever the policy and the gate, greedy outputs are the target's own."""
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)

@@ -941,6 +941,18 @@ def test_cost_calibration_corrects_an_underestimating_model():
         cal.observe((1, 4, 5), 1.0, r)
     assert cal.factor((1, 4, 5)) == pytest.approx(3.0)  # the median of the last 3: one outlier is ignored
     assert GoodputPolicy(cost, calibrate=False).calibration is None
+    # with a prior weight, what a shape borrows counts as that many observations until real ones come
+    cal = CostCalibration(window=8, prior_weight=3)
+    for _ in range(4):
+        cal.observe((1, 0, 1), 1.0, 0.9)
+    cal.observe((1, 1, 2), 1.0, 1.3)  # one slow step (it also settled the head, say)
+    assert cal.factor((1, 1, 2)) == pytest.approx(0.9)  # median of 1.3 and K = 0's 0.9 twice
+    cal.observe((1, 1, 2), 1.0, 1.0)
+    assert cal.factor((1, 1, 2)) == pytest.approx(1.0)  # 0.9, 1.0, 1.3
+    cal.observe((1, 1, 2), 1.0, 1.2)
+    assert cal.factor((1, 1, 2)) == pytest.approx(1.2)  # its own three
+    with pytest.raises(ValueError):
+        CostCalibration(prior_weight=-1)
 
 
 def test_k0_cost_is_its_decode_calls_once_they_run():

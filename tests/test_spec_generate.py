@@ -250,6 +250,14 @@ def test_prefill_gate_skips_the_draft_prefill_once_drafts_do_not_pay(spec_gens, 
         assert gen.prefill_gate_for(_dear_draft_policy()) is not gen.prefill_gate_for(pol)
         assert gen.prefill_gate_for(FixedK(4)) is None  # a fixed K learns nothing
         assert spec_gens["prompt_lookup"].prefill_gate_for(pol) is None  # host drafters have no draft prefill
+        # a feature head's prefill is one layer over the prompt: no default gate, a given one is used
+        from specjax.drafters import eagle
+
+        cfg, params = gen.cfg, gen.params
+        head = SpecGenerator(cfg, params, drafter=eagle.EagleDrafter(*eagle.init_params(cfg, params)),
+                             batch_buckets=BATCH_BUCKETS, k_buckets=K_BUCKETS, slot_buckets=SLOTS)
+        given = DraftPrefillGate()
+        assert head.prefill_gate_for(pol) is None and head.prefill_gate_for(pol, given) is given
 
         runs.clear()
         gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW, num_spec_tokens=4, policy=pol, prefill_gate=False)

@@ -416,6 +416,12 @@ class FeatureHeadDrafter(DeviceDrafter):
     flowing through the compile key. Drafting ahead of the policy's choice (confidence policies)
     is not built for it: the verify step it needs would have to catch the head up too."""
 
+    # No default prefill gate: a head's prefill is one layer over the prompt beside the target's
+    # (and its plain steps defer their upkeep), while the gate, closed by the K = 0 choices of an
+    # answer's opening (whose drafts are accepted least: EAGLE 0.17 over the first 3 steps of chat
+    # answers, 0.36-0.40 later), kept the head out of the requests after the first.
+    gates_prefill = False
+
     def propose(self, be, rs, k_max, threshold=None):
         require(threshold is None, f"the {self.draft.label} drafter drafts inside the step; confidence-based "
                 "proposal (smartspec-conf) is not available for it")

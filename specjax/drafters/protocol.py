@@ -195,6 +195,9 @@ class Drafter(abc.ABC):
     params = None  # that draft's params (None: it has none of its own)
     step: StepKind = CHAIN  # the compiled step its proposals (K > 0) run in
     draft_prefill = False  # admission runs a prefill of its own (a draft cache) that a request may skip
+    # whether a goodput policy's default DraftPrefillGate skips that prefill where drafting does not
+    # pay (a draft model's prefill is worth saving; FeatureHeadDrafter says no)
+    gates_prefill = True
     max_k: int | None = None  # the most drafts (tree nodes) one step can take (usable_k_buckets); None: any
     # Its K > 0 chain steps need nothing from the host (drafted on the device inside the step), so
     # the backend may run several in one call (DecodeStep at K > 0) when no decision is due between

@@ -171,12 +171,18 @@ class CostCalibration:
 
     A shape not measured yet borrows the ratio of the nearest measured shape of its bucket (by
     verified tokens, then K), else 1: an underestimated shape gets tried, measured and corrected;
-    an overestimated one is the cautious error."""
+    an overestimated one is the cautious error, and with ``prior_weight`` > 0 what it borrows
+    counts as that many observations until real ones replace them: a K = 1 EAGLE step once
+    measured at 1.24x the model, alone, kept SmartSpec from choosing it, so nothing ever measured
+    it again; and at the model's own 1.0 it looked 1.45x a K = 0 step that ran at 0.88x its own."""
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 16, prior_weight: int = 0):
         if window < 1:
             raise ValueError(f"calibration window must be >= 1, got {window}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         self.window = window
+        self.prior_weight = prior_weight
         self._ratios: dict[tuple, collections.deque] = {}
         # Factors looked up since the last observation (the selector asks for every compiled K
         # each step; a median per lookup was most of its host time).
@@ -197,10 +203,13 @@ class CostCalibration:
         key = tuple(key)
         f = self._cache.get(key)
         if f is None:
-            xs = self._ratios.get(key)
-            if xs is None:
-                same = [k for k in self._ratios if k[0] == key[0]]
-                xs = self._ratios[min(same, key=lambda k: (abs(k[2] - key[2]), abs(k[1] - key[1]), k))] if same else [1.0]
+            xs = list(self._ratios.get(key, ()))
+            if len(xs) < max(self.prior_weight, 1):  # (what it borrows: the nearest measured shape's)
+                same = [k for k in self._ratios if k[0] == key[0] and k != key]
+                near = (float(statistics.median(self._ratios[min(same, key=lambda k: (abs(k[2] - key[2]),
+                                                                                     abs(k[1] - key[1]), k))]))
+                        if same else 1.0)
+                xs += [near] * max(self.prior_weight - len(xs), 0 if xs else 1)
             f = self._cache[key] = float(statistics.median(xs))
         return f
 

@@ -202,7 +202,7 @@ class GoodputPolicy(Policy):
         self._scores: dict = {}  # request id -> the node probabilities of its last proposal
         self._classes: dict = {}  # request id -> the draft class of its last proposal
         # The cost model is calibrated online too: measured / predicted per compiled step shape.
-        self.calibration = CostCalibration(window) if calibrate else None
+        self.calibration = CostCalibration(window, prior_weight) if calibrate else None
         self._plain_run = 0  # K = 0 choices since the last speculative step that paid (call_steps)
         self._run = (0, 0)  # (K > 0, times chosen in a row) (call_steps)
         self._k0_calls: set[int] = set()  # batch buckets whose K = 0 has run in full decode calls (call_s 0)
