@@ -98,7 +98,9 @@ def main(argv):
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
     for n, width in ((n, w) for n in map(int, FLAGS.eagle_vocab) for w in map(int, FLAGS.eagle_mlp_width)):
         d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n), mlp_width=width)
-        dp = eagle.for_rows_kernel(dp) if fwd.rows_kernel else dp  # (as eagle.build serves it)
+        if fwd.rows_kernel:  # (as eagle.build serves it)
+            act = eagle.copies_activations(fwd)
+            d, dp = dataclasses.replace(d, fwd=eagle.copies_forward(act)), eagle.for_rows_kernel(dp, act)
         drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens" + (f", MLP {width}" if width else "")), dp))
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)
@@ -113,7 +115,8 @@ def main(argv):
         (d.label, StepTable(cfg, params, dp, d, fwd=fwd), False) for d, dp in drafts]
     if FLAGS.trees:
         w, depth = (int(x) for x in FLAGS.eagle_tree.lower().split("x"))
-        trees = [("medusa tree", medusa.build(m)), (f"eagle tree {w}x{depth}", eagle.build(m, None, w, depth))]
+        trees = [("medusa tree", medusa.build(m)), (f"eagle tree {w}x{depth}",
+                                                 eagle.build(m, None, w, depth, eagle.copies_activations(fwd)))]
         tables += [("host tree", StepTable(cfg, params, params, fwd=fwd), True)] + [
             (name, StepTable(cfg, params, h.params, h.draft, fwd=fwd), True) for name, h in trees]
     samp = SamplingArrays.build([SamplingParams()], 1)

@@ -413,8 +413,12 @@ def build(model, head: str | None = None, tree_width: int = 0, tree_depth: int =
     return FeatureHeadDrafter(draft, dparams)
 
 
+def copies_activations(fwd: ForwardOptions | None) -> str:
+    """The activations a head's serving copies run in within an engine running ``fwd``: its rows
+    kernel's mode, float32 without the kernel."""
+    return fwd.rows_activations if fwd is not None and fwd.rows_kernel else "float32"
+
+
 def build_kind(model, spec, draft=None) -> FeatureHeadDrafter:
     """The ``eagle`` kind from its DrafterSpec (drafters.table)."""
-    fwd = spec.fwd or ForwardOptions()
-    return build(model, spec.eagle_head, spec.eagle_tree_width, spec.eagle_tree_depth,
-                 fwd.rows_activations if fwd.rows_kernel else "float32")
+    return build(model, spec.eagle_head, spec.eagle_tree_width, spec.eagle_tree_depth, copies_activations(spec.fwd))

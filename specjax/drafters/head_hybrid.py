@@ -176,7 +176,7 @@ def build(model, spec, draft=None) -> SuffixHeadDrafter:
     head elsewhere."""
     from specjax.drafters import eagle, suffix
 
-    head = eagle.build(model, spec.eagle_head)
+    head = eagle.build(model, spec.eagle_head, activations=eagle.copies_activations(spec.fwd))
     sd = suffix.SuffixDrafter(dataclasses.replace(suffix.config_of(spec), tree=False),
                               history=suffix.history_of(spec, model.tokenizer))
     return SuffixHeadDrafter(sd, head.draft, head.params, tau=spec.suffix_tau)
