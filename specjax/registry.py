@@ -210,7 +210,7 @@ def policy_for(name: str, cost=None, k_buckets=None, window: int = 16, threshold
     # slowly. smartspec-req also sets draft counts per request.
     return GoodputPolicy(cost, estimator, window=window, threshold=pol.threshold, per_request=pol.name != "oracle",
                          per_request_k=pol.packed, min_gain=0.0 if pol.name == "oracle" else MIN_GAIN,
-                         prior_weight=0 if pol.name == "oracle" else PRIOR_WEIGHT)
+                         prior_weight=0 if pol.name == "oracle" else PRIOR_WEIGHT, hold_requests=pol.name != "oracle")
 
 
 def perf_key(spec, target_name: str) -> str:

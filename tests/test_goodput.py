@@ -1115,3 +1115,27 @@ def test_a_k_run_in_calls_needs_half_the_margin():
     alone = BatchView(ctx_lens=[10], bucket=1, k_options=(0, 1))
     assert pol.choose(alone) == 0  # 1.083x < 1.1x
     assert pol.choose(dataclasses.replace(alone, call_ks=(0, 1), call_steps=16)) == 1  # 1.083 x 1.05 > 1.1
+
+
+def test_a_lone_request_of_a_device_head_holds_the_k_chosen_when_it_arrived():
+    """``hold_requests``: at batch 1, where every K runs in calls, a request keeps the K chosen
+    from the acceptance pooled over earlier requests when it arrived, whatever its own steps
+    read; the next request chooses again from the pool; one held at K = 0 ``probe_every``
+    times in a row is followed by one at the best K > 0. A batch of two chooses per step."""
+    pol = GoodputPolicy(_cost(g=1e-3, d=4e-3), prior_alpha=0.5, min_gain=0.1, prior_weight=4, hold_requests=True)
+    pol.probe_every = 2
+    view = lambda rid: BatchView(ctx_lens=[10], bucket=1, k_options=(0, 1), request_ids=[rid], call_ks=(0, 1),
+                                 call_steps=16)
+    assert pol.choose(view("a")) == 1  # the prior: 1.5 tokens for 1.2x a plain step
+    for _ in range(12):  # its drafts are all rejected: a per-step choice would turn to K = 0
+        pol.observe(1, [1], [0], ["a"])
+        assert pol.choose(view("a")) == 1
+    assert pol.choose(view("b")) == 0  # the pool: 12 rejections
+    assert pol.choose(view("c")) == 0 and pol.choose(view("c")) == 0
+    assert pol.choose(view("d")) == 1  # a probe after 2 requests held at K = 0
+    for _ in range(64):
+        pol.observe(1, [1], [1], ["d"])
+    assert pol.choose(view("e")) == 1
+    two = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1), request_ids=["e", "f"], call_ks=(0, 1))
+    assert pol._held(two) is None  # (chosen per step)
+    assert pol._held(dataclasses.replace(view("e"), call_ks=(0,))) is None  # (K = 1 would run alone)

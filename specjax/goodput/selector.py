@@ -22,9 +22,11 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from specjax.buckets import proposal_bucket
-from specjax.goodput.acceptance import (AcceptanceEstimator, ScoreCalibration, confidence_lengths,
+from specjax.goodput.acceptance import (AcceptanceEstimator, ScoreCalibration, confidence_lengths, examined,
                                         expected_len)
 from specjax.goodput.perf_model import CostCalibration, StepCostModel
+
+HOLD_POOL = 512  # verified row-steps whose acceptance a held request's K is chosen from (GoodputPolicy._held)
 
 
 @dataclasses.dataclass
@@ -118,6 +120,31 @@ class Policy:
         chosen, or None: every request gets up to k."""
         return None
 
+    def _held(self, view: BatchView) -> int | None:
+        """``hold_requests``, a lone request whose every K the backend runs in calls (a device
+        head at batch 1): the K chosen when it arrived, from the acceptance pooled over the last
+        ``HOLD_POOL`` verified drafts of all requests, held for its whole life (one long call
+        after another, as a fixed K runs). Every ``probe_every``-th request in a row held at K = 0
+        gets the best K > 0 instead, so the pool stays current. None: choose per step."""
+        if not (self.hold_requests and view.n == 1 and len(view.request_ids) == 1
+                and all(k in view.call_ks for k in view.k_options)):
+            return None
+        rid = view.request_ids[0]
+        if rid != self._held_rid:
+            acc, exam = sum(a for a, _ in self._pool), sum(e for _, e in self._pool)
+            w = max(self.acc.prior_weight - exam, 0)  # (the prior as pseudo-drafts, as MovingAverage's)
+            alpha = (acc + w * self.acc.prior_alpha) / max(exam + w, 1)
+            gps = {k: (expected_len(alpha, k) if k else 1.0) / max(self.step_cost(view, k), 1e-12)
+                   for k in view.k_options}
+            self.last_goodputs = gps
+            bar = self._bar(view, gps)
+            k = max(view.k_options, key=lambda k: (bar[k], -k))
+            self._plain_requests = self._plain_requests + 1 if k == 0 else 0
+            if k == 0 and self._plain_requests > self.probe_every:
+                k, self._plain_requests = max((k for k in view.k_options if k), key=lambda k: gps[k], default=0), 0
+            self._held_rid, self._held_k = rid, k
+        return self._held_k
+
     def could_pay(self, view: BatchView) -> bool:
         """Whether drafting could pay on this batch at all (the engine asks before a draft-model
         prefill; ``view``: the batch an admission would make, no proposal)."""
@@ -166,7 +193,7 @@ class GoodputPolicy(Policy):
     def __init__(self, cost: StepCostModel, estimator: str = "moving_average", window: int = 16,
                  prior_alpha: float = 0.5, per_request: bool = False, threshold: float = 0.5,
                  name: str | None = None, reprobe_after: int | None = None, per_request_k: bool = False,
-                 calibrate: bool = True, min_gain: float = 0.0, prior_weight: int = 0):
+                 calibrate: bool = True, min_gain: float = 0.0, prior_weight: int = 0, hold_requests: bool = False):
         if estimator not in ("moving_average", "confidence", "oracle"):
             raise ValueError(f"unknown goodput estimator {estimator!r}")
         if min_gain < 0:
@@ -207,6 +234,13 @@ class GoodputPolicy(Policy):
         self._run = (0, 0)  # (K > 0, times chosen in a row) (call_steps)
         self._k0_calls: set[int] = set()  # batch buckets whose K = 0 has run in full decode calls (call_s 0)
         self._accepted = 0  # drafts the last verify step accepted (observe -> observe_time)
+        # Per-request K at batch 1 for device heads in calls (_held): at one request each step's
+        # alpha reads 0 or 1, and a per-step choice from a window of 16 swung between K = 0 and
+        # K = 1 (and 2) from run to run (EAGLE on chat: 0.94-1.06x AR where a fixed K = 1 ran 1.06-1.10x).
+        self.hold_requests = hold_requests
+        self.probe_every = 8
+        self._pool: collections.deque = collections.deque(maxlen=HOLD_POOL)  # (accepted, examined) per row-step
+        self._held_rid, self._held_k, self._plain_requests = None, 0, 0
 
     @property
     def draft_threshold(self) -> float | None:
@@ -344,6 +378,10 @@ class GoodputPolicy(Policy):
             self._scores = {r: sc for r, sc in zip(view.request_ids, view.draft_scores) if sc is not None}
         self._classes = (dict(zip(view.request_ids, view.draft_classes))
                          if view.draft_classes is not None and len(view.request_ids) else {})
+        held = self._held(view)
+        if held is not None:
+            self._commit(held)
+            return held
         rows = self.row_expected(view, max(view.k_options)) if view.n else None
         self.last_goodputs = {k: self.goodput(view, k, rows) for k in view.k_options}
         bar = self._bar(view, self.last_goodputs)
@@ -356,6 +394,31 @@ class GoodputPolicy(Policy):
             self._gate_draft_call(view, best_k)
         self._commit(best_k)
         return best_k
+
+    def _held(self, view: BatchView) -> int | None:
+        """``hold_requests``, a lone request whose every K the backend runs in calls (a device
+        head at batch 1): the K chosen when it arrived, from the acceptance pooled over the last
+        ``HOLD_POOL`` verified drafts of all requests, held for its whole life (one long call
+        after another, as a fixed K runs). Every ``probe_every``-th request in a row held at K = 0
+        gets the best K > 0 instead, so the pool stays current. None: choose per step."""
+        if not (self.hold_requests and view.n == 1 and len(view.request_ids) == 1
+                and all(k in view.call_ks for k in view.k_options)):
+            return None
+        rid = view.request_ids[0]
+        if rid != self._held_rid:
+            acc, exam = sum(a for a, _ in self._pool), sum(e for _, e in self._pool)
+            w = max(self.acc.prior_weight - exam, 0)  # (the prior as pseudo-drafts, as MovingAverage's)
+            alpha = (acc + w * self.acc.prior_alpha) / max(exam + w, 1)
+            gps = {k: (expected_len(alpha, k) if k else 1.0) / max(self.step_cost(view, k), 1e-12)
+                   for k in view.k_options}
+            self.last_goodputs = gps
+            bar = self._bar(view, gps)
+            k = max(view.k_options, key=lambda k: (bar[k], -k))
+            self._plain_requests = self._plain_requests + 1 if k == 0 else 0
+            if k == 0 and self._plain_requests > self.probe_every:
+                k, self._plain_requests = max((k for k in view.k_options if k), key=lambda k: gps[k], default=0), 0
+            self._held_rid, self._held_k = rid, k
+        return self._held_k
 
     def could_pay(self, view: BatchView) -> bool:
         """Whether some K > 0 (compiled or coming) would beat K = 0 (by ``min_gain``) on this batch
@@ -459,6 +522,8 @@ class GoodputPolicy(Policy):
             self._stale = 0
             if classes is None:  # the step's own verification (not a shadow-verified proposal)
                 self._accepted = int(np.sum(accepted))
+                self._pool.extend((int(a), int(e)) for a, e, d in zip(accepted, examined(drafted, accepted), drafted)
+                                  if d > 0)
                 if self._classes:
                     classes = [self._classes.get(r) for r in request_ids]
             self.acc.observe(drafted, accepted, k, request_ids, classes)
