@@ -120,31 +120,6 @@ class Policy:
         chosen, or None: every request gets up to k."""
         return None
 
-    def _held(self, view: BatchView) -> int | None:
-        """``hold_requests``, a lone request whose every K the backend runs in calls (a device
-        head at batch 1): the K chosen when it arrived, from the acceptance pooled over the last
-        ``HOLD_POOL`` verified drafts of all requests, held for its whole life (one long call
-        after another, as a fixed K runs). Every ``probe_every``-th request in a row held at K = 0
-        gets the best K > 0 instead, so the pool stays current. None: choose per step."""
-        if not (self.hold_requests and view.n == 1 and len(view.request_ids) == 1
-                and all(k in view.call_ks for k in view.k_options)):
-            return None
-        rid = view.request_ids[0]
-        if rid != self._held_rid:
-            acc, exam = sum(a for a, _ in self._pool), sum(e for _, e in self._pool)
-            w = max(self.acc.prior_weight - exam, 0)  # (the prior as pseudo-drafts, as MovingAverage's)
-            alpha = (acc + w * self.acc.prior_alpha) / max(exam + w, 1)
-            gps = {k: (expected_len(alpha, k) if k else 1.0) / max(self.step_cost(view, k), 1e-12)
-                   for k in view.k_options}
-            self.last_goodputs = gps
-            bar = self._bar(view, gps)
-            k = max(view.k_options, key=lambda k: (bar[k], -k))
-            self._plain_requests = self._plain_requests + 1 if k == 0 else 0
-            if k == 0 and self._plain_requests > self.probe_every:
-                k, self._plain_requests = max((k for k in view.k_options if k), key=lambda k: gps[k], default=0), 0
-            self._held_rid, self._held_k = rid, k
-        return self._held_k
-
     def could_pay(self, view: BatchView) -> bool:
         """Whether drafting could pay on this batch at all (the engine asks before a draft-model
         prefill; ``view``: the batch an admission would make, no proposal)."""
