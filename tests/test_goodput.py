@@ -1139,3 +1139,7 @@ def test_a_lone_request_of_a_device_head_holds_the_k_chosen_when_it_arrived():
     two = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1), request_ids=["e", "f"], call_ks=(0, 1))
     assert pol._held(two) is None  # (chosen per step)
     assert pol._held(dataclasses.replace(view("e"), call_ks=(0,))) is None  # (K = 1 would run alone)
+    # a K still compiling that would pay: held at K = 0 meanwhile, and asked for (want_k)
+    fresh = GoodputPolicy(_cost(g=1e-3, d=4e-3), prior_alpha=0.5, min_gain=0.1, prior_weight=4, hold_requests=True)
+    coming = BatchView(ctx_lens=[10], bucket=1, k_options=(0,), k_coming=(1,), request_ids=["x"], call_ks=(0, 1))
+    assert fresh.choose(coming) == 0 and fresh.want_k == 1

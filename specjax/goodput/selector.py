@@ -393,6 +393,8 @@ class GoodputPolicy(Policy):
             if k == 0 and self._plain_requests > self.probe_every:
                 k, self._plain_requests = max((k for k in view.k_options if k), key=lambda k: gps[k], default=0), 0
             self._held_rid, self._held_k = rid, k
+            # (a K still compiling that would beat it: the backend builds it first, for the next request)
+            self.want_k = self._wanted(view, bar[k]) if view.k_coming else 0
         return self._held_k
 
     def could_pay(self, view: BatchView) -> bool:
