@@ -177,8 +177,7 @@ def main(argv):
     for name, us in exclusive_times(decode).items():
         groups[group_of(name, labels)] += us
         calls[group_of(name, labels)] += exclusive_times.calls[name]
-    # decode steps: the engine's record of them, else (K = 0) one a token after the prefill's first
-    steps = len(g.last_engine.steps) if getattr(g, "last_engine", None) else tokens / FLAGS.batch - 1
+    steps = len(g.last_engine.steps)  # (the engine's record of its decode steps)
     in_program = sum(groups.values())
     wall -= prefill / 1e6  # (the decode steps' wall time: the prompt's prefill ran alone, before them)
     print(f"{m.cfg.name}, {spec.drafter.name} at K = {FLAGS.k}, batch {FLAGS.batch}, {fwd}; {steps:.0f} decode steps "

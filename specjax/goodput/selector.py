@@ -499,8 +499,9 @@ class GoodputPolicy(Policy):
             self._stale = 0
             if classes is None:  # the step's own verification (not a shadow-verified proposal)
                 self._accepted = int(np.sum(accepted))
-                self._pool.extend((int(a), int(e)) for a, e, d in zip(accepted, examined(drafted, accepted), drafted)
-                                  if d > 0)
+                if self.hold_requests:
+                    self._pool.extend((int(a), int(e)) for a, e, d in zip(accepted, examined(drafted, accepted), drafted)
+                                      if d > 0)
                 if self._classes:
                     classes = [self._classes.get(r) for r in request_ids]
             self.acc.observe(drafted, accepted, k, request_ids, classes)
