@@ -185,6 +185,20 @@ def test_other_builds_match_the_native_build(march):
                 other = jax.ffi.ffi_call(target + suffix, jax.ShapeDtypeStruct((M, N), jnp.float32))(x[:M], *operands)
                 np.testing.assert_array_equal(np.asarray(other), np.asarray(rd.rows_dot(x[:M], wp, N, activations=act)),
                                               err_msg=f"{fmt} {act} {M} rows")
+    # the attention: the same bits in the AVX2 build (the portable loops add a dot product in
+    # another order), at block sizes whose (token, head) rows fill one task or several
+    r = lambda *sh: jnp.asarray(rng.standard_normal(sh), jnp.float32)  # noqa: E731
+    ka, va = r(2, 2, 3, 48, 64), r(2, 2, 3, 48, 64)
+    for T in (1, 2, 5):
+        q, kb, vb = r(2, T, 9, 64), r(2, T, 3, 64), r(2, T, 3, 64)
+        lens, mask = jnp.array([13, 40], jnp.int32), jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (2, T, T))
+        got = jax.ffi.ffi_call("specjax_block_attention" + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, kb, vb, ka, va, lens, mask, jnp.int32(1))
+        native = np.asarray(rd.block_attention(q, kb, vb, ka, va, 1, lens, mask))
+        if march is None:
+            np.testing.assert_allclose(np.asarray(got), native, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), native, err_msg=f"attention, {T} tokens")
 
 
 def _q4_1_gguf_model(tmp_path):

@@ -1283,12 +1283,14 @@ inline __m256 hsum8x8(const __m256* a) {
 }
 #endif
 
-// One task per (request b, query head h): the T query rows of the block for that head. The
-// committed prefix's keys are scored 8 at a time for all T rows (a verify block's rows share
-// them; with AVX-512 its values are read once per 4 rows too), then each row adds its visible
-// block tokens. A row's score for a key
-// is the same bits in any of these loops (one fixed order of FMAs over hd, then hsum8), so the
-// result does not depend on T or on which loop scored the key.
+// One task per (request b, KV head, up to kAttnRows query rows): the rows are the (token, query
+// head) pairs of the block that read that KV head (GQA: SmolLM2's 9 heads read 3), so the
+// committed prefix's keys are scored 8 at a time for all of them and, with AVX-512, each pair of
+// keys is built into a register once and each value read once for them all (a decode step's 3
+// heads, a K = 1 verify's 6 rows); then each row adds its visible block tokens. A row's score
+// for a key is the same bits in any of these loops (one fixed order of FMAs over hd, then
+// hsum8), so the result does not depend on T, on the rows beside it or on which loop scored the key.
+constexpr int kAttnRows = 6;  // (6 rows x 4 accumulators + 4 key pairs: 28 of the 32 zmm)
 ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kb,
                           ffi::Buffer<ffi::F32> vb, ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
@@ -1310,64 +1312,87 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int32_t* lens = lengths.typed_data();
   const bool* mk = mask.typed_data();
   float* o = out->typed_data();
-  parallel_chunks(pool, B * H, [=](int64_t task) {
-    const int64_t b = task / H, h = task % H, kh = h / G;
+  // a task's query rows: up to kAttnRows of the (token t, head g of the KV head) pairs, t-major
+  const int64_t R_all = G * T, NB = (R_all + kAttnRows - 1) / kAttnRows;
+  parallel_chunks(pool, B * Hkv * NB, [=](int64_t task) {
+    const int64_t b = task / (Hkv * NB), kh = (task / NB) % Hkv, r0 = (task % NB) * kAttnRows;
+    const int R = static_cast<int>(std::min<int64_t>(kAttnRows, R_all - r0));
+    int64_t tok[kAttnRows], head[kAttnRows];  // row r: token tok[r] of query head head[r]
+    for (int r = 0; r < R; ++r) tok[r] = (r0 + r) / G, head[r] = kh * G + (r0 + r) % G;
     const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), S);
     const float* kpre = kc + (b * Hkv + kh) * S * hd;  // prefix slot j: kpre + j * hd
     const float* vpre = vc + (b * Hkv + kh) * S * hd;
     const int64_t stride = (len + T + 7) / 8 * 8;      // a row's scores (padded to whole 8s)
-    std::unique_ptr<float[]> scores(new float[T * stride]);
-    std::unique_ptr<int64_t[]> blk(new int64_t[T * T]), nblk(new int64_t[T]);  // each row's visible block tokens
-    std::unique_ptr<float[]> invs(new float[T]);  // 1 / each row's sum of weights
+    std::unique_ptr<float[]> scores(new float[R * stride]);
+    std::unique_ptr<int64_t[]> blk(new int64_t[T * T]), nblk(new int64_t[T]);  // each token's visible block tokens
+    float invs[kAttnRows];  // 1 / each row's sum of weights
     for (int64_t t = 0; t < T; ++t) {
       nblk[t] = 0;
       for (int64_t j = 0; j < T; ++j)
         if (mk[(b * T + t) * T + j]) blk[t * T + nblk[t]++] = j;
     }
-    // key i of row t's list: the prefix, then its visible block tokens in position order
+    // key i of token t's list: the prefix, then its visible block tokens in position order
     auto key = [&](int64_t t, int64_t i) { return i < len ? kpre + i * hd : kbp + ((b * T + blk[t * T + i - len]) * Hkv + kh) * hd; };
     auto val = [&](int64_t t, int64_t i) { return i < len ? vpre + i * hd : vbp + ((b * T + blk[t * T + i - len]) * Hkv + kh) * hd; };
-    auto qrow = [&](int64_t t) { return qp + ((b * T + t) * H + h) * hd; };
+    auto qrow = [&](int r) { return qp + ((b * T + tok[r]) * H + head[r]) * hd; };
+    auto orow = [&](int r) { return o + ((b * T + tok[r]) * H + head[r]) * hd; };
     int64_t shared = 0;  // prefix keys scored for every row at once
 #if defined(SPECJAX_I8_VEC)
     const bool vec = hd % 8 == 0;
     if (vec) {
       // every key's dot product is one chain of dependent FMAs over hd in 8 lanes; eight keys at
       // a time keep eight chains in flight, and their 2 KB stay in L1 while each row reads them
-      for (; shared + 8 <= len; shared += 8)
-        for (int64_t t = 0; t < T; ++t) {
-          const float* qr = qrow(t);
-          const float* k0 = kpre + shared * hd;
-          __m256 a[8];
+      for (; shared + 8 <= len; shared += 8) {
+        const float* k0 = kpre + shared * hd;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-          // two keys a register (key 2j in lanes 0-7, 2j + 1 in 8-15): each lane's chain of FMAs
-          // is the one the 8-lane loop runs, at half the instructions
-          __m512 z[4];
-          for (int j = 0; j < 4; ++j) z[j] = _mm512_setzero_ps();
-          for (int64_t c = 0; c < hd; c += 8) {
-            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qr + c));
-            for (int j = 0; j < 4; ++j)
-              z[j] = _mm512_fmadd_ps(qv, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + 2 * j * hd + c)),
-                                                            _mm256_loadu_ps(k0 + (2 * j + 1) * hd + c), 1), z[j]);
+        // two keys a register (key 2j in lanes 0-7, 2j + 1 in 8-15), each pair built once for
+        // all the task's rows: each lane's chain of FMAs is the one the 8-lane loop runs
+        __m512 z[kAttnRows][4];
+        _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r)
+          for (int j = 0; j < 4; ++j) z[r][j] = _mm512_setzero_ps();
+        // the cache streams from memory at long contexts: ask for the keys two groups ahead
+        for (int l = 0; l < 8 * 64 / 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(k0 + 32 * hd + 16 * l), _MM_HINT_T0);
+        for (int64_t c = 0; c < hd; c += 8) {
+          __m512 kp[4];
+          for (int j = 0; j < 4; ++j)
+            kp[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + 2 * j * hd + c)),
+                                       _mm256_loadu_ps(k0 + (2 * j + 1) * hd + c), 1);
+          _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
+            if (r < R) {
+              const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qrow(r) + c));
+              for (int j = 0; j < 4; ++j) z[r][j] = _mm512_fmadd_ps(qv, kp[j], z[r][j]);
+            }
           }
-          for (int j = 0; j < 4; ++j) {
-            a[2 * j] = _mm512_castps512_ps256(z[j]);
-            a[2 * j + 1] = _mm512_extractf32x8_ps(z[j], 1);
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
+          if (r < R) {
+            __m256 a[8];
+            for (int j = 0; j < 4; ++j) {
+              a[2 * j] = _mm512_castps512_ps256(z[r][j]);
+              a[2 * j + 1] = _mm512_extractf32x8_ps(z[r][j], 1);
+            }
+            _mm256_storeu_ps(scores.get() + r * stride + shared, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
           }
+        }
 #else
+        for (int r = 0; r < R; ++r) {
+          const float* qr = qrow(r);
+          __m256 a[8];
           for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
           for (int64_t c = 0; c < hd; c += 8) {
             const __m256 qv = _mm256_loadu_ps(qr + c);
             for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * hd + c), a[j]);
           }
-#endif
-          _mm256_storeu_ps(scores.get() + t * stride + shared, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+          _mm256_storeu_ps(scores.get() + r * stride + shared, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
         }
+#endif
+      }
     }
 #endif
-    for (int64_t t = 0; t < T; ++t) {
-      const float* qr = qrow(t);
-      float* sc = scores.get() + t * stride;
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = tok[r];
+      const float* qr = qrow(r);
+      float* sc = scores.get() + r * stride;
       const int64_t n = len + nblk[t], n8 = (n + 7) / 8 * 8;
       for (int64_t i = shared; i < n; ++i) {
         const float* kr = key(t, i);
@@ -1411,11 +1436,11 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       }
 #endif
       const float inv = 1.0f / l;
-      float* orow = o + ((b * T + t) * H + h) * hd;
+      float* out_r = orow(r);
 #if defined(SPECJAX_I8_VEC)
-      if (hd == 64) {  // the sums in registers (the loop below keeps orow in memory: it may alias v)
+      if (hd == 64) {  // the sums in registers (the loop below keeps out_r in memory: it may alias v)
 #if defined(__AVX512F__)
-        invs[t] = inv;  // (the values after every row's weights: below)
+        invs[r] = inv;  // (the values after every row's weights: below)
 #else
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
@@ -1425,55 +1450,52 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
           for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
         }
         const __m256 iv = _mm256_set1_ps(inv);
-        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(orow + 8 * j, _mm256_mul_ps(acc[j], iv));
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out_r + 8 * j, _mm256_mul_ps(acc[j], iv));
 #endif
         continue;
       }
 #endif
-      for (int64_t c = 0; c < hd; ++c) orow[c] = 0.0f;
+      for (int64_t c = 0; c < hd; ++c) out_r[c] = 0.0f;
       for (int64_t i = 0; i < n; ++i) {
         const float p = sc[i];
         const float* v = val(t, i);
-        for (int64_t c = 0; c < hd; ++c) orow[c] += p * v[c];
+        for (int64_t c = 0; c < hd; ++c) out_r[c] += p * v[c];
       }
-      for (int64_t c = 0; c < hd; ++c) orow[c] *= inv;
+      for (int64_t c = 0; c < hd; ++c) out_r[c] *= inv;
     }
 #if defined(SPECJAX_I8_VEC) && defined(__AVX512F__)
     if (hd == 64) {
-      // the weighted values, 4 rows at a time: each prefix value is read once for the 4 rows, and
+      // the weighted values of all the task's rows: each prefix value is read once for them, and
       // every output lane is its own chain over the row's list in order (as in 8 lanes: the same bits)
-      constexpr int kRows = 4;
-      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-        const int64_t tt = std::min<int64_t>(kRows, T - t0);
-        __m512 acc[kRows][4];
-        for (int r = 0; r < kRows; ++r)
-          for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < len; ++i) {
-          const float* v = vpre + i * hd;
-          const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                       v3 = _mm512_loadu_ps(v + 48);
-          _Pragma("GCC unroll 4") for (int r = 0; r < kRows; ++r) {
-            if (r < tt) {
-              const __m512 p = _mm512_set1_ps(scores[(t0 + r) * stride + i]);
-              acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-              acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-              acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
-              acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
-            }
+      __m512 acc[kAttnRows][4];
+      _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; ++i) {
+        const float* v = vpre + i * hd;
+        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(v + 32 * hd + 16 * l), _MM_HINT_T0);
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
+          if (r < R) {
+            const __m512 p = _mm512_set1_ps(scores[r * stride + i]);
+            acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
           }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < kRows; ++r) {
-          if (r >= tt) continue;
-          const int64_t t = t0 + r;
-          for (int64_t i = len; i < len + nblk[t]; ++i) {  // the row's own block tokens
-            const __m512 p = _mm512_set1_ps(scores[t * stride + i]);
-            const float* v = val(t, i);
-            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[r][j]);
-          }
-          const __m512 iv = _mm512_set1_ps(invs[t]);
-          float* orow = o + ((b * T + t) * H + h) * hd;
-          for (int j = 0; j < 4; ++j) _mm512_storeu_ps(orow + 16 * j, _mm512_mul_ps(acc[r][j], iv));
+      }
+      _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
+        if (r >= R) continue;
+        const int64_t t = tok[r];
+        for (int64_t i = len; i < len + nblk[t]; ++i) {  // the row's own block tokens
+          const __m512 p = _mm512_set1_ps(scores[r * stride + i]);
+          const float* v = val(t, i);
+          for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[r][j]);
         }
+        const __m512 iv = _mm512_set1_ps(invs[r]);
+        float* out_r = orow(r);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out_r + 16 * j, _mm512_mul_ps(acc[r][j], iv));
       }
     }
 #endif
