@@ -736,6 +736,22 @@ inline void store16(float* __restrict out, __m256 lo, __m256 hi, int64_t width) 
   }
 }
 
+// A decode step streams its weights from memory once (96 MB on SmolLM2, no reuse), and one core's
+// hardware prefetchers alone kept the int8 and bfloat16 tiles at 27-31 GB/s: each tile asks for
+// the codes and scale line of the group kPrefetchBytes of codes ahead of the one it decodes (past
+// its column block's last group: the next block's, which follows it; a prefetch never faults).
+// 16 KB ahead took the AVX-512 EPYC's bfloat16 decode step from 4.5 to 3.7 ms (4 KB: 4.1, 32 KB: 3.8).
+constexpr int64_t kPrefetchBytes = 16384;
+
+template <bool Q8>
+inline void prefetch_ahead(const uint8_t* qb, const uint16_t* sb, int64_t g) {
+  constexpr int64_t kCodeBytes = Q8 ? 32 * kLanes : 16 * kLanes, kScaleBytes = (Q8 ? 1 : 2) * kLanes * 2;
+  constexpr int64_t ahead = kPrefetchBytes / kCodeBytes;
+  const uint8_t* c = qb + (g + ahead) * kCodeBytes;
+  for (int64_t l = 0; l < kCodeBytes; l += 64) __builtin_prefetch(c + l, 0, 3);
+  __builtin_prefetch(reinterpret_cast<const uint8_t*>(sb) + (g + ahead) * kScaleBytes, 0, 3);
+}
+
 // Rows [r0, r0 + R) of one column block: codes and scales of the block, every group.
 template <bool Q8, int R>
 void tile_i8(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* __restrict sb, float* __restrict y,
@@ -744,6 +760,7 @@ void tile_i8(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t* 
   __m256 f[R][2];
   for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
+    prefetch_ahead<Q8>(qb, sb, g);
     __m256i s0[R], s1[R];  // int32 sums S of columns 0-7 and 8-15
     if constexpr (Q8) {
       const uint8_t* __restrict c = qb + g * 32 * kLanes;
@@ -845,6 +862,7 @@ void tile_vnni(const QuantRows& xr, const uint8_t* __restrict qb, const uint16_t
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
+    prefetch_ahead<Q8>(qb, sb, g);
     __m512i w[8];
     if constexpr (Q8) {
       const uint8_t* __restrict c = qb + g * 32 * kLanes;
@@ -1049,6 +1067,7 @@ void tile_bf16(const Bf16Rows& xr, const uint8_t* __restrict qb, const uint16_t*
   __m512 f[R];
   for (int i = 0; i < R; ++i) f[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
+    prefetch_ahead<Q8>(qb, sb, g);
     __m512i w[16];
     if constexpr (Q8) {
       const uint8_t* __restrict c = qb + g * 32 * kLanes;
@@ -1350,8 +1369,8 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         __m512 z[kAttnRows][4];
         _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r)
           for (int j = 0; j < 4; ++j) z[r][j] = _mm512_setzero_ps();
-        // the cache streams from memory at long contexts: ask for the keys two groups ahead
-        for (int l = 0; l < 8 * 64 / 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(k0 + 32 * hd + 16 * l), _MM_HINT_T0);
+        // the cache streams from memory at long contexts: ask for the keys four groups ahead
+        for (int l = 0; l < 8 * 64 / 16; ++l) __builtin_prefetch(k0 + 32 * hd + 16 * l, 0, 3);
         for (int64_t c = 0; c < hd; c += 8) {
           __m512 kp[4];
           for (int j = 0; j < 4; ++j)
@@ -1472,7 +1491,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
       for (int64_t i = 0; i < len; ++i) {
         const float* v = vpre + i * hd;
-        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(v + 32 * hd + 16 * l), _MM_HINT_T0);
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(v + 32 * hd + 16 * l, 0, 3);
         const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
                      v3 = _mm512_loadu_ps(v + 48);
         _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
