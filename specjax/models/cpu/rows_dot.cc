@@ -444,6 +444,24 @@ void blocks(const float* __restrict x, const float* __restrict wp, float* __rest
   }
 }
 
+// A decode step streams its weights from memory once (96 MB on SmolLM2, no reuse), and one core's
+// hardware prefetchers alone kept the tiles at 27-31 GB/s: every path (float32, int8, bfloat16)
+// asks for the codes and scale line of the group kPrefetchBytes of codes ahead of the one it
+// decodes (past its column block's last group: the next block's, which follows it; a prefetch
+// never faults). 16 KB ahead took the AVX-512 EPYC's bfloat16 decode step from 4.5 to 3.7 ms
+// (4 KB: 4.1, 32 KB: 3.8) and its float32 one from 6.7-6.9 to 5.3-5.7 ms; the AVX2 build's
+// float32 chain of projections there from 9.4 to 6.9 ms.
+constexpr int64_t kPrefetchBytes = 16384;
+
+template <bool Q8>
+inline void prefetch_ahead(const uint8_t* qb, const uint16_t* sb, int64_t g) {
+  constexpr int64_t kCodeBytes = Q8 ? 32 * kLanes : 16 * kLanes, kScaleBytes = (Q8 ? 1 : 2) * kLanes * 2;
+  constexpr int64_t ahead = kPrefetchBytes / kCodeBytes;
+  const uint8_t* c = qb + (g + ahead) * kCodeBytes;
+  for (int64_t l = 0; l < kCodeBytes; l += 64) __builtin_prefetch(c + l, 0, 3);
+  __builtin_prefetch(reinterpret_cast<const uint8_t*>(sb) + (g + ahead) * kScaleBytes, 0, 3);
+}
+
 #if defined(SPECJAX_AVX2)
 // AVX2: decodes group g of column blocks b (codes q0, scales s0) and b + 1 (q1, s1; zeros unless
 // `two`) and hands each k's four vectors (block b lanes 0-7, 8-15, block b + 1 likewise) to
@@ -454,6 +472,8 @@ inline void decode_group(const uint8_t* __restrict q0, const uint8_t* __restrict
                          const uint16_t* __restrict s1, int64_t g, bool two, Sink sink) {
   constexpr int64_t kCodes = Q8 ? 32 * kLanes : 16 * kLanes;  // bytes of codes per group and block
   constexpr int64_t kScales = Q8 ? kLanes : 2 * kLanes;       // float16 scales per group and block
+  prefetch_ahead<Q8>(q0, s0, g);
+  if (two) prefetch_ahead<Q8>(q1, s1, g);
   const __m256 zero = _mm256_setzero_ps();
   const uint8_t* __restrict c0 = q0 + g * kCodes;
   const uint8_t* __restrict c1 = q1 + g * kCodes;
@@ -553,6 +573,8 @@ void blocks_gguf(const float* __restrict x, const uint8_t* __restrict qs, const 
       for (int i = 0; i < kRowTile; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
       const __m512 zero = _mm512_setzero_ps();
       for (int64_t g = 0; g < ng; ++g) {
+        prefetch_ahead<Q8>(q0, s0, g);
+        if (two) prefetch_ahead<Q8>(q1, s1, g);
         const uint8_t* __restrict c0 = q0 + g * kCodes;
         const uint8_t* __restrict c1 = q1 + g * kCodes;
         const __m512 d0 = half16(s0 + g * kScales), d1 = two ? half16(s1 + g * kScales) : zero;
@@ -734,22 +756,6 @@ inline void store16(float* __restrict out, __m256 lo, __m256 hi, int64_t width) 
     _mm256_store_ps(t + 8, hi);
     std::memcpy(out, t, sizeof(float) * width);
   }
-}
-
-// A decode step streams its weights from memory once (96 MB on SmolLM2, no reuse), and one core's
-// hardware prefetchers alone kept the int8 and bfloat16 tiles at 27-31 GB/s: each tile asks for
-// the codes and scale line of the group kPrefetchBytes of codes ahead of the one it decodes (past
-// its column block's last group: the next block's, which follows it; a prefetch never faults).
-// 16 KB ahead took the AVX-512 EPYC's bfloat16 decode step from 4.5 to 3.7 ms (4 KB: 4.1, 32 KB: 3.8).
-constexpr int64_t kPrefetchBytes = 16384;
-
-template <bool Q8>
-inline void prefetch_ahead(const uint8_t* qb, const uint16_t* sb, int64_t g) {
-  constexpr int64_t kCodeBytes = Q8 ? 32 * kLanes : 16 * kLanes, kScaleBytes = (Q8 ? 1 : 2) * kLanes * 2;
-  constexpr int64_t ahead = kPrefetchBytes / kCodeBytes;
-  const uint8_t* c = qb + (g + ahead) * kCodeBytes;
-  for (int64_t l = 0; l < kCodeBytes; l += 64) __builtin_prefetch(c + l, 0, 3);
-  __builtin_prefetch(reinterpret_cast<const uint8_t*>(sb) + (g + ahead) * kScaleBytes, 0, 3);
 }
 
 // Rows [r0, r0 + R) of one column block: codes and scales of the block, every group.
