@@ -494,6 +494,32 @@ def test_cpu_block_attention_matches_xla_and_a_token_gets_the_same_bits_in_a_dec
         np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(blk[:, 3]))
 
 
+@pytest.mark.parametrize("shape", [(8, 2, 128, 3), (4, 4, 64, 7), (6, 1, 32, 2)], ids=["hd128-gqa4", "mha-7rows", "hd32-mqa"])
+def test_cpu_block_attention_other_head_shapes(shape):
+    """The CPU attention's tasks group a KV head's (token, query head) rows in blocks of up to 6:
+    other head sizes (a 7B model's 128; 32, off the 64-wide register path), no grouping (MHA)
+    and one KV head for 6 query heads, with blocks of one and of several tasks, match XLA's
+    attention, and a chain's last token gives the same bits decoded alone."""
+    from specjax.models import attention as at
+
+    H, Hkv, hd, T = shape
+    rng = np.random.default_rng(5)
+    B, S = 2, 40
+    r = lambda *sh: jnp.asarray(rng.standard_normal(sh), jnp.float32)  # noqa: E731
+    q, kb, vb, ka, va = r(B, T, H, hd), r(B, T, Hkv, hd), r(B, T, Hkv, hd), r(1, B, Hkv, S, hd), r(1, B, Hkv, S, hd)
+    lens, mask = jnp.array([9, 24], jnp.int32), jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    got = rd.block_attention(q, kb, vb, ka, va, 0, lens, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(at.block_attention_xla(q, kb, vb, ka[0], va[0], lens, mask)),
+                               rtol=1e-5, atol=1e-5)
+    kc, vc = ka, va
+    for b in range(B):  # the chain's first T - 1 tokens committed, the last decoded alone
+        for i in range(T - 1):
+            kc = kc.at[0, b, :, int(lens[b]) + i].set(kb[b, i])
+            vc = vc.at[0, b, :, int(lens[b]) + i].set(vb[b, i])
+    one = rd.block_attention(q[:, -1:], kb[:, -1:], vb[:, -1:], kc, vc, 0, lens + T - 1, jnp.ones((B, 1, 1), bool))
+    np.testing.assert_array_equal(np.asarray(one[:, 0]), np.asarray(got[:, -1]))
+
+
 def _wide_heads_gguf(tmp_path):
     """A two-layer GGUF model with Q4_1 projections, a Q8_0 tied embedding and SmolLM2's head size
     (RoPE tables 32 wide per position, where XLA:CPU's own cos and sin vectorise differently for
