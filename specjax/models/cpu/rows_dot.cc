@@ -1376,7 +1376,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r)
           for (int j = 0; j < 4; ++j) z[r][j] = _mm512_setzero_ps();
         // the cache streams from memory at long contexts: ask for the keys four groups ahead
-        for (int l = 0; l < 8 * 64 / 16; ++l) __builtin_prefetch(k0 + 32 * hd + 16 * l, 0, 3);
+        for (int64_t l = 0; l < 8 * hd; l += 16) __builtin_prefetch(k0 + 32 * hd + l, 0, 3);
         for (int64_t c = 0; c < hd; c += 8) {
           __m512 kp[4];
           for (int j = 0; j < 4; ++j)
@@ -1497,7 +1497,7 @@ ffi::Error BlockAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
       for (int64_t i = 0; i < len; ++i) {
         const float* v = vpre + i * hd;
-        for (int l = 0; l < 4; ++l) __builtin_prefetch(v + 32 * hd + 16 * l, 0, 3);
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(v + 32 * hd + 16 * l, 0, 3);  // (32 values ahead; hd = 64 here)
         const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
                      v3 = _mm512_loadu_ps(v + 48);
         _Pragma("GCC unroll 6") for (int r = 0; r < kAttnRows; ++r) {
