@@ -315,12 +315,13 @@ def prebuild_rows_kernel() -> None:
 def prewarm_drafter(name: str) -> None:
     """Start what a drafter needs before its first use in a thread now, beside the model load:
     the suffix drafters' numba kernels (their import and first calls, about a second; a
-    drafter's first draft waits for them, drafters.suffix.drafter)."""
+    drafter's first draft waits for them, drafters.suffix.drafter). Not a daemon: numba compiles
+    in C++ frames that a thread killed at interpreter exit cannot unwind (the process aborts), so
+    a process that ends sooner waits for it (7 s with numba's disk cache cold, once per install)."""
     import threading
 
     if registry.entry(name).host_kernels:
-        threading.Thread(target=registry.warm_host_kernels, args=(name,), name="specjax-host-kernels",
-                         daemon=True).start()
+        threading.Thread(target=registry.warm_host_kernels, args=(name,), name="specjax-host-kernels").start()
 
 
 def load_target(spec, layout=None):

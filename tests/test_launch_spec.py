@@ -103,6 +103,21 @@ def test_bad_spec_input_gives_one_line_error(bad_spec_runs, case):
     assert_one_line_error(code, err, message)
 
 
+def test_process_ending_during_kernel_warmup_waits_for_it(tmp_path):
+    """A launch script warms the suffix kernels in a thread (cli.prewarm_drafter); a process that
+    ends while numba compiles them (a short job, a cold disk cache) must let the compile finish:
+    a thread killed inside numba's C++ at interpreter exit aborted the process (CI, 2026-12-08)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    r = subprocess.run([sys.executable, "-c", "from specjax import cli; cli.prewarm_drafter('suffix')"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from specjax.drafters.suffix import kernels
+
+    compiled = {p.name.split("-")[0] for p in (tmp_path / "numba").rglob("*.nbi")}
+    used = {f"kernels.{n}" for n, f in vars(kernels).items() if hasattr(f, "py_func")}
+    assert used and used <= compiled  # every kernel finished compiling (into the cold cache)
+
+
 def test_hybrid_with_preloaded_history(tmp_path):
     hist = tmp_path / "hist.jsonl"
     hist.write_text(json.dumps({"output_ids": [97, 98, 99, 32] * 5}) + "\n" + json.dumps({"output": "abc abc"}) + "\n")
