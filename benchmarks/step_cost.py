@@ -46,6 +46,8 @@ flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this m
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
 flags.DEFINE_list("eagle_vocab", [], "Also time an EAGLE head with a vocabulary head of each of these sizes.")
 flags.DEFINE_list("eagle_mlp_width", ["0"], "--eagle_vocab: each head at each of these MLP widths (0: the target's).")
+flags.DEFINE_list("eagle_copies", ["auto"], "--eagle_vocab: each head's serving copies in each of these activation "
+                  "modes (auto: the engine's, as eagle.build serves them; float32, int8, bfloat16).")
 flags.DEFINE_bool("medusa", False, "Also time the shipped Medusa heads' chain steps.")
 flags.DEFINE_bool("trees", False, "Also time tree steps: the host's, Medusa's static tree and the shipped EAGLE "
                   "head's dynamic tree (--eagle_tree).")
@@ -96,12 +98,14 @@ def main(argv):
     for n in map(int, FLAGS.draft_vocab):
         # which N tokens does not change the cost: the first N ids stand for the N most frequent
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
-    for n, width in ((n, w) for n in map(int, FLAGS.eagle_vocab) for w in map(int, FLAGS.eagle_mlp_width)):
+    for n, width, copies in ((n, w, c) for n in map(int, FLAGS.eagle_vocab) for w in map(int, FLAGS.eagle_mlp_width)
+                             for c in FLAGS.eagle_copies):
         d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n), mlp_width=width)
+        act = eagle.copies_activations(fwd) if copies == "auto" else copies
         if fwd.rows_kernel:  # (as eagle.build serves it)
-            act = eagle.copies_activations(fwd)
             d, dp = dataclasses.replace(d, fwd=eagle.copies_forward(act)), eagle.for_rows_kernel(dp, act)
-        drafts.append((dataclasses.replace(d, label=f"eagle, {n} tokens" + (f", MLP {width}" if width else "")), dp))
+        label = f"eagle, {n} tokens" + (f", MLP {width}" if width else "") + (f", copies {act}" if copies != "auto" else "")
+        drafts.append((dataclasses.replace(d, label=label), dp))
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)
         drafts.append((dataclasses.replace(h.draft, label="medusa"), h.params))

@@ -769,7 +769,7 @@ def test_trained_heads_sampled_tree_emits_the_targets_distribution(kind):
 
 
 def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny, head, tmp_path):
-    """``--eagle_mlp_width``: ``eagle.widen`` puts a trained head in a head of a wider MLP that
+    """``--eagle_mlp_width``: ``eagle.grow`` puts a trained head in a head of a wider MLP that
     computes the same function (the new down rows zero); a head of any width saves and loads
     with its width; a file of before the setting is a head of the target's width; and a wide head
     whose new columns are trained (here: drawn) drafts chains whose output is plain decoding's."""
@@ -777,7 +777,7 @@ def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny,
     draft, dparams = head
     wide_draft, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, mlp_width=256)
     assert wide_draft.cfg.intermediate_size == 256 and fresh["layer"]["w_down"].shape == (256, cfg.hidden_size)
-    grown = {**fresh, **eagle.widen(heads.trainable_of(wide_draft, fresh), heads.trainable_of(draft, dparams))}
+    grown = {**fresh, **eagle.grow(heads.trainable_of(wide_draft, fresh), heads.trainable_of(draft, dparams))}
     np.testing.assert_array_equal(grown["layer"]["w_gate"][:, :128], dparams["layer"]["w_gate"])
     assert not np.any(np.asarray(grown["layer"]["w_down"][128:]))
 
@@ -792,7 +792,7 @@ def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny,
 
     np.testing.assert_allclose(logits(wide_draft, grown), logits(draft, dparams), rtol=1e-5, atol=1e-5)
     with pytest.raises(SpecjaxError, match="cannot grow"):
-        eagle.widen(heads.trainable_of(draft, dparams), heads.trainable_of(wide_draft, fresh))
+        eagle.grow(heads.trainable_of(draft, dparams), heads.trainable_of(wide_draft, fresh))
     with pytest.raises(SpecjaxError, match="multiple of 32"):
         eagle.init_params(cfg, params, VOCAB_IDS, mlp_width=100)
 
@@ -800,5 +800,54 @@ def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny,
     d, p = eagle.load_head(str(tmp_path / "wide"), cfg, params)
     assert d == wide_draft and eagle.read_spec(str(tmp_path / "wide"), cfg)["mlp_width"] == 256
     np.testing.assert_array_equal(p["layer"]["w_down"], fresh["layer"]["w_down"])
-    assert heads.settings_of(eagle.KIND, {}, cfg) == {"mlp_width": 0}
+    assert heads.settings_of(eagle.KIND, {}, cfg) == {"mlp_width": 0, "layers": 1}
     serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(d, p), 2)
+
+
+def test_a_deeper_head_grows_from_a_trained_head_saves_and_serves_losslessly(tiny, head, tmp_path):
+    """``--eagle_layers``: ``eagle.grow`` stacks a layer on a trained head that passes its input
+    through (its ``wo`` and ``w_down`` zero), so the grown head computes the trained one's
+    function; a head of two layers saves and loads with them, its serving copies (bfloat16, the
+    engine's mode on an AVX512_BF16 CPU) compute its XLA function, and it drafts chains and
+    trees whose output is plain decoding's at batch 1 and 8."""
+    from specjax.drafters.device import DeviceTreeDrafter
+
+    cfg, params = tiny
+    draft, dparams = head
+    deep, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, layers=2)
+    D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    assert deep.cfg.num_layers == 2 and fresh["upper"]["wq"].shape == (1, D, H * hd)
+    assert deep.init_cache(1, 16, jnp.float32).k.shape[0] == 2
+    grown = {**fresh, **eagle.grow(heads.trainable_of(deep, fresh), heads.trainable_of(draft, dparams))}
+    assert not np.any(np.asarray(grown["upper"]["wo"])) and np.any(np.asarray(grown["upper"]["wq"]))
+    np.testing.assert_array_equal(grown["layer"]["wq"], dparams["layer"]["wq"])
+
+    n = 6
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, 255, (1, n)), jnp.int32)
+    feat = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, D)), jnp.float32)
+    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], llama.causal_mask(1, n)
+
+    def logits(d, p):
+        h, _ = d._forward(p, d.init_cache(1, 16, jnp.float32), toks, feat, pos, mask)
+        return np.asarray(d._reduced(p, h))
+
+    np.testing.assert_allclose(logits(deep, grown), logits(draft, dparams), rtol=1e-5, atol=1e-5)
+    assert np.abs(logits(deep, fresh) - logits(deep, grown)).max() > 1e-3  # (the drawn layer does something)
+    with pytest.raises(SpecjaxError, match="fewer layers"):
+        eagle.grow(heads.trainable_of(draft, dparams), heads.trainable_of(deep, fresh))
+    with pytest.raises(SpecjaxError, match="1 to 8 layers"):
+        eagle.init_params(cfg, params, VOCAB_IDS, layers=0)
+
+    eagle.save_head(str(tmp_path / "deep"), cfg, fresh, deep)
+    d, p = eagle.load_head(str(tmp_path / "deep"), cfg, params)
+    assert d == deep and eagle.read_spec(str(tmp_path / "deep"), cfg)["layers"] == 2
+    np.testing.assert_array_equal(p["upper"]["w_down"], fresh["upper"]["w_down"])
+
+    served_draft = dataclasses.replace(d, fwd=eagle.copies_forward("bfloat16"))
+    served = eagle.for_rows_kernel(p, "bfloat16")
+    xla_only = {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)}
+    assert eagle.UPPER_ROWS in served
+    got, ref = logits(served_draft, served), logits(d, xla_only)
+    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2 * np.abs(ref).max())
+    serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(served_draft, served), 2)
+    serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(d, tree_width=2, tree_depth=2), p), 4)

@@ -29,12 +29,14 @@ def test_ttt_mask_is_the_chain_drafting_pattern():
     assert np.flatnonzero(m[4 + 1]).tolist() == [0, 4 + 1]
 
 
-def test_training_unroll_equals_chain_drafting(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_training_unroll_equals_chain_drafting(tiny, layers):
     """The training forward's logits at unroll steps 0..3 equal (float32) the distributions
     EagleDraft.draft computes in the step's draft path after a prefill with the target's real
-    features, for the same prefix (the training sequence continues with the drafted tokens)."""
+    features, for the same prefix (the training sequence continues with the drafted tokens); for
+    a head of one layer and of two (each layer's earlier unroll steps its own)."""
     cfg, params = tiny
-    draft, dparams = eagle.init_params(cfg, params, VOCAB_IDS, seed=3, shared_head=True)
+    draft, dparams = eagle.init_params(cfg, params, VOCAB_IDS, seed=3, shared_head=True, layers=layers)
     feats_at = llama.feature_layers(cfg.num_layers)
     prompt = [7, 31, 200, 4, 99, 18]
     L, K = len(prompt) - 1, 4  # committed x_0..x_{L-1}, pending x_L

@@ -447,14 +447,14 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     with pytest.raises(SpecjaxError, match="head of other settings"):
         hp.train(eagle.KIND, model, data[2], run_config(tmp_path / "other", init_head=rc0.checkpoint_dir,
                                                         shared_head=False), TC, log=quiet)
-    # a wider MLP (--eagle_mlp_width): the saved head grown into it (eagle.widen), recorded as the run's
+    # a wider MLP (--eagle_mlp_width): the saved head grown into it (eagle.grow), recorded as the run's
     wide = run_config(tmp_path / "wide", init_head=rc0.checkpoint_dir, draft_vocab=0, settings=(("mlp_width", 256),))
     got = hp.train(eagle.KIND, model, data[2], wide, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=1)
     layer, was = got["trainable"]["layer"], saved["layer"]
     np.testing.assert_allclose(np.asarray(layer["w_up"])[:, :128], np.asarray(was["w_up"], np.float32), atol=1e-6)
     np.testing.assert_allclose(np.asarray(layer["w_down"])[128:], 0.0, atol=1e-6)
     pipe = json.loads(open(os.path.join(wide.checkpoint_dir, hp.PIPELINE_FILE)).read())
-    assert pipe["settings"] == {"mlp_width": 256}
+    assert pipe["settings"] == {"mlp_width": 256, "layers": 1}
     # killed after its first checkpoint (step 3), the grown run resumes from it
     killed = hp.train(eagle.KIND, model, data[2], wide, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=4)
     assert killed["step"] == 4
@@ -462,6 +462,12 @@ def test_a_new_run_starts_from_a_saved_head(model, data, trained, tmp_path):
     again = hp.train(eagle.KIND, model, data[2], wide, tr.TrainConfig(lr=1e-12), log=lines.append, kill_after=1)
     assert again["step"] == 4 and any("resumed" in m for m in lines), lines
     assert np.asarray(again["trainable"]["layer"]["w_down"]).shape == (256, model.cfg.hidden_size)
+    # a deeper head (--eagle_layers): the saved one with a layer on top that passes its input through
+    deep = run_config(tmp_path / "deep", init_head=rc0.checkpoint_dir, draft_vocab=0, settings=(("layers", 2),))
+    got = hp.train(eagle.KIND, model, data[2], deep, tr.TrainConfig(lr=1e-12), log=quiet, kill_after=1)
+    np.testing.assert_allclose(np.asarray(got["trainable"]["layer"]["wq"]), np.asarray(was["wq"], np.float32), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["trainable"]["upper"]["wo"]), 0.0, atol=1e-6)
+    assert json.loads(open(os.path.join(deep.checkpoint_dir, hp.PIPELINE_FILE)).read())["settings"]["layers"] == 2
 
 
 def test_spec_bench_training_prompts_leave_the_measured_ones_out(tmp_path):

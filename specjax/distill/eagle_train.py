@@ -16,8 +16,8 @@ its logits predict x_{q+1} (teacher: the target's distribution at q). When draft
 pending token at p, draft j is entry (j, p + j): it attends to the committed entries (real
 features, positions <= p) and to its own chain's earlier entries (i, p + i), i = 1..j - 1. So
 entry (j, q) attends to (0, r) for r <= q - j and to (i, q - j + i) for 1 <= i <= j
-(``ttt_mask``). Step j runs the head's one layer (``llama._layer``, as serving runs it) on its T
-entries, attending over the concatenated K/V of steps 0..j with that mask (``kv_before``).
+(``ttt_mask``). Step j runs the head's layers (``llama._layer``, as serving runs them) on its T
+entries, each attending over its concatenated K/V of steps 0..j with that mask (``kv_before``).
 """
 
 from __future__ import annotations
@@ -60,13 +60,15 @@ def unrolled_logits(draft: EagleDraft, dparams, tokens, prev_feats, positions, s
     # chunk, so the plain XLA attention runs (the chunked one's dynamic loop has no reverse mode)
     cache = llama.init_cache_for(draft.cfg, B, T + 1, g.dtype)
     full = ttt_mask(T, steps)
-    ks, vs, out = [], [], []
+    L = draft.cfg.num_layers
+    ks, vs, out = [[] for _ in range(L)], [[] for _ in range(L)], []  # per layer, per step
     for j in range(steps + 1):
-        before = (jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)) if j else None
+        before = tuple((jnp.concatenate(ks[i], 1), jnp.concatenate(vs[i], 1)) for i in range(L)) if j else None
         mask = jnp.broadcast_to(jnp.asarray(full[j * T:(j + 1) * T, :(j + 1) * T]), (B, T, (j + 1) * T))
         h, dc = draft._forward(dparams, cache, tokens, g, positions, mask, use_prefix=False, kv_before=before)
-        ks.append(dc.k[0, :, :, :T].transpose(0, 2, 1, 3))  # [B, Hkv, T, hd] -> [B, T, Hkv, hd]
-        vs.append(dc.v[0, :, :, :T].transpose(0, 2, 1, 3))
+        for i in range(L):
+            ks[i].append(dc.k[i, :, :, :T].transpose(0, 2, 1, 3))  # [B, Hkv, T, hd] -> [B, T, Hkv, hd]
+            vs[i].append(dc.v[i, :, :, :T].transpose(0, 2, 1, 3))
         out.append(draft._reduced(dparams, h))
         g = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)  # step j + 1's features
     return out

@@ -73,6 +73,7 @@ class WarmUp:
     # feature heads only (distill.heads_offline)
     medusa_heads: int
     eagle_mlp_width: int
+    eagle_layers: int
     unroll: int
     round_prompts: int
     self_prompts: int

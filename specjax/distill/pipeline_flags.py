@@ -13,6 +13,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("medusa_heads", 4, "medusa: how many heads (the largest K it drafts).")
     flags.DEFINE_integer("eagle_mlp_width", 0, "eagle: the head's MLP width, a multiple of 32 (0: the target's); "
                          "with --init_head of a narrower head, that head grown to it, computing the same function.")
+    flags.DEFINE_integer("eagle_layers", 1, "eagle: the head's decoder layers (EAGLE's is 1; more are shaped like the "
+                         "target's); with --init_head of a shallower head, that head with new layers that pass their "
+                         "input through until trained.")
     flags.DEFINE_integer("unroll", 3, "eagle: training-time-test steps past the teacher-forced pass (the head on "
                          "its own predicted features, as it drafts).")
     flags.DEFINE_integer("round_prompts", 0, "heads: --input_jsonl training prompts written per round (0: all in "

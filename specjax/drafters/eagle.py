@@ -3,9 +3,10 @@ hidden states.
 
 The target forward (prefill and every chain step) also returns the inputs of a low, a middle
 and a high layer (``llama.feature_layers``; ``CompileKey.features``). The head fuses them
-(``fc``: 3D -> D) and runs ONE decoder layer of the target's structure (``llama._layer``) whose
+(``fc``: 3D -> D) and runs a decoder layer of the target's structure (``llama._layer``) whose
 attention reads [the token's embedding (the target's, shared), the feature] while its residual
-stream is the feature; the layer's output, through the target's final norm and a head over a
+stream is the feature (one such layer, EAGLE's; ``layers`` > 1 adds layers shaped like the
+target's on top); the last layer's output, through the target's final norm and a head over a
 reduced vocabulary (N frequent target ids, logits scattered back to the full vocabulary with
 -inf elsewhere, so q stays an exact distribution), gives the next token. Drafting is a chain:
 each draft feeds the head's own output hidden as the next feature, as EAGLE does; or, with
@@ -24,7 +25,8 @@ window (``lag_window``) is full or before it drafts (``settle``), so plain steps
 head's weights each time.
 
 Params (``init_params``): ``fc`` [3D, D]; ``layer`` (``llama`` layer names; wq/wk/wv [2D, .],
-``embed_norm`` for the token half); ``lm_head`` [D, N] and ``vocab_ids`` [N]; plus the
+``embed_norm`` for the token half); with ``layers`` > 1, ``upper``: the further layers' arrays
+stacked [layers - 1, ...]; ``lm_head`` [D, N] and ``vocab_ids`` [N]; plus the
 target's ``embed`` and ``final_norm``, shared (never copied, never saved with the head).
 """
 
@@ -69,8 +71,11 @@ class EagleDraft(FeatureHeadDraft):
     tree_width: int = 0
     tree_depth: int = 4
     # The head's MLP width (``cfg.intermediate_size``): 0 is the target's. A setting its file
-    # records (``KIND.settings``); ``widen`` grows a trained head to a wider one.
+    # records (``KIND.settings``); ``grow`` grows a trained head to a wider one.
     mlp_width: int = 0
+    # Decoder layers (``cfg.num_layers``): the first reads [embedding, feature], the others are
+    # target-shaped. A setting its file records; ``grow`` stacks new layers on a trained head.
+    layers: int = 1
 
     @property
     def drafts_trees(self) -> bool:
@@ -97,15 +102,21 @@ class EagleDraft(FeatureHeadDraft):
 
     def _forward(self, dparams, dc: kv.FeatureCache, tokens, feat, positions, mask, use_prefix: bool = True,
                  kv_before=None):
-        """The head's layer on a block: (output hidden [B, T, D], dc with the block's K/V written
-        at its lengths). ``kv_before``: llama._layer's (training: earlier unroll steps). Serving
-        params from ``for_rows_kernel`` run blocks of up to 32 rows on the rows kernel."""
+        """The head's layers on a block: (output hidden [B, T, D], dc with the block's K/V written
+        at its lengths). ``kv_before``: one llama._layer ``kv_before`` per layer (training: earlier
+        unroll steps). Serving params from ``for_rows_kernel`` run blocks of up to 32 rows on the
+        rows kernel."""
         rope = llama.rope_tables(positions, self.cfg)
         packs = dparams.get(LAYER_ROWS)
         fwd = ForwardOptions() if packs is None else self._copies_fwd(tokens.shape[0] * tokens.shape[1])
+        before = kv_before or (None,) * self.layers
         x, k, v = llama._layer(self.cfg, rope, fwd, use_prefix, feat,
                                dparams["layer"], dc.k, dc.v, 0, dc.lengths, positions, mask,
-                               embed_in=dparams["embed"][tokens], kv_before=kv_before, packs=packs)
+                               embed_in=dparams["embed"][tokens], kv_before=before[0], packs=packs)
+        for i in range(1, self.layers):  # (the upper layers' stacks hold them alone: pack_layer)
+            lp = jax.tree_util.tree_map(lambda a: a[i - 1], dparams["upper"])
+            x, k, v = llama._layer(self.cfg, rope, fwd, use_prefix, x, lp, k, v, i, dc.lengths, positions, mask,
+                                   kv_before=before[i], packs=dparams.get(UPPER_ROWS), pack_layer=i - 1)
         return x, dataclasses.replace(dc, k=k, v=v)
 
     def _reduced(self, dparams, h):
@@ -244,10 +255,11 @@ class EagleDraft(FeatureHeadDraft):
                                    lag=dcache.lag + active.astype(jnp.int32))
 
 
-# Serving copies for the CPU rows kernel (for_rows_kernel): the layer's projections as one-layer
-# stacks (read at the head's layer index 0), the vocabulary head and fc, each Q8_0.
-LAYER_ROWS, HEAD_ROWS, FC_ROWS = ("layer" + llama.ROWS_SUFFIX, "lm_head" + llama.ROWS_SUFFIX,
-                                  "fc" + llama.ROWS_SUFFIX)
+# Serving copies for the CPU rows kernel (for_rows_kernel): the first layer's projections as
+# one-layer stacks (read at the head's layer index 0), the upper layers' as their own stacks, the
+# vocabulary head and fc, each Q8_0.
+LAYER_ROWS, UPPER_ROWS, HEAD_ROWS, FC_ROWS = ("layer" + llama.ROWS_SUFFIX, "upper" + llama.ROWS_SUFFIX,
+                                              "lm_head" + llama.ROWS_SUFFIX, "fc" + llama.ROWS_SUFFIX)
 
 
 def copies_forward(activations: str = "float32") -> ForwardOptions:
@@ -282,39 +294,57 @@ def for_rows_kernel(dparams, activations: str = "float32") -> dict:
     read packs in their paired layout."""
     from specjax.models.cpu import rows_dot
 
+    upper = dparams.get("upper", {})
     if (any(np.shape(dparams["layer"][n])[0] % 32 for n in llama.PROJECTIONS)
+            or any(np.shape(upper[n])[1] % 32 for n in upper if n in llama.PROJECTIONS)
             or np.shape(dparams["lm_head"])[0] % 32 or np.shape(dparams["fc"])[0] % 32):
         return dparams  # (Q8_0 groups 32 inputs)
-    out, layer, packs, pairs = dict(dparams), dict(dparams["layer"]), {}, activations != "float32"
-    for name in llama.PROJECTIONS:
-        d, q, layer[name] = _q8_0(layer[name])
-        packs[name] = rows_dot.stack_packs([rows_dot.pack_q8_0(d, q, pairs)])
+    pairs = activations != "float32"
+
+    def copies(layers: list[dict]):
+        """Layers' arrays -> (their projections as the kernel decodes them, the fused stacks)."""
+        packs, values = {}, [dict(lp) for lp in layers]
+        for name in llama.PROJECTIONS:
+            parts = []
+            for lp in values:
+                d, q, lp[name] = _q8_0(lp[name])
+                parts.append(rows_dot.pack_q8_0(d, q, pairs))
+            packs[name] = rows_dot.stack_packs(parts)
+        return values, llama.fuse_packs(packs, {n: np.shape(values[0][n])[1] for n in llama.PROJECTIONS})
+
+    out = dict(dparams)
+    (layer,), packs = copies([dparams["layer"]])
+    if upper:
+        n = len(next(iter(upper.values())))
+        values, out[UPPER_ROWS] = copies([{k: np.asarray(a[i]) for k, a in upper.items()} for i in range(n)])
+        out["upper"] = {k: jnp.asarray(np.stack([lp[k] for lp in values])) for k in upper}
     d, q, lm_head = _q8_0(dparams["lm_head"])
     fd, fq, fc = _q8_0(dparams["fc"])  # (the fused features: 4 MB a step in float32, 1 in Q8_0)
-    packs = llama.fuse_packs(packs, {n: np.shape(layer[n])[1] for n in llama.PROJECTIONS})
     out.update(layer={k: jnp.asarray(v) for k, v in layer.items()}, lm_head=jnp.asarray(lm_head), fc=jnp.asarray(fc),
                **{LAYER_ROWS: packs, HEAD_ROWS: rows_dot.pack_q8_0(d, q, pairs), FC_ROWS: rows_dot.pack_q8_0(fd, fq, pairs)})
     return out
 
 
-def head_config(cfg: ModelConfig, mlp_width: int = 0) -> ModelConfig:
-    """The target's config as the head's one-layer model (its own head, not tied; its MLP
-    ``mlp_width`` wide, 0: the target's width)."""
+def head_config(cfg: ModelConfig, mlp_width: int = 0, layers: int = 1) -> ModelConfig:
+    """The target's config as the head's model of ``layers`` layers (its own head, not tied; its
+    MLP ``mlp_width`` wide, 0: the target's width)."""
     require(mlp_width >= 0 and mlp_width % 32 == 0, f"an EAGLE head's MLP width is a multiple of 32 (0: the "
             f"target's {cfg.intermediate_size}), got {mlp_width}")
-    return cfg.replace(name=f"{cfg.name}|eagle", num_layers=1, tie_embeddings=False,
+    require(1 <= layers <= 8, f"an EAGLE head has 1 to 8 layers, got {layers}")
+    return cfg.replace(name=f"{cfg.name}|eagle", num_layers=layers, tie_embeddings=False,
                        intermediate_size=mlp_width or cfg.intermediate_size)
 
 
 def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_head: bool = False,
-                mlp_width: int = 0) -> tuple[EagleDraft, dict]:
+                mlp_width: int = 0, layers: int = 1) -> tuple[EagleDraft, dict]:
     """A random-initialised head for the target (``cfg``, ``params``): (EagleDraft, its params).
     ``vocab_ids``: the reduced head's target ids (default: ``frequent_tokens`` with no counts, the
     ``DEFAULT_VOCAB`` lowest ids, BPE's earliest merges); its rows start as the target head's
     rows for those ids (copied; with ``shared_head`` they stay those rows, not trained, not
-    saved), the rest is drawn with ``seed``; its MLP ``mlp_width`` wide (0: the target's)."""
+    saved), the rest is drawn with ``seed``; its MLP ``mlp_width`` wide (0: the target's); ``layers``
+    decoder layers."""
     D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    F = head_config(cfg, mlp_width).intermediate_size
+    F = head_config(cfg, mlp_width, layers).intermediate_size
     if vocab_ids is None:
         vocab_ids = frequent_tokens([], cfg.vocab_size, min(DEFAULT_VOCAB, cfg.vocab_size))
     ids = heads.check_ids(vocab_ids, cfg.vocab_size)
@@ -324,48 +354,75 @@ def init_params(cfg: ModelConfig, params, vocab_ids=None, seed: int = 0, shared_
     def w(rows, cols):
         return jnp.asarray(rng.standard_normal((rows, cols), dtype=np.float32) / math.sqrt(rows), dtype)
 
-    layer = {"embed_norm": jnp.ones((D,), dtype), "attn_norm": jnp.ones((D,), dtype), "wq": w(2 * D, H * hd),
-             "wk": w(2 * D, Hkv * hd), "wv": w(2 * D, Hkv * hd), "wo": w(H * hd, D), "mlp_norm": jnp.ones((D,), dtype),
-             "w_gate": w(D, F), "w_up": w(D, F), "w_down": w(F, D)}
-    if cfg.qkv_bias:
-        layer.update(bq=jnp.zeros((H * hd,), dtype), bk=jnp.zeros((Hkv * hd,), dtype), bv=jnp.zeros((Hkv * hd,), dtype))
-    trainable = {"fc": w(3 * D, D), "layer": layer}
+    def layer(inputs: int) -> dict:
+        lp = {"attn_norm": jnp.ones((D,), dtype), "wq": w(inputs, H * hd), "wk": w(inputs, Hkv * hd),
+              "wv": w(inputs, Hkv * hd), "wo": w(H * hd, D), "mlp_norm": jnp.ones((D,), dtype),
+              "w_gate": w(D, F), "w_up": w(D, F), "w_down": w(F, D)}
+        if cfg.qkv_bias:
+            lp.update(bq=jnp.zeros((H * hd,), dtype), bk=jnp.zeros((Hkv * hd,), dtype), bv=jnp.zeros((Hkv * hd,), dtype))
+        return lp
+
+    first = {"embed_norm": jnp.ones((D,), dtype), **layer(2 * D)}  # (drawn before fc: seeds keep their heads)
+    trainable = {"fc": w(3 * D, D), "layer": first}
+    if layers > 1:
+        upper = [layer(D) for _ in range(layers - 1)]
+        trainable["upper"] = {k: jnp.stack([lp[k] for lp in upper]) for k in upper[0]}
     if not shared_head:
         trainable["lm_head"] = heads.target_rows(cfg, params, ids)
-    draft = _draft(cfg, ids, shared_head, mlp_width)
+    draft = _draft(cfg, ids, shared_head, mlp_width, layers)
     return draft, heads.with_target(draft, trainable, ids, cfg, params)
 
 
-def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False, mlp_width: int = 0) -> EagleDraft:
-    return EagleDraft(head_config(cfg, mlp_width), vocab=int(ids.size), features=llama.feature_layers(cfg.num_layers),
-                      shared_head=shared_head, mlp_width=mlp_width)
+def _draft(cfg: ModelConfig, ids: np.ndarray, shared_head: bool = False, mlp_width: int = 0,
+           layers: int = 1) -> EagleDraft:
+    return EagleDraft(head_config(cfg, mlp_width, layers), vocab=int(ids.size),
+                      features=llama.feature_layers(cfg.num_layers), shared_head=shared_head, mlp_width=mlp_width,
+                      layers=layers)
 
 
-def widen(new: dict, saved: dict) -> dict:
-    """A trained head's arrays (``saved``) in a head of a wider MLP (``new``: a fresh head's
-    trainable arrays), computing the same function: the saved MLP in the first columns of
-    gate/up and the first rows of down, the new rows of down zero (so the new columns add
-    nothing until trained), the new gate/up columns as drawn (so they get gradients). Every
-    other array must match in shape."""
+def grow(new: dict, saved: dict) -> dict:
+    """A trained head's arrays (``saved``) in a head of a wider MLP and/or more layers (``new``: a
+    fresh head's trainable arrays), computing the same function. Wider: the saved MLP in the
+    first columns of gate/up and the first rows of down, the new rows of down zero (so the new
+    columns add nothing until trained), the new gate/up columns as drawn (so they get gradients).
+    Deeper: each new layer as drawn but with ``wo`` and ``w_down`` zero, so it passes its input
+    through until trained (its other arrays get gradients once those two move). Every other
+    array must match in shape."""
+    saved = dict(saved)
+    require("upper" in new or "upper" not in saved, "a head cannot shrink to fewer layers")
+    if "upper" in new:
+        have = len(next(iter(saved["upper"].values()))) if "upper" in saved else 0
+        add = {k: np.asarray(a)[have:] * (0 if k in ("wo", "w_down") else 1) for k, a in new["upper"].items()}
+        if have:  # (the saved layers widened first, as every other layer)
+            add = {k: np.concatenate([put_into(np.asarray(new["upper"][k])[:have], np.asarray(a), k, "upper"), add[k]])
+                   for k, a in saved["upper"].items()}
+        saved["upper"] = add
+
     def put(path, a, b):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.shape == b.shape:
-            return b.astype(a.dtype)
-        name = getattr(path[-1], "key", None)
-        require(name in ("w_gate", "w_up", "w_down") and a.ndim == 2 and b.shape[0] <= a.shape[0]
-                and b.shape[1] <= a.shape[1],
-                f"a head of shape {b.shape} at {jax.tree_util.keystr(path)} cannot grow into {a.shape}")
-        out = np.zeros_like(a) if name == "w_down" else a.copy()
-        out[:b.shape[0], :b.shape[1]] = b
-        return out
+        return jnp.asarray(put_into(np.asarray(a), np.asarray(b), getattr(path[-1], "key", None),
+                                    jax.tree_util.keystr(path)))
 
-    return jax.tree_util.tree_map_with_path(lambda p, a, b: jnp.asarray(put(p, a, b)), new, saved)
+    return jax.tree_util.tree_map_with_path(put, new, saved)
 
 
-KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, settings=("mlp_width",),
-                      options=(("mlp_width", "eagle_mlp_width"),), train_step="specjax.distill.eagle_train:batch_step",
-                      unrolls=True, chain_hits="specjax.distill.eagle_train:chain_hits", attends=True,
-                      serving_copies=for_rows_kernel, grow=widen)
+def put_into(a: np.ndarray, b: np.ndarray, name, where: str) -> np.ndarray:
+    """Saved array ``b`` in the (larger) new array ``a`` of the same MLP matrix (``grow``): its
+    last two axes in the first rows and columns; new rows of ``w_down`` zero."""
+    if a.shape == b.shape:
+        return b.astype(a.dtype)
+    require(name in ("w_gate", "w_up", "w_down") and a.ndim == b.ndim >= 2 and a.shape[:-2] == b.shape[:-2]
+            and b.shape[-2] <= a.shape[-2] and b.shape[-1] <= a.shape[-1],
+            f"a head of shape {b.shape} at {where} cannot grow into {a.shape}")
+    out = np.zeros_like(a) if name == "w_down" else a.copy()
+    out[..., :b.shape[-2], :b.shape[-1]] = b
+    return out
+
+
+KIND = heads.HeadKind("eagle", "EAGLE", init_params, _draft, settings=("mlp_width", "layers"),
+                      options=(("mlp_width", "eagle_mlp_width"), ("layers", "eagle_layers")),
+                      train_step="specjax.distill.eagle_train:batch_step", unrolls=True,
+                      chain_hits="specjax.distill.eagle_train:chain_hits", attends=True,
+                      serving_copies=for_rows_kernel, grow=grow)
 HEAD_FILE = KIND.file
 
 

@@ -282,7 +282,7 @@ def unpack_rows(a: jax.Array, pack: jax.Array, B: int, T: int) -> jax.Array:
 
 
 def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp, k_all, v_all, layer, lengths,
-           positions, block_mask, pack=None, layout=None, embed_in=None, kv_before=None, packs=None):
+           positions, block_mask, pack=None, layout=None, embed_in=None, kv_before=None, packs=None, pack_layer=None):
     """One decoder layer. Writes this layer's block K/V into the stacked cache *before*
     attention reads it: XLA:CPU updates the donated cache in place only when no read of
     the old buffer is pending (reading first measured two full-cache copies per step).
@@ -293,20 +293,22 @@ def _layer(cfg: ModelConfig, rope, fwd: ForwardOptions, use_prefix: bool, x, lp,
     ``kv_before``: (k, v) [B, S', Hkv, hd] of earlier entries the block's queries also see, before
     its own (``block_mask`` [B, T, S' + T]); the feature head's training-time test
     (distill.eagle_train) attends to its earlier unroll steps this way. ``packs``: the rows
-    kernel's stacks (``LAYER_PACKS``), read at ``layer``; ``lp`` then needs no projections."""
+    kernel's stacks (``LAYER_PACKS``), read at ``layer`` (or ``pack_layer``: a feature head's
+    upper layers, whose stacks hold them alone); ``lp`` then needs no projections."""
     B, T = positions.shape
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block = (lambda a: a) if pack is None else (lambda a: unpack_rows(a, pack, B, T))
+    at = layer if pack_layer is None else pack_layer
 
     def proj(a, name):
-        return dense(a, lp.get(name), fwd, None if packs is None else packs.get(name), layer, out_width(cfg, name))
+        return dense(a, lp.get(name), fwd, None if packs is None else packs.get(name), at, out_width(cfg, name))
 
     def projs(a, fused):  # FUSED[fused]'s projections of a: one kernel call where their stacks are one
         names = FUSED[fused]
         if packs is None or fused not in packs or not fwd.kernel_rows(int(np.prod(a.shape[:-1]))):
             return tuple(proj(a, n) for n in names)
         widths = [out_width(cfg, n) for n in names]
-        y = dense(a, None, fwd, packs[fused], layer, sum(widths))
+        y = dense(a, None, fwd, packs[fused], at, sum(widths))
         return tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
 
     def norm(a, name):
