@@ -4,6 +4,7 @@
   python benchmarks/step_cost.py --context 256 --ks 1,3,5 --draft_layers 8 --draft_vocab 4096,8192
   python benchmarks/step_cost.py --context 256 --ks 0,1,3,5 --eagle_vocab 4096,49152 --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,3 --eagle_vocab 8192 --eagle_mlp_width 0,6144 --launch_fwd
+  python benchmarks/step_cost.py --context 256,1024 --ks 0,1,3 --eagle_vocab 8192 --eagle_layers 1,2 --eagle_copies auto,int8 --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,1,3,6 --medusa --trees --launch_fwd
   python benchmarks/step_cost.py --context 256,1024 --ks 0,1,2,4,8 --launch_fwd --rows_activations float32,int8
 
@@ -16,7 +17,7 @@ the autoregressive ``decode_step`` at the same context, every K and AR in rotate
 host-drafter step at the same K: K draft forwards and the draft cache's re-feed).
 ``--eagle_vocab`` does the same for an EAGLE head (drafters.eagle, random weights: the cost does
 not depend on them) with a head over that many target tokens (the model's vocabulary size = no
-reduction); ``--medusa`` adds the shipped Medusa heads (chains: K heads at once) and
+reduction), at each ``--eagle_mlp_width``, ``--eagle_layers`` and serving-copy mode ``--eagle_copies``; ``--medusa`` adds the shipped Medusa heads (chains: K heads at once) and
 ``--trees`` the tree step of K nodes (K = the node budget, K = 0 left out) for the host (random
 siblings), Medusa's static tree and the shipped EAGLE head's dynamic tree of ``--eagle_tree``
 (width x depth), each tree's draft cost against the host tree step's; ``--launch_fwd`` times every table and AR with the launch scripts' forward options as
@@ -46,6 +47,7 @@ flags.DEFINE_integer("draft_layers", 0, "Also time a layer-skip step with this m
 flags.DEFINE_list("draft_vocab", [], "Also time the layer-skip draft with reduced heads of these sizes.")
 flags.DEFINE_list("eagle_vocab", [], "Also time an EAGLE head with a vocabulary head of each of these sizes.")
 flags.DEFINE_list("eagle_mlp_width", ["0"], "--eagle_vocab: each head at each of these MLP widths (0: the target's).")
+flags.DEFINE_list("eagle_layers", ["1"], "--eagle_vocab: each head with each of these layer counts.")
 flags.DEFINE_list("eagle_copies", ["auto"], "--eagle_vocab: each head's serving copies in each of these activation "
                   "modes (auto: the engine's, as eagle.build serves them; float32, int8, bfloat16).")
 flags.DEFINE_bool("medusa", False, "Also time the shipped Medusa heads' chain steps.")
@@ -98,13 +100,15 @@ def main(argv):
     for n in map(int, FLAGS.draft_vocab):
         # which N tokens does not change the cost: the first N ids stand for the N most frequent
         drafts.append(reduced_vocab(*drafts[0], np.arange(n)))
-    for n, width, copies in ((n, w, c) for n in map(int, FLAGS.eagle_vocab) for w in map(int, FLAGS.eagle_mlp_width)
-                             for c in FLAGS.eagle_copies):
-        d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n), mlp_width=width)
+    for n, width, layers, copies in ((n, w, ly, c) for n in map(int, FLAGS.eagle_vocab)
+                                     for w in map(int, FLAGS.eagle_mlp_width) for ly in map(int, FLAGS.eagle_layers)
+                                     for c in FLAGS.eagle_copies):
+        d, dp = eagle.init_params(cfg, m.params, vocab_ids=np.arange(n), mlp_width=width, layers=layers)
         act = eagle.copies_activations(fwd) if copies == "auto" else copies
         if fwd.rows_kernel:  # (as eagle.build serves it)
             d, dp = dataclasses.replace(d, fwd=eagle.copies_forward(act)), eagle.for_rows_kernel(dp, act)
-        label = f"eagle, {n} tokens" + (f", MLP {width}" if width else "") + (f", copies {act}" if copies != "auto" else "")
+        label = (f"eagle, {n} tokens" + (f", MLP {width}" if width else "") + (f", {layers} layers" if layers > 1 else "")
+                 + (f", copies {act}" if copies != "auto" else ""))
         drafts.append((dataclasses.replace(d, label=label), dp))
     if FLAGS.medusa:
         h = medusa.build(m, tree=False)

@@ -768,86 +768,67 @@ def test_trained_heads_sampled_tree_emits_the_targets_distribution(kind):
     assert res.pvalue > 0.01
 
 
-def test_a_wider_mlp_grows_from_a_trained_head_saves_and_serves_losslessly(tiny, head, tmp_path):
-    """``--eagle_mlp_width``: ``eagle.grow`` puts a trained head in a head of a wider MLP that
-    computes the same function (the new down rows zero); a head of any width saves and loads
-    with its width; a file of before the setting is a head of the target's width; and a wide head
-    whose new columns are trained (here: drawn) drafts chains whose output is plain decoding's."""
-    cfg, params = tiny
-    draft, dparams = head
-    wide_draft, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, mlp_width=256)
-    assert wide_draft.cfg.intermediate_size == 256 and fresh["layer"]["w_down"].shape == (256, cfg.hidden_size)
-    grown = {**fresh, **eagle.grow(heads.trainable_of(wide_draft, fresh), heads.trainable_of(draft, dparams))}
-    np.testing.assert_array_equal(grown["layer"]["w_gate"][:, :128], dparams["layer"]["w_gate"])
-    assert not np.any(np.asarray(grown["layer"]["w_down"][128:]))
-
-    n = 6
+def _block_logits(cfg, draft, dparams, n: int = 6):
+    """A head's reduced logits on a fixed block of ``n`` random tokens and features (an empty cache)."""
     toks = jnp.asarray(np.random.default_rng(0).integers(1, 255, (1, n)), jnp.int32)
     feat = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, cfg.hidden_size)), jnp.float32)
-    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], llama.causal_mask(1, n)
-
-    def logits(d, p):
-        h, _ = d._forward(p, d.init_cache(1, 16, jnp.float32), toks, feat, pos, mask)
-        return np.asarray(d._reduced(p, h))
-
-    np.testing.assert_allclose(logits(wide_draft, grown), logits(draft, dparams), rtol=1e-5, atol=1e-5)
-    with pytest.raises(SpecjaxError, match="cannot grow"):
-        eagle.grow(heads.trainable_of(draft, dparams), heads.trainable_of(wide_draft, fresh))
-    with pytest.raises(SpecjaxError, match="multiple of 32"):
-        eagle.init_params(cfg, params, VOCAB_IDS, mlp_width=100)
-
-    eagle.save_head(str(tmp_path / "wide"), cfg, fresh, wide_draft)
-    d, p = eagle.load_head(str(tmp_path / "wide"), cfg, params)
-    assert d == wide_draft and eagle.read_spec(str(tmp_path / "wide"), cfg)["mlp_width"] == 256
-    np.testing.assert_array_equal(p["layer"]["w_down"], fresh["layer"]["w_down"])
-    assert heads.settings_of(eagle.KIND, {}, cfg) == {"mlp_width": 0, "layers": 1}
-    serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(d, p), 2)
+    h, _ = draft._forward(dparams, draft.init_cache(1, 16, jnp.float32), toks, feat,
+                          jnp.arange(n, dtype=jnp.int32)[None], llama.causal_mask(1, n))
+    return np.asarray(draft._reduced(dparams, h))
 
 
-def test_a_deeper_head_grows_from_a_trained_head_saves_and_serves_losslessly(tiny, head, tmp_path):
-    """``--eagle_layers``: ``eagle.grow`` stacks a layer on a trained head that passes its input
-    through (its ``wo`` and ``w_down`` zero), so the grown head computes the trained one's
-    function; a head of two layers saves and loads with them, its serving copies (bfloat16, the
-    engine's mode on an AVX512_BF16 CPU) compute its XLA function, and it drafts chains and
-    trees whose output is plain decoding's at batch 1 and 8."""
+# how a trained head grows: (the new head's setting, the grown head's new arrays that must be zero
+# (name, index), the arrays it keeps whole or in part (name, index), the one-line errors of growing
+# back and of a bad setting)
+GROWTHS = {
+    "a wider MLP": (dict(mlp_width=256), [("layer", "w_down", np.s_[128:])], [("layer", "w_gate", np.s_[:, :128])],
+                    "cannot grow", dict(mlp_width=100), "multiple of 32"),
+    "a second layer": (dict(layers=2), [("upper", "wo", np.s_[:]), ("upper", "w_down", np.s_[:])],
+                       [("layer", "wq", np.s_[:])], "fewer layers", dict(layers=0), "1 to 8 layers"),
+}
+
+
+@pytest.mark.parametrize("growth", list(GROWTHS))
+def test_a_grown_head_computes_the_trained_function_saves_and_serves_losslessly(tiny, head, tmp_path, growth):
+    """``--eagle_mlp_width`` / ``--eagle_layers``: ``eagle.grow`` puts a trained head in a head of
+    a wider MLP (the new down rows zero) or with a layer on top that passes its input through
+    (its ``wo`` and ``w_down`` zero), computing the same function; growing back and a bad setting
+    are one-line errors; the grown head saves and loads with its settings (a file of before the
+    settings is a head of the target's width and one layer); its serving copies (bfloat16, the
+    engine's mode on an AVX512_BF16 CPU) compute its XLA function; and a head whose new arrays
+    are trained (here: drawn) drafts chains and trees whose output is plain decoding's."""
     from specjax.drafters.device import DeviceTreeDrafter
 
     cfg, params = tiny
     draft, dparams = head
-    deep, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, layers=2)
-    D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    assert deep.cfg.num_layers == 2 and fresh["upper"]["wq"].shape == (1, D, H * hd)
-    assert deep.init_cache(1, 16, jnp.float32).k.shape[0] == 2
-    grown = {**fresh, **eagle.grow(heads.trainable_of(deep, fresh), heads.trainable_of(draft, dparams))}
-    assert not np.any(np.asarray(grown["upper"]["wo"])) and np.any(np.asarray(grown["upper"]["wq"]))
-    np.testing.assert_array_equal(grown["layer"]["wq"], dparams["layer"]["wq"])
+    settings, zero, kept, shrink, bad, bad_message = GROWTHS[growth]
+    big, fresh = eagle.init_params(cfg, params, VOCAB_IDS, seed=4, **settings)
+    assert big.cfg.num_layers == big.layers and big.init_cache(1, 16, jnp.float32).k.shape[0] == big.layers
+    grown = {**fresh, **eagle.grow(heads.trainable_of(big, fresh), heads.trainable_of(draft, dparams))}
+    for part, name, at in zero:
+        assert not np.any(np.asarray(grown[part][name])[at]) and np.any(np.asarray(fresh[part][name])[at])
+    for part, name, at in kept:
+        np.testing.assert_array_equal(np.asarray(grown[part][name])[at], dparams[part][name])
+    np.testing.assert_allclose(_block_logits(cfg, big, grown), _block_logits(cfg, draft, dparams),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecjaxError, match=shrink):
+        eagle.grow(heads.trainable_of(draft, dparams), heads.trainable_of(big, fresh))
+    with pytest.raises(SpecjaxError, match=bad_message):
+        eagle.init_params(cfg, params, VOCAB_IDS, **bad)
 
-    n = 6
-    toks = jnp.asarray(np.random.default_rng(0).integers(1, 255, (1, n)), jnp.int32)
-    feat = jnp.asarray(np.random.default_rng(1).standard_normal((1, n, D)), jnp.float32)
-    pos, mask = jnp.arange(n, dtype=jnp.int32)[None], llama.causal_mask(1, n)
-
-    def logits(d, p):
-        h, _ = d._forward(p, d.init_cache(1, 16, jnp.float32), toks, feat, pos, mask)
-        return np.asarray(d._reduced(p, h))
-
-    np.testing.assert_allclose(logits(deep, grown), logits(draft, dparams), rtol=1e-5, atol=1e-5)
-    assert np.abs(logits(deep, fresh) - logits(deep, grown)).max() > 1e-3  # (the drawn layer does something)
-    with pytest.raises(SpecjaxError, match="fewer layers"):
-        eagle.grow(heads.trainable_of(draft, dparams), heads.trainable_of(deep, fresh))
-    with pytest.raises(SpecjaxError, match="1 to 8 layers"):
-        eagle.init_params(cfg, params, VOCAB_IDS, layers=0)
-
-    eagle.save_head(str(tmp_path / "deep"), cfg, fresh, deep)
-    d, p = eagle.load_head(str(tmp_path / "deep"), cfg, params)
-    assert d == deep and eagle.read_spec(str(tmp_path / "deep"), cfg)["layers"] == 2
-    np.testing.assert_array_equal(p["upper"]["w_down"], fresh["upper"]["w_down"])
+    eagle.save_head(str(tmp_path / "big"), cfg, fresh, big)
+    d, p = eagle.load_head(str(tmp_path / "big"), cfg, params)
+    assert d == big and all(eagle.read_spec(str(tmp_path / "big"), cfg)[k] == v for k, v in settings.items())
+    for a, b in zip(jax.tree_util.tree_leaves(heads.trainable_of(d, p)), jax.tree_util.tree_leaves(
+            heads.trainable_of(big, fresh))):
+        np.testing.assert_array_equal(a, b)
+    assert heads.settings_of(eagle.KIND, {}, cfg) == {"mlp_width": 0, "layers": 1}
 
     served_draft = dataclasses.replace(d, fwd=eagle.copies_forward("bfloat16"))
     served = eagle.for_rows_kernel(p, "bfloat16")
-    xla_only = {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)}
-    assert eagle.UPPER_ROWS in served
-    got, ref = logits(served_draft, served), logits(d, xla_only)
-    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2 * np.abs(ref).max())
+    assert (eagle.UPPER_ROWS in served) == (d.layers > 1)
+    ref = _block_logits(cfg, d, {k: v for k, v in served.items() if not k.endswith(llama.ROWS_SUFFIX)})
+    np.testing.assert_allclose(_block_logits(cfg, served_draft, served), ref, rtol=3e-2,
+                               atol=3e-2 * np.abs(ref).max())
     serves_at_batch_1_and_8(tiny, eagle.EagleDrafter(served_draft, served), 2)
     serves_at_batch_1_and_8(tiny, DeviceTreeDrafter(dataclasses.replace(d, tree_width=2, tree_depth=2), p), 4)
