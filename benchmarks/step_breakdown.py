@@ -189,7 +189,7 @@ def main(argv):
         rate = ""
         w = _WEIGHT.match(name)
         if w:
-            fmt, k, n = w.group(1).split("_bf16")[0].split("_int8")[0], int(w.group(2)), int(w.group(3))
+            fmt, k, n = re.sub(r"_(bf16|int8|i8)$", "", w.group(1)), int(w.group(2)), int(w.group(3))
             macs = k * n * calls[name]
             gbs = macs * _BYTES.get(fmt, 4.0) / (us * 1e-6) / 1e9
             rate = f" {gbs:.1f} | {macs * FLAGS.batch / (us * 1e-6) / 1e9:.1f} |"
