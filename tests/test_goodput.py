@@ -915,6 +915,22 @@ def test_min_gain_keeps_k0_where_drafting_is_estimated_only_a_little_ahead():
         GoodputPolicy(_cost(d=1e-2), min_gain=-0.1)
 
 
+def test_a_larger_k_needs_half_the_margin_over_a_smaller_one():
+    """K = 2 estimated 3% ahead of K = 1: taken with no margin, not with the launch policies'
+    10% one (a larger K must beat the smaller by half of it); 8% ahead, taken either way."""
+    view = BatchView(ctx_lens=[100], bucket=1, k_options=(1, 2))
+    for gain, want in ((1.03, (2, 1)), (1.08, (2, 2))):
+        # one row, alpha 1: K drafts make K + 1 tokens in d + K x, so K = 2 over K = 1 is 1.5 (d + x) / (d + 2 x)
+        x = 1e-2 * (1.5 - gain) / (2 * gain - 1.5)
+        got = []
+        for margin in (0.0, 0.1):
+            pol = GoodputPolicy(_cost(d=1e-2, draft=LinearCost(0.0, 0.0, x)), min_gain=margin)
+            _feed(pol, [2], [2], k=2)
+            got.append(pol.choose(view))
+            assert pol.last_goodputs[2] / pol.last_goodputs[1] == pytest.approx(gain, rel=1e-6)
+        assert tuple(got) == want, (gain, got)
+
+
 def test_cost_calibration_corrects_an_underestimating_model():
     """The fitted line says drafting pays at batch 1; the measured steps say K = 4 costs twice
     its prediction: after observing them the selector falls back to K = 0. Unmeasured shapes
@@ -1117,6 +1133,27 @@ def test_a_k_run_in_calls_needs_half_the_margin():
     assert pol.choose(dataclasses.replace(alone, call_ks=(0, 1), call_steps=16)) == 1  # 1.083 x 1.05 > 1.1
 
 
+def test_a_held_k_reads_each_draft_positions_own_acceptance():
+    """The pool's rates per draft position (``chain_rates``): a first draft accepted half the
+    time and a second, after it, a tenth; a position never examined takes the rate before it;
+    the prior fills a position seen too few times. So K = 2 (1.55 tokens) does not beat K = 1
+    (1.5) at these costs, where one rate pooled over both positions (0.37, geometric) put K = 2
+    8% ahead."""
+    from specjax.goodput.acceptance import chain_rates
+
+    steps = [(0, 1)] * 50 + [(1, 2)] * 45 + [(2, 2)] * 5
+    assert chain_rates(steps, 3, 0.9, 0) == pytest.approx([0.5, 0.1, 0.1])
+    assert chain_rates([(1, 1)] * 2, 2, 0.5, 4) == pytest.approx([(2 + 2 * 0.5) / 4, (2 + 2 * 0.5) / 4 * 1.0])
+    pol = GoodputPolicy(_cost(g=2e-5, d=1e-3), min_gain=0.1, hold_requests=True)
+    view = lambda rid: BatchView(ctx_lens=[10], bucket=1, k_options=(0, 1, 2), request_ids=[rid], call_ks=(0, 1, 2),
+                                 call_steps=16)
+    pol.choose(view("p"))
+    for a, _ in steps:
+        pol.observe(2, [2], [a], ["p"])
+    assert pol.choose(view("q")) == 1
+    assert pol.last_goodputs[2] / pol.last_goodputs[1] == pytest.approx(1.55 / 1.5 * 1.04 / 1.06)
+
+
 def test_a_lone_request_of_a_device_head_holds_the_k_chosen_when_it_arrived():
     """``hold_requests``: at batch 1, where every K runs in calls, a request keeps the K chosen
     from the acceptance pooled over earlier requests when it arrived, whatever its own steps
@@ -1136,6 +1173,10 @@ def test_a_lone_request_of_a_device_head_holds_the_k_chosen_when_it_arrived():
     for _ in range(64):
         pol.observe(1, [1], [1], ["d"])
     assert pol.choose(view("e")) == 1
+    for _ in range(200):  # its drafts now all rejected; it finishes, and a new request of the same id
+        pol.observe(1, [1], [0], ["e"])                     # (a run numbers its requests from 0 again)
+    pol.finish("e")
+    assert pol.choose(view("e")) == 0  # chooses again, from the pool
     two = BatchView(ctx_lens=[10, 10], bucket=2, k_options=(0, 1), request_ids=["e", "f"], call_ks=(0, 1))
     assert pol._held(two) is None  # (chosen per step)
     assert pol._held(dataclasses.replace(view("e"), call_ks=(0,))) is None  # (K = 1 would run alone)

@@ -36,6 +36,24 @@ def expected_len_from_positions(rates: Sequence[float], k: int) -> float:
     return out
 
 
+def chain_rates(steps: Sequence[tuple[int, int]], depth: int, prior: float, prior_weight: int) -> list[float]:
+    """Draft j's acceptance given drafts < j were (j = 1..``depth``), from chain verify steps
+    ``steps`` of (accepted, examined) drafts: rate_j = #(accepted >= j) / #(examined >= j), each
+    with ``prior_weight`` pseudo-drafts at the rate before it (the first at ``prior``), fewer as
+    its own observations come in; a position never examined takes the rate before it. A chat
+    answer's second EAGLE draft is accepted far less often than its first (0.31 against 0.42):
+    one rate pooled over every position underestimated K = 1 and overestimated K = 2."""
+    a = np.asarray([s[0] for s in steps], np.int64)
+    e = np.asarray([s[1] for s in steps], np.int64)
+    rates, last = [], float(prior)
+    for j in range(1, depth + 1):
+        acc, exam = int((a >= j).sum()), int((e >= j).sum())
+        w = max(prior_weight - exam, 0)
+        last = (acc + w * last) / (exam + w) if exam + w else last
+        rates.append(last)
+    return rates
+
+
 def tree_expected_len(alphas: Sequence[float], ks: Sequence[int]) -> float:
     """Eq. 10 for top-k-per-position trees (Medusa-style, full connectivity): head i proposes k_i
     candidates, each accepted with probability alphas[i], independently across heads.
