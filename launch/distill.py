@@ -82,9 +82,9 @@ def validate_flags():
     opts = WarmUp(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(WarmUp)})
     for name, lo in (("rounds", 1), ("steps", 1), ("max_new_tokens", 1), ("max_prompt", 1), ("topk", 1),
                      ("k", 1), ("eval_prompts", 1), ("draft_vocab", 0), ("limit", 0), ("distill_batch", 1),
-                     ("distill_length", 2), ("unroll", 0), ("round_prompts", 0), ("self_prompts", 0),
-                     ("self_prompt_tokens", 1), ("medusa_heads", 1), ("eagle_mlp_width", 0), ("eagle_layers", 1)):
+                     ("distill_length", 2)):
         cli.check_range(name, lo)
+    pipeline_flags.check_ranges()
     cli.check_range("mix_beta", 0.0, 1.0)
     cli.check_range("sample_temperature", 0.0)
     opts.check(kind)

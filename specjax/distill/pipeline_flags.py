@@ -77,6 +77,19 @@ def define_flags() -> None:
                        "planned steps.")
 
 
+# (flag, its least value) of the flags define_flags adds that take integers
+LOWEST = (("unroll", 0), ("round_prompts", 0), ("self_prompts", 0), ("self_prompt_tokens", 1), ("medusa_heads", 1),
+          ("eagle_mlp_width", 0), ("eagle_layers", 1))
+
+
+def check_ranges() -> None:
+    """A one-line SpecjaxError for a flag of ``define_flags`` below its least value."""
+    from specjax import cli
+
+    for name, lo in LOWEST:
+        cli.check_range(name, lo)
+
+
 def run_from_flags(FLAGS, kind, spec) -> int:
     """``launch/distill.py --pipeline``: the settings from the flags (a one-line SpecjaxError for
     a mistake, before the model loads), then the data set and / or the training."""
